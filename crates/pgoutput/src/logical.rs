@@ -1,0 +1,1 @@
+//! pgoutput v1 logical messages (filled in next).
