@@ -18,6 +18,12 @@ mod error;
 pub mod logical;
 mod lsn;
 
-pub use copy_data::{PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData};
+pub use copy_data::{
+    PgTimestamp, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData,
+};
 pub use error::DecodeError;
+pub use logical::{
+    Begin, Column, ColumnValue, Commit, Delete, Insert, LogicalDecodingMessage, LogicalMessage,
+    OldTuple, Origin, Relation, Truncate, TupleData, TupleIter, TypeMessage, Update,
+};
 pub use lsn::{Lsn, ParseLsnError};
