@@ -1,1 +1,23 @@
-//! outbox
+//! What the relay publishes for an outbox row: the seed's keys, the shard, the subject and
+//! the headers, as pure functions of the row.
+//!
+//! No I/O: this crate depends on the pgoutput decoder's data types and nothing async.
+//!
+//! # Invariants
+//! - K1–K3 ([`keys`]): keys and shard are byte-identical to the seed's `compute_keys` and
+//!   `shard_for_key`, for every vector in `shared/seed/key-vectors.json`.
+//! - T1–T2 ([`timestamp`]): `created_at` milliseconds are exact integers.
+//! - S1–S2 ([`subject`]): the subject token escaping is injective and NATS-safe.
+//! - E1–E3 ([`event`]): only the row is trusted, the payload is passed through unchanged,
+//!   and a row that cannot be represented faithfully is an error, never altered.
+
+pub mod event;
+pub mod headers;
+pub mod keys;
+pub mod subject;
+pub mod timestamp;
+
+pub use event::{
+    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, SchemaError,
+};
+pub use keys::{compute_keys, shard_for_key, Keys};

@@ -1,0 +1,18 @@
+//! The NATS header names every published event carries. Frozen: consumers match on them.
+
+/// JetStream's de-duplication id: the seed's `dedupe_key`.
+pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
+/// The outbox row's `id`.
+pub const OUTBOX_ID: &str = "Outbox-Id";
+/// The row's `entity_id`.
+pub const OUTBOX_ENTITY_ID: &str = "Outbox-Entity-Id";
+/// The row's `event_type`, exactly (the subject carries an escaped form).
+pub const OUTBOX_EVENT_TYPE: &str = "Outbox-Event-Type";
+/// The seed's `partition_key`.
+pub const OUTBOX_PARTITION_KEY: &str = "Outbox-Partition-Key";
+/// The seed's `ordering_key`.
+pub const OUTBOX_ORDERING_KEY: &str = "Outbox-Ordering-Key";
+/// The shard, in decimal.
+pub const OUTBOX_SHARD: &str = "Outbox-Shard";
+/// The commit LSN of the row's transaction, as `X/X`.
+pub const OUTBOX_COMMIT_LSN: &str = "Outbox-Commit-Lsn";

@@ -1,0 +1,289 @@
+//! Exact parsing of Postgres' text output for `timestamptz`.
+//!
+//! The replication session pins `DateStyle=ISO` and `TimeZone=UTC`, so pgoutput renders a
+//! `timestamptz` as `YYYY-MM-DD HH:MM:SS[.ffffff]+00` (years may have more than four digits,
+//! and dates before year 1 end in ` BC`). Other offsets (`+02`, `+04:30`, `-03:30:15`) are
+//! accepted too, so the result does not depend on the session's time zone at all.
+//!
+//! # Invariants
+//! - T1 Integer arithmetic only: microseconds are exact, and milliseconds are their floor
+//!   (`div_euclid`), also before 1970, where the seed's float expression would round
+//!   toward zero instead.
+//! - T2 Total: any input yields a value or a [`TimestampError`]; `infinity` is an error (no
+//!   key can be derived from it).
+
+/// Microseconds since 1970-01-01 00:00:00 UTC. `i128`, because Postgres' latest
+/// timestamp (294276 AD) does not fit an `i64` once shifted from its 2000 epoch to 1970.
+pub type UnixMicros = i128;
+
+/// The text is not a finite `timestamptz` in ISO style.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TimestampError {
+    /// `infinity` or `-infinity`.
+    #[error("created_at is {0}, which has no epoch milliseconds")]
+    Infinite(&'static str),
+    /// Not in the expected shape.
+    #[error("created_at {text:?} is not an ISO timestamptz ({reason})")]
+    Malformed {
+        /// The offending text (a timestamp, never row payload).
+        text: String,
+        /// What did not match.
+        reason: &'static str,
+    },
+}
+
+/// The exact floor of `micros / 1000`.
+pub fn epoch_millis(micros: UnixMicros) -> i64 {
+    // |micros| < 2^63 * 1.01 for every timestamp Postgres accepts, so the milliseconds
+    // always fit; saturate rather than wrap if that ever changed.
+    i64::try_from(micros.div_euclid(1000)).unwrap_or(if micros < 0 { i64::MIN } else { i64::MAX })
+}
+
+/// Parses a `timestamptz` rendered with `DateStyle=ISO` into Unix microseconds.
+pub fn parse_timestamptz(text: &[u8]) -> Result<UnixMicros, TimestampError> {
+    match text {
+        b"infinity" => return Err(TimestampError::Infinite("infinity")),
+        b"-infinity" => return Err(TimestampError::Infinite("-infinity")),
+        _ => {}
+    }
+    let malformed = |reason| TimestampError::Malformed {
+        text: String::from_utf8_lossy(&text[..text.len().min(64)]).into_owned(),
+        reason,
+    };
+    let mut cursor = Cursor { text, at: 0 };
+    let (body, bc) = match text.strip_suffix(b" BC") {
+        Some(body) => (body, true),
+        None => (text, false),
+    };
+    cursor.text = body;
+
+    let year = cursor.number(4, 9).ok_or_else(|| malformed("year"))?;
+    cursor
+        .expect(b'-')
+        .ok_or_else(|| malformed("'-' after year"))?;
+    let month = cursor.number(2, 2).ok_or_else(|| malformed("month"))?;
+    cursor
+        .expect(b'-')
+        .ok_or_else(|| malformed("'-' after month"))?;
+    let day = cursor.number(2, 2).ok_or_else(|| malformed("day"))?;
+    cursor
+        .expect(b' ')
+        .ok_or_else(|| malformed("' ' after date"))?;
+    let hour = cursor.number(2, 2).ok_or_else(|| malformed("hour"))?;
+    cursor
+        .expect(b':')
+        .ok_or_else(|| malformed("':' after hour"))?;
+    let minute = cursor.number(2, 2).ok_or_else(|| malformed("minute"))?;
+    cursor
+        .expect(b':')
+        .ok_or_else(|| malformed("':' after minute"))?;
+    let second = cursor.number(2, 2).ok_or_else(|| malformed("second"))?;
+    let mut micros = 0i64;
+    if cursor.peek() == Some(b'.') {
+        cursor.at += 1;
+        let start = cursor.at;
+        let fraction = cursor.number(1, 6).ok_or_else(|| malformed("fraction"))?;
+        let digits = cursor.at - start;
+        micros = fraction * 10i64.pow(6 - digits as u32);
+    }
+    let sign = match cursor.peek() {
+        Some(b'+') => 1,
+        Some(b'-') => -1,
+        _ => return Err(malformed("UTC offset")),
+    };
+    cursor.at += 1;
+    let mut offset_seconds = cursor
+        .number(2, 2)
+        .ok_or_else(|| malformed("offset hours"))?
+        * 3600;
+    if cursor.peek() == Some(b':') {
+        cursor.at += 1;
+        offset_seconds += cursor
+            .number(2, 2)
+            .ok_or_else(|| malformed("offset minutes"))?
+            * 60;
+        if cursor.peek() == Some(b':') {
+            cursor.at += 1;
+            offset_seconds += cursor
+                .number(2, 2)
+                .ok_or_else(|| malformed("offset seconds"))?;
+        }
+    }
+    if cursor.at != cursor.text.len() {
+        return Err(malformed("trailing characters"));
+    }
+    if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
+        return Err(malformed("date out of range"));
+    }
+    if hour > 24
+        || minute > 59
+        || second > 60
+        || (hour == 24 && (minute, second, micros) != (0, 0, 0))
+    {
+        return Err(malformed("time out of range"));
+    }
+    // Postgres counts 1 BC as astronomical year 0.
+    let astronomical_year = if bc { 1 - year } else { year };
+    let days = days_from_civil(astronomical_year, month, day);
+    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - sign * offset_seconds;
+    Ok(i128::from(seconds) * 1_000_000 + i128::from(micros))
+}
+
+struct Cursor<'a> {
+    text: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.text.get(self.at).copied()
+    }
+
+    fn expect(&mut self, byte: u8) -> Option<()> {
+        (self.peek()? == byte).then(|| self.at += 1)
+    }
+
+    /// Reads `min..=max` ASCII digits.
+    fn number(&mut self, min: usize, max: usize) -> Option<i64> {
+        let start = self.at;
+        let mut value = 0i64;
+        while let Some(digit @ b'0'..=b'9') = self.peek() {
+            if self.at - start == max {
+                return None;
+            }
+            value = value * 10 + i64::from(digit - b'0');
+            self.at += 1;
+        }
+        (self.at - start >= min).then_some(value)
+    }
+}
+
+fn is_leap(year: i64) -> bool {
+    (year % 4 == 0 && year % 100 != 0) || year % 400 == 0
+}
+
+fn days_in_month(year: i64, month: i64, bc: bool) -> i64 {
+    let astronomical = if bc { 1 - year } else { year };
+    match month {
+        2 if is_leap(astronomical) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Days since 1970-01-01 in the proleptic Gregorian calendar (Howard Hinnant's algorithm).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let shifted_month = (month + 9) % 12;
+    let day_of_year = (153 * shifted_month + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_iso_output() {
+        assert_eq!(parse_timestamptz(b"1970-01-01 00:00:00+00"), Ok(0));
+        assert_eq!(
+            parse_timestamptz(b"2000-01-01 00:00:00+00"),
+            Ok(946_684_800_000_000)
+        );
+        assert_eq!(parse_timestamptz(b"1969-12-31 23:59:59.999999+00"), Ok(-1));
+        assert_eq!(
+            parse_timestamptz(b"2026-11-30 09:30:42.174849+02"),
+            Ok(1_796_023_842_174_849)
+        );
+        assert_eq!(
+            parse_timestamptz(b"2026-11-29 21:00:42.17+04:30"),
+            Ok(1_795_969_842_170_000)
+        );
+        assert_eq!(
+            parse_timestamptz(b"2026-11-30 07:30:42.123-00:00:01"),
+            Ok(1_796_023_843_123_000)
+        );
+        // 0001-01-01 BC is astronomical year 0, one leap year before 0001-01-01 AD.
+        let ad1 = parse_timestamptz(b"0001-01-01 00:00:00+00").unwrap();
+        let bc1 = parse_timestamptz(b"0001-01-01 00:00:00+00 BC").unwrap();
+        assert_eq!(ad1 - bc1, 366 * 86_400 * 1_000_000);
+        assert!(parse_timestamptz(b"294276-12-31 23:59:59.999999+00").is_ok());
+    }
+
+    #[test]
+    fn floor_not_truncation() {
+        assert_eq!(epoch_millis(-1), -1);
+        assert_eq!(epoch_millis(-500), -1);
+        assert_eq!(epoch_millis(-1000), -1);
+        assert_eq!(epoch_millis(-1001), -2);
+        assert_eq!(epoch_millis(999), 0);
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_finite_iso_timestamptz() {
+        assert_eq!(
+            parse_timestamptz(b"infinity"),
+            Err(TimestampError::Infinite("infinity"))
+        );
+        assert_eq!(
+            parse_timestamptz(b"-infinity"),
+            Err(TimestampError::Infinite("-infinity"))
+        );
+        for bad in [
+            &b""[..],
+            b"2026-11-30",
+            b"2026-11-30 09:30:42",
+            b"2026-11-30T09:30:42+00",
+            b"2026-13-30 09:30:42+00",
+            b"2026-02-29 09:30:42+00",
+            b"2026-11-30 09:30:42.1234567+00",
+            b"2026-11-30 09:30:42+00 ",
+            b"Mon Nov 30 09:30:42 2026 UTC",
+            b"30.11.2026 09:30:42+00",
+        ] {
+            assert!(
+                parse_timestamptz(bad).is_err(),
+                "{:?} parsed",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn total_on_any_input(raw in proptest::collection::vec(any::<u8>(), 0..48)) {
+            let _ = parse_timestamptz(&raw);
+        }
+
+        #[test]
+        fn agrees_with_a_naive_day_count(days in -800_000i64..800_000, micros_of_day in 0i64..86_400_000_000) {
+            // Render (days, micros) the way Postgres does, then parse it back.
+            let (year, month, day) = civil_from_days(days);
+            let secs = micros_of_day / 1_000_000;
+            let text = format!(
+                "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{:06}+00{}",
+                if year <= 0 { 1 - year } else { year }, month, day,
+                secs / 3600, secs / 60 % 60, secs % 60, micros_of_day % 1_000_000,
+                if year <= 0 { " BC" } else { "" },
+            );
+            prop_assert_eq!(parse_timestamptz(text.as_bytes()), Ok(i128::from(days * 86_400_000_000 + micros_of_day)));
+        }
+    }
+
+    fn civil_from_days(days: i64) -> (i64, i64, i64) {
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let d = doy - (153 * mp + 2) / 5 + 1;
+        let m = if mp < 10 { mp + 3 } else { mp - 9 };
+        (yoe + era * 400 + i64::from(m <= 2), m, d)
+    }
+}
