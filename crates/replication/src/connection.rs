@@ -1,0 +1,694 @@
+//! A replication-mode connection (`replication=database`) before streaming starts.
+//!
+//! [`ReplicationConnection::connect`] runs the whole startup: socket (TCP with `TCP_NODELAY`,
+//! or a Unix socket), TLS negotiation per `sslmode` (see [`crate::tls`]), the StartupMessage,
+//! authentication (trust, cleartext password, MD5, SCRAM-SHA-256 with
+//! `tls-server-end-point` channel binding when on TLS and offered), and the check that the
+//! session settings we pin came back as asked. `connect_timeout` bounds all of it.
+//!
+//! The pinned settings decide how the server renders values as text, which the relay
+//! derives keys from: `client_encoding=UTF8`, `DateStyle=ISO` (timestamptz as
+//! `2024-01-02 03:04:05.678+00`), `TimeZone=UTC`, and `standard_conforming_strings=on` (so
+//! that [`quote_literal`] is right in SQL as in replication commands).
+//!
+//! Then: plain SQL and replication commands on the simple-query protocol
+//! ([`ReplicationConnection::simple_query`], [`ReplicationConnection::identify_system`],
+//! [`ReplicationConnection::wal_sender_timeout`]), and
+//! [`ReplicationConnection::start_logical_replication`], which turns the connection into a
+//! [`ReplicationStream`].
+//!
+//! None of the methods here is cancel-safe (a cancelled query leaves its reply unread);
+//! only the stream's `recv` is.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use pgoutput::Lsn;
+use postgres_protocol::authentication::md5_hash;
+use postgres_protocol::authentication::sasl::{
+    ChannelBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
+};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::conninfo::{ConnInfo, SslMode};
+use crate::stream::{parse_wal_sender_timeout, ReplicationStream};
+use crate::wire::{self, Authentication, FrameReader, FrameWriter};
+use crate::{tls, Error};
+
+/// Any byte stream a connection can run over: TCP, Unix socket, TLS, or (in tests) a pipe.
+pub(crate) trait Socket:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin
+{
+}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Socket for T {}
+pub(crate) type BoxSocket = Box<dyn Socket>;
+
+/// What the transport offers for SCRAM channel binding.
+enum Transport {
+    Plain,
+    /// On TLS; the `tls-server-end-point` hash when the certificate's algorithm has one.
+    Tls {
+        end_point: Option<Vec<u8>>,
+    },
+}
+
+/// The reply to `IDENTIFY_SYSTEM`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdentifySystem {
+    /// The cluster's system identifier.
+    pub systemid: String,
+    /// The current timeline.
+    pub timeline: u32,
+    /// The current WAL flush position.
+    pub xlogpos: Lsn,
+    /// The database connected to.
+    pub dbname: Option<String>,
+}
+
+/// A connection in replication mode, ready for commands.
+pub struct ReplicationConnection {
+    reader: FrameReader<ReadHalf<BoxSocket>>,
+    writer: FrameWriter<WriteHalf<BoxSocket>>,
+    parameters: BTreeMap<String, String>,
+    backend_pid: Option<i32>,
+    user: String,
+    target: String,
+    tls: bool,
+    sasl_mechanism: Option<&'static str>,
+}
+
+impl fmt::Debug for ReplicationConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReplicationConnection")
+            .field("target", &self.target)
+            .field("backend_pid", &self.backend_pid)
+            .field("tls", &self.tls)
+            .field("sasl_mechanism", &self.sasl_mechanism)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings we send in the StartupMessage and insist on getting back.
+const PINNED: &[(&str, &str)] = &[
+    ("client_encoding", "UTF8"),
+    ("DateStyle", "ISO"),
+    ("TimeZone", "UTC"),
+    ("standard_conforming_strings", "on"),
+];
+
+impl ReplicationConnection {
+    /// Connects and authenticates; see the module docs.
+    pub async fn connect(info: &ConnInfo) -> Result<Self, Error> {
+        let target = info.redacted();
+        match info.connect_timeout() {
+            Some(limit) => tokio::time::timeout(limit, Self::connect_inner(info, target.clone()))
+                .await
+                .map_err(|_| Error::Timeout {
+                    what: format!("connecting to {target}"),
+                    after: limit,
+                })?,
+            None => Self::connect_inner(info, target).await,
+        }
+    }
+
+    async fn connect_inner(info: &ConnInfo, target: String) -> Result<Self, Error> {
+        let (socket, transport) = open(info, &target).await?;
+        let tls = matches!(transport, Transport::Tls { .. });
+        let (read, write) = tokio::io::split(socket);
+        let mut connection = ReplicationConnection {
+            reader: FrameReader::new(read, target.clone()),
+            writer: FrameWriter::new(write, target.clone()),
+            parameters: BTreeMap::new(),
+            backend_pid: None,
+            user: info.user().to_owned(),
+            target,
+            tls,
+            sasl_mechanism: None,
+        };
+        connection.startup(info, transport).await?;
+        connection.check_pinned_settings()?;
+        tracing::debug!(
+            target = %connection.target,
+            backend_pid = connection.backend_pid,
+            tls = connection.tls,
+            server_version = connection.parameter("server_version").unwrap_or(""),
+            "replication connection established"
+        );
+        Ok(connection)
+    }
+
+    async fn startup(&mut self, info: &ConnInfo, transport: Transport) -> Result<(), Error> {
+        let mut parameters = vec![
+            ("user", info.user()),
+            ("database", info.dbname()),
+            ("replication", "database"),
+        ];
+        parameters.extend_from_slice(PINNED);
+        if let Some(name) = info.application_name() {
+            parameters.push(("application_name", name));
+        }
+        frontend::startup_message(parameters, &mut self.writer.buf).map_err(|_| {
+            Error::Config("user, dbname and application_name must not contain NUL".to_owned())
+        })?;
+        self.writer.flush().await?;
+
+        let mut scram: Option<ScramSha256> = None;
+        loop {
+            let frame = self.reader.next_frame("while authenticating").await?;
+            match frame.tag {
+                wire::AUTHENTICATION => match wire::authentication(&frame.body)? {
+                    Authentication::Ok => break,
+                    Authentication::CleartextPassword => {
+                        let password = password(info)?;
+                        frontend::password_message(password.as_bytes(), &mut self.writer.buf)
+                            .map_err(|_| nul_in_password())?;
+                    }
+                    Authentication::Md5Password { salt } => {
+                        let password = password(info)?;
+                        let hash = md5_hash(info.user().as_bytes(), password.as_bytes(), salt);
+                        frontend::password_message(hash.as_bytes(), &mut self.writer.buf)
+                            .map_err(|_| nul_in_password())?;
+                    }
+                    Authentication::Sasl { mechanisms } => {
+                        let password = password(info)?;
+                        let (mechanism, binding) = choose_sasl(&mechanisms, &transport)?;
+                        let state = ScramSha256::new(password.as_bytes(), binding);
+                        frontend::sasl_initial_response(
+                            mechanism,
+                            state.message(),
+                            &mut self.writer.buf,
+                        )
+                        .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
+                        self.sasl_mechanism = Some(mechanism);
+                        scram = Some(state);
+                    }
+                    Authentication::SaslContinue(data) => {
+                        let state = scram.as_mut().ok_or_else(|| {
+                            Error::protocol("SASL continuation without SASL start")
+                        })?;
+                        state.update(&data).map_err(|e| {
+                            Error::Auth(format!("invalid SCRAM message from the server: {e}"))
+                        })?;
+                        frontend::sasl_response(state.message(), &mut self.writer.buf).map_err(
+                            |e| Error::Auth(format!("cannot encode SCRAM message: {e}")),
+                        )?;
+                    }
+                    Authentication::SaslFinal(data) => {
+                        let state = scram.as_mut().ok_or_else(|| {
+                            Error::protocol("SASL final message without SASL start")
+                        })?;
+                        // Verifies that the server knows the password too.
+                        state.finish(&data).map_err(|e| {
+                            Error::Auth(format!(
+                                "the server failed to prove it knows the password ({e}); \
+                                 this can mean a man-in-the-middle"
+                            ))
+                        })?;
+                        continue;
+                    }
+                    Authentication::Unsupported(code) => {
+                        return Err(Error::Auth(format!(
+                            "the server asks for {}, which this client does not implement; \
+                             hint: use scram-sha-256, md5, password or trust for this user in \
+                             pg_hba.conf",
+                            auth_method_name(code)
+                        )))
+                    }
+                },
+                wire::ERROR_RESPONSE => return Err(wire::error_response(&frame.body, &self.user)),
+                wire::NOTICE_RESPONSE => wire::log_notice(&frame.body, &self.target),
+                other => return Err(unexpected(other, "while authenticating")),
+            }
+            self.writer.flush().await?;
+        }
+
+        loop {
+            let frame = self.reader.next_frame("after authentication").await?;
+            match frame.tag {
+                wire::PARAMETER_STATUS => {
+                    let (name, value) = wire::parameter_status(&frame.body)?;
+                    self.parameters.insert(name, value);
+                }
+                wire::BACKEND_KEY_DATA => {
+                    self.backend_pid = Some(wire::backend_pid(&frame.body)?);
+                }
+                wire::READY_FOR_QUERY => return Ok(()),
+                wire::ERROR_RESPONSE => return Err(wire::error_response(&frame.body, &self.user)),
+                wire::NOTICE_RESPONSE => wire::log_notice(&frame.body, &self.target),
+                other => return Err(unexpected(other, "after authentication")),
+            }
+        }
+    }
+
+    fn check_pinned_settings(&self) -> Result<(), Error> {
+        for (parameter, expected) in PINNED {
+            let actual = self.parameter(parameter).unwrap_or("");
+            let ok = match *parameter {
+                // The server reports "ISO, MDY": the output format is what we pin.
+                "DateStyle" => actual.starts_with("ISO"),
+                _ => actual == *expected,
+            };
+            if !ok {
+                return Err(Error::Setting {
+                    parameter,
+                    expected,
+                    actual: actual.to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A setting the server reported with ParameterStatus (`server_version`,
+    /// `server_encoding`, `TimeZone`, ...).
+    pub fn parameter(&self, name: &str) -> Option<&str> {
+        self.parameters.get(name).map(String::as_str)
+    }
+
+    /// The server's version as a number (`150004` for 15.4), from `server_version`.
+    pub fn server_version_num(&self) -> Option<u32> {
+        let version = self.parameter("server_version")?;
+        let numeric: String = version
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        let mut parts = numeric.split('.').map(|p| p.parse::<u32>().ok());
+        let major = parts.next()??;
+        let minor = parts.next().flatten().unwrap_or(0);
+        if major >= 10 {
+            Some(major * 10_000 + minor)
+        } else {
+            let patch = parts.next().flatten().unwrap_or(0);
+            Some(major * 10_000 + minor * 100 + patch)
+        }
+    }
+
+    /// The process id of the walsender serving us.
+    pub fn backend_pid(&self) -> Option<i32> {
+        self.backend_pid
+    }
+
+    /// Whether the connection runs over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls
+    }
+
+    /// The SASL mechanism used to authenticate (`SCRAM-SHA-256` or `SCRAM-SHA-256-PLUS`),
+    /// if SASL was used.
+    pub fn sasl_mechanism(&self) -> Option<&'static str> {
+        self.sasl_mechanism
+    }
+
+    /// Runs `sql` (one or more statements, or a replication command) on the simple-query
+    /// protocol and returns the rows of all statements, each column as text. A server error
+    /// is returned after the server is ready again, so the connection stays usable.
+    pub async fn simple_query(&mut self, sql: &str) -> Result<Vec<Vec<Option<String>>>, Error> {
+        self.send_query(sql).await?;
+        let mut rows = Vec::new();
+        let mut error = None;
+        loop {
+            let frame = self.reader.next_frame("while running a query").await?;
+            match frame.tag {
+                wire::DATA_ROW => {
+                    if error.is_none() {
+                        rows.push(wire::data_row(&frame.body)?);
+                    }
+                }
+                wire::ROW_DESCRIPTION
+                | wire::COMMAND_COMPLETE
+                | wire::EMPTY_QUERY_RESPONSE
+                | wire::NOTIFICATION_RESPONSE => {}
+                wire::ERROR_RESPONSE => {
+                    error.get_or_insert_with(|| wire::error_response(&frame.body, &self.user));
+                }
+                wire::NOTICE_RESPONSE => wire::log_notice(&frame.body, &self.target),
+                wire::PARAMETER_STATUS => {
+                    let (name, value) = wire::parameter_status(&frame.body)?;
+                    self.parameters.insert(name, value);
+                }
+                wire::READY_FOR_QUERY => break,
+                wire::COPY_IN_RESPONSE | wire::COPY_OUT_RESPONSE | wire::COPY_BOTH_RESPONSE => {
+                    return Err(Error::protocol(
+                        "the query started COPY, which simple_query does not support",
+                    ))
+                }
+                other => return Err(unexpected(other, "while running a query")),
+            }
+        }
+        match error {
+            Some(error) => Err(error),
+            None => Ok(rows),
+        }
+    }
+
+    async fn send_query(&mut self, sql: &str) -> Result<(), Error> {
+        frontend::query(sql, &mut self.writer.buf)
+            .map_err(|_| Error::protocol("a query must not contain a NUL byte"))?;
+        self.writer.flush().await
+    }
+
+    /// `IDENTIFY_SYSTEM`: the system identifier, timeline, WAL flush position and database.
+    pub async fn identify_system(&mut self) -> Result<IdentifySystem, Error> {
+        let rows = self.simple_query("IDENTIFY_SYSTEM").await?;
+        let bad = || Error::protocol(format!("unexpected IDENTIFY_SYSTEM reply {rows:?}"));
+        let [row] = rows.as_slice() else {
+            return Err(bad());
+        };
+        let [Some(systemid), Some(timeline), Some(xlogpos), dbname] = row.as_slice() else {
+            return Err(bad());
+        };
+        Ok(IdentifySystem {
+            systemid: systemid.clone(),
+            timeline: timeline.parse().map_err(|_| bad())?,
+            xlogpos: xlogpos.parse().map_err(|_| bad())?,
+            dbname: dbname.clone(),
+        })
+    }
+
+    /// The server's `wal_sender_timeout` (`None` when disabled), to derive the status
+    /// interval from ([`crate::status_interval`]).
+    pub async fn wal_sender_timeout(&mut self) -> Result<Option<Duration>, Error> {
+        let rows = self.simple_query("SHOW wal_sender_timeout").await?;
+        match rows.as_slice() {
+            [row] => match row.as_slice() {
+                [Some(value)] => parse_wal_sender_timeout(value),
+                _ => Err(Error::protocol("unexpected SHOW wal_sender_timeout reply")),
+            },
+            _ => Err(Error::protocol("unexpected SHOW wal_sender_timeout reply")),
+        }
+    }
+
+    /// The slot's `confirmed_flush_lsn` (`None` when there is no such slot or it has none).
+    pub async fn confirmed_flush_lsn(&mut self, slot: &str) -> Result<Option<Lsn>, Error> {
+        let sql = format!(
+            "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots \
+             WHERE slot_name = {}",
+            quote_literal(slot)
+        );
+        let rows = self.simple_query(&sql).await?;
+        match rows.first().and_then(|row| row.first()) {
+            Some(Some(lsn)) => lsn
+                .parse()
+                .map(Some)
+                .map_err(|e| Error::protocol(format!("bad confirmed_flush_lsn: {e}"))),
+            _ => Ok(None),
+        }
+    }
+
+    /// `START_REPLICATION SLOT "slot" LOGICAL start ("name" 'value', ...)`: waits for the
+    /// server's CopyBothResponse and returns the stream. `start` = [`Lsn::ZERO`] streams
+    /// from the slot's `confirmed_flush_lsn`; so does any earlier position.
+    ///
+    /// Options are written as given, quoted: for pgoutput, `("proto_version", "1")` and
+    /// `("publication_names", &publication_names(&["outbox"]))`.
+    pub async fn start_logical_replication(
+        mut self,
+        slot: &str,
+        start: Lsn,
+        options: &[(&str, &str)],
+    ) -> Result<ReplicationStream, Error> {
+        let command = start_replication_command(slot, start, options);
+        self.send_query(&command).await?;
+        loop {
+            let frame = self.reader.next_frame("while starting replication").await?;
+            match frame.tag {
+                wire::COPY_BOTH_RESPONSE => break,
+                wire::ERROR_RESPONSE => return Err(wire::error_response(&frame.body, &self.user)),
+                wire::NOTICE_RESPONSE => wire::log_notice(&frame.body, &self.target),
+                wire::PARAMETER_STATUS => {}
+                other => return Err(unexpected(other, "while starting replication")),
+            }
+        }
+        tracing::info!(
+            target = %self.target,
+            slot = slot,
+            start_lsn = %start,
+            "logical replication started"
+        );
+        Ok(ReplicationStream::new(
+            self.reader,
+            self.writer,
+            self.user,
+            self.target,
+        ))
+    }
+
+    /// Sends Terminate and closes the connection.
+    pub async fn close(mut self) -> Result<(), Error> {
+        frontend::terminate(&mut self.writer.buf);
+        self.writer.flush().await?;
+        self.writer.shutdown().await
+    }
+}
+
+/// The START_REPLICATION command text.
+pub(crate) fn start_replication_command(
+    slot: &str,
+    start: Lsn,
+    options: &[(&str, &str)],
+) -> String {
+    let mut command = format!(
+        "START_REPLICATION SLOT {} LOGICAL {start}",
+        quote_identifier(slot)
+    );
+    if !options.is_empty() {
+        let options: Vec<String> = options
+            .iter()
+            .map(|(name, value)| format!("{} {}", quote_identifier(name), quote_literal(value)))
+            .collect();
+        command.push_str(&format!(" ({})", options.join(", ")));
+    }
+    command
+}
+
+/// Opens the socket and negotiates TLS per `sslmode`.
+async fn open(info: &ConnInfo, target: &str) -> Result<(BoxSocket, Transport), Error> {
+    let could_not_connect = |error| Error::io(format!("could not connect to {target}"), error);
+    if let Some(path) = info.unix_socket_path() {
+        // As in libpq, TLS is not used over Unix sockets.
+        let socket = UnixStream::connect(&path)
+            .await
+            .map_err(could_not_connect)?;
+        return Ok((Box::new(socket), Transport::Plain));
+    }
+    // Build the TLS configuration first: its errors are permanent and need no server.
+    let config = match info.sslmode() {
+        SslMode::Disable => None,
+        _ => Some(tls::client_config(info)?),
+    };
+    let mut tcp = TcpStream::connect((info.host(), info.port()))
+        .await
+        .map_err(could_not_connect)?;
+    tcp.set_nodelay(true).map_err(could_not_connect)?;
+    let Some(config) = config else {
+        return Ok((Box::new(tcp), Transport::Plain));
+    };
+
+    let mut request = BytesMut::new();
+    frontend::ssl_request(&mut request);
+    tcp.write_all(&request).await.map_err(could_not_connect)?;
+    // Exactly one byte, read unbuffered: anything after it belongs to the TLS handshake
+    // (CVE-2021-23222).
+    let answer = match tcp.read_u8().await {
+        Ok(answer) => answer,
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(Error::Closed {
+                context: "in answer to the SSLRequest",
+            })
+        }
+        Err(error) => return Err(could_not_connect(error)),
+    };
+    match answer {
+        b'S' => {
+            let stream = tls::handshake(config, info.host(), tcp, target).await?;
+            let end_point = stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|certificates| certificates.first())
+                .and_then(|certificate| tls::tls_server_end_point(certificate));
+            Ok((Box::new(stream), Transport::Tls { end_point }))
+        }
+        b'N' if info.sslmode().requires_tls() => Err(Error::TlsUnsupported {
+            sslmode: info.sslmode(),
+        }),
+        b'N' => Ok((Box::new(tcp), Transport::Plain)),
+        other => Err(Error::protocol(format!(
+            "unexpected answer {:?} to the SSLRequest",
+            char::from(other)
+        ))),
+    }
+}
+
+/// SCRAM-SHA-256-PLUS when on TLS, offered, and the certificate has a binding hash;
+/// otherwise SCRAM-SHA-256 with the GS2 flag libpq would send: `y` ("I could bind, you
+/// did not offer") on TLS, `n` ("I cannot bind") otherwise.
+fn choose_sasl(
+    mechanisms: &[String],
+    transport: &Transport,
+) -> Result<(&'static str, ChannelBinding), Error> {
+    let offers = |name: &str| mechanisms.iter().any(|m| m == name);
+    match transport {
+        Transport::Tls {
+            end_point: Some(hash),
+        } if offers(SCRAM_SHA_256_PLUS) => Ok((
+            SCRAM_SHA_256_PLUS,
+            ChannelBinding::tls_server_end_point(hash.clone()),
+        )),
+        Transport::Tls { end_point: None } if offers(SCRAM_SHA_256) => {
+            Ok((SCRAM_SHA_256, ChannelBinding::unsupported()))
+        }
+        Transport::Tls { .. } if offers(SCRAM_SHA_256) && !offers(SCRAM_SHA_256_PLUS) => {
+            Ok((SCRAM_SHA_256, ChannelBinding::unrequested()))
+        }
+        Transport::Plain if offers(SCRAM_SHA_256) => {
+            Ok((SCRAM_SHA_256, ChannelBinding::unsupported()))
+        }
+        _ => Err(Error::Auth(format!(
+            "the server offers SASL mechanisms {mechanisms:?}, none of which this client \
+             implements"
+        ))),
+    }
+}
+
+fn password(info: &ConnInfo) -> Result<&str, Error> {
+    info.password().map(|p| p.expose()).ok_or_else(|| {
+        Error::Auth(format!(
+            "the server requires a password for user {:?}, but none was given; hint: put \
+             it in DATABASE_URL or PGPASSWORD",
+            info.user()
+        ))
+    })
+}
+
+fn nul_in_password() -> Error {
+    Error::Config("the password must not contain a NUL byte".to_owned())
+}
+
+fn auth_method_name(code: i32) -> String {
+    match code {
+        2 => "Kerberos V5 authentication".to_owned(),
+        6 => "SCM credential authentication".to_owned(),
+        7 | 8 => "GSSAPI authentication".to_owned(),
+        9 => "SSPI authentication".to_owned(),
+        other => format!("authentication method {other}"),
+    }
+}
+
+fn unexpected(tag: u8, context: &str) -> Error {
+    Error::protocol(format!(
+        "unexpected message '{}' {context}",
+        char::from(tag).escape_default()
+    ))
+}
+
+/// Quotes an identifier (slot, publication, table, option name): always in double quotes,
+/// with double quotes doubled. Case is preserved. The text must not contain NUL (the server
+/// would reject the query).
+pub fn quote_identifier(name: &str) -> String {
+    let mut quoted = String::with_capacity(name.len() + 2);
+    quoted.push('"');
+    for c in name.chars() {
+        if c == '"' {
+            quoted.push('"');
+        }
+        quoted.push(c);
+    }
+    quoted.push('"');
+    quoted
+}
+
+/// Quotes a string literal: in single quotes, with single quotes doubled. Backslashes stay
+/// as they are, which is right for replication commands and for SQL under
+/// `standard_conforming_strings=on` (pinned by [`ReplicationConnection::connect`] and
+/// [`crate::connect_sql`]). The text must not contain NUL.
+pub fn quote_literal(value: &str) -> String {
+    let mut quoted = String::with_capacity(value.len() + 2);
+    quoted.push('\'');
+    for c in value.chars() {
+        if c == '\'' {
+            quoted.push('\'');
+        }
+        quoted.push(c);
+    }
+    quoted.push('\'');
+    quoted
+}
+
+/// The value of pgoutput's `publication_names` option: the names as quoted identifiers,
+/// comma-separated (pgoutput splits it like `SplitIdentifierString`).
+pub fn publication_names(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|name| quote_identifier(name))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers() {
+        assert_eq!(quote_identifier("slot"), "\"slot\"");
+        assert_eq!(quote_identifier("MySlot"), "\"MySlot\"");
+        assert_eq!(quote_identifier("a\"b"), "\"a\"\"b\"");
+        assert_eq!(quote_identifier("\""), "\"\"\"\"");
+        assert_eq!(quote_identifier(""), "\"\"");
+        assert_eq!(quote_identifier("ünï cødé 🦀"), "\"ünï cødé 🦀\"");
+        assert_eq!(quote_identifier("it's"), "\"it's\"");
+    }
+
+    #[test]
+    fn literals() {
+        assert_eq!(quote_literal("1"), "'1'");
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert_eq!(quote_literal("''"), "''''''");
+        assert_eq!(quote_literal("back\\slash"), "'back\\slash'");
+        assert_eq!(quote_literal("ünï \"q\" 🦀"), "'ünï \"q\" 🦀'");
+    }
+
+    #[test]
+    fn publication_names_are_quoted_identifiers_in_a_literal() {
+        assert_eq!(publication_names(&["outbox"]), "\"outbox\"");
+        assert_eq!(publication_names(&["a", "B\"c"]), "\"a\",\"B\"\"c\"");
+        let command = start_replication_command(
+            "relay's \"slot\"",
+            "16/B374D848".parse().unwrap(),
+            &[
+                ("proto_version", "1"),
+                ("publication_names", &publication_names(&["pub", "it's"])),
+            ],
+        );
+        assert_eq!(
+            command,
+            "START_REPLICATION SLOT \"relay's \"\"slot\"\"\" LOGICAL 16/B374D848 \
+             (\"proto_version\" '1', \"publication_names\" '\"pub\",\"it''s\"')"
+        );
+        assert_eq!(
+            start_replication_command("s", Lsn::ZERO, &[]),
+            "START_REPLICATION SLOT \"s\" LOGICAL 0/0"
+        );
+    }
+
+    #[test]
+    fn sasl_choice() {
+        let both = vec![SCRAM_SHA_256_PLUS.to_owned(), SCRAM_SHA_256.to_owned()];
+        let plain_only = vec![SCRAM_SHA_256.to_owned()];
+        let bound = Transport::Tls {
+            end_point: Some(vec![1; 32]),
+        };
+        let unbound = Transport::Tls { end_point: None };
+        let pick = |m: &[String], t: &Transport| choose_sasl(m, t).map(|(name, _)| name).ok();
+        assert_eq!(pick(&both, &bound), Some(SCRAM_SHA_256_PLUS));
+        assert_eq!(pick(&both, &unbound), Some(SCRAM_SHA_256));
+        assert_eq!(pick(&plain_only, &bound), Some(SCRAM_SHA_256));
+        assert_eq!(pick(&plain_only, &Transport::Plain), Some(SCRAM_SHA_256));
+        assert_eq!(pick(&["OAUTHBEARER".to_owned()], &Transport::Plain), None);
+    }
+}

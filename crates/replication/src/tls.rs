@@ -1,0 +1,609 @@
+//! TLS with libpq's `sslmode` semantics, on rustls with the ring provider.
+//!
+//! | sslmode | server without TLS | certificate check |
+//! |---|---|---|
+//! | `disable` | plaintext | TLS is never tried |
+//! | `prefer` | plaintext | like `require` |
+//! | `require` | error | none, or the chain (like `verify-ca`) when a root certificate is available |
+//! | `verify-ca` | error | chain to a trusted root; the host name is not checked |
+//! | `verify-full` | error | chain to a trusted root and the host name |
+//!
+//! The trusted roots are the PEM file `sslrootcert`, else `~/.postgresql/root.crt` if that
+//! exists (libpq's default). `verify-ca` and `verify-full` without either are a
+//! configuration error. Unlike libpq, an explicitly given `sslrootcert` that cannot be read
+//! is an error in every mode: silently dropping verification the operator asked for is
+//! worse than failing. Also unlike libpq, `prefer` does not retry in plaintext after a
+//! failed TLS handshake.
+//!
+//! "Verify nothing" still verifies the handshake signatures, so the peer must hold the key
+//! of the certificate it presents; that is what makes `tls-server-end-point` channel binding
+//! (SCRAM-SHA-256-PLUS) meaningful even when the chain is not checked.
+//!
+//! The crypto provider is always passed explicitly
+//! (`ClientConfig::builder_with_provider`), never taken from a process-wide default, so the
+//! relay works whatever other crates install.
+//!
+//! [`connect_sql`] opens an ordinary (non-replication) SQL connection with tokio-postgres
+//! and the same TLS policy, for the relay's control plane (bootstrap SQL, slot checks).
+
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use sha2::Digest;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::conninfo::{ConnInfo, SslMode};
+use crate::error::DbError;
+use crate::Error;
+
+/// The ring provider, created per configuration rather than installed process-wide.
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The rustls client configuration for `info`'s `sslmode` and root certificates.
+///
+/// Errors (permanent): `verify-ca`/`verify-full` without a root certificate, an unreadable
+/// or empty `sslrootcert`.
+pub fn client_config(info: &ConnInfo) -> Result<Arc<ClientConfig>, Error> {
+    let provider = provider();
+    let mode = info.sslmode();
+    let roots = match mode {
+        SslMode::Disable => None,
+        _ => load_roots(info)?,
+    };
+    let verifier: Arc<dyn ServerCertVerifier> = match (mode, roots) {
+        (SslMode::VerifyFull, Some(roots)) => webpki_verifier(roots, &provider)?,
+        (SslMode::Prefer | SslMode::Require | SslMode::VerifyCa, Some(roots)) => {
+            Arc::new(ChainOnly {
+                inner: webpki_verifier(roots, &provider)?,
+            })
+        }
+        (SslMode::VerifyCa | SslMode::VerifyFull, None) => {
+            return Err(Error::TlsConfig(format!(
+                "sslmode={mode} needs a root certificate: set sslrootcert=/path/to/ca.crt"
+            )))
+        }
+        (SslMode::Disable, _) | (SslMode::Prefer | SslMode::Require, None) => {
+            Arc::new(NoChainCheck {
+                algorithms: provider.signature_verification_algorithms,
+            })
+        }
+    };
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::TlsConfig(format!("no usable TLS protocol version: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+fn webpki_verifier(
+    roots: RootCertStore,
+    provider: &Arc<CryptoProvider>,
+) -> Result<Arc<WebPkiServerVerifier>, Error> {
+    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| Error::TlsConfig(format!("cannot build the certificate verifier: {e}")))
+}
+
+/// `sslrootcert`, else `~/.postgresql/root.crt` when it exists, else `None`.
+fn load_roots(info: &ConnInfo) -> Result<Option<RootCertStore>, Error> {
+    let path = match info.sslrootcert() {
+        Some(path) => path.to_owned(),
+        None => match default_root_cert() {
+            Some(path) if path.is_file() => path,
+            _ => return Ok(None),
+        },
+    };
+    let mut roots = RootCertStore::empty();
+    let certificates = CertificateDer::pem_file_iter(&path).map_err(|e| {
+        Error::TlsConfig(format!(
+            "cannot read root certificate file {}: {e}",
+            path.display()
+        ))
+    })?;
+    for certificate in certificates {
+        let certificate = certificate.map_err(|e| {
+            Error::TlsConfig(format!(
+                "cannot read root certificate file {}: {e}",
+                path.display()
+            ))
+        })?;
+        roots.add(certificate).map_err(|e| {
+            Error::TlsConfig(format!(
+                "unusable root certificate in {}: {e}",
+                path.display()
+            ))
+        })?;
+    }
+    if roots.is_empty() {
+        return Err(Error::TlsConfig(format!(
+            "no certificate in root certificate file {}",
+            path.display()
+        )));
+    }
+    Ok(Some(roots))
+}
+
+fn default_root_cert() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    Some(PathBuf::from(home).join(".postgresql").join("root.crt"))
+}
+
+/// The name the certificate must carry for `verify-full` (a DNS name or an IP address).
+pub(crate) fn server_name(host: &str) -> Result<ServerName<'static>, Error> {
+    ServerName::try_from(host.to_owned()).map_err(|_| {
+        Error::TlsConfig(format!(
+            "host {host:?} is neither a DNS name nor an IP address usable for TLS"
+        ))
+    })
+}
+
+/// Runs the TLS handshake on an established stream (after the server answered 'S' to the
+/// SSLRequest). A failure reported by rustls becomes [`Error::TlsHandshake`].
+pub(crate) async fn handshake<S>(
+    config: Arc<ClientConfig>,
+    host: &str,
+    stream: S,
+    target: &str,
+) -> Result<tokio_rustls::client::TlsStream<S>, Error>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let name = server_name(host)?;
+    tokio_rustls::TlsConnector::from(config)
+        .connect(name, stream)
+        .await
+        .map_err(|error| handshake_error(error, target))
+}
+
+fn handshake_error(error: io::Error, target: &str) -> Error {
+    match error
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
+        Some(tls) => Error::TlsHandshake {
+            target: target.to_owned(),
+            source: tls.clone(),
+        },
+        None => Error::io(format!("tls handshake with {target}"), error),
+    }
+}
+
+/// The `tls-server-end-point` channel binding data (RFC 5929 §4.1) of the server's
+/// certificate: its hash with the hash function of its signature algorithm, SHA-256 for MD5
+/// and SHA-1. `None` for algorithms without a single hash function (Ed25519, RSA-PSS) and
+/// for undecodable certificates; the caller then does not offer channel binding.
+pub(crate) fn tls_server_end_point(certificate: &[u8]) -> Option<Vec<u8>> {
+    // Certificate ::= SEQUENCE { tbsCertificate, signatureAlgorithm, signatureValue }
+    let (tag, certificate_body, _) = der_element(certificate)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (_tbs_tag, _tbs, rest) = der_element(certificate_body)?;
+    let (tag, algorithm, _) = der_element(rest)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (tag, oid, _) = der_element(algorithm)?;
+    if tag != 0x06 {
+        return None;
+    }
+    const RSA: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01];
+    const ECDSA_SHA2: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03];
+    const ECDSA_SHA1: &[u8] = &[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x01];
+    let hash: fn(&[u8]) -> Vec<u8> = match oid {
+        // md5WithRSAEncryption, sha1WithRSAEncryption, sha256WithRSAEncryption
+        [prefix @ .., 0x04 | 0x05 | 0x0b] if prefix == RSA => |c| sha2::Sha256::digest(c).to_vec(),
+        [prefix @ .., 0x0c] if prefix == RSA => |c| sha2::Sha384::digest(c).to_vec(),
+        [prefix @ .., 0x0d] if prefix == RSA => |c| sha2::Sha512::digest(c).to_vec(),
+        [prefix @ .., 0x0e] if prefix == RSA => |c| sha2::Sha224::digest(c).to_vec(),
+        _ if oid == ECDSA_SHA1 => |c| sha2::Sha256::digest(c).to_vec(),
+        [prefix @ .., 0x01] if prefix == ECDSA_SHA2 => |c| sha2::Sha224::digest(c).to_vec(),
+        [prefix @ .., 0x02] if prefix == ECDSA_SHA2 => |c| sha2::Sha256::digest(c).to_vec(),
+        [prefix @ .., 0x03] if prefix == ECDSA_SHA2 => |c| sha2::Sha384::digest(c).to_vec(),
+        [prefix @ .., 0x04] if prefix == ECDSA_SHA2 => |c| sha2::Sha512::digest(c).to_vec(),
+        _ => return None,
+    };
+    Some(hash(certificate))
+}
+
+/// One DER element: `(tag, content, rest)`; `None` when truncated or malformed.
+fn der_element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (length, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let count = usize::from(first & 0x7f);
+        if count == 0 || count > 4 {
+            return None;
+        }
+        let (bytes, rest) = rest.split_at_checked(count)?;
+        let length = bytes
+            .iter()
+            .fold(0usize, |acc, byte| (acc << 8) | usize::from(*byte));
+        (length, rest)
+    };
+    let (content, rest) = rest.split_at_checked(length)?;
+    Some((tag, content, rest))
+}
+
+/// `require` without roots: any certificate, but the handshake signatures must verify.
+#[derive(Debug)]
+struct NoChainCheck {
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for NoChainCheck {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the full WebPKI check, except that a certificate valid for another name is
+/// accepted. rustls checks the name only after the chain, so this error implies a good chain.
+#[derive(Debug)]
+struct ChainOnly {
+    inner: Arc<WebPkiServerVerifier>,
+}
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        ) {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// Opens an ordinary SQL connection (not a replication connection) with tokio-postgres,
+/// under the same TLS policy as [`crate::ReplicationConnection::connect`], and spawns its
+/// connection task on the current tokio runtime.
+///
+/// The session is pinned like the replication session: `TimeZone=UTC`, `DateStyle=ISO`,
+/// `standard_conforming_strings=on` (which [`crate::quote_literal`] relies on), and the
+/// `application_name` of `info` if it has one.
+pub async fn connect_sql(info: &ConnInfo) -> Result<tokio_postgres::Client, Error> {
+    use tokio_postgres::config::SslMode as PgSslMode;
+
+    let mut config = tokio_postgres::Config::new();
+    config
+        .user(info.user())
+        .dbname(info.dbname())
+        .port(info.port())
+        .options("-c TimeZone=UTC -c DateStyle=ISO -c standard_conforming_strings=on");
+    if let Some(password) = info.password() {
+        config.password(password.expose());
+    }
+    if let Some(name) = info.application_name() {
+        config.application_name(name);
+    }
+    if let Some(timeout) = info.connect_timeout() {
+        config.connect_timeout(timeout);
+    }
+    // As in libpq, TLS is not used over Unix sockets.
+    let sslmode = if info.is_unix_socket() {
+        config.host_path(info.host());
+        SslMode::Disable
+    } else {
+        config.host(info.host());
+        info.sslmode()
+    };
+    // tokio-postgres knows disable/prefer/require; the verification lives in the rustls
+    // configuration.
+    config.ssl_mode(match sslmode {
+        SslMode::Disable => PgSslMode::Disable,
+        SslMode::Prefer => PgSslMode::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => PgSslMode::Require,
+    });
+    let tls = MakeRustlsConnect {
+        config: match sslmode {
+            SslMode::Disable => None,
+            _ => Some(client_config(info)?),
+        },
+        target: info.redacted(),
+    };
+    let (client, connection) =
+        config
+            .connect(tls)
+            .await
+            .map_err(|error| match error.as_db_error() {
+                Some(db) => Error::from(DbError::from_tokio_postgres(db, info.user())),
+                None => Error::Sql(error),
+            })?;
+    let target = info.redacted();
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::warn!(target = %target, error = %error, "sql connection failed");
+        }
+    });
+    Ok(client)
+}
+
+/// tokio-postgres' TLS hook over tokio-rustls.
+#[derive(Debug, Clone)]
+struct MakeRustlsConnect {
+    config: Option<Arc<ClientConfig>>,
+    target: String,
+}
+
+struct RustlsConnect {
+    config: Option<Arc<ClientConfig>>,
+    host: String,
+    target: String,
+}
+
+impl<S> tokio_postgres::tls::MakeTlsConnect<S> for MakeRustlsConnect
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    type Stream = RustlsStream<S>;
+    type TlsConnect = RustlsConnect;
+    type Error = Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<RustlsConnect, Error> {
+        Ok(RustlsConnect {
+            config: self.config.clone(),
+            host: domain.to_owned(),
+            target: self.target.clone(),
+        })
+    }
+}
+
+type ConnectFuture<S> = Pin<Box<dyn Future<Output = Result<RustlsStream<S>, Error>> + Send>>;
+
+impl<S> tokio_postgres::tls::TlsConnect<S> for RustlsConnect
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    type Stream = RustlsStream<S>;
+    type Error = Error;
+    type Future = ConnectFuture<S>;
+
+    fn connect(self, stream: S) -> ConnectFuture<S> {
+        Box::pin(async move {
+            let config = self
+                .config
+                .ok_or_else(|| Error::TlsConfig("tls requested with sslmode=disable".to_owned()))?;
+            let stream = handshake(config, &self.host, stream, &self.target).await?;
+            Ok(RustlsStream(stream))
+        })
+    }
+}
+
+/// A TLS stream that reports its `tls-server-end-point` binding to tokio-postgres.
+struct RustlsStream<S>(tokio_rustls::client::TlsStream<S>);
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for RustlsStream<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for RustlsStream<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> tokio_postgres::tls::TlsStream for RustlsStream<S> {
+    fn channel_binding(&self) -> tokio_postgres::tls::ChannelBinding {
+        let (_, connection) = self.0.get_ref();
+        match connection
+            .peer_certificates()
+            .and_then(|certificates| certificates.first())
+            .and_then(|certificate| tls_server_end_point(certificate))
+        {
+            Some(hash) => tokio_postgres::tls::ChannelBinding::tls_server_end_point(hash),
+            None => tokio_postgres::tls::ChannelBinding::none(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(text: &str) -> ConnInfo {
+        ConnInfo::parse_with_env(text, |_| None).unwrap()
+    }
+
+    #[test]
+    fn verify_modes_need_a_root_certificate() {
+        // Keep ~/.postgresql/root.crt out of the picture only if it does not exist here.
+        if default_root_cert().is_some_and(|p| p.exists()) {
+            return;
+        }
+        for mode in ["verify-ca", "verify-full"] {
+            let error = client_config(&info(&format!("host=h sslmode={mode}"))).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                format!(
+                    "tls configuration: sslmode={mode} needs a root certificate: \
+                     set sslrootcert=/path/to/ca.crt"
+                )
+            );
+            assert!(!error.is_transient());
+        }
+        for mode in ["prefer", "require"] {
+            client_config(&info(&format!("host=h sslmode={mode}"))).unwrap();
+        }
+    }
+
+    #[test]
+    fn unreadable_root_certificate_is_an_error_in_every_mode() {
+        for mode in ["prefer", "require", "verify-ca", "verify-full"] {
+            let error = client_config(&info(&format!(
+                "host=h sslmode={mode} sslrootcert=/nonexistent/ca.crt"
+            )))
+            .unwrap_err();
+            assert!(error.to_string().contains("/nonexistent/ca.crt"), "{error}");
+            assert!(!error.is_transient());
+        }
+    }
+
+    #[test]
+    fn server_names() {
+        assert!(server_name("localhost").is_ok());
+        assert!(server_name("127.0.0.1").is_ok());
+        assert!(server_name("::1").is_ok());
+        assert!(server_name("bad host").is_err());
+    }
+
+    #[test]
+    fn der_walk_is_total() {
+        assert_eq!(der_element(&[]), None);
+        assert_eq!(der_element(&[0x30]), None);
+        assert_eq!(der_element(&[0x30, 0x05, 0x01]), None);
+        assert_eq!(der_element(&[0x30, 0x80]), None);
+        assert_eq!(der_element(&[0x30, 0x85, 1, 1, 1, 1, 1]), None);
+        assert_eq!(
+            der_element(&[0x04, 0x81, 0x01, 0xaa, 0xbb]),
+            Some((0x04, &[0xaa][..], &[0xbb][..]))
+        );
+        for length in 0..40 {
+            let junk: Vec<u8> = (0..length).map(|i| (i * 37 % 256) as u8).collect();
+            let _ = tls_server_end_point(&junk);
+        }
+    }
+
+    #[test]
+    fn end_point_hash_follows_the_signature_algorithm() {
+        // A skeleton certificate: SEQUENCE { SEQUENCE {} (tbs), SEQUENCE { OID }, BIT STRING }.
+        fn skeleton(oid: &[u8]) -> Vec<u8> {
+            let mut algorithm = vec![0x06, oid.len() as u8];
+            algorithm.extend_from_slice(oid);
+            let mut body = vec![0x30, 0x00, 0x30, algorithm.len() as u8];
+            body.extend_from_slice(&algorithm);
+            body.extend_from_slice(&[0x03, 0x01, 0x00]);
+            let mut certificate = vec![0x30, body.len() as u8];
+            certificate.extend_from_slice(&body);
+            certificate
+        }
+        let ecdsa_sha256 = skeleton(&[0x2a, 0x86, 0x48, 0xce, 0x3d, 0x04, 0x03, 0x02]);
+        assert_eq!(
+            tls_server_end_point(&ecdsa_sha256),
+            Some(sha2::Sha256::digest(&ecdsa_sha256).to_vec())
+        );
+        let rsa_sha384 = skeleton(&[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x0c]);
+        assert_eq!(
+            tls_server_end_point(&rsa_sha384),
+            Some(sha2::Sha384::digest(&rsa_sha384).to_vec())
+        );
+        let rsa_sha1 = skeleton(&[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x05]);
+        assert_eq!(
+            tls_server_end_point(&rsa_sha1),
+            Some(sha2::Sha256::digest(&rsa_sha1).to_vec())
+        );
+        let ed25519 = skeleton(&[0x2b, 0x65, 0x70]);
+        assert_eq!(tls_server_end_point(&ed25519), None);
+    }
+}
