@@ -1,1 +1,222 @@
-//! testkit
+//! Test and benchmark harness for outbox-relay.
+//!
+//! Every integration test, fault test and benchmark uses this crate. Its rules:
+//!
+//! * **Real servers, never mocks.** [`Postgres`] runs the real PostgreSQL 15
+//!   server binaries (`/usr/lib/postgresql/15/bin`, override with
+//!   `TESTKIT_PG_BIN_DIR`) and [`Nats`] runs the real `nats-server` (found on
+//!   `PATH`, override with `TESTKIT_NATS_SERVER`). A missing binary is a
+//!   panic that names the package to install (`apt-get install
+//!   postgresql-15` / `apt-get install nats-server`): tests never skip
+//!   silently.
+//! * **Free loopback ports, private directories.** Servers listen on
+//!   `127.0.0.1` only, on ports from [`free_port`], with their data in a fresh
+//!   temporary directory. The system instances on 5432 and 4222 are never
+//!   touched.
+//! * **Everything can be killed and restarted.** Servers are direct children
+//!   of the test process (the pid we hold *is* the postmaster / nats-server),
+//!   so signals reach them: [`Postgres::stop`], [`Postgres::crash`],
+//!   [`Postgres::start_again`], [`Nats::kill`], [`Nats::start_again`],
+//!   [`Process::signal`]. Restarts keep the port and the data directory.
+//!   [`Proxy`] produces network faults a real server cannot (cut
+//!   connections, held-back replies).
+//! * **Servers run as `postgres` when the tests run as root.** `initdb` and
+//!   `postgres` refuse to run as root, so when the effective uid is 0 they are
+//!   started with `CommandExt::uid/gid` of the `postgres` OS user (no `su`
+//!   wrapper in between) and their temporary directory is chowned to that
+//!   user. Otherwise they run as the current user. `psql` is always run as
+//!   the current user, as a TCP client.
+//! * **Cleanup guarantees.** Dropping a handle stops its process and deletes
+//!   its temporary directory. In addition every spawned pid is registered in
+//!   a global registry and an `atexit` handler kills whatever is still
+//!   registered (and removes registered directories) when the test process
+//!   exits normally or after a test panicked; this covers servers shared
+//!   through a `static OnceLock` (see [`shared`]), whose `Drop` never runs.
+//!   A test process killed with SIGKILL cannot clean up after itself.
+//! * **Fast enough to use one server per test.** `initdb` runs once per test
+//!   process into a template that every [`Postgres`] copies; `fsync=off`
+//!   (but `synchronous_commit` stays `on`, so commit semantics are real).
+//! * **Synchronous.** Plain `std::process` and threads; usable from sync and
+//!   async tests alike.
+//!
+//! Set `TESTKIT_ECHO=1` to echo the output of [`Process`] children to the
+//! test's stderr, prefixed with their name.
+
+// The workspace denies unsafe code. This crate needs a handful of libc calls
+// that have no safe std equivalent: `kill` (send signals to child servers),
+// `getpwnam_r` (look up the postgres uid/gid), `geteuid`, `waitpid` and
+// `atexit` (kill leftover servers at process exit). Each call site carries a
+// SAFETY comment.
+#![allow(unsafe_code)]
+
+mod cleanup;
+mod nats;
+mod postgres;
+mod process;
+mod proxy;
+mod tls;
+
+use std::collections::HashSet;
+use std::ffi::CStr;
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub use nats::Nats;
+pub use postgres::{PgAuth, PgOptions, Postgres};
+pub use process::Process;
+pub use proxy::Proxy;
+
+/// A free TCP port on 127.0.0.1: binds port 0 and reads the port the kernel
+/// picked. Never returns the same port twice within one test process.
+pub fn free_port() -> u16 {
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    for _ in 0..1000 {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .expect("testkit: bind 127.0.0.1:0 to find a free port");
+        let port = listener
+            .local_addr()
+            .expect("testkit: local_addr of a bound listener")
+            .port();
+        let mut handed = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+        if handed.get_or_insert_with(HashSet::new).insert(port) {
+            return port;
+        }
+    }
+    panic!("testkit: could not find a free loopback port that was not handed out before");
+}
+
+/// Poll `ready` every ~20 ms until it returns true; panics with
+/// `timed out after {timeout:?} waiting for {what}` otherwise.
+pub fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if ready() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One server shared by all tests of a test binary:
+///
+/// ```no_run
+/// use std::sync::OnceLock;
+/// static PG: OnceLock<testkit::Postgres> = OnceLock::new();
+/// let pg = testkit::shared(&PG, testkit::Postgres::start);
+/// pg.create_database("my_test");
+/// ```
+///
+/// Statics are never dropped; the `atexit` handler stops the server and
+/// removes its directory when the test binary exits.
+pub fn shared<T>(cell: &'static OnceLock<T>, init: impl FnOnce() -> T) -> &'static T {
+    cell.get_or_init(init)
+}
+
+/// uid/gid the servers must run as: `Some(postgres)` when we are root,
+/// `None` (= the current user) otherwise.
+pub(crate) fn server_owner() -> Option<(u32, u32)> {
+    static OWNER: OnceLock<Option<(u32, u32)>> = OnceLock::new();
+    *OWNER.get_or_init(|| {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return None;
+        }
+        Some(lookup_user(c"postgres").unwrap_or_else(|| {
+            panic!(
+                "testkit: running as root, but there is no `postgres` OS user to run initdb/postgres as \
+                 (postgres refuses to run as root): install the server with `apt-get install postgresql-15`, \
+                 which creates that user"
+            )
+        }))
+    })
+}
+
+fn lookup_user(name: &CStr) -> Option<(u32, u32)> {
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: passwd is a plain C struct for which all-zero is a valid value.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: all pointers are valid for the duration of the call and `buf`
+    // is large enough for any sane passwd entry (ERANGE otherwise -> None).
+    let rc = unsafe {
+        libc::getpwnam_r(
+            name.as_ptr(),
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() {
+        return None;
+    }
+    Some((pwd.pw_uid, pwd.pw_gid))
+}
+
+/// Where to create temp dirs. When servers run as another user, every
+/// ancestor of the directory must be searchable by that user; fall back to
+/// /tmp when `TMPDIR` is not.
+pub(crate) fn temp_base() -> PathBuf {
+    let base = std::env::temp_dir();
+    if server_owner().is_none() {
+        return base;
+    }
+    let traversable = base.ancestors().all(|dir| {
+        std::fs::metadata(dir)
+            .map(|m| m.permissions().mode() & 0o001 != 0)
+            .unwrap_or(false)
+    });
+    if traversable {
+        base
+    } else {
+        PathBuf::from("/tmp")
+    }
+}
+
+/// Hand `path` to the server user (no-op when not root).
+pub(crate) fn chown_to_server(path: &Path) {
+    if let Some((uid, gid)) = server_owner() {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap_or_else(|e| {
+            panic!(
+                "testkit: chown {} to the postgres user: {e}",
+                path.display()
+            )
+        });
+    }
+}
+
+/// The last `lines` lines of `text`.
+pub(crate) fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    let start = all.len().saturating_sub(lines);
+    all[start..].join("\n")
+}
+
+/// Read a (log) file as text, lossily; empty if it does not exist.
+pub(crate) fn read_lossy(path: &Path) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Length of a file (0 if missing); used to look only at a restart's log.
+pub(crate) fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Text of `path` from byte `offset` on.
+pub(crate) fn read_from(path: &Path, offset: u64) -> String {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    let start = usize::try_from(offset)
+        .unwrap_or(usize::MAX)
+        .min(bytes.len());
+    String::from_utf8_lossy(&bytes[start..]).into_owned()
+}

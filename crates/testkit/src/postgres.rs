@@ -1,0 +1,700 @@
+//! A throwaway PostgreSQL 15 server.
+
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::cleanup::{self, Managed};
+use crate::tls::{self, ServerTls};
+
+const DEFAULT_PG_BIN_DIR: &str = "/usr/lib/postgresql/15/bin";
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How TCP (`host`) connections authenticate. Unix-socket connections are
+/// always `trust`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PgAuth {
+    /// No password needed.
+    #[default]
+    Trust,
+    /// `md5` in pg_hba.conf, passwords stored as md5 (`password_encryption=md5`).
+    Md5,
+    /// `scram-sha-256` in pg_hba.conf and `password_encryption`.
+    Scram,
+}
+
+impl PgAuth {
+    fn hba_method(self) -> &'static str {
+        match self {
+            PgAuth::Trust => "trust",
+            PgAuth::Md5 => "md5",
+            PgAuth::Scram => "scram-sha-256",
+        }
+    }
+}
+
+/// Options for [`Postgres::start_with`].
+#[derive(Debug, Clone, Default)]
+pub struct PgOptions {
+    /// Authentication method for TCP connections (default: trust).
+    pub auth: PgAuth,
+    /// Password of the `postgres` superuser (also set, though not needed,
+    /// with `Trust`). When `auth` is not `Trust` and this is `None`, the
+    /// password is `"postgres"`. It is part of [`Postgres::url`].
+    pub password: Option<String>,
+    /// `ssl=on` with a generated CA ([`Postgres::ca_cert_path`]) and a server
+    /// certificate for `localhost` and `127.0.0.1`. Plain connections keep
+    /// working, so `sslmode=disable/prefer/require/verify-full` all connect.
+    pub tls: bool,
+    /// Extra `-c name=value` server settings (applied last, so they override
+    /// the testkit defaults).
+    pub settings: Vec<(String, String)>,
+}
+
+/// A PostgreSQL 15 server on a free loopback port, in its own temporary
+/// directory, with `wal_level=logical`. See the crate docs for the rules.
+///
+/// Dropping it shuts the server down immediately (SIGQUIT, then SIGKILL) and
+/// removes the directory.
+#[derive(Debug)]
+pub struct Postgres {
+    bin_dir: PathBuf,
+    port: u16,
+    auth: PgAuth,
+    password: Option<String>,
+    settings: Vec<(String, String)>,
+    tls: Option<ServerTls>,
+    data_dir: PathBuf,
+    log_path: PathBuf,
+    socket_dir: PathBuf,
+    child: Mutex<Option<Managed>>,
+    // Declared last: removed after the server is gone.
+    dir: tempfile::TempDir,
+}
+
+/// Why a start attempt failed.
+enum LaunchError {
+    /// Somebody else holds the port; try another one (first start only).
+    PortInUse(String),
+    Failed(String),
+}
+
+impl Postgres {
+    /// `start_with(PgOptions::default())`: trust auth, no TLS.
+    pub fn start() -> Postgres {
+        Postgres::start_with(PgOptions::default())
+    }
+
+    /// Create a fresh data directory and start a server on a free port;
+    /// returns once `psql` can run queries over TCP.
+    ///
+    /// `initdb` runs once per test process (into a template directory); each
+    /// server gets a copy of that template, which is much faster than an
+    /// `initdb` per server.
+    pub fn start_with(options: PgOptions) -> Postgres {
+        let bin_dir = pg_bin_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("testkit-pg-")
+            .tempdir_in(crate::temp_base())
+            .expect("testkit: create a temporary directory for postgres");
+        cleanup::register_dir(dir.path());
+        crate::chown_to_server(dir.path());
+        let root = dir.path().to_path_buf();
+
+        let password = match (options.auth, options.password) {
+            (_, Some(p)) => Some(p),
+            (PgAuth::Trust, None) => None,
+            (_, None) => Some("postgres".to_string()),
+        };
+
+        let data_dir = root.join("data");
+        copy_tree(template_data_dir(&bin_dir), &data_dir);
+        write_hba(&data_dir, options.auth, options.tls);
+        let tls = options.tls.then(|| tls::write_server_tls(&root));
+
+        let log_path = root.join("postgres.log");
+        File::create(&log_path)
+            .unwrap_or_else(|e| panic!("testkit: create {}: {e}", log_path.display()));
+
+        let mut pg = Postgres {
+            bin_dir,
+            port: 0,
+            auth: options.auth,
+            password,
+            settings: options.settings,
+            tls,
+            data_dir,
+            log_path,
+            socket_dir: root,
+            child: Mutex::new(None),
+            dir,
+        };
+
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            pg.port = crate::free_port();
+            match pg.launch() {
+                Ok(()) => break,
+                Err(LaunchError::PortInUse(_)) if attempts < 5 => continue,
+                Err(LaunchError::PortInUse(msg) | LaunchError::Failed(msg)) => panic!("{msg}"),
+            }
+        }
+
+        if let Some(password) = &pg.password {
+            // Over the socket (always trust); stored according to the
+            // server's password_encryption (md5 or scram-sha-256).
+            pg.psql_socket(&format!(
+                "ALTER ROLE postgres PASSWORD {}",
+                quote_literal(password)
+            ));
+        }
+        // Prove the TCP path (pg_hba host lines, password) works end to end.
+        if let Err(e) = pg.try_psql("postgres", "select 1") {
+            panic!(
+                "testkit: postgres started but psql over TCP fails: {e}\nlog tail:\n{}",
+                crate::tail(&pg.log(), 40)
+            );
+        }
+        pg
+    }
+
+    /// The TCP port (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `"127.0.0.1"`.
+    pub fn host(&self) -> &str {
+        "127.0.0.1"
+    }
+
+    /// The superuser password (`None` for trust auth without a password).
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
+    }
+
+    /// `postgres://postgres[:password]@127.0.0.1:{port}/{database}`.
+    pub fn url(&self, database: &str) -> String {
+        let auth = match &self.password {
+            Some(p) => format!("postgres:{}", percent_encode(p)),
+            None => "postgres".to_string(),
+        };
+        format!(
+            "postgres://{auth}@127.0.0.1:{}/{}",
+            self.port,
+            percent_encode(database)
+        )
+    }
+
+    /// PEM file of the CA that signed the server certificate (when `tls`).
+    pub fn ca_cert_path(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|t| t.ca_cert.as_path())
+    }
+
+    /// The PostgreSQL binaries directory (psql, pg_recvlogical, pgbench, ...).
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
+    }
+
+    /// Run `sql` with `psql -X -q -At -v ON_ERROR_STOP=1` over TCP as the
+    /// postgres superuser; panics with psql's stderr on failure. Returns
+    /// stdout without its trailing newline(s).
+    pub fn psql(&self, database: &str, sql: &str) -> String {
+        self.try_psql(database, sql).unwrap_or_else(|e| {
+            panic!(
+                "psql failed on database {database:?} (port {}):\n--- sql ---\n{sql}\n--- stderr ---\n{e}",
+                self.port
+            )
+        })
+    }
+
+    /// Like [`Postgres::psql`], but returns psql's stderr as the error.
+    pub fn try_psql(&self, database: &str, sql: &str) -> Result<String, String> {
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres dbname={} connect_timeout=10",
+            self.port,
+            quote_conninfo(database)
+        );
+        run_psql(&self.bin_dir, &conninfo, self.password.as_deref(), sql)
+    }
+
+    /// `CREATE DATABASE "name"`.
+    pub fn create_database(&self, name: &str) {
+        self.psql(
+            "postgres",
+            &format!("CREATE DATABASE {}", quote_ident(name)),
+        );
+    }
+
+    /// Pid of the (current) postmaster.
+    pub fn pid(&self) -> u32 {
+        self.lock_child()
+            .as_ref()
+            .map(Managed::pid)
+            .expect("testkit: postgres was never started")
+    }
+
+    /// Fast shutdown (SIGINT); returns once the postmaster has exited.
+    pub fn stop(&mut self) {
+        self.shut_down(libc::SIGINT, "fast shutdown (SIGINT)");
+    }
+
+    /// Immediate shutdown (SIGQUIT): no checkpoint, crash recovery on the
+    /// next start. Returns once the postmaster has exited. This is what
+    /// "kill postgres" means in tests.
+    pub fn crash(&mut self) {
+        self.shut_down(libc::SIGQUIT, "immediate shutdown (SIGQUIT)");
+    }
+
+    /// Start the server again on the same port and data directory; returns
+    /// once it accepts connections. Panics if it is still running.
+    pub fn start_again(&mut self) {
+        assert!(
+            !self.is_running(),
+            "testkit: Postgres::start_again called while postgres (pid {}) is running",
+            self.pid()
+        );
+        // The port is fixed now; if something grabbed it meanwhile, give it a
+        // little time to go away.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.launch() {
+                Ok(()) => return,
+                Err(LaunchError::PortInUse(msg)) if Instant::now() >= deadline => panic!("{msg}"),
+                Err(LaunchError::PortInUse(_)) => thread::sleep(Duration::from_millis(200)),
+                Err(LaunchError::Failed(msg)) => panic!("{msg}"),
+            }
+        }
+    }
+
+    /// [`Postgres::crash`] + [`Postgres::start_again`].
+    pub fn restart(&mut self) {
+        self.crash();
+        self.start_again();
+    }
+
+    /// Whether the postmaster process is alive.
+    pub fn is_running(&self) -> bool {
+        self.lock_child().as_mut().is_some_and(Managed::is_running)
+    }
+
+    /// Contents of the server log (all starts), for failure messages.
+    pub fn log(&self) -> String {
+        crate::read_lossy(&self.log_path)
+    }
+
+    /// The data directory (`PGDATA`).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
+        self.child.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn shut_down(&mut self, signal: i32, what: &str) {
+        let mut guard = self.lock_child();
+        let Some(child) = guard.as_mut() else {
+            return;
+        };
+        child.signal(signal);
+        if child.wait_timeout(STOP_TIMEOUT).is_none() {
+            let pid = child.pid();
+            child.kill();
+            drop(guard);
+            panic!(
+                "testkit: postgres (pid {pid}) did not exit within {STOP_TIMEOUT:?} after {what}; \
+                 killed it. log tail:\n{}",
+                crate::tail(&self.log(), 40)
+            );
+        }
+    }
+
+    fn server_args(&self) -> Vec<OsString> {
+        let mut settings: Vec<(String, String)> = vec![
+            ("listen_addresses".into(), "127.0.0.1".into()),
+            ("port".into(), self.port.to_string()),
+            (
+                "unix_socket_directories".into(),
+                self.socket_dir.display().to_string(),
+            ),
+            ("wal_level".into(), "logical".into()),
+            ("max_wal_senders".into(), "20".into()),
+            ("max_replication_slots".into(), "20".into()),
+            ("wal_sender_timeout".into(), "10s".into()),
+            ("fsync".into(), "off".into()),
+            ("max_connections".into(), "100".into()),
+            ("shared_buffers".into(), "128MB".into()),
+            ("logging_collector".into(), "off".into()),
+            ("log_destination".into(), "stderr".into()),
+        ];
+        match self.auth {
+            PgAuth::Trust => {}
+            PgAuth::Md5 => settings.push(("password_encryption".into(), "md5".into())),
+            PgAuth::Scram => settings.push(("password_encryption".into(), "scram-sha-256".into())),
+        }
+        if let Some(tls) = &self.tls {
+            settings.push(("ssl".into(), "on".into()));
+            settings.push((
+                "ssl_cert_file".into(),
+                tls.server_cert.display().to_string(),
+            ));
+            settings.push(("ssl_key_file".into(), tls.server_key.display().to_string()));
+        }
+        settings.extend(self.settings.iter().cloned());
+
+        let mut args: Vec<OsString> = vec!["-D".into(), self.data_dir.clone().into()];
+        for (name, value) in settings {
+            args.push("-c".into());
+            args.push(format!("{name}={value}").into());
+        }
+        args
+    }
+
+    /// Spawn the postmaster and wait until it serves queries on our port.
+    fn launch(&mut self) -> Result<(), LaunchError> {
+        let log_offset = crate::file_len(&self.log_path);
+        let log = OpenOptions::new()
+            .append(true)
+            .open(&self.log_path)
+            .unwrap_or_else(|e| panic!("testkit: open {}: {e}", self.log_path.display()));
+        let log2 = log
+            .try_clone()
+            .expect("testkit: duplicate the postgres log file handle");
+        let mut command = Command::new(self.bin_dir.join("postgres"));
+        command
+            .args(self.server_args())
+            .current_dir(&self.socket_dir)
+            .env_remove("PGDATA")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        as_server_user(&mut command);
+        let child = Managed::spawn(&mut command, Some(libc::SIGQUIT)).unwrap_or_else(|e| {
+            panic!(
+                "testkit: spawn {}: {e}",
+                self.bin_dir.join("postgres").display()
+            )
+        });
+        *self.lock_child() = Some(child);
+
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let exited = self.lock_child().as_mut().and_then(Managed::try_wait);
+            if let Some(status) = exited {
+                let log = crate::read_from(&self.log_path, log_offset);
+                let msg = format!(
+                    "testkit: postgres exited with {status} while starting on port {}; log:\n{}",
+                    self.port,
+                    crate::tail(&log, 40)
+                );
+                return Err(if log.contains("Address already in use") {
+                    LaunchError::PortInUse(msg)
+                } else {
+                    LaunchError::Failed(msg)
+                });
+            }
+            // Our private unix socket answering proves that *our* postmaster
+            // is up (it binds the TCP port before creating the socket, and
+            // exits if it cannot), so another server that grabbed the port
+            // is never mistaken for ours. The socket is always trust, so
+            // this works before the password is set.
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+                && self.try_psql_socket("select 1").is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                if let Some(child) = self.lock_child().as_mut() {
+                    child.stop_with(libc::SIGQUIT, Duration::from_secs(5));
+                }
+                return Err(LaunchError::Failed(format!(
+                    "testkit: timed out after {START_TIMEOUT:?} waiting for postgres to accept connections on \
+                     port {}; log tail:\n{}",
+                    self.port,
+                    crate::tail(&crate::read_from(&self.log_path, log_offset), 40)
+                )));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// psql over the unix socket (always trust), as the superuser.
+    fn try_psql_socket(&self, sql: &str) -> Result<String, String> {
+        let conninfo = format!(
+            "host={} port={} user=postgres dbname=postgres",
+            quote_conninfo(&self.socket_dir.display().to_string()),
+            self.port
+        );
+        run_psql(&self.bin_dir, &conninfo, None, sql)
+    }
+
+    fn psql_socket(&self, sql: &str) -> String {
+        self.try_psql_socket(sql)
+            .unwrap_or_else(|e| panic!("testkit: psql over the unix socket failed:\n{sql}\n{e}"))
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        if let Some(child) = self.lock_child().as_mut() {
+            child.stop_with(libc::SIGQUIT, Duration::from_secs(10));
+        }
+        cleanup::unregister_dir(self.dir.path());
+        // `dir` (a TempDir) removes the directory when the fields are dropped.
+    }
+}
+
+fn pg_bin_dir() -> PathBuf {
+    let dir = std::env::var_os("TESTKIT_PG_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_PG_BIN_DIR));
+    for bin in ["initdb", "postgres", "psql"] {
+        assert!(
+            dir.join(bin).is_file(),
+            "testkit: PostgreSQL 15 server binary `{bin}` not found in {}: install it with \
+             `apt-get install postgresql-15` (or point TESTKIT_PG_BIN_DIR at the bin directory)",
+            dir.display()
+        );
+    }
+    dir
+}
+
+fn as_server_user(command: &mut Command) {
+    if let Some((uid, gid)) = crate::server_owner() {
+        command.uid(uid).gid(gid);
+    }
+}
+
+/// The per-process template data directory (initdb runs once).
+fn template_data_dir(bin_dir: &Path) -> &'static Path {
+    static TEMPLATE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    let (_, data_dir) = TEMPLATE.get_or_init(|| {
+        // Never dropped (static): the atexit handler removes it.
+        let dir = tempfile::Builder::new()
+            .prefix("testkit-pgtemplate-")
+            .tempdir_in(crate::temp_base())
+            .expect("testkit: create a temporary directory for the initdb template");
+        cleanup::register_dir(dir.path());
+        crate::chown_to_server(dir.path());
+        let data_dir = dir.path().join("data");
+        initdb(bin_dir, dir.path(), &data_dir);
+        (dir, data_dir)
+    });
+    data_dir
+}
+
+fn initdb(bin_dir: &Path, root: &Path, data_dir: &Path) {
+    let mut command = Command::new(bin_dir.join("initdb"));
+    command
+        .arg("-D")
+        .arg(data_dir)
+        .args(["-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync"])
+        .arg("--auth=trust")
+        .current_dir(root)
+        .env_remove("PGDATA")
+        .stdin(Stdio::null());
+    as_server_user(&mut command);
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("testkit: run {}: {e}", bin_dir.join("initdb").display()));
+    assert!(
+        output.status.success(),
+        "testkit: initdb failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Copy a (never started) data directory, keeping modes, owned by the
+/// server user.
+fn copy_tree(from: &Path, to: &Path) {
+    let mode = std::fs::metadata(from)
+        .unwrap_or_else(|e| panic!("testkit: stat {}: {e}", from.display()))
+        .permissions()
+        .mode();
+    std::fs::DirBuilder::new()
+        .mode(mode & 0o7777)
+        .create(to)
+        .unwrap_or_else(|e| panic!("testkit: create {}: {e}", to.display()));
+    crate::chown_to_server(to);
+    let entries =
+        std::fs::read_dir(from).unwrap_or_else(|e| panic!("testkit: read {}: {e}", from.display()));
+    for entry in entries {
+        let entry = entry.unwrap_or_else(|e| panic!("testkit: read {}: {e}", from.display()));
+        let src = entry.path();
+        let dst = to.join(entry.file_name());
+        let file_type = entry
+            .file_type()
+            .unwrap_or_else(|e| panic!("testkit: stat {}: {e}", src.display()));
+        if file_type.is_dir() {
+            copy_tree(&src, &dst);
+        } else if file_type.is_symlink() {
+            let target = std::fs::read_link(&src)
+                .unwrap_or_else(|e| panic!("testkit: readlink {}: {e}", src.display()));
+            std::os::unix::fs::symlink(&target, &dst)
+                .unwrap_or_else(|e| panic!("testkit: symlink {}: {e}", dst.display()));
+            if let Some((uid, gid)) = crate::server_owner() {
+                let _ = std::os::unix::fs::lchown(&dst, Some(uid), Some(gid));
+            }
+        } else {
+            std::fs::copy(&src, &dst).unwrap_or_else(|e| {
+                panic!("testkit: copy {} to {}: {e}", src.display(), dst.display())
+            });
+            crate::chown_to_server(&dst);
+        }
+    }
+}
+
+fn write_hba(data_dir: &Path, auth: PgAuth, tls: bool) {
+    let method = auth.hba_method();
+    let mut hba = String::from(
+        "# written by testkit\n\
+         # TYPE   DATABASE     USER  ADDRESS        METHOD\n\
+         local    all          all                  trust\n\
+         local    replication  all                  trust\n",
+    );
+    let mut host_lines = |kind: &str| {
+        for address in ["127.0.0.1/32", "::1/128"] {
+            for database in ["all", "replication"] {
+                hba.push_str(&format!(
+                    "{kind:<8} {database:<12} all   {address:<14} {method}\n"
+                ));
+            }
+        }
+    };
+    if tls {
+        host_lines("hostssl");
+    }
+    host_lines("host");
+    let path = data_dir.join("pg_hba.conf");
+    // Truncating the existing file keeps its owner (the server user).
+    let mut file = OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("testkit: open {}: {e}", path.display()));
+    file.write_all(hba.as_bytes())
+        .unwrap_or_else(|e| panic!("testkit: write {}: {e}", path.display()));
+}
+
+fn run_psql(
+    bin_dir: &Path,
+    conninfo: &str,
+    password: Option<&str>,
+    sql: &str,
+) -> Result<String, String> {
+    let psql = bin_dir.join("psql");
+    let mut command = Command::new(&psql);
+    command
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-w",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-f",
+            "-",
+            "-d",
+        ])
+        .arg(conninfo)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for var in [
+        "PGPASSWORD",
+        "PGPASSFILE",
+        "PGSERVICE",
+        "PGSERVICEFILE",
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+        "PGOPTIONS",
+        "PGHOST",
+        "PGHOSTADDR",
+        "PGPORT",
+        "PGUSER",
+        "PGDATABASE",
+        "PGTARGETSESSIONATTRS",
+    ] {
+        command.env_remove(var);
+    }
+    command
+        .env("PGPASSFILE", "/nonexistent/testkit-no-pgpass")
+        .env("PGAPPNAME", "testkit-psql");
+    if let Some(password) = password {
+        command.env("PGPASSWORD", password);
+    }
+    let mut child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("testkit: run {}: {e}", psql.display()));
+    let mut stdin = child.stdin.take().expect("testkit: psql stdin is piped");
+    // Feed stdin from another thread so a large script cannot deadlock
+    // against a large result.
+    let output = thread::scope(|scope| {
+        scope.spawn(move || {
+            let _ = stdin.write_all(sql.as_bytes());
+            let _ = stdin.write_all(b"\n");
+        });
+        child.wait_with_output()
+    })
+    .unwrap_or_else(|e| panic!("testkit: wait for {}: {e}", psql.display()));
+    if output.status.success() {
+        let mut stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        while stdout.ends_with('\n') {
+            stdout.pop();
+        }
+        Ok(stdout)
+    } else {
+        Err(format!(
+            "psql exited with {}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim_end()
+        ))
+    }
+}
+
+fn quote_conninfo(value: &str) -> String {
+    let mut out = String::from("'");
+    for c in value.chars() {
+        if c == '\'' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('\'');
+    out
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+fn quote_literal(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "''"))
+}
+
+fn percent_encode(value: &str) -> String {
+    let mut out = String::new();
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
