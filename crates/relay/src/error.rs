@@ -1,0 +1,69 @@
+//! The relay's errors, split by what happens next: a transient error restarts the pipeline
+//! from the slot's confirmed position after a backoff; a permanent one stops the process
+//! with a non-zero exit and a message that names the problem and the fix.
+
+use std::fmt;
+
+/// An error of the relay.
+#[derive(Debug)]
+pub struct RelayError {
+    /// Whether retrying can help.
+    pub kind: ErrorKind,
+    /// The message, with the fix where the operator can apply one.
+    pub error: anyhow::Error,
+}
+
+/// What the caller must do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Reconnect and resume from the confirmed position.
+    Transient,
+    /// Stop for an operator.
+    Permanent,
+}
+
+impl RelayError {
+    /// A transient error.
+    pub fn transient(error: impl Into<anyhow::Error>) -> Self {
+        Self {
+            kind: ErrorKind::Transient,
+            error: error.into(),
+        }
+    }
+
+    /// A permanent error.
+    pub fn permanent(error: impl Into<anyhow::Error>) -> Self {
+        Self {
+            kind: ErrorKind::Permanent,
+            error: error.into(),
+        }
+    }
+
+    /// Whether retrying can help.
+    pub fn is_transient(&self) -> bool {
+        self.kind == ErrorKind::Transient
+    }
+}
+
+impl fmt::Display for RelayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#}", self.error)
+    }
+}
+
+impl From<replication::Error> for RelayError {
+    fn from(error: replication::Error) -> Self {
+        let kind = if error.is_transient() {
+            ErrorKind::Transient
+        } else {
+            ErrorKind::Permanent
+        };
+        Self {
+            kind,
+            error: error.into(),
+        }
+    }
+}
+
+/// Shorthand.
+pub type Result<T, E = RelayError> = std::result::Result<T, E>;

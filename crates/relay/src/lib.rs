@@ -1,0 +1,20 @@
+//! outbox-relay: a Postgres transactional-outbox table, streamed over logical replication
+//! into a NATS JetStream stream, every committed event exactly once and in commit order.
+//!
+//! This crate wires the others and holds no domain logic of its own: [`config`] turns
+//! flags, environment and file into a validated [`Config`]; [`bootstrap`] checks and
+//! creates the publication, slot and stream; [`decode`] frames replication messages into
+//! sink items; [`pipeline`] runs the reader and the sink and restarts them on failure.
+//!
+//! # Invariants
+//! The numbered invariants I1–I5 are stated in [`pipeline`] and in docs/architecture.md.
+
+pub mod bootstrap;
+pub mod config;
+pub mod decode;
+pub mod error;
+pub mod pipeline;
+
+pub use config::Config;
+pub use error::RelayError;
+pub use pipeline::run;

@@ -1,0 +1,374 @@
+//! The running relay: one replication session and one JetStream sink at a time, restarted
+//! from the slot's confirmed position after any transient failure.
+//!
+//! ```text
+//!  Postgres walsender ══ CopyBoth ══► reader task ──Vec<SinkItem>──► publisher ──► acker
+//!        ▲                          (decode, batch,   bounded mpsc       │ window     │
+//!        │ StandbyStatusUpdate       backpressure)                       │ semaphore  ▼
+//!        └──────────── flush = watermark ◄──────── watch<Lsn> ◄─────── AckTracker (sink)
+//! ```
+//!
+//! # Invariants (numbered as in docs/architecture.md)
+//! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
+//!   the newest transaction whose events, and all earlier ones', JetStream acknowledged.
+//! - I2 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` and at once when
+//!   the server asks, whatever the pipeline's backpressure: the reader never blocks on the
+//!   sink while it could be answering the server.
+//! - I3 Memory is bounded: at most one batch waits in the reader, a few batches in the
+//!   channel, and `max_in_flight` publishes in the sink.
+//! - I4 On any transient failure the whole session (replication stream, sink, in-flight
+//!   window) is dropped and a new one starts from the slot's `confirmed_flush_lsn`;
+//!   replayed events carry the same `Nats-Msg-Id`, which JetStream de-duplicates.
+//! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
+//!   the deadline, and the final status carries the watermark only.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use pgoutput::{Lsn, ReplicationMessage};
+use rand::Rng;
+use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
+use sink::{SinkItem, SinkOptions, SinkStats};
+use tokio::sync::{mpsc, watch};
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::bootstrap;
+use crate::config::Config;
+use crate::decode::Decoder;
+use crate::error::{RelayError, Result};
+
+/// Items per batch handed from the reader to the sink at most.
+const MAX_BATCH: usize = 512;
+/// Batches the reader→sink channel holds.
+const CHANNEL_BATCHES: usize = 4;
+/// The reader's timer period: the status interval, but at least this often so confirmed
+/// progress reaches Postgres promptly.
+const MAX_TICK: Duration = Duration::from_secs(1);
+
+/// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
+    let stats = Arc::new(SinkStats::default());
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    let mut bootstrapped = false;
+    loop {
+        let started = Instant::now();
+        let result = session(&config, &shutdown, &mut bootstrapped, &stats).await;
+        match result {
+            Ok(()) => return Ok(()),
+            Err(error) if !error.is_transient() => return Err(error),
+            Err(error) => {
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
+                if started.elapsed() > Duration::from_secs(30) {
+                    backoff.reset();
+                }
+                let delay = backoff.next_delay();
+                warn!(error = %error, retry_in = ?delay, "relay session ended; resuming from the slot's confirmed position");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// Capped exponential backoff with full jitter.
+#[derive(Debug)]
+struct Backoff {
+    base: Duration,
+    cap: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    fn new(base: Duration, cap: Duration) -> Self {
+        Self {
+            base,
+            cap,
+            attempt: 0,
+        }
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let ceiling = self
+            .base
+            .saturating_mul(1 << self.attempt.min(16))
+            .min(self.cap);
+        self.attempt += 1;
+        let jitter = rand::rng().random_range(0.5..=1.0);
+        ceiling.mul_f64(jitter)
+    }
+}
+
+/// Connects to NATS.
+pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
+    async_nats::ConnectOptions::new()
+        .name("outbox-relay")
+        .connection_timeout(Duration::from_secs(5))
+        .connect(config.nats_url.expose())
+        .await
+        .map_err(|e| {
+            let message = format!("cannot connect to NATS at {}: {e}", config.nats_url);
+            match e.kind() {
+                async_nats::ConnectErrorKind::Authentication
+                | async_nats::ConnectErrorKind::AuthorizationViolation => RelayError::permanent(
+                    anyhow::anyhow!("{message}: check the credentials in NATS_URL"),
+                ),
+                _ => RelayError::transient(anyhow::anyhow!(message)),
+            }
+        })
+}
+
+/// A JetStream context for the relay's publishing.
+pub fn jetstream_context(client: async_nats::Client, config: &Config) -> jetstream::Context {
+    jetstream::context::ContextBuilder::new()
+        .timeout(config.ack_timeout)
+        .max_ack_inflight(config.max_in_flight + 1)
+        .build(client)
+}
+
+/// Checks and creates everything the relay needs (`outbox-relay init`, and the first
+/// session of `run`).
+pub async fn init(config: &Config) -> Result<bootstrap::SlotState> {
+    let client = replication::connect_sql(&config.database).await?;
+    let slot = bootstrap::postgres(&client, config).await?;
+    let nats = connect_nats(config).await?;
+    bootstrap::stream(&jetstream_context(nats, config), config).await?;
+    Ok(slot)
+}
+
+async fn session(
+    config: &Config,
+    shutdown: &CancellationToken,
+    bootstrapped: &mut bool,
+    stats: &Arc<SinkStats>,
+) -> Result<()> {
+    let slot = if *bootstrapped {
+        // The slot must still exist: recreating it would silently skip what was committed
+        // while it was gone.
+        let client = replication::connect_sql(&config.database).await?;
+        let mut checking = config.clone();
+        checking.create = false;
+        bootstrap::postgres(&client, &checking).await?
+    } else {
+        init(config).await?
+    };
+    *bootstrapped = true;
+    let jetstream = jetstream_context(connect_nats(config).await?, config);
+
+    let mut connection = ReplicationConnection::connect(&config.database).await?;
+    let wal_sender_timeout = connection.wal_sender_timeout().await?;
+    let status_interval = replication::status_interval(wal_sender_timeout);
+    let publication = quote_identifier(&config.publication);
+    let stream = connection
+        .start_logical_replication(
+            &config.slot,
+            Lsn::ZERO,
+            &[("proto_version", "1"), ("publication_names", &publication)],
+        )
+        .await?;
+    info!(
+        slot = %config.slot,
+        confirmed_flush_lsn = %slot.confirmed_flush_lsn,
+        stream = %config.stream,
+        "streaming outbox events"
+    );
+
+    let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
+    let (watermark_tx, watermark_rx) = watch::channel(slot.confirmed_flush_lsn);
+    let decoder = Decoder::new(
+        config.table.clone(),
+        config.subject_prefix.clone(),
+        config.partitions,
+    );
+    let options = SinkOptions {
+        max_in_flight: config.max_in_flight,
+    };
+    let sink = tokio::spawn(sink::run(
+        jetstream,
+        options,
+        items_rx,
+        watermark_tx,
+        stats.clone(),
+    ));
+    let reader = Reader {
+        stream,
+        decoder,
+        items: Some(items_tx),
+        confirmed: watermark_rx,
+        feedback: Feedback::new(status_interval),
+    };
+    let drain_deadline = config.shutdown_timeout;
+    let read_result = reader.run(shutdown.clone(), drain_deadline).await;
+    // The reader has dropped its sender, so the sink drains what is in flight and ends.
+    let sink_result = match tokio::time::timeout(drain_deadline, sink).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(join)) => {
+            return Err(RelayError::permanent(anyhow::anyhow!(
+                "the sink task failed: {join}"
+            )))
+        }
+        Err(_) => Ok(()),
+    };
+    if let Err(error) = sink_result {
+        let id = error.poison_id();
+        let error = anyhow::Error::new(error);
+        return Err(match id {
+            Some(_) => RelayError::permanent(error.context(
+                "JetStream refuses this event permanently; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or see docs/guarantees.md)",
+            )),
+            None => RelayError::transient(error),
+        });
+    }
+    read_result
+}
+
+/// What one turn of the reader's loop saw.
+enum Step {
+    Shutdown,
+    Watermark { sink_running: bool },
+    Tick,
+    Handed,
+    Message(std::result::Result<ReplicationMessage, replication::Error>),
+}
+
+struct Reader {
+    stream: ReplicationStream,
+    decoder: Decoder,
+    items: Option<mpsc::Sender<Vec<SinkItem<Lsn>>>>,
+    confirmed: watch::Receiver<Lsn>,
+    feedback: Feedback,
+}
+
+impl Reader {
+    /// Reads until shutdown (then drains) or an error. See I2, I3, I5.
+    async fn run(mut self, shutdown: CancellationToken, drain_deadline: Duration) -> Result<()> {
+        self.feedback.update(*self.confirmed.borrow_and_update());
+        let mut tick = tokio::time::interval(self.feedback.interval().min(MAX_TICK));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut pending: Vec<SinkItem<Lsn>> = Vec::with_capacity(MAX_BATCH);
+        let mut drain_until: Option<tokio::time::Instant> = None;
+        loop {
+            let intake_open = self.items.is_some();
+            // Each branch only yields a step; the steps are handled below, once the branch
+            // futures (which borrow parts of `self`) are dropped.
+            let step = tokio::select! {
+                biased;
+                // PRIORITY 1: shutdown stops intake (cancel-safe: a token wait).
+                _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
+                // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
+                changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
+                // PRIORITY 3: status on schedule (cancel-safe: interval tick).
+                _ = tick.tick() => Step::Tick,
+                // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
+                permit = reserve(&self.items), if intake_open && !pending.is_empty() => match permit {
+                    Some(permit) => {
+                        permit.send(std::mem::replace(&mut pending, Vec::with_capacity(MAX_BATCH)));
+                        Step::Handed
+                    }
+                    // The sink ended; PRIORITY 2 reports why.
+                    None => Step::Handed,
+                },
+                // PRIORITY 5: new WAL, only while nothing is pending (cancel-safe: recv).
+                message = self.stream.recv(), if intake_open && pending.is_empty() => Step::Message(message),
+            };
+            match step {
+                Step::Shutdown => {
+                    // What is pending was never published: dropping it leaves it unconfirmed.
+                    info!("shutting down: waiting for in-flight acks");
+                    self.items = None;
+                    pending.clear();
+                    drain_until = Some(tokio::time::Instant::now() + drain_deadline);
+                }
+                Step::Watermark { sink_running: true } => {
+                    self.feedback.update(*self.confirmed.borrow_and_update());
+                }
+                Step::Watermark {
+                    sink_running: false,
+                } => {
+                    // The sink is gone: report its final watermark and stop.
+                    self.feedback.update(*self.confirmed.borrow());
+                    self.send_status().await?;
+                    if intake_open {
+                        // The sink failed; its error is the session's result.
+                        return Ok(());
+                    }
+                    info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
+                    if let Err(error) = self.stream.finish().await {
+                        debug!(error = %error, "closing the replication stream");
+                    }
+                    return Ok(());
+                }
+                Step::Tick => {
+                    if drain_until.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
+                        warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
+                        self.send_status().await?;
+                        return Ok(());
+                    }
+                    if self.feedback.due(tokio::time::Instant::now()) {
+                        self.send_status().await?;
+                    }
+                }
+                Step::Handed => {}
+                Step::Message(message) => {
+                    self.on_message(message?, &mut pending).await?;
+                    while pending.len() < MAX_BATCH {
+                        match self.stream.try_recv_buffered() {
+                            Some(message) => self.on_message(message?, &mut pending).await?,
+                            None => break,
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_message(
+        &mut self,
+        message: ReplicationMessage,
+        pending: &mut Vec<SinkItem<Lsn>>,
+    ) -> Result<()> {
+        if let ReplicationMessage::PrimaryKeepalive(keepalive) = &message {
+            if keepalive.reply_requested {
+                self.send_status().await?;
+            }
+        }
+        self.decoder.on_message(message, pending).inspect_err(|e| {
+            if !e.is_transient() {
+                error!(error = %e, "cannot relay");
+            }
+        })
+    }
+
+    async fn send_status(&mut self) -> Result<()> {
+        self.stream.send_feedback(&mut self.feedback).await?;
+        Ok(())
+    }
+}
+
+async fn reserve<T>(sender: &Option<mpsc::Sender<T>>) -> Option<mpsc::Permit<'_, T>> {
+    sender.as_ref()?.reserve().await.ok()
+}
+
+/// A future that completes on SIGTERM or SIGINT.
+pub fn shutdown_signal() -> impl Future<Output = ()> {
+    async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).ok();
+        let mut int = signal(SignalKind::interrupt()).ok();
+        tokio::select! {
+            _ = async { if let Some(s) = term.as_mut() { s.recv().await } else { std::future::pending().await } } => {}
+            _ = async { if let Some(s) = int.as_mut() { s.recv().await } else { std::future::pending().await } } => {}
+        }
+    }
+}

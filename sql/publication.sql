@@ -1,0 +1,16 @@
+-- Publication and slot for outbox-relay. `outbox-relay run` (and `outbox-relay init`)
+-- create both when missing; run this yourself when the relay's role may not (it must own
+-- the table to create a publication), then start the relay with --no-create.
+--
+-- Requires wal_level = logical (ALTER SYSTEM SET wal_level = logical; then restart).
+-- Only INSERTs are published: the relay publishes nothing for UPDATE, DELETE or TRUNCATE.
+
+create publication outbox_relay for table public.outbox_events with (publish = 'insert');
+
+-- Events committed before the slot exists are not relayed: create it before the first
+-- event you want in the stream (see docs/operations.md on migrating from a polling publisher).
+select pg_create_logical_replication_slot('outbox_relay', 'pgoutput');
+
+-- Bound the WAL a stalled relay can make Postgres keep (Postgres 13+); past it the slot is
+-- invalidated and the relay stops with an error instead of filling the disk.
+-- alter system set max_slot_wal_keep_size = '10GB';
