@@ -22,7 +22,6 @@
 //! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
 //!   the deadline, and the final status carries the watermark only.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -360,15 +359,18 @@ async fn reserve<T>(sender: &Option<mpsc::Sender<T>>) -> Option<mpsc::Permit<'_,
     sender.as_ref()?.reserve().await.ok()
 }
 
-/// A future that completes on SIGTERM or SIGINT.
-pub fn shutdown_signal() -> impl Future<Output = ()> {
-    async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).ok();
-        let mut int = signal(SignalKind::interrupt()).ok();
-        tokio::select! {
-            _ = async { if let Some(s) = term.as_mut() { s.recv().await } else { std::future::pending().await } } => {}
-            _ = async { if let Some(s) = int.as_mut() { s.recv().await } else { std::future::pending().await } } => {}
-        }
+/// Completes on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the process can still be stopped; it just cannot drain.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
     }
 }

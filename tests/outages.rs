@@ -1,0 +1,115 @@
+//! Server outages under a running relay: nats-server stopped (nothing confirmed past what
+//! JetStream stored; everything arrives when it returns) and Postgres crashed (the relay
+//! reconnects and resumes from the slot). These tests stop servers, so they get their own,
+//! started in this test binary only.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pgoutput::Lsn;
+use support::{insert_transaction, Case, DEADLINE};
+use testkit::{Nats, Postgres};
+
+/// These tests restart servers: run them one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// (d) With nats-server stopped, new events are not confirmed (the slot's
+/// `confirmed_flush_lsn` stays at or below their commit LSN); when it returns they arrive
+/// and the slot advances past them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_committed_while_nats_is_down_are_not_confirmed_until_stored() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let pg = Postgres::start();
+    let mut nats = Nats::start();
+    let mut case = Case::new(&pg, &nats, "nats_down");
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let js = case.jetstream().await;
+    insert_transaction(&mut sql, 10, 2, "before").await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    drop(js);
+
+    nats.kill();
+    let during = insert_transaction(&mut sql, 200, 5, "during").await;
+    // Watch the slot over several status intervals (the relay reports at least every
+    // second) while the broker is down.
+    let mut samples = Vec::new();
+    let watch_until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < watch_until {
+        samples.push(case.confirmed_flush_lsn(&sql).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    nats.start_again();
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 210, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    assert_eq!(messages.len(), 210, "each event once");
+    let stored_ids: Vec<i64> = messages[10..].iter().map(|m| m.outbox_id()).collect();
+    assert_eq!(stored_ids, during);
+    let commit_lsn = messages[10].commit_lsn();
+    let highest_sample = samples.iter().copied().max().unwrap();
+    assert!(
+        highest_sample <= commit_lsn,
+        "while NATS was down the slot confirmed {highest_sample}, past the unstored transaction at {commit_lsn}"
+    );
+    let advanced: Lsn = support::eventually(
+        "the slot to confirm the stored events",
+        DEADLINE,
+        || async {
+            let confirmed = case.confirmed_flush_lsn(&sql).await;
+            (confirmed > commit_lsn).then_some(confirmed)
+        },
+    )
+    .await;
+    eprintln!(
+        "nats_down: {} samples while down, highest {highest_sample} <= commit {commit_lsn}; after restart confirmed {advanced}",
+        samples.len()
+    );
+    drop(relay);
+}
+
+/// Postgres crashes (immediate shutdown) twice while events flow: the relay reconnects,
+/// resumes from the slot, and every committed row is in the stream exactly once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crash_and_restart_loses_nothing_and_duplicates_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pg = Postgres::start();
+    let nats = Nats::start();
+    let case = Case::new(&pg, &nats, "pg_crash");
+    let relay = case.start_relay();
+    let js = case.jetstream().await;
+    let mut committed = Vec::new();
+    for round in 0..3 {
+        let mut sql = case.sql().await;
+        for i in 0..10 {
+            committed.extend(insert_transaction(&mut sql, 100, 10, &format!("r{round}-{i}")).await);
+        }
+        drop(sql);
+        if round < 2 {
+            pg.crash();
+            pg.start_again();
+        }
+    }
+    case.wait_for_count(&js, committed.len() as u64, DEADLINE)
+        .await;
+    let messages = case.messages(&js).await;
+    let keys: HashSet<&str> = messages.iter().map(|m| m.header("Nats-Msg-Id")).collect();
+    assert_eq!(keys.len(), messages.len(), "no duplicates");
+    let ids: Vec<i64> = messages.iter().map(|m| m.outbox_id()).collect();
+    assert_eq!(ids, committed, "every committed row, in commit order");
+    assert!(
+        relay
+            .output()
+            .contains("resuming from the slot's confirmed position"),
+        "the relay reconnected"
+    );
+    eprintln!("pg_crash: 2 crashes, {} rows once each", ids.len());
+}
