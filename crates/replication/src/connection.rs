@@ -117,6 +117,16 @@ impl ReplicationConnection {
 
     async fn connect_inner(info: &ConnInfo, target: String) -> Result<Self, Error> {
         let (socket, transport) = open(info, &target).await?;
+        Self::start_session(socket, transport, info, target).await
+    }
+
+    /// Startup, authentication and the settings check on an open socket.
+    async fn start_session(
+        socket: BoxSocket,
+        transport: Transport,
+        info: &ConnInfo,
+        target: String,
+    ) -> Result<Self, Error> {
         let tls = matches!(transport, Transport::Tls { .. });
         let (read, write) = tokio::io::split(socket);
         let mut connection = ReplicationConnection {
@@ -674,6 +684,217 @@ mod tests {
             start_replication_command("s", Lsn::ZERO, &[]),
             "START_REPLICATION SLOT \"s\" LOGICAL 0/0"
         );
+    }
+
+    /// A scripted server on the other end of a pipe: checks what the client sends and
+    /// answers with canned messages.
+    mod fake {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+        pub(super) fn message(tag: u8, body: &[u8]) -> Vec<u8> {
+            let mut out = vec![tag];
+            out.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+            out.extend_from_slice(body);
+            out
+        }
+
+        pub(super) fn auth(code: i32, extra: &[u8]) -> Vec<u8> {
+            let mut body = code.to_be_bytes().to_vec();
+            body.extend_from_slice(extra);
+            message(b'R', &body)
+        }
+
+        pub(super) fn parameter(name: &str, value: &str) -> Vec<u8> {
+            message(b'S', format!("{name}\0{value}\0").as_bytes())
+        }
+
+        pub(super) fn ready() -> Vec<u8> {
+            message(b'Z', b"I")
+        }
+
+        /// The startup packet's parameters.
+        pub(super) async fn read_startup(server: &mut DuplexStream) -> Vec<(String, String)> {
+            let length = server.read_u32().await.unwrap() as usize;
+            let mut body = vec![0; length - 4];
+            server.read_exact(&mut body).await.unwrap();
+            assert_eq!(&body[..4], &196_608u32.to_be_bytes(), "protocol 3.0");
+            let text = String::from_utf8(body[4..].to_vec()).unwrap();
+            let words: Vec<&str> = text.split('\0').filter(|w| !w.is_empty()).collect();
+            words
+                .chunks(2)
+                .map(|pair| (pair[0].to_owned(), pair[1].to_owned()))
+                .collect()
+        }
+
+        /// One tagged message from the client.
+        pub(super) async fn read_message(server: &mut DuplexStream) -> (u8, Vec<u8>) {
+            let tag = server.read_u8().await.unwrap();
+            let length = server.read_u32().await.unwrap() as usize;
+            let mut body = vec![0; length - 4];
+            server.read_exact(&mut body).await.unwrap();
+            (tag, body)
+        }
+
+        pub(super) async fn send(server: &mut DuplexStream, parts: &[Vec<u8>]) {
+            server.write_all(&parts.concat()).await.unwrap();
+        }
+
+        pub(super) fn good_settings() -> Vec<Vec<u8>> {
+            vec![
+                parameter("client_encoding", "UTF8"),
+                parameter("DateStyle", "ISO, MDY"),
+                parameter("TimeZone", "UTC"),
+                parameter("standard_conforming_strings", "on"),
+                parameter("server_version", "15.4 (Debian 15.4-1)"),
+            ]
+        }
+    }
+
+    async fn session_with(
+        info: &str,
+        script: impl FnOnce(tokio::io::DuplexStream) -> tokio::task::JoinHandle<()>,
+    ) -> Result<ReplicationConnection, Error> {
+        let info = ConnInfo::parse_with_env(info, |_| None).unwrap();
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let server = script(server);
+        let result = ReplicationConnection::start_session(
+            Box::new(client),
+            Transport::Plain,
+            &info,
+            info.redacted(),
+        )
+        .await;
+        server.await.unwrap();
+        result
+    }
+
+    #[tokio::test]
+    async fn startup_pins_settings_and_answers_cleartext_password() {
+        let connection = session_with(
+            "user=relay password=pw dbname=app application_name=r",
+            |mut server| {
+                tokio::spawn(async move {
+                    let parameters = fake::read_startup(&mut server).await;
+                    for expected in [
+                        ("user", "relay"),
+                        ("database", "app"),
+                        ("replication", "database"),
+                        ("client_encoding", "UTF8"),
+                        ("DateStyle", "ISO"),
+                        ("TimeZone", "UTC"),
+                        ("standard_conforming_strings", "on"),
+                        ("application_name", "r"),
+                    ] {
+                        assert!(
+                            parameters.contains(&(expected.0.to_owned(), expected.1.to_owned())),
+                            "{expected:?} missing from {parameters:?}"
+                        );
+                    }
+                    fake::send(&mut server, &[fake::auth(3, b"")]).await;
+                    assert_eq!(
+                        fake::read_message(&mut server).await,
+                        (b'p', b"pw\0".to_vec())
+                    );
+                    let mut reply = vec![fake::auth(0, b"")];
+                    reply.extend(fake::good_settings());
+                    reply.push(fake::message(b'K', &[0, 0, 0, 42, 0, 0, 0, 7]));
+                    reply.push(fake::ready());
+                    fake::send(&mut server, &reply).await;
+                })
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(connection.backend_pid(), Some(42));
+        assert_eq!(connection.server_version_num(), Some(150_004));
+        assert_eq!(connection.parameter("DateStyle"), Some("ISO, MDY"));
+    }
+
+    #[tokio::test]
+    async fn a_setting_that_did_not_stick_is_a_permanent_error() {
+        let error = session_with("user=relay", |mut server| {
+            tokio::spawn(async move {
+                fake::read_startup(&mut server).await;
+                let mut reply = vec![fake::auth(0, b"")];
+                reply.extend(fake::good_settings());
+                reply.push(fake::parameter("TimeZone", "Europe/Berlin"));
+                reply.push(fake::ready());
+                fake::send(&mut server, &reply).await;
+            })
+        })
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::Setting {
+                    parameter: "TimeZone",
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert!(!error.is_transient());
+    }
+
+    #[tokio::test]
+    async fn unsupported_or_impossible_authentication_is_permanent() {
+        let error = session_with("user=relay password=pw", |mut server| {
+            tokio::spawn(async move {
+                fake::read_startup(&mut server).await;
+                fake::send(&mut server, &[fake::auth(7, b"")]).await;
+            })
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(error, Error::Auth(_)), "{error}");
+        assert!(error.to_string().contains("GSSAPI"), "{error}");
+        assert!(!error.is_transient());
+
+        let error = session_with("user=relay", |mut server| {
+            tokio::spawn(async move {
+                fake::read_startup(&mut server).await;
+                fake::send(&mut server, &[fake::auth(5, &[1, 2, 3, 4])]).await;
+            })
+        })
+        .await
+        .unwrap_err();
+        assert!(error.to_string().contains("none was given"), "{error}");
+        assert!(!error.is_transient());
+
+        let error = session_with("user=relay password=pw", |mut server| {
+            tokio::spawn(async move {
+                fake::read_startup(&mut server).await;
+                fake::send(&mut server, &[fake::auth(10, b"OAUTHBEARER\0\0")]).await;
+            })
+        })
+        .await
+        .unwrap_err();
+        assert!(error.to_string().contains("OAUTHBEARER"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn md5_answer_and_server_errors_during_startup() {
+        let error = session_with("user=relay password=pw", |mut server| {
+            tokio::spawn(async move {
+                fake::read_startup(&mut server).await;
+                fake::send(&mut server, &[fake::auth(5, &[1, 2, 3, 4])]).await;
+                let (tag, body) = fake::read_message(&mut server).await;
+                assert_eq!(tag, b'p');
+                let expected =
+                    postgres_protocol::authentication::md5_hash(b"relay", b"pw", [1, 2, 3, 4]);
+                assert_eq!(body, [expected.as_bytes(), b"\0"].concat());
+                let error = fake::message(
+                    b'E',
+                    b"SFATAL\0VFATAL\0C57P03\0Mthe database system is starting up\0\0",
+                );
+                fake::send(&mut server, &[error]).await;
+            })
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(error.sqlstate(), Some("57P03"));
+        assert!(error.is_transient());
     }
 
     #[test]

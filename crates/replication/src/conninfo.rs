@@ -378,28 +378,24 @@ impl fmt::Display for ConnInfo {
 /// `user:password@host:port/dbname?k=v&...`, after the scheme.
 fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
     let mut pairs = Vec::new();
+    let (userinfo, rest) = split_userinfo(rest);
+    if let Some(userinfo) = userinfo {
+        let (user, password) = match userinfo.split_once(':') {
+            Some((user, password)) => (user, Some(password)),
+            None => (userinfo, None),
+        };
+        pairs.push(("user".to_owned(), percent_decode(user, "user")?));
+        if let Some(password) = password {
+            pairs.push(("password".to_owned(), percent_decode(password, "password")?));
+        }
+    }
     let (main, query) = match rest.split_once('?') {
         Some((main, query)) => (main, Some(query)),
         None => (rest, None),
     };
-    let (authority, path) = match main.split_once('/') {
-        Some((authority, path)) => (authority, Some(path)),
+    let (host_port, path) = match main.split_once('/') {
+        Some((host_port, path)) => (host_port, Some(path)),
         None => (main, None),
-    };
-    // libpq: the user info ends at the last '@' of the authority.
-    let host_port = match authority.rsplit_once('@') {
-        Some((userinfo, host_port)) => {
-            let (user, password) = match userinfo.split_once(':') {
-                Some((user, password)) => (user, Some(password)),
-                None => (userinfo, None),
-            };
-            pairs.push(("user".to_owned(), percent_decode(user, "user")?));
-            if let Some(password) = password {
-                pairs.push(("password".to_owned(), percent_decode(password, "password")?));
-            }
-            host_port
-        }
-        None => authority,
     };
     let (host, port) = if let Some(bracketed) = host_port.strip_prefix('[') {
         let (host, after) = bracketed.split_once(']').ok_or_else(|| {
@@ -443,6 +439,25 @@ fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
         pairs.push((key, percent_decode(value, what)?));
     }
     Ok(pairs)
+}
+
+/// Splits `user:password@` off the rest of the URL. The user info ends at the last '@'
+/// (so that a password with an unencoded '/', '?' or '@' stays whole and never ends up in
+/// the host, port or database name, where errors and logs would show it), except for an
+/// '@' inside the query string (`?application_name=me@host`).
+fn split_userinfo(rest: &str) -> (Option<&str>, &str) {
+    let Some(mut at) = rest.rfind('@') else {
+        return (None, rest);
+    };
+    if let Some(question) = rest[..at].find('?') {
+        if rest[question..at].contains('=') {
+            match rest[..question].rfind('@') {
+                Some(earlier) => at = earlier,
+                None => return (None, rest),
+            }
+        }
+    }
+    (Some(&rest[..at]), &rest[at + 1..])
 }
 
 /// Decodes `%XX` escapes (`+` stays a plus, as in libpq). Errors quote the text except for
@@ -621,10 +636,20 @@ mod tests {
         let info = parse("postgres://u@h");
         assert_eq!((info.host(), info.dbname()), ("h", "u"));
 
-        // A password with an unencoded '@': the user info ends at the last '@'.
-        let info = parse("postgres://u:p@ss@h/d");
-        assert_eq!(info.password().map(Secret::expose), Some("p@ss"));
-        assert_eq!(info.host(), "h");
+        // Passwords with unencoded delimiters stay whole: the user info ends at the last '@'.
+        for password in ["p@ss", "12/34", "pa?ss", "a:b", "x/y?z@w"] {
+            let info = parse(&format!("postgres://u:{password}@h:7/d?sslmode=disable"));
+            assert_eq!(info.password().map(Secret::expose), Some(password));
+            assert_eq!((info.user(), info.host(), info.port()), ("u", "h", 7));
+            assert_eq!((info.dbname(), info.sslmode()), ("d", SslMode::Disable));
+        }
+        // ... but an '@' in the query string is not the end of the user info.
+        let info = parse("postgres://h/d?application_name=me@host");
+        assert_eq!((info.host(), info.dbname()), ("h", "d"));
+        assert_eq!(info.application_name(), Some("me@host"));
+        let info = parse("postgres://u:p@h/d?application_name=me@host");
+        assert_eq!(info.password().map(Secret::expose), Some("p"));
+        assert_eq!(info.application_name(), Some("me@host"));
     }
 
     #[test]
