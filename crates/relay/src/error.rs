@@ -67,3 +67,10 @@ impl From<replication::Error> for RelayError {
 
 /// Shorthand.
 pub type Result<T, E = RelayError> = std::result::Result<T, E>;
+
+impl std::error::Error for RelayError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        // Display already prints the whole chain; expose the cause for callers that walk it.
+        self.error.source()
+    }
+}

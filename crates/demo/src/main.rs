@@ -1,0 +1,159 @@
+//! `cargo run -p outbox-relay-demo`: the whole relay on a local default.
+//!
+//! Starts a throwaway Postgres (`wal_level=logical`) and `nats-server -js` on free ports,
+//! applies the seed's schema, runs the relay, writes sample events the way the seed's
+//! `seed.py` does (placeholder key columns, one transaction rolled back), and prints every
+//! message as it arrives in JetStream with its subject and keys. Everything is removed on
+//! exit. `--keep` leaves it running until Ctrl-C, printing the URLs to connect to.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::jetstream;
+use futures::StreamExt;
+use outbox_relay::config::{Config, RawConfig};
+use tokio_util::sync::CancellationToken;
+
+const SCHEMA: &str = include_str!("../../../sql/schema.sql");
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let keep = std::env::args().any(|a| a == "--keep");
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,async_nats=warn,tokio_postgres=warn")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+
+    println!("== starting a throwaway Postgres 15 (wal_level=logical) and nats-server -js");
+    let pg = tokio::task::spawn_blocking(testkit::Postgres::start).await?;
+    let nats = testkit::Nats::start();
+    pg.psql("postgres", SCHEMA);
+    let database_url = pg.url("postgres");
+    println!("   DATABASE_URL={database_url}\n   NATS_URL={}", nats.url());
+
+    let flags: BTreeMap<&'static str, String> = [
+        ("database_url", database_url.clone()),
+        ("nats_url", nats.url()),
+    ]
+    .into_iter()
+    .collect();
+    let raw = RawConfig::load(&flags, &|_| None, &[], None)?;
+    let config = Config::from_sources(&raw)?;
+    let shutdown = CancellationToken::new();
+    println!("== running the relay (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})");
+    let relay = tokio::spawn(outbox_relay::run(config, shutdown.clone()));
+
+    let client = async_nats::connect(nats.url()).await?;
+    let js = jetstream::new(client);
+    let stream = wait_for_stream(&js).await?;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+
+    println!("== writing sample events the way the seed's seed.py does (placeholder keys)");
+    let (sql, connection) = tokio_postgres::connect(&database_url, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    let insert = "insert into outbox_events(entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+                  values ($1, $2, $3, 'placeholder', '0000000000000:00000000000000000000', $4::text::jsonb)";
+    let samples = [
+        (
+            "order:A-1",
+            "OrderCreated",
+            r#"{"order_id": "A-1", "amount": 10}"#,
+        ),
+        (
+            "order:A-1",
+            "OrderUpdated",
+            r#"{"order_id": "A-1", "amount": 20}"#,
+        ),
+        (
+            "order:B-7",
+            "OrderCreated",
+            r#"{"order_id": "B-7", "amount": 5}"#,
+        ),
+        ("order:A-1", "OrderPaid", r#"{"order_id": "A-1"}"#),
+        (
+            "order:B-7",
+            "order.refunded",
+            r#"{"order_id": "B-7", "reason": "damaged"}"#,
+        ),
+    ];
+    for (i, (entity, event_type, payload)) in samples.iter().enumerate() {
+        sql.execute(insert, &[entity, event_type, &format!("tmp{i}"), payload])
+            .await?;
+    }
+    sql.batch_execute(
+        "begin; insert into outbox_events(entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+         values ('order:C-9', 'OrderCreated', 'tmp-rolled-back', '', '', '{}'); rollback;",
+    )
+    .await?;
+    println!(
+        "   committed {} events and rolled one back (it must not appear)",
+        samples.len()
+    );
+
+    println!("== messages in JetStream:");
+    for _ in 0..samples.len() {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .context("no message within 30 s")?
+            .context("consumer ended")??;
+        let header = |name: &str| {
+            message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default()
+        };
+        let seq = message
+            .info()
+            .map(|i| i.stream_sequence)
+            .unwrap_or_default();
+        println!(
+            "   #{seq} {subject}\n      Nats-Msg-Id={} Outbox-Ordering-Key={} Outbox-Shard={} Outbox-Commit-Lsn={}\n      payload={}",
+            header("Nats-Msg-Id"),
+            header("Outbox-Ordering-Key"),
+            header("Outbox-Shard"),
+            header("Outbox-Commit-Lsn"),
+            String::from_utf8_lossy(&message.payload),
+            subject = message.subject,
+        );
+    }
+
+    if keep {
+        println!("== running until Ctrl-C; write rows to outbox_events at {database_url}");
+        tokio::signal::ctrl_c().await?;
+    }
+    println!("== stopping the relay (drain, confirm, exit)");
+    shutdown.cancel();
+    relay.await??;
+    let confirmed: String = sql
+        .query_one("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = 'outbox_relay'", &[])
+        .await?
+        .get(0);
+    println!("== done: the slot confirmed {confirmed}; servers and data are removed on exit");
+    drop(pg);
+    drop(nats);
+    Ok(())
+}
+
+async fn wait_for_stream(js: &jetstream::Context) -> anyhow::Result<jetstream::stream::Stream> {
+    for _ in 0..600 {
+        if let Ok(stream) = js.get_stream("OUTBOX").await {
+            return Ok(stream);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("the relay did not create stream OUTBOX within 30 s")
+}
