@@ -45,7 +45,8 @@
 //!   `standard_conforming_strings=on`) and checked after startup: pgoutput's text output,
 //!   from which the relay derives keys, does not depend on server or role settings.
 //! - R6 The end of a logical stream is always an error (transient): the server never ends
-//!   a healthy one on its own.
+//!   a healthy one on its own. So is, with [`ReplicationStream::set_idle_timeout`], a server
+//!   that stops answering heartbeats.
 
 pub mod connection;
 pub mod conninfo;

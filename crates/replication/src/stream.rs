@@ -32,6 +32,11 @@
 //!   whatever the data flow (R2), and sooner, at most once per [`PROGRESS_INTERVAL`] (1 s),
 //!   when the confirmed LSN moved since the last report, so the slot follows acks closely
 //!   without a message per ack. And at once when a `PrimaryKeepalive` asks for a reply.
+//! - **Liveness:** a heartbeat (no progress since the last report) sets `reply_requested`,
+//!   so the server answers with a keepalive. Without it, a client that reports on time is
+//!   never pinged, and a server that vanished without closing the connection would leave
+//!   `recv` waiting forever; [`ReplicationStream::set_idle_timeout`] turns that silence
+//!   into a transient error.
 //!
 //! The caller's reader task (the relay's pipeline) runs, for example:
 //!
@@ -94,6 +99,8 @@ pub struct ReplicationStream {
     writer: FrameWriter<WriteHalf<BoxSocket>>,
     user: String,
     target: String,
+    idle_timeout: Option<Duration>,
+    last_received: Instant,
 }
 
 impl fmt::Debug for ReplicationStream {
@@ -117,7 +124,23 @@ impl ReplicationStream {
             writer,
             user,
             target,
+            idle_timeout: None,
+            last_received: Instant::now(),
         }
+    }
+
+    /// Makes [`ReplicationStream::recv`] fail with a (transient) [`Error::Timeout`] when no
+    /// byte has arrived for `limit`, to detect a server that vanished without closing the
+    /// connection. Off by default. Heartbeat updates from [`Feedback`] ask the server for a
+    /// reply, so a healthy server is heard from at least every status interval; a limit of
+    /// `wal_sender_timeout` (the bound the server holds us to) is a good choice.
+    pub fn set_idle_timeout(&mut self, limit: Option<Duration>) {
+        self.idle_timeout = limit;
+    }
+
+    /// When the last byte arrived from the server.
+    pub fn last_received(&self) -> Instant {
+        self.last_received
     }
 
     /// A stream over any socket already in CopyBoth mode (tests).
@@ -139,7 +162,26 @@ impl ReplicationStream {
             if let Some(message) = self.next_buffered()? {
                 return Ok(message);
             }
-            self.reader.fill("while streaming").await?;
+            let fill = self.reader.fill("while streaming");
+            match self.idle_timeout {
+                None => fill.await?,
+                // Cancel-safe too: a timed-out `fill` has added nothing to the buffer.
+                Some(limit) => {
+                    match tokio::time::timeout_at(self.last_received + limit, fill).await {
+                        Ok(result) => result?,
+                        Err(_) => {
+                            return Err(Error::Timeout {
+                                what: format!(
+                                    "waiting for data or a keepalive from {}",
+                                    self.target
+                                ),
+                                after: limit,
+                            })
+                        }
+                    }
+                }
+            }
+            self.last_received = Instant::now();
         }
     }
 
@@ -333,14 +375,18 @@ impl Feedback {
         self.next_due().is_none_or(|due| now >= due)
     }
 
-    /// The update to send: write = flush = apply = the confirmed LSN.
+    /// The update to send: write = flush = apply = the confirmed LSN. A heartbeat (an
+    /// update with no progress since the last one) asks the server to reply, so that an
+    /// idle but healthy server is heard from every interval (see
+    /// [`ReplicationStream::set_idle_timeout`]); the server answers with a keepalive that
+    /// does not itself ask for a reply.
     pub fn status(&self, now: SystemTime) -> StandbyStatusUpdate {
         StandbyStatusUpdate {
             write_lsn: self.flush_lsn,
             flush_lsn: self.flush_lsn,
             apply_lsn: self.flush_lsn,
             send_time: pg_timestamp(now),
-            reply_requested: false,
+            reply_requested: self.reported_lsn == Some(self.flush_lsn),
         }
     }
 
@@ -480,8 +526,13 @@ mod tests {
             (status.write_lsn, status.flush_lsn, status.apply_lsn),
             (Lsn(100), Lsn(100), Lsn(100))
         );
-        assert!(!status.reply_requested);
+        assert!(!status.reply_requested, "news is not a heartbeat");
         assert_eq!(status.send_time, pg_timestamp(now));
+        feedback.sent(Instant::now());
+        assert!(
+            feedback.status(now).reply_requested,
+            "a heartbeat asks the server to answer"
+        );
     }
 
     #[test]
@@ -643,6 +694,25 @@ mod tests {
         }
         assert_eq!(got, (0..50).collect::<Vec<_>>());
         drop(writer.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn idle_timeout_detects_a_silent_server() {
+        let (client, mut server) = tokio::io::duplex(1 << 16);
+        let mut stream = ReplicationStream::from_socket(Box::new(client));
+        stream.set_idle_timeout(Some(Duration::from_millis(200)));
+        // Data keeps it alive...
+        for i in 0..3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            server.write_all(&keepalive(i, false)).await.unwrap();
+            assert!(stream.recv().await.is_ok());
+        }
+        // ... silence ends it, and the error is transient.
+        let before = Instant::now();
+        let error = stream.recv().await.unwrap_err();
+        assert!(matches!(error, Error::Timeout { .. }), "{error}");
+        assert!(error.is_transient());
+        assert!(before.elapsed() < Duration::from_secs(2));
     }
 
     #[tokio::test]

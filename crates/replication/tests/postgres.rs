@@ -499,6 +499,8 @@ async fn keepalives_keep_an_idle_stream_alive_past_wal_sender_timeout() {
         .start_logical_replication("answered", Lsn::ZERO, &options)
         .await
         .expect("start");
+    // Heartbeats ask for a reply, so a healthy idle server is heard from in time.
+    answered.set_idle_timeout(Some(wal_sender_timeout));
     // The control experiment: a stream that never reports is dropped by the server.
     let mut silent = start(&info, "silent").await;
 
