@@ -66,3 +66,32 @@ pub use stream::{
     ReplicationStream,
 };
 pub use tls::connect_sql;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send<T: Send>(_: &T) {}
+    fn error_type<T: std::error::Error + Send + Sync + 'static>() {}
+
+    /// Type-checked only: the relay spawns tasks that own these and await their futures.
+    #[allow(dead_code)]
+    async fn futures_are_send(info: ConnInfo, mut stream: ReplicationStream) {
+        send(&ReplicationConnection::connect(&info));
+        send(&connect_sql(&info));
+        send(&stream.recv());
+        let update = Feedback::new(status_interval(None)).status(std::time::SystemTime::now());
+        send(&stream.send_status(update));
+        send(&stream.finish());
+    }
+
+    #[test]
+    fn public_types_fit_in_tasks_and_anyhow() {
+        error_type::<Error>();
+        fn send_type<T: Send + 'static>() {}
+        send_type::<ReplicationConnection>();
+        send_type::<ReplicationStream>();
+        send_type::<ConnInfo>();
+        send_type::<Feedback>();
+    }
+}
