@@ -191,8 +191,32 @@ pub struct OutboxEvent {
     pub subject: String,
     /// The row's `payload` text, unchanged.
     pub payload: Bytes,
-    /// The commit LSN of the row's transaction.
+    /// Where the event stands in the commit order; stable across replays.
+    pub position: Position,
+}
+
+/// An event's place in the commit order: its transaction's commit LSN, then its index
+/// among that transaction's outbox inserts. Stable across replays (a replay decodes the
+/// same transactions in the same order), so the relay can compare what it is about to
+/// publish with what the stream already holds.
+///
+/// Ordered by `commit_lsn`, then `index` (the field order; a test locks it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Position {
+    /// The commit LSN of the event's transaction (`Begin.final_lsn`).
     pub commit_lsn: Lsn,
+    /// 0-based index among the transaction's outbox inserts.
+    pub index: u32,
+}
+
+impl Position {
+    /// Reads a position back from the `Outbox-Commit-Lsn` and `Outbox-Tx-Index` header values.
+    pub fn from_headers(commit_lsn: &str, index: &str) -> Option<Position> {
+        Some(Position {
+            commit_lsn: commit_lsn.parse().ok()?,
+            index: index.parse().ok()?,
+        })
+    }
 }
 
 /// Why no event could be built from a row.
@@ -257,8 +281,8 @@ impl EventBuilder {
         }
     }
 
-    /// Derives the event for one inserted row of a transaction committing at `commit_lsn`.
-    pub fn build(&self, tuple: &TupleData, commit_lsn: Lsn) -> Result<OutboxEvent, EventError> {
+    /// Derives the event for one inserted row at `position` in the commit order.
+    pub fn build(&self, tuple: &TupleData, position: Position) -> Result<OutboxEvent, EventError> {
         let c = &self.columns;
         let need = [c.id, c.entity_id, c.event_type, c.payload, c.created_at]
             .into_iter()
@@ -322,7 +346,7 @@ impl EventBuilder {
             shard,
             subject,
             payload,
-            commit_lsn,
+            position,
         })
     }
 }
@@ -338,4 +362,22 @@ fn text(column: &'static str, value: Option<ColumnValue>) -> Result<Bytes, Event
 
 fn utf8(column: &'static str, bytes: Bytes) -> Result<String, EventErrorKind> {
     String::from_utf8(bytes.to_vec()).map_err(|_| EventErrorKind::Utf8(column))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_order_by_commit_lsn_then_index() {
+        let p = |lsn, index| Position {
+            commit_lsn: Lsn(lsn),
+            index,
+        };
+        assert!(p(1, 9) < p(2, 0), "commit LSN first");
+        assert!(p(2, 0) < p(2, 1), "then the index within the transaction");
+        assert_eq!(Position::from_headers("0/2", "1"), Some(p(2, 1)));
+        assert_eq!(Position::from_headers("2", "1"), None);
+        assert_eq!(Position::from_headers("0/2", "-1"), None);
+    }
 }

@@ -16,3 +16,8 @@ pub const OUTBOX_ORDERING_KEY: &str = "Outbox-Ordering-Key";
 pub const OUTBOX_SHARD: &str = "Outbox-Shard";
 /// The commit LSN of the row's transaction, as `X/X`.
 pub const OUTBOX_COMMIT_LSN: &str = "Outbox-Commit-Lsn";
+/// The event's 0-based index among its transaction's outbox inserts; with the commit LSN,
+/// the event's position in the commit order.
+pub const OUTBOX_TX_INDEX: &str = "Outbox-Tx-Index";
+/// On a dead-letter record: why the event itself could not be stored.
+pub const OUTBOX_DEAD_LETTER_REASON: &str = "Outbox-Dead-Letter-Reason";

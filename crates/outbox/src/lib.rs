@@ -18,6 +18,6 @@ pub mod subject;
 pub mod timestamp;
 
 pub use event::{
-    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, SchemaError,
+    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, Position, SchemaError,
 };
 pub use keys::{compute_keys, shard_for_key, Keys};

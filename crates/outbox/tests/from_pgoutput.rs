@@ -25,10 +25,14 @@ fn messages(fixture: &str) -> Vec<LogicalMessage> {
 fn events(fixture: &str) -> Vec<(outbox::OutboxEvent, String)> {
     let mut builder = None;
     let mut commit_lsn = Lsn::ZERO;
+    let mut index = 0;
     let mut out = Vec::new();
     for message in messages(fixture) {
         match message {
-            LogicalMessage::Begin(begin) => commit_lsn = begin.final_lsn,
+            LogicalMessage::Begin(begin) => {
+                commit_lsn = begin.final_lsn;
+                index = 0;
+            }
             LogicalMessage::Relation(rel) if rel.name == "outbox_events" => {
                 let columns =
                     OutboxColumns::from_relation(&rel).expect("the seed's table is relayable");
@@ -48,7 +52,10 @@ fn events(fixture: &str) -> Vec<(outbox::OutboxEvent, String)> {
                 else {
                     panic!("created_at is text")
                 };
-                let event = builder.build(&insert.new_tuple, commit_lsn).expect("event");
+                let event = builder
+                    .build(&insert.new_tuple, outbox::Position { commit_lsn, index })
+                    .expect("event");
+                index += 1;
                 out.push((event, String::from_utf8(created_at.to_vec()).unwrap()));
             }
             _ => {}
@@ -91,7 +98,8 @@ fn seed_style_rows_get_derived_keys_not_the_placeholders() {
         &event.payload[..],
         br#"{"amount": "9.99", "currency": "EUR", "order_id": 42}"#
     );
-    assert_ne!(event.commit_lsn, Lsn::ZERO);
+    assert_ne!(event.position.commit_lsn, Lsn::ZERO);
+    assert_eq!(event.position.index, 0);
 }
 
 #[test]
@@ -100,9 +108,12 @@ fn multi_row_and_unicode_transactions() {
         "../../pgoutput/tests/fixtures/02_insert_multi.hex"
     ));
     assert!(multi.len() >= 2);
-    assert!(multi
-        .windows(2)
-        .all(|w| w[0].0.commit_lsn == w[1].0.commit_lsn && w[0].0.id < w[1].0.id));
+    assert!(
+        multi
+            .windows(2)
+            .all(|w| w[0].0.position.commit_lsn == w[1].0.position.commit_lsn
+                && w[0].0.id < w[1].0.id)
+    );
     let unicode = events(include_str!("../../pgoutput/tests/fixtures/06_unicode.hex"));
     assert_eq!(unicode[0].0.entity_id, "Zürich-東京-🚀");
     assert_eq!(unicode[0].0.keys.partition_key, "Zürich-東京-🚀");

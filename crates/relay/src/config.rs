@@ -79,6 +79,10 @@ pub mod opt {
             "How long to wait for a JetStream ack before reconnecting");
         SHUTDOWN_TIMEOUT = ("shutdown_timeout", "OUTBOX_RELAY_SHUTDOWN_TIMEOUT", Some("10s"),
             "On SIGTERM/SIGINT, how long to wait for in-flight acks");
+        SHARED_STREAM = ("shared_stream", "OUTBOX_RELAY_SHARED_STREAM", Some("false"),
+            "Other writers publish to the stream too: de-duplication only, no sequence fencing or tail resume (weaker; see docs/guarantees.md)");
+        ON_POISON = ("on_poison", "OUTBOX_RELAY_ON_POISON", Some("halt"),
+            "An event JetStream can never accept: halt (stop, naming it) or dead-letter (a record on {prefix}.dlq in its place)");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
     }
@@ -315,6 +319,10 @@ pub struct Config {
     pub ack_timeout: Duration,
     /// Shutdown drain deadline.
     pub shutdown_timeout: Duration,
+    /// Other writers share the stream: dedupe only.
+    pub shared_stream: bool,
+    /// What to do with an event JetStream can never accept.
+    pub on_poison: sink::PoisonPolicy,
     /// Log format.
     pub log_format: LogFormat,
     /// Whether `run` may create the publication, slot and stream.
@@ -400,6 +408,12 @@ impl Config {
         let duplicate_window = raw.parse(&DUPLICATE_WINDOW, parse_duration)?;
         let ack_timeout = raw.parse(&ACK_TIMEOUT, parse_duration)?;
         let shutdown_timeout = raw.parse(&SHUTDOWN_TIMEOUT, parse_duration)?;
+        let shared_stream = raw.parse(&SHARED_STREAM, parse_bool)?;
+        let on_poison = raw.parse(&ON_POISON, |v| match v {
+            "halt" => Ok(sink::PoisonPolicy::Halt),
+            "dead-letter" => Ok(sink::PoisonPolicy::DeadLetter),
+            _ => Err("expected halt or dead-letter".into()),
+        })?;
         let log_format = raw.parse(&LOG_FORMAT, |v| match v {
             "text" => Ok(LogFormat::Text),
             "json" => Ok(LogFormat::Json),
@@ -418,9 +432,20 @@ impl Config {
             duplicate_window,
             ack_timeout,
             shutdown_timeout,
+            shared_stream,
+            on_poison,
             log_format,
             create: true,
         })
+    }
+}
+
+/// Parses `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`).
+pub fn parse_bool(text: &str) -> Result<bool, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err("expected true or false".into()),
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! # Invariants
 //! - D1 Items keep replication order; every `Event` sits between the `Begin` and `Commit`
-//!   of its transaction, and carries that transaction's commit LSN (`Begin.final_lsn`).
+//!   of its transaction, and carries its position: that transaction's commit LSN
+//!   (`Begin.final_lsn`) and its index among the transaction's outbox inserts.
 //! - D2 Only INSERTs into the configured table become events; UPDATE, DELETE, TRUNCATE and
 //!   other tables' changes produce nothing (their transactions still frame, so their
 //!   positions are confirmed).
@@ -13,7 +14,8 @@
 
 use std::num::NonZeroU64;
 
-use outbox::{EventBuilder, OutboxColumns};
+use outbox::{EventBuilder, OutboxColumns, Position};
+use pgoutput::copy_data::PgTimestamp;
 use pgoutput::logical::LogicalMessage;
 use pgoutput::{Lsn, ReplicationMessage};
 use sink::SinkItem;
@@ -31,6 +33,12 @@ pub struct Decoder {
     outbox: Option<(u32, EventBuilder)>,
     /// The commit LSN of the open transaction.
     open_commit_lsn: Option<Lsn>,
+    /// The index the next outbox insert of the open transaction gets.
+    next_index: u32,
+    /// Commit time of the first transaction with events in this session (the oldest event
+    /// a session may replay; see the dedupe-window guard).
+    pub first_commit_time: Option<PgTimestamp>,
+    open_commit_time: PgTimestamp,
     last_idle: Lsn,
     /// Events decoded (for logs and benchmarks).
     pub event_count: u64,
@@ -45,6 +53,9 @@ impl Decoder {
             partitions,
             outbox: None,
             open_commit_lsn: None,
+            next_index: 0,
+            first_commit_time: None,
+            open_commit_time: 0,
             last_idle: Lsn::ZERO,
             event_count: 0,
         }
@@ -91,6 +102,8 @@ impl Decoder {
                     )));
                 }
                 self.open_commit_lsn = Some(begin.final_lsn);
+                self.open_commit_time = begin.commit_time;
+                self.next_index = 0;
                 out.push(SinkItem::Begin);
             }
             LogicalMessage::Commit(commit) => {
@@ -123,7 +136,13 @@ impl Decoder {
                 let commit_lsn = self
                     .open_commit_lsn
                     .ok_or_else(|| protocol("Insert with no transaction open".to_owned()))?;
-                let event = builder.build(&insert.new_tuple, commit_lsn).map_err(|e| {
+                let position = Position {
+                    commit_lsn,
+                    index: self.next_index,
+                };
+                self.next_index += 1;
+                self.first_commit_time.get_or_insert(self.open_commit_time);
+                let event = builder.build(&insert.new_tuple, position).map_err(|e| {
                     RelayError::permanent(anyhow::anyhow!(
                         "{e}; the relay stops here so that nothing after it is confirmed (fix or \
                          delete the row's transaction's effects, or see docs/guarantees.md)"

@@ -13,6 +13,8 @@ pub mod bootstrap;
 pub mod config;
 pub mod decode;
 pub mod error;
+pub mod lease;
+pub mod metrics;
 pub mod pipeline;
 
 pub use config::Config;

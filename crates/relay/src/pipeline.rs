@@ -22,10 +22,12 @@
 //! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
 //!   the deadline, and the final status carries the watermark only.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use outbox::Position;
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
@@ -39,6 +41,8 @@ use crate::bootstrap;
 use crate::config::Config;
 use crate::decode::Decoder;
 use crate::error::{RelayError, Result};
+use crate::lease::Lease;
+use crate::metrics;
 
 /// Items per batch handed from the reader to the sink at most.
 const MAX_BATCH: usize = 512;
@@ -55,7 +59,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     let mut bootstrapped = false;
     loop {
         let started = Instant::now();
-        let result = session(&config, &shutdown, &mut bootstrapped, &stats).await;
+        let result = async {
+            let Some(lease) = Lease::acquire(&config, &shutdown).await? else { return Ok(()) };
+            tokio::select! {
+                result = session(&config, &shutdown, &mut bootstrapped, &stats, &lease) => result,
+                // L1: stop publishing the moment the lease is gone.
+                () = lease.lost() => Err(RelayError::transient(anyhow::anyhow!("lost the lease for slot {}", config.slot))),
+            }
+        }
+        .await;
         match result {
             Ok(()) => return Ok(()),
             Err(error) if !error.is_transient() => return Err(error),
@@ -151,6 +163,7 @@ async fn session(
     shutdown: &CancellationToken,
     bootstrapped: &mut bool,
     stats: &Arc<SinkStats>,
+    lease: &Lease,
 ) -> Result<()> {
     let slot = if *bootstrapped {
         // The slot must still exist: recreating it would silently skip what was committed
@@ -163,23 +176,46 @@ async fn session(
         init(config).await?
     };
     *bootstrapped = true;
-    let jetstream = jetstream_context(connect_nats(config).await?, config);
+    let nats = connect_nats(config).await?;
+    let max_payload = nats.server_info().max_payload;
+    let jetstream = jetstream_context(nats, config);
+    let tail = read_tail(&jetstream, config).await?;
+    let max_message_bytes = match tail.max_msg_size {
+        Some(limit) => limit.min(max_payload),
+        None => max_payload,
+    };
 
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
-    let publication = quote_identifier(&config.publication);
-    let stream = connection
-        .start_logical_replication(
-            &config.slot,
-            Lsn::ZERO,
-            &[("proto_version", "1"), ("publication_names", &publication)],
-        )
-        .await?;
+    let options = [
+        ("proto_version", "1"),
+        ("publication_names", &quote_identifier(&config.publication)),
+    ];
+    let mut stream = match connection
+        .start_logical_replication(&config.slot, Lsn::ZERO, &options)
+        .await
+    {
+        Ok(stream) => stream,
+        Err(error) if error.sqlstate() == Some("55006") => {
+            // "replication slot is active for PID …": we hold the lease, so that walsender
+            // belongs to a relay that no longer does (L2).
+            lease.end_lingering_walsender(&config.slot).await?;
+            return Err(error.into());
+        }
+        Err(error) => return Err(error.into()),
+    };
+    if let Some(timeout) = wal_sender_timeout {
+        // A server that vanishes without closing the connection becomes a transient error.
+        stream.set_idle_timeout(Some(timeout));
+    }
     info!(
         slot = %config.slot,
         confirmed_flush_lsn = %slot.confirmed_flush_lsn,
         stream = %config.stream,
+        mode = if config.shared_stream { "shared" } else { "strict" },
+        last_sequence = tail.last_sequence,
+        resume_after = ?tail.position,
         "streaming outbox events"
     );
 
@@ -192,7 +228,17 @@ async fn session(
     );
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
+        fence: (!config.shared_stream).then_some(tail.last_sequence),
+        resume_after: if config.shared_stream {
+            None
+        } else {
+            tail.position
+        },
+        max_message_bytes,
+        poison: config.on_poison,
+        dead_letter_subject: format!("{}.dlq", config.subject_prefix),
     };
+    let guard = config.shared_stream.then_some(tail.duplicate_window);
     let sink = tokio::spawn(sink::run(
         jetstream,
         options,
@@ -206,6 +252,7 @@ async fn session(
         items: Some(items_tx),
         confirmed: watermark_rx,
         feedback: Feedback::new(status_interval),
+        dedupe_guard: guard,
     };
     let drain_deadline = config.shutdown_timeout;
     let read_result = reader.run(shutdown.clone(), drain_deadline).await;
@@ -220,16 +267,98 @@ async fn session(
         Err(_) => Ok(()),
     };
     if let Err(error) = sink_result {
-        let id = error.poison_id();
+        let poison = error.poison_id().is_some();
+        let fenced = sink::is_fence_refusal(&error);
         let error = anyhow::Error::new(error);
-        return Err(match id {
-            Some(_) => RelayError::permanent(error.context(
-                "JetStream refuses this event permanently; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or see docs/guarantees.md)",
-            )),
-            None => RelayError::transient(error),
+        return Err(if poison {
+            RelayError::permanent(error.context(
+                "JetStream refuses this event for good; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or run with OUTBOX_RELAY_ON_POISON=dead-letter; see docs/guarantees.md)",
+            ))
+        } else if fenced {
+            RelayError::transient(error.context(
+                "the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail",
+            ))
+        } else {
+            RelayError::transient(error)
         });
     }
     read_result
+}
+
+/// What a session learns about the stream before publishing.
+#[derive(Debug)]
+struct Tail {
+    /// The stream's last sequence: strict mode's fence starts here.
+    last_sequence: u64,
+    /// The position of the stream's last message, if it carries one.
+    position: Option<Position>,
+    /// The stream's `max_msg_size`, if limited.
+    max_msg_size: Option<usize>,
+    /// The stream's duplicate window.
+    duplicate_window: Duration,
+}
+
+/// Reads the stream's state and its last message's position (resume from the tail).
+async fn read_tail(jetstream: &jetstream::Context, config: &Config) -> Result<Tail> {
+    let transient = |what: &str, e: &dyn std::fmt::Display| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot read {what} of stream {}: {e}",
+            config.stream
+        ))
+    };
+    let mut stream = jetstream
+        .get_stream(&config.stream)
+        .await
+        .map_err(|e| transient("the state", &e))?;
+    let info = stream
+        .info()
+        .await
+        .map_err(|e| transient("the state", &e))?;
+    let last_sequence = info.state.last_sequence;
+    let max_msg_size = usize::try_from(info.config.max_message_size)
+        .ok()
+        .filter(|&n| n > 0);
+    let duplicate_window = info.config.duplicate_window;
+    let mut tail = Tail {
+        last_sequence,
+        position: None,
+        max_msg_size,
+        duplicate_window,
+    };
+    if config.shared_stream || last_sequence == 0 {
+        return Ok(tail);
+    }
+    let message = match stream.get_raw_message(last_sequence).await {
+        Ok(message) => message,
+        Err(error) => {
+            metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                last_sequence,
+                error = %error,
+                metric = metrics::TAIL_UNREADABLE_NAME,
+                "cannot read the stream's last message (purged or aged out?); replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
+            );
+            return Ok(tail);
+        }
+    };
+    let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
+    tail.position = match (
+        header(outbox::headers::OUTBOX_COMMIT_LSN),
+        header(outbox::headers::OUTBOX_TX_INDEX),
+    ) {
+        (Some(lsn), Some(index)) => Position::from_headers(&lsn, &index),
+        _ => None,
+    };
+    if tail.position.is_none() {
+        metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
+        warn!(
+            last_sequence,
+            subject = %message.subject,
+            metric = metrics::TAIL_UNREADABLE_NAME,
+            "the stream's last message carries no outbox position (another writer? then set OUTBOX_RELAY_SHARED_STREAM=true); replayed events are de-duplicated by Nats-Msg-Id only"
+        );
+    }
+    Ok(tail)
 }
 
 /// What one turn of the reader's loop saw.
@@ -247,6 +376,9 @@ struct Reader {
     items: Option<mpsc::Sender<Vec<SinkItem<Lsn>>>>,
     confirmed: watch::Receiver<Lsn>,
     feedback: Feedback,
+    /// Shared mode: the stream's duplicate window, until the first replayed transaction was
+    /// checked against it.
+    dedupe_guard: Option<Duration>,
 }
 
 impl Reader {
@@ -346,12 +478,36 @@ impl Reader {
             if !e.is_transient() {
                 error!(error = %e, "cannot relay");
             }
-        })
+        })?;
+        if let (Some(window), Some(commit_time)) =
+            (self.dedupe_guard, self.decoder.first_commit_time)
+        {
+            self.dedupe_guard = None;
+            check_dedupe_window(window, commit_time);
+        }
+        Ok(())
     }
 
     async fn send_status(&mut self) -> Result<()> {
         self.stream.send_feedback(&mut self.feedback).await?;
         Ok(())
+    }
+}
+
+/// Shared mode's guard: the oldest event a session may replay is its first transaction; if
+/// it committed longer ago than the stream's duplicate window, replays of events published
+/// before the restart are no longer recognised as duplicates.
+fn check_dedupe_window(window: Duration, commit_time: pgoutput::copy_data::PgTimestamp) {
+    let now = replication::pg_timestamp(std::time::SystemTime::now());
+    let age = Duration::from_micros(u64::try_from(now.saturating_sub(commit_time)).unwrap_or(0));
+    if age > window {
+        metrics::DEDUPE_WINDOW_EXCEEDED.fetch_add(1, Ordering::Relaxed);
+        warn!(
+            age = ?age,
+            duplicate_window = ?window,
+            metric = metrics::DEDUPE_WINDOW_EXCEEDED_NAME,
+            "the oldest event this session may replay committed longer ago than the stream's duplicate window: events published before the restart but not yet confirmed may be stored twice (strict mode does not have this limit)"
+        );
     }
 }
 

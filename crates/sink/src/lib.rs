@@ -13,5 +13,8 @@
 pub mod publisher;
 pub mod tracker;
 
-pub use publisher::{publish_message, run, SinkError, SinkItem, SinkOptions, SinkStats};
+pub use publisher::{
+    dead_letter_record, is_fence_refusal, publish_message, run, wire_size, PoisonPolicy, SinkError,
+    SinkItem, SinkOptions, SinkStats,
+};
 pub use tracker::{AckTracker, Ticket, TrackerError};

@@ -21,6 +21,18 @@
 //!   confirmed. Recovery (reconnect, rewind to the confirmed position) is the caller's.
 //! - P4 When the input closes, [`run`] drains: it awaits the acks still in flight and
 //!   publishes the final watermark before returning.
+//! - P5 Strict mode ([`SinkOptions::fence`]): every publish carries
+//!   `Nats-Expected-Last-Sequence`, the stream's last sequence plus the publishes before it
+//!   in this session. If one publish is lost or refused, the server refuses every later one,
+//!   so no gap and no reordering can enter the stream; the refusal ends [`run`] and the
+//!   caller re-syncs from the stream's tail.
+//! - P6 Events at or before [`SinkOptions::resume_after`] (the position of the stream's last
+//!   message) are already stored: they are counted as acknowledged without being published.
+//! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
+//!   stream's `max_msg_size`) is never dropped silently: under [`PoisonPolicy::Halt`] [`run`]
+//!   ends with [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
+//!   [`PoisonPolicy::DeadLetter`] a small record with its id, keys and the reason takes its
+//!   place in the stream, in order.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,8 +41,9 @@ use std::time::Duration;
 use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::HeaderMap;
+use bytes::Bytes;
 use outbox::headers;
-use outbox::OutboxEvent;
+use outbox::{OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::debug;
 
@@ -49,11 +62,32 @@ pub enum SinkItem<P> {
     Idle(P),
 }
 
-/// Tuning of [`run`].
-#[derive(Debug, Clone, Copy)]
+/// What to do with an event JetStream can never accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoisonPolicy {
+    /// Stop with an error naming the event; nothing after it is confirmed.
+    Halt,
+    /// Publish a dead-letter record in its place and go on.
+    DeadLetter,
+}
+
+/// How one session of [`run`] publishes.
+#[derive(Debug, Clone)]
 pub struct SinkOptions {
     /// Publishes awaiting their ack at most.
     pub max_in_flight: usize,
+    /// Strict mode: the stream's last sequence when the session starts (the relay must be
+    /// the stream's only writer). `None`: shared mode, de-duplication only.
+    pub fence: Option<u64>,
+    /// The position of the stream's last message, when it could be read (P6).
+    pub resume_after: Option<Position>,
+    /// The largest message JetStream accepts: `min(max_payload, max_msg_size)`, in bytes of
+    /// headers plus payload.
+    pub max_message_bytes: usize,
+    /// What to do with an event larger than that, or refused for good.
+    pub poison: PoisonPolicy,
+    /// Where dead-letter records go (`{prefix}.dlq`).
+    pub dead_letter_subject: String,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs.
@@ -63,6 +97,10 @@ pub struct SinkStats {
     pub stored: AtomicU64,
     /// Publishes acknowledged as duplicates (JetStream already held the message id).
     pub duplicates: AtomicU64,
+    /// Replayed events skipped because the stream's tail showed them stored (P6).
+    pub skipped: AtomicU64,
+    /// Dead-letter records published in place of an event.
+    pub dead_lettered: AtomicU64,
 }
 
 /// Why the sink stopped.
@@ -84,6 +122,14 @@ pub enum SinkError {
         /// What async-nats reported.
         source: async_nats::jetstream::context::PublishError,
     },
+    /// An event JetStream can never accept, under [`PoisonPolicy::Halt`].
+    #[error("outbox event id={id} cannot be stored: {reason}")]
+    Poison {
+        /// The outbox row id.
+        id: i64,
+        /// Why.
+        reason: String,
+    },
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
@@ -94,6 +140,7 @@ impl SinkError {
     /// oversized payload): the caller must stop or dead-letter it, not retry forever.
     pub fn poison_id(&self) -> Option<i64> {
         match self {
+            SinkError::Poison { id, .. } => Some(*id),
             SinkError::Publish { id, source }
                 if source.kind() == PublishErrorKind::MaxPayloadExceeded =>
             {
@@ -114,8 +161,69 @@ fn is_size_refusal(error: &async_nats::jetstream::context::PublishError) -> bool
     code == Some(async_nats::jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
+/// Whether the ack error is strict mode's fence refusing a publish out of sequence.
+pub fn is_fence_refusal(error: &SinkError) -> bool {
+    matches!(error, SinkError::Ack { source, .. } if source.kind() == PublishErrorKind::WrongLastSequence)
+}
+
 /// The JetStream message for an event: its subject's payload and the frozen headers.
 pub fn publish_message(event: &OutboxEvent) -> PublishMessage {
+    PublishMessage::build()
+        .headers(event_headers(event))
+        .payload(event.payload.clone())
+}
+
+/// The bytes JetStream counts against `max_payload` and `max_msg_size`: the serialised
+/// headers (`NATS/1.0\r\n`, `Name: value\r\n` each, `\r\n`) plus the payload.
+pub fn wire_size(headers: &HeaderMap, payload_len: usize) -> usize {
+    let mut len = b"NATS/1.0\r\n\r\n".len();
+    for (name, values) in headers.iter() {
+        for value in values {
+            len += <async_nats::HeaderName as AsRef<str>>::as_ref(name).len()
+                + 2
+                + value.as_str().len()
+                + 2;
+        }
+    }
+    len + payload_len
+}
+
+/// The dead-letter record published in place of `event` (P7): headers and a JSON body with
+/// the event's identity, keys and position and the reason; not the payload.
+pub fn dead_letter_record(event: &OutboxEvent, reason: &str) -> (HeaderMap, Bytes) {
+    let mut map = HeaderMap::new();
+    map.insert(
+        headers::NATS_MSG_ID,
+        format!("dead-letter:{}", event.keys.dedupe_key),
+    );
+    map.insert(headers::OUTBOX_ID, event.id.to_string());
+    map.insert(
+        headers::OUTBOX_COMMIT_LSN,
+        event.position.commit_lsn.to_string(),
+    );
+    map.insert(headers::OUTBOX_TX_INDEX, event.position.index.to_string());
+    map.insert(
+        headers::OUTBOX_DEAD_LETTER_REASON,
+        reason.replace(['\r', '\n'], " "),
+    );
+    let record = serde_json::json!({
+        "outbox_id": event.id,
+        "entity_id": event.entity_id,
+        "event_type": event.event_type,
+        "dedupe_key": event.keys.dedupe_key,
+        "partition_key": event.keys.partition_key,
+        "ordering_key": event.keys.ordering_key,
+        "shard": event.shard,
+        "subject": event.subject,
+        "commit_lsn": event.position.commit_lsn.to_string(),
+        "tx_index": event.position.index,
+        "payload_bytes": event.payload.len(),
+        "reason": reason,
+    });
+    (map, record.to_string().into())
+}
+
+fn event_headers(event: &OutboxEvent) -> HeaderMap {
     let mut map = HeaderMap::new();
     map.insert(headers::NATS_MSG_ID, event.keys.dedupe_key.as_str());
     map.insert(headers::OUTBOX_ID, event.id.to_string());
@@ -130,14 +238,18 @@ pub fn publish_message(event: &OutboxEvent) -> PublishMessage {
         event.keys.ordering_key.as_str(),
     );
     map.insert(headers::OUTBOX_SHARD, event.shard.to_string());
-    map.insert(headers::OUTBOX_COMMIT_LSN, event.commit_lsn.to_string());
-    PublishMessage::build()
-        .headers(map)
-        .payload(event.payload.clone())
+    map.insert(
+        headers::OUTBOX_COMMIT_LSN,
+        event.position.commit_lsn.to_string(),
+    );
+    map.insert(headers::OUTBOX_TX_INDEX, event.position.index.to_string());
+    map
 }
 
 enum AckItem<P> {
     Begin,
+    /// Already in the stream (P6): counts as acknowledged.
+    Stored,
     Publish {
         id: i64,
         ack: PublishAckFuture,
@@ -162,7 +274,13 @@ where
     let window = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
-    let mut acker = tokio::spawn(acker(ack_rx, AckTracker::new(start), watermark, stats));
+    let mut acker = tokio::spawn(acker(
+        ack_rx,
+        AckTracker::new(start),
+        watermark,
+        stats.clone(),
+    ));
+    let mut fence = options.fence;
 
     let publishing = async {
         while let Some(batch) = input.recv().await {
@@ -172,21 +290,29 @@ where
                     SinkItem::Commit(p) => AckItem::Commit(p),
                     SinkItem::Idle(p) => AckItem::Idle(p),
                     SinkItem::Event(event) => {
-                        // The semaphore is never closed, so acquire cannot fail.
-                        let Ok(permit) = window.clone().acquire_owned().await else {
-                            return Ok(());
-                        };
-                        let ack = jetstream
-                            .send_publish(event.subject.clone(), publish_message(&event))
-                            .await
-                            .map_err(|source| SinkError::Publish {
+                        if options
+                            .resume_after
+                            .is_some_and(|tail| event.position <= tail)
+                        {
+                            stats.skipped.fetch_add(1, Ordering::Relaxed);
+                            AckItem::Stored
+                        } else {
+                            // The semaphore is never closed, so acquire cannot fail.
+                            let Ok(permit) = window.clone().acquire_owned().await else {
+                                return Ok(());
+                            };
+                            let (subject, message) = prepare(&event, &options, &mut fence, &stats)?;
+                            let ack = jetstream.send_publish(subject, message).await.map_err(
+                                |source| SinkError::Publish {
+                                    id: event.id,
+                                    source,
+                                },
+                            )?;
+                            AckItem::Publish {
                                 id: event.id,
-                                source,
-                            })?;
-                        AckItem::Publish {
-                            id: event.id,
-                            ack,
-                            _permit: permit,
+                                ack,
+                                _permit: permit,
+                            }
                         }
                     }
                 };
@@ -214,6 +340,55 @@ where
     }
 }
 
+/// The subject and message for `event`: the event itself, or its dead-letter record when it
+/// is too large (P7); fenced in strict mode (P5).
+fn prepare(
+    event: &OutboxEvent,
+    options: &SinkOptions,
+    fence: &mut Option<u64>,
+    stats: &SinkStats,
+) -> Result<(String, PublishMessage), SinkError> {
+    let mut map = event_headers(event);
+    let mut payload = event.payload.clone();
+    let mut subject = event.subject.clone();
+    // Room for the fence header, so the size check covers what is actually sent.
+    let fence_len = fence.map_or(0, |f| {
+        "Nats-Expected-Last-Sequence".len() + 4 + f.to_string().len() + 1
+    });
+    let size = wire_size(&map, payload.len()) + fence_len;
+    if size > options.max_message_bytes {
+        let reason = format!(
+            "the message is {size} bytes (headers and payload), over the {} bytes JetStream accepts (the server's max_payload or the stream's max_msg_size)",
+            options.max_message_bytes
+        );
+        match options.poison {
+            PoisonPolicy::Halt => {
+                return Err(SinkError::Poison {
+                    id: event.id,
+                    reason,
+                })
+            }
+            PoisonPolicy::DeadLetter => {
+                tracing::warn!(outbox_id = event.id, reason = %reason, "publishing a dead-letter record in place of the event");
+                stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                (map, payload) = dead_letter_record(event, &reason);
+                subject = options.dead_letter_subject.clone();
+            }
+        }
+    }
+    if let Some(next) = fence.as_mut() {
+        map.insert(
+            async_nats::header::NATS_EXPECTED_LAST_SEQUENCE,
+            next.to_string(),
+        );
+        *next += 1;
+    }
+    Ok((
+        subject,
+        PublishMessage::build().headers(map).payload(payload),
+    ))
+}
+
 fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Result<(), SinkError> {
     match result {
         Ok(result) => result,
@@ -233,6 +408,10 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
             AckItem::Begin => {
                 tracker.begin()?;
                 None
+            }
+            AckItem::Stored => {
+                let ticket = tracker.publish()?;
+                tracker.ack(ticket)?
             }
             AckItem::Commit(end) => tracker.commit(end)?,
             AckItem::Idle(position) => tracker.idle(position),

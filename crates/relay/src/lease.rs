@@ -1,0 +1,118 @@
+//! The lease: at most one relay streams a slot; the others wait as hot standbys.
+//!
+//! Postgres allows one walsender per slot, and a second relay started "for HA" would spin
+//! on "replication slot is active for PID …". Instead every relay first takes a session
+//! advisory lock keyed by the slot name on a control connection of its own. The holder
+//! streams; the others poll the lock every [`POLL`] and take over as soon as the holder's
+//! session ends, which Postgres notices at once when the holder's process dies (the kernel
+//! closes its sockets) and within the keepalive settings below when its host vanishes.
+//!
+//! # Invariants
+//! - L1 A relay streams only while it holds the lease: the session is abandoned the moment
+//!   the lease connection closes or stops answering, before anything else is published.
+//!   (Strict mode fences the stream even against a relay that lost its lease unknowingly:
+//!   its next publish carries a stale expected sequence and is refused.)
+//! - L2 The holder may end a walsender that still holds the slot (a dead relay's
+//!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::error::{RelayError, Result};
+
+/// How often a standby tries the lock.
+pub const POLL: Duration = Duration::from_millis(250);
+/// How often the holder checks that its lease session is alive.
+const PROBE: Duration = Duration::from_secs(1);
+/// How long a probe may take before the lease counts as lost.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The advisory lock key of a slot: stable across relays and versions.
+const LOCK_SQL: &str =
+    "SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtextextended('outbox-relay/' || $1, 0))";
+
+/// A held lease.
+#[derive(Debug)]
+pub struct Lease {
+    client: Client,
+}
+
+impl Lease {
+    /// Waits until this relay holds the lease for the configured slot. `Ok(None)` if
+    /// `shutdown` fired first.
+    pub async fn acquire(config: &Config, shutdown: &CancellationToken) -> Result<Option<Lease>> {
+        let client = replication::connect_sql(&config.database).await?;
+        // Let Postgres notice a vanished holder within ~15 s rather than hours, so a
+        // standby is not blocked by a half-open connection.
+        client
+            .batch_execute("SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; SET tcp_keepalives_count = 5")
+            .await
+            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot configure the lease session: {e}")))?;
+        let mut announced = false;
+        loop {
+            let held: bool = client
+                .query_one(LOCK_SQL, &[&config.slot])
+                .await
+                .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot take the lease: {e}")))?
+                .get(0);
+            if held {
+                info!(slot = %config.slot, "holding the lease: this relay is active");
+                return Ok(Some(Lease { client }));
+            }
+            if !announced {
+                info!(slot = %config.slot, "another relay holds the lease for this slot; waiting as a standby");
+                announced = true;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(POLL) => {}
+                _ = shutdown.cancelled() => return Ok(None),
+            }
+        }
+    }
+
+    /// Completes when the lease is lost (L1): the session closed or stopped answering.
+    pub async fn lost(&self) {
+        loop {
+            tokio::time::sleep(PROBE).await;
+            if self.client.is_closed() {
+                return;
+            }
+            match tokio::time::timeout(PROBE_TIMEOUT, self.client.simple_query("SELECT 1")).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    warn!(error = %error, "the lease session failed");
+                    return;
+                }
+                Err(_) => {
+                    warn!("the lease session stopped answering");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Ends the walsender that still holds `slot`, if any (L2). Returns its pid.
+    pub async fn end_lingering_walsender(&self, slot: &str) -> Result<Option<i32>> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT active_pid, pg_catalog.pg_terminate_backend(active_pid) \
+                   FROM pg_catalog.pg_replication_slots WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                &[&slot],
+            )
+            .await
+            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot end the walsender holding slot {slot}: {e}")))?;
+        let pid = row.map(|row| row.get::<_, i32>(0));
+        if let Some(pid) = pid {
+            warn!(
+                slot,
+                pid, "ended a walsender still holding the slot (a previous relay's connection)"
+            );
+        }
+        Ok(pid)
+    }
+}
