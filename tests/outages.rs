@@ -8,7 +8,7 @@
 mod support;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
+
 use std::time::{Duration, Instant};
 
 use pgoutput::Lsn;
@@ -16,14 +16,14 @@ use support::{insert_transaction, Case, DEADLINE};
 use testkit::{Nats, Postgres};
 
 /// These tests restart servers: run them one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// (d) With nats-server stopped, new events are not confirmed (the slot's
 /// `confirmed_flush_lsn` stays at or below their commit LSN); when it returns they arrive
 /// and the slot advances past them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_committed_while_nats_is_down_are_not_confirmed_until_stored() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let pg = Postgres::start();
     let mut nats = Nats::start();
     let mut case = Case::new(&pg, &nats, "nats_down");
@@ -80,7 +80,7 @@ async fn events_committed_while_nats_is_down_are_not_confirmed_until_stored() {
 /// resumes from the slot, and every committed row is in the stream exactly once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_crash_and_restart_loses_nothing_and_duplicates_nothing() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let mut pg = Postgres::start();
     let nats = Nats::start();
     let case = Case::new(&pg, &nats, "pg_crash");
