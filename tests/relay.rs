@@ -391,3 +391,38 @@ async fn sigterm_drains_in_flight_acks_and_confirms_before_exiting() {
         "the final status confirmed the relayed transaction"
     );
 }
+
+/// A dropped slot is not silently recreated when the stream already holds relayed events
+/// (events committed meanwhile would be skipped); `outbox-relay init` recreates it deliberately.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_is_not_silently_recreated_over_a_stream_with_history() {
+    let case = new_case("dropped_slot");
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 5, 1, "history").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 5, DEADLINE).await;
+    assert!(relay.terminate(DEADLINE).success());
+    sql.execute("select pg_drop_replication_slot($1)", &[&case.slot])
+        .await
+        .unwrap();
+
+    let output = case.relay_command("run").output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("does not exist, but stream") && stderr.contains("outbox-relay init"),
+        "{stderr}"
+    );
+
+    let init = case.relay_command("init").output().unwrap();
+    assert!(
+        init.status.success(),
+        "{}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let relay = case.start_relay();
+    insert_transaction(&mut sql, 1, 1, "after").await;
+    case.wait_for_count(&js, 6, DEADLINE).await;
+    drop(relay);
+}

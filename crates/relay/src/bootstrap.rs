@@ -55,6 +55,18 @@ fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
     }
 }
 
+/// Whether the slot exists.
+pub async fn slot_exists(client: &Client, slot: &str) -> Result<bool> {
+    Ok(client
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .map_err(|e| sql_error("cannot read replication slots", e))?
+        .is_some())
+}
+
 /// Checks Postgres and creates what is missing (when allowed). Returns the slot's state.
 pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
     check_wal_level(client).await?;

@@ -104,7 +104,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async move {
         match subcommand {
-            "init" => outbox_relay::pipeline::init(&config).await.map(|slot| {
+            "init" => outbox_relay::pipeline::init(&config, false).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
             _ => {

@@ -150,11 +150,31 @@ pub fn jetstream_context(client: async_nats::Client, config: &Config) -> jetstre
 
 /// Checks and creates everything the relay needs (`outbox-relay init`, and the first
 /// session of `run`).
-pub async fn init(config: &Config) -> Result<bootstrap::SlotState> {
+///
+/// With `guard_history`, a missing slot is created only if the stream holds no relayed
+/// event: a stream with events but no slot means the slot was dropped or invalidated, and a
+/// new one would silently skip everything committed since. `outbox-relay init` (an
+/// operator's deliberate act) passes `false`.
+pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::SlotState> {
     let client = replication::connect_sql(&config.database).await?;
-    let slot = bootstrap::postgres(&client, config).await?;
     let nats = connect_nats(config).await?;
-    bootstrap::stream(&jetstream_context(nats, config), config).await?;
+    let jetstream = jetstream_context(nats, config);
+    if guard_history && config.create && !bootstrap::slot_exists(&client, &config.slot).await? {
+        if let Ok(tail) = read_tail(&jetstream, config).await {
+            if let Some(position) = tail.position {
+                return Err(RelayError::permanent(anyhow::anyhow!(
+                    "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
+                     the slot was dropped or invalidated, so events committed since may be missing from the stream. \
+                     Create the slot deliberately with `outbox-relay init`, then reconcile the table and the stream",
+                    config.slot,
+                    config.stream,
+                    position.commit_lsn
+                )));
+            }
+        }
+    }
+    let slot = bootstrap::postgres(&client, config).await?;
+    bootstrap::stream(&jetstream, config).await?;
     Ok(slot)
 }
 
@@ -173,7 +193,7 @@ async fn session(
         checking.create = false;
         bootstrap::postgres(&client, &checking).await?
     } else {
-        init(config).await?
+        init(config, true).await?
     };
     *bootstrapped = true;
     let nats = connect_nats(config).await?;
