@@ -426,3 +426,62 @@ async fn a_dropped_slot_is_not_silently_recreated_over_a_stream_with_history() {
     case.wait_for_count(&js, 6, DEADLINE).await;
     drop(relay);
 }
+
+/// The whole path over TLS with SCRAM-SHA-256: `sslmode=verify-full` against the server's CA,
+/// for the replication stream and the control connections alike; a wrong password is a
+/// permanent error that does not print the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_over_tls_verify_full_with_scram() {
+    let pg = Postgres::start_with(testkit::PgOptions {
+        auth: testkit::PgAuth::Scram,
+        password: Some("s3cret-pw".into()),
+        tls: true,
+        ..Default::default()
+    });
+    let mut case = Case::new(&pg, &servers().nats, "tls");
+    let ca = pg.ca_cert_path().unwrap().display().to_string();
+    case.pg_url = format!(
+        "postgres://postgres:s3cret-pw@localhost:{}/{}?sslmode=verify-full&sslrootcert={ca}",
+        pg.port(),
+        case.database
+    );
+    let relay = case.start_relay();
+    // Check the relay's sessions really are encrypted.
+    let encrypted: i64 = pg
+        .psql(
+            &case.database,
+            "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid) where s.ssl and a.application_name <> 'psql'",
+        )
+        .parse()
+        .unwrap();
+    assert!(
+        encrypted >= 2,
+        "replication and lease sessions use TLS ({encrypted})"
+    );
+    let (sql, connection) = tokio_postgres::connect(&pg.url(&case.database), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    sql.batch_execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')",
+    )
+    .await
+    .unwrap();
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 1, DEADLINE).await;
+    drop(relay);
+
+    let mut wrong = case.clone();
+    wrong.pg_url = wrong.pg_url.replace("s3cret-pw", "wrong-pw");
+    let output = wrong.relay_command("run").output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("wrong-pw") && !stderr.contains("s3cret-pw"),
+        "{stderr}"
+    );
+}
