@@ -160,7 +160,7 @@ pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::Slo
     let nats = connect_nats(config).await?;
     let jetstream = jetstream_context(nats, config);
     if guard_history && config.create && !bootstrap::slot_exists(&client, &config.slot).await? {
-        if let Ok(tail) = read_tail(&jetstream, config).await {
+        if let Ok(tail) = read_tail(&jetstream, config, None).await {
             if let Some(position) = tail.position {
                 return Err(RelayError::permanent(anyhow::anyhow!(
                     "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
@@ -196,16 +196,23 @@ async fn session(
         init(config, true).await?
     };
     *bootstrapped = true;
+    let mut connection = ReplicationConnection::connect(&config.database).await?;
+    let system = connection.identify_system().await?;
+    let source = format!(
+        "{}/{}/{}",
+        system.systemid,
+        system.dbname.as_deref().unwrap_or(config.database.dbname()),
+        config.slot
+    );
     let nats = connect_nats(config).await?;
     let max_payload = nats.server_info().max_payload;
     let jetstream = jetstream_context(nats, config);
-    let tail = read_tail(&jetstream, config).await?;
+    let tail = read_tail(&jetstream, config, Some(&source)).await?;
     let max_message_bytes = match tail.max_msg_size {
         Some(limit) => limit.min(max_payload),
         None => max_payload,
     };
 
-    let mut connection = ReplicationConnection::connect(&config.database).await?;
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
     let options = [
@@ -229,13 +236,20 @@ async fn session(
         // A server that vanishes without closing the connection becomes a transient error.
         stream.set_idle_timeout(Some(timeout));
     }
+    // P6: skip what the tail shows stored, or what an earlier session of this process saw
+    // acknowledged, whichever is further.
+    let resume_after = if config.shared_stream {
+        None
+    } else {
+        tail.position.max(stats.stored_through())
+    };
     info!(
         slot = %config.slot,
         confirmed_flush_lsn = %slot.confirmed_flush_lsn,
         stream = %config.stream,
         mode = if config.shared_stream { "shared" } else { "strict" },
         last_sequence = tail.last_sequence,
-        resume_after = ?tail.position,
+        resume_after = ?resume_after,
         "streaming outbox events"
     );
 
@@ -249,14 +263,11 @@ async fn session(
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
         fence: (!config.shared_stream).then_some(tail.last_sequence),
-        resume_after: if config.shared_stream {
-            None
-        } else {
-            tail.position
-        },
+        resume_after,
         max_message_bytes,
         poison: config.on_poison,
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
+        source,
     };
     let guard = config.shared_stream.then_some(tail.duplicate_window);
     let sink = tokio::spawn(sink::run(
@@ -318,8 +329,14 @@ struct Tail {
     duplicate_window: Duration,
 }
 
-/// Reads the stream's state and its last message's position (resume from the tail).
-async fn read_tail(jetstream: &jetstream::Context, config: &Config) -> Result<Tail> {
+/// Reads the stream's state and its last message's position (resume from the tail). With
+/// `source`, a tail published from another source (another database or slot) gives no
+/// position: skipping by it could skip events this source never stored.
+async fn read_tail(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    source: Option<&str>,
+) -> Result<Tail> {
     let transient = |what: &str, e: &dyn std::fmt::Display| {
         RelayError::transient(anyhow::anyhow!(
             "cannot read {what} of stream {}: {e}",
@@ -369,6 +386,22 @@ async fn read_tail(jetstream: &jetstream::Context, config: &Config) -> Result<Ta
         (Some(lsn), Some(index)) => Position::from_headers(&lsn, &index),
         _ => None,
     };
+    let tail_source = header(outbox::headers::OUTBOX_SOURCE);
+    if let (Some(ours), Some(position)) = (source, tail.position) {
+        if tail_source.as_deref() != Some(ours) {
+            tail.position = None;
+            metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                last_sequence,
+                ?position,
+                tail_source = tail_source.as_deref().unwrap_or("none"),
+                source = ours,
+                metric = metrics::TAIL_UNREADABLE_NAME,
+                "the stream's last message was published from another source (another database or slot writes to this stream: give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position"
+            );
+            return Ok(tail);
+        }
+    }
     if tail.position.is_none() {
         metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
         warn!(

@@ -30,7 +30,8 @@
 //!   message) are already stored: they are counted as acknowledged without being published.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
 //!   stream's `max_msg_size`) is never dropped silently: under [`PoisonPolicy::Halt`] [`run`]
-//!   ends with [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
+//!   awaits the acks of everything published before it, then ends with
+//!   [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
 //!   [`PoisonPolicy::DeadLetter`] a small record with its id, keys and the reason takes its
 //!   place in the stream, in order.
 
@@ -91,6 +92,8 @@ pub struct SinkOptions {
     pub poison: PoisonPolicy,
     /// Where dead-letter records go (`{prefix}.dlq`).
     pub dead_letter_subject: String,
+    /// The `Outbox-Source` header value every message carries.
+    pub source: String,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs.
@@ -104,6 +107,30 @@ pub struct SinkStats {
     pub skipped: AtomicU64,
     /// Dead-letter records published in place of an event.
     pub dead_lettered: AtomicU64,
+    /// The position through which the stream is known to hold every event: the newest
+    /// event acknowledged (stored or duplicate) with every earlier one of its session
+    /// acknowledged too (P6). Outlives a session, so the next one skips what this one
+    /// learned is stored even when the stream's tail cannot tell (a duplicate consumes no
+    /// sequence, so re-publishing it would break the fence of everything behind it).
+    stored_through: std::sync::Mutex<Option<Position>>,
+}
+
+impl SinkStats {
+    /// See the field's docs.
+    pub fn stored_through(&self) -> Option<Position> {
+        *self
+            .stored_through
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn note_stored(&self, position: Position) {
+        let mut through = self
+            .stored_through
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *through = (*through).max(Some(position));
+    }
 }
 
 /// Why the sink stopped.
@@ -255,6 +282,7 @@ enum AckItem<P> {
     Stored,
     Publish {
         id: i64,
+        position: Position,
         ack: PublishAckFuture,
         _permit: OwnedSemaphorePermit,
     },
@@ -313,6 +341,7 @@ where
                             )?;
                             AckItem::Publish {
                                 id: event.id,
+                                position: event.position,
                                 ack,
                                 _permit: permit,
                             }
@@ -336,6 +365,11 @@ where
     drop(ack_tx);
     match published {
         Ok(()) => flatten(acker.await),
+        // P7 halt stops *at* the poison event: the publishes before it are awaited (stored,
+        // and confirmed as far as whole transactions go) before the error ends the run.
+        // Aborting the acker here would drop them unflushed, and a relay halting on every
+        // restart would never deliver the events before the poison one.
+        Err(error) if error.poison_id().is_some() => flatten(acker.await).and(Err(error)),
         Err(error) => {
             acker.abort();
             Err(error)
@@ -352,6 +386,7 @@ fn prepare(
     stats: &SinkStats,
 ) -> Result<(String, PublishMessage), SinkError> {
     let mut map = event_headers(event);
+    map.insert(headers::OUTBOX_SOURCE, options.source.as_str());
     let mut payload = event.payload.clone();
     let mut subject = event.subject.clone();
     // Room for the fence header, so the size check covers what is actually sent.
@@ -375,6 +410,7 @@ fn prepare(
                 tracing::warn!(outbox_id = event.id, reason = %reason, "publishing a dead-letter record in place of the event");
                 stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 (map, payload) = dead_letter_record(event, &reason);
+                map.insert(headers::OUTBOX_SOURCE, options.source.as_str());
                 subject = options.dead_letter_subject.clone();
             }
         }
@@ -418,7 +454,12 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
             }
             AckItem::Commit(end) => tracker.commit(end)?,
             AckItem::Idle(position) => tracker.idle(position),
-            AckItem::Publish { id, ack, _permit } => {
+            AckItem::Publish {
+                id,
+                position,
+                ack,
+                _permit,
+            } => {
                 let ticket: Ticket = tracker.publish()?;
                 let ack = ack.await.map_err(|source| SinkError::Ack { id, source })?;
                 if ack.duplicate {
@@ -431,6 +472,9 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 } else {
                     stats.stored.fetch_add(1, Ordering::Relaxed);
                 }
+                // Acks are awaited in publish order, so every earlier publish of this
+                // session is acknowledged too.
+                stats.note_stored(position);
                 tracker.ack(ticket)?
             }
         };
