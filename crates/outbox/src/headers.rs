@@ -19,5 +19,8 @@ pub const OUTBOX_COMMIT_LSN: &str = "Outbox-Commit-Lsn";
 /// The event's 0-based index among its transaction's outbox inserts; with the commit LSN,
 /// the event's position in the commit order.
 pub const OUTBOX_TX_INDEX: &str = "Outbox-Tx-Index";
+/// Which slot published the message: `{system_identifier}/{database}/{slot}`. A relay
+/// resumes from a stream's tail only when the tail came from its own source.
+pub const OUTBOX_SOURCE: &str = "Outbox-Source";
 /// On a dead-letter record: why the event itself could not be stored.
 pub const OUTBOX_DEAD_LETTER_REASON: &str = "Outbox-Dead-Letter-Reason";
