@@ -48,6 +48,8 @@ use crate::metrics;
 const MAX_BATCH: usize = 512;
 /// Batches the reader→sink channel holds.
 const CHANNEL_BATCHES: usize = 4;
+/// How long a session waits for its sink after the reader stopped cleanly.
+const SINK_GRACE: Duration = Duration::from_secs(1);
 /// The reader's timer period: the status interval, but at least this often so confirmed
 /// progress reaches Postgres promptly.
 const MAX_TICK: Duration = Duration::from_secs(1);
@@ -123,10 +125,13 @@ impl Backoff {
 
 /// Connects to NATS.
 pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
+    // NATS_URL may list several servers, comma-separated (validated in config): async-nats
+    // parses a single string as one URL, so hand it the list.
+    let servers: Vec<&str> = config.nats_url.expose().split(',').map(str::trim).collect();
     async_nats::ConnectOptions::new()
         .name("outbox-relay")
         .connection_timeout(Duration::from_secs(5))
-        .connect(config.nats_url.expose())
+        .connect(servers)
         .await
         .map_err(|e| {
             let message = format!("cannot connect to NATS at {}: {e}", config.nats_url);
@@ -286,16 +291,27 @@ async fn session(
         dedupe_guard: guard,
     };
     let drain_deadline = config.shutdown_timeout;
+    let mut sink = sink;
     let read_result = reader.run(shutdown.clone(), drain_deadline).await;
-    // The reader has dropped its sender, so the sink drains what is in flight and ends.
-    let sink_result = match tokio::time::timeout(drain_deadline, sink).await {
+    if let Err(error) = read_result {
+        // The replication stream is gone, so nothing the sink still awaits could be
+        // confirmed: drop the window now (I4) rather than drain it.
+        sink.abort();
+        return Err(error);
+    }
+    // The reader returns Ok once the sink has ended (drained, or failed), or when the drain
+    // deadline passed: a short grace, then the window is dropped.
+    let sink_result = match tokio::time::timeout(SINK_GRACE, &mut sink).await {
         Ok(Ok(result)) => result,
         Ok(Err(join)) => {
             return Err(RelayError::permanent(anyhow::anyhow!(
                 "the sink task failed: {join}"
             )))
         }
-        Err(_) => Ok(()),
+        Err(_) => {
+            sink.abort();
+            Ok(())
+        }
     };
     if let Err(error) = sink_result {
         let poison = error.poison_id().is_some();
