@@ -50,6 +50,7 @@
 #![allow(unsafe_code)]
 
 mod cleanup;
+pub mod cluster;
 mod nats;
 mod postgres;
 mod process;

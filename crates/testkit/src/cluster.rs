@@ -1,0 +1,679 @@
+//! A three-node JetStream cluster of real `nats-server` processes on loopback.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::cleanup::{self, Managed};
+
+const NODES: usize = 3;
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a started (or restarted) cluster may take to agree on a meta leader and
+/// report healthy (a restarted node: caught up with its streams).
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Three `nats-server -js` processes with routes to each other and JetStream clustering
+/// (cluster name `testkit`, server names `n0`, `n1`, `n2`), each on free loopback ports for
+/// clients, routes and HTTP monitoring and with its own store directory.
+///
+/// Every process is registered with the testkit's cleanup registry: dropping the cluster
+/// SIGKILLs all nodes and removes the directory, and whatever is still running when the test
+/// process exits is killed by the `atexit` handler.
+pub struct NatsCluster {
+    bin: PathBuf,
+    cluster_name: String,
+    nodes: Vec<Node>,
+    // Declared last: removed after the servers are gone.
+    dir: tempfile::TempDir,
+}
+
+struct Node {
+    name: String,
+    port: u16,
+    route_port: u16,
+    monitor_port: u16,
+    store_dir: PathBuf,
+    log_path: PathBuf,
+    child: Mutex<Option<Managed>>,
+}
+
+impl Node {
+    fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
+        self.child.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn is_running(&self) -> bool {
+        self.lock_child().as_mut().is_some_and(Managed::is_running)
+    }
+}
+
+impl fmt::Debug for NatsCluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                format!(
+                    "{} (client {}, route {}, monitor {}, {})",
+                    n.name,
+                    n.port,
+                    n.route_port,
+                    n.monitor_port,
+                    if n.is_running() { "running" } else { "down" }
+                )
+            })
+            .collect();
+        f.debug_struct("NatsCluster")
+            .field("cluster_name", &self.cluster_name)
+            .field("nodes", &nodes)
+            .finish_non_exhaustive()
+    }
+}
+
+enum LaunchError {
+    PortInUse(String),
+    Failed(String),
+}
+
+impl NatsCluster {
+    /// Starts the three nodes and returns once every node accepts clients, all agree on a
+    /// JetStream meta leader, and every node reports healthy.
+    pub fn start() -> NatsCluster {
+        let bin = nats_bin();
+        let dir = tempfile::Builder::new()
+            .prefix("testkit-nats-cluster-")
+            .tempdir_in(std::env::temp_dir())
+            .expect("testkit: create a temporary directory for the nats-server cluster");
+        cleanup::register_dir(dir.path());
+        let nodes = (0..NODES)
+            .map(|i| {
+                let name = format!("n{i}");
+                let log_path = dir.path().join(format!("{name}.log"));
+                File::create(&log_path)
+                    .unwrap_or_else(|e| panic!("testkit: create {}: {e}", log_path.display()));
+                Node {
+                    store_dir: dir.path().join(&name),
+                    name,
+                    port: 0,
+                    route_port: 0,
+                    monitor_port: 0,
+                    log_path,
+                    child: Mutex::new(None),
+                }
+            })
+            .collect();
+        let mut cluster = NatsCluster {
+            bin,
+            cluster_name: "testkit".to_string(),
+            nodes,
+            dir,
+        };
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            for node in &mut cluster.nodes {
+                node.port = crate::free_port();
+                node.route_port = crate::free_port();
+                node.monitor_port = crate::free_port();
+            }
+            let offsets: Vec<u64> = cluster
+                .nodes
+                .iter()
+                .map(|n| crate::file_len(&n.log_path))
+                .collect();
+            for i in 0..NODES {
+                cluster.spawn(i);
+            }
+            let mut failure = None;
+            for (i, &offset) in offsets.iter().enumerate() {
+                if let Err(e) = cluster.wait_accepting(i, offset) {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            match failure {
+                None => break,
+                Some(error) => {
+                    for node in &cluster.nodes {
+                        if let Some(child) = node.lock_child().as_mut() {
+                            child.kill();
+                        }
+                    }
+                    match error {
+                        LaunchError::PortInUse(_) if attempts < 5 => continue,
+                        LaunchError::PortInUse(msg) | LaunchError::Failed(msg) => panic!("{msg}"),
+                    }
+                }
+            }
+        }
+        cluster.wait_ready(&[0, 1, 2]);
+        cluster
+    }
+
+    /// The client URLs of all nodes, comma-separated (`nats://127.0.0.1:a,nats://…`): what
+    /// async-nats and the relay's `NATS_URL` accept as a server list.
+    pub fn urls(&self) -> String {
+        (0..NODES)
+            .map(|i| self.url(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The client URL of node `i`.
+    pub fn url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[i].port)
+    }
+
+    /// The server names, by node index (`n0`, `n1`, `n2`).
+    pub fn node_names(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.name.clone()).collect()
+    }
+
+    /// The index of the node called `name`.
+    pub fn node_index_by_name(&self, name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name == name)
+    }
+
+    /// HTTP monitoring port of node `i`.
+    pub fn monitor_port(&self, i: usize) -> u16 {
+        self.nodes[i].monitor_port
+    }
+
+    /// Plain HTTP GET of `path` on node `i`'s monitoring port: `(status, body)`.
+    pub fn monitor_get(&self, i: usize, path: &str) -> Result<(u16, String), String> {
+        http_get(self.nodes[i].monitor_port, path)
+    }
+
+    /// Whether node `i`'s process is alive.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.nodes[i].is_running()
+    }
+
+    /// Pid of node `i`'s (current) process.
+    pub fn pid(&self, i: usize) -> u32 {
+        self.nodes[i]
+            .lock_child()
+            .as_ref()
+            .map(Managed::pid)
+            .expect("testkit: cluster node was never started")
+    }
+
+    /// Node `i`'s log (all starts).
+    pub fn log(&self, i: usize) -> String {
+        crate::read_lossy(&self.nodes[i].log_path)
+    }
+
+    /// Node `i`'s store directory (`-sd`).
+    pub fn store_dir(&self, i: usize) -> &Path {
+        &self.nodes[i].store_dir
+    }
+
+    /// SIGKILL node `i`; returns once it has exited.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(child) = self.nodes[i].lock_child().as_mut() {
+            child.kill();
+        }
+    }
+
+    /// Starts node `i` again with the same ports and store directory; returns once it
+    /// accepts clients, knows the meta leader and reports healthy (`/healthz`: its streams
+    /// have caught up). Panics if it is still running.
+    pub fn start_again(&mut self, i: usize) {
+        assert!(
+            !self.is_running(i),
+            "testkit: NatsCluster::start_again({i}) called while the node is running"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let offset = crate::file_len(&self.nodes[i].log_path);
+            self.spawn(i);
+            match self.wait_accepting(i, offset) {
+                Ok(()) => break,
+                Err(LaunchError::PortInUse(msg)) if Instant::now() >= deadline => panic!("{msg}"),
+                Err(LaunchError::PortInUse(_)) => thread::sleep(Duration::from_millis(200)),
+                Err(LaunchError::Failed(msg)) => panic!("{msg}"),
+            }
+        }
+        self.wait_ready(&[i]);
+    }
+
+    /// The JetStream meta leader as the running nodes see it, if they agree on one.
+    pub fn meta_leader(&self) -> Option<String> {
+        let mut seen: Option<String> = None;
+        for i in (0..NODES).filter(|&i| self.is_running(i)) {
+            let leader = self.jsz(i, "/jsz").and_then(|jsz| {
+                jsz.get("meta_cluster")?
+                    .get("leader")?
+                    .as_str()
+                    .map(str::to_owned)
+            })?;
+            if leader.is_empty() || seen.as_ref().is_some_and(|s| *s != leader) {
+                return None;
+            }
+            seen = Some(leader);
+        }
+        seen
+    }
+
+    /// The name of the node leading `stream` (in the global account): a running node whose
+    /// own monitoring (`/jsz?accounts=true&streams=true`) names itself the stream's leader.
+    /// `None` while no running node does (e.g. during an election).
+    pub fn stream_leader(&self, stream: &str) -> Option<String> {
+        (0..NODES)
+            .filter(|&i| self.is_running(i))
+            .find(|&i| {
+                self.stream_leader_seen_by(i, stream).as_deref() == Some(&self.nodes[i].name)
+            })
+            .map(|i| self.nodes[i].name.clone())
+    }
+
+    /// The leader of `stream` as node `i` reports it (its view may be stale).
+    pub fn stream_leader_seen_by(&self, i: usize, stream: &str) -> Option<String> {
+        let jsz = self.jsz(i, "/jsz?accounts=true&streams=true")?;
+        let accounts = jsz.get("account_details")?.as_array()?;
+        accounts
+            .iter()
+            .filter_map(|account| account.get("stream_detail")?.as_array())
+            .flatten()
+            .find(|detail| detail.get("name").and_then(Json::as_str) == Some(stream))
+            .and_then(|detail| detail.get("cluster")?.get("leader")?.as_str())
+            .filter(|leader| !leader.is_empty())
+            .map(str::to_owned)
+    }
+
+    fn jsz(&self, i: usize, path: &str) -> Option<Json> {
+        match self.monitor_get(i, path) {
+            Ok((200, body)) => Json::parse(&body),
+            _ => None,
+        }
+    }
+
+    fn spawn(&self, i: usize) {
+        let node = &self.nodes[i];
+        let log = OpenOptions::new()
+            .append(true)
+            .open(&node.log_path)
+            .unwrap_or_else(|e| panic!("testkit: open {}: {e}", node.log_path.display()));
+        let log2 = log
+            .try_clone()
+            .expect("testkit: duplicate the nats-server log file handle");
+        let routes: Vec<String> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, other)| format!("nats://127.0.0.1:{}", other.route_port))
+            .collect();
+        let mut command = Command::new(&self.bin);
+        command
+            .arg("-js")
+            .arg("-sd")
+            .arg(&node.store_dir)
+            .args(["-n", &node.name])
+            .args(["--cluster_name", &self.cluster_name])
+            .arg("--cluster")
+            .arg(format!("nats://127.0.0.1:{}", node.route_port))
+            .arg("--routes")
+            .arg(routes.join(","))
+            .args(["-a", "127.0.0.1"])
+            .arg("-p")
+            .arg(node.port.to_string())
+            .arg("-m")
+            .arg(node.monitor_port.to_string())
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        let child = Managed::spawn(&mut command, None)
+            .unwrap_or_else(|e| panic!("testkit: spawn {}: {e}", self.bin.display()));
+        *node.lock_child() = Some(child);
+    }
+
+    /// Waits until node `i` (started with its log at `log_offset`) accepts clients.
+    fn wait_accepting(&self, i: usize, log_offset: u64) -> Result<(), LaunchError> {
+        let node = &self.nodes[i];
+        let addr = SocketAddr::from(([127, 0, 0, 1], node.port));
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let exited = node.lock_child().as_mut().and_then(Managed::try_wait);
+            if let Some(status) = exited {
+                let log = crate::read_from(&node.log_path, log_offset);
+                let msg = format!(
+                    "testkit: cluster node {} exited with {status} while starting (client {}, route {}, monitor {}); log:\n{}",
+                    node.name,
+                    node.port,
+                    node.route_port,
+                    node.monitor_port,
+                    crate::tail(&log, 40)
+                );
+                return Err(if log.contains("address already in use") {
+                    LaunchError::PortInUse(msg)
+                } else {
+                    LaunchError::Failed(msg)
+                });
+            }
+            // "Server is ready" in *our* log proves our process bound the ports.
+            if crate::read_from(&node.log_path, log_offset).contains("Server is ready")
+                && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                if let Some(child) = node.lock_child().as_mut() {
+                    child.kill();
+                }
+                return Err(LaunchError::Failed(format!(
+                    "testkit: timed out after {START_TIMEOUT:?} waiting for cluster node {} to accept clients; log tail:\n{}",
+                    node.name,
+                    crate::tail(&crate::read_from(&node.log_path, log_offset), 40)
+                )));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the running nodes agree on a meta leader and each of `nodes` reports
+    /// healthy.
+    fn wait_ready(&self, nodes: &[usize]) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let leader = self.meta_leader();
+            let healthy = nodes
+                .iter()
+                .all(|&i| matches!(self.monitor_get(i, "/healthz"), Ok((200, _))));
+            if leader.is_some() && healthy {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let logs: Vec<String> = nodes
+                    .iter()
+                    .map(|&i| {
+                        format!(
+                            "--- {} /healthz: {:?}; log tail:\n{}",
+                            self.nodes[i].name,
+                            self.monitor_get(i, "/healthz"),
+                            crate::tail(&self.log(i), 20)
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "testkit: timed out after {READY_TIMEOUT:?} waiting for the cluster to elect a JetStream meta leader \
+                     (seen: {leader:?}) and nodes {nodes:?} to report healthy\n{}",
+                    logs.join("\n")
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for node in &self.nodes {
+            if let Some(child) = node.lock_child().as_mut() {
+                child.kill();
+            }
+        }
+        cleanup::unregister_dir(self.dir.path());
+    }
+}
+
+fn nats_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER") {
+        let bin = PathBuf::from(bin);
+        assert!(
+            bin.is_file(),
+            "testkit: TESTKIT_NATS_SERVER={} does not exist",
+            bin.display()
+        );
+        return bin;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join("nats-server"))
+        .find(|bin| bin.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "testkit: `nats-server` not found on PATH: install it with `apt-get install nats-server` \
+                 (or point TESTKIT_NATS_SERVER at the binary)"
+            )
+        })
+}
+
+/// Minimal HTTP/1.0 GET against 127.0.0.1:{port}.
+fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+        .map_err(|e| format!("write to {addr}: {e}"))?;
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .map_err(|e| format!("read from {addr}: {e}"))?;
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("malformed HTTP response: {response:?}"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse::<u16>().ok())
+        .ok_or_else(|| format!("malformed HTTP status line: {head:?}"))?;
+    Ok((status, body.to_string()))
+}
+
+/// Just enough JSON to read the monitoring endpoints (the testkit has no JSON dependency).
+#[derive(Debug, Clone, PartialEq)]
+enum Json {
+    Null,
+    Bool(bool),
+    Number(f64),
+    String(String),
+    Array(Vec<Json>),
+    Object(Vec<(String, Json)>),
+}
+
+impl Json {
+    fn parse(text: &str) -> Option<Json> {
+        let mut parser = JsonParser {
+            bytes: text.as_bytes(),
+            at: 0,
+        };
+        let value = parser.value()?;
+        parser.skip_whitespace();
+        (parser.at == parser.bytes.len()).then_some(value)
+    }
+
+    fn get(&self, key: &str) -> Option<&Json> {
+        match self {
+            Json::Object(fields) => fields.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Json::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn as_array(&self) -> Option<&[Json]> {
+        match self {
+            Json::Array(items) => Some(items),
+            _ => None,
+        }
+    }
+}
+
+struct JsonParser<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl JsonParser<'_> {
+    fn skip_whitespace(&mut self) {
+        while self
+            .bytes
+            .get(self.at)
+            .is_some_and(|b| b.is_ascii_whitespace())
+        {
+            self.at += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        self.skip_whitespace();
+        (self.bytes.get(self.at) == Some(&byte)).then(|| self.at += 1)
+    }
+
+    fn literal(&mut self, word: &str, value: Json) -> Option<Json> {
+        let end = self.at + word.len();
+        (self.bytes.get(self.at..end) == Some(word.as_bytes())).then(|| {
+            self.at = end;
+            value
+        })
+    }
+
+    fn value(&mut self) -> Option<Json> {
+        self.skip_whitespace();
+        match *self.bytes.get(self.at)? {
+            b'{' => self.object(),
+            b'[' => self.array(),
+            b'"' => self.string().map(Json::String),
+            b't' => self.literal("true", Json::Bool(true)),
+            b'f' => self.literal("false", Json::Bool(false)),
+            b'n' => self.literal("null", Json::Null),
+            _ => self.number(),
+        }
+    }
+
+    fn object(&mut self) -> Option<Json> {
+        self.eat(b'{')?;
+        let mut fields = Vec::new();
+        if self.eat(b'}').is_some() {
+            return Some(Json::Object(fields));
+        }
+        loop {
+            self.skip_whitespace();
+            let key = self.string()?;
+            self.eat(b':')?;
+            fields.push((key, self.value()?));
+            if self.eat(b',').is_none() {
+                self.eat(b'}')?;
+                return Some(Json::Object(fields));
+            }
+        }
+    }
+
+    fn array(&mut self) -> Option<Json> {
+        self.eat(b'[')?;
+        let mut items = Vec::new();
+        if self.eat(b']').is_some() {
+            return Some(Json::Array(items));
+        }
+        loop {
+            items.push(self.value()?);
+            if self.eat(b',').is_none() {
+                self.eat(b']')?;
+                return Some(Json::Array(items));
+            }
+        }
+    }
+
+    fn string(&mut self) -> Option<String> {
+        if self.bytes.get(self.at) != Some(&b'"') {
+            return None;
+        }
+        self.at += 1;
+        let mut out: Vec<u8> = Vec::new();
+        loop {
+            let byte = *self.bytes.get(self.at)?;
+            self.at += 1;
+            match byte {
+                b'"' => return String::from_utf8(out).ok(),
+                b'\\' => {
+                    let escaped = *self.bytes.get(self.at)?;
+                    self.at += 1;
+                    match escaped {
+                        b'u' => {
+                            let hex =
+                                std::str::from_utf8(self.bytes.get(self.at..self.at + 4)?).ok()?;
+                            self.at += 4;
+                            let c = char::from_u32(u32::from_str_radix(hex, 16).ok()?)
+                                .unwrap_or('\u{fffd}');
+                            out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+                        }
+                        b'n' => out.push(b'\n'),
+                        b't' => out.push(b'\t'),
+                        b'r' => out.push(b'\r'),
+                        b'b' => out.push(0x08),
+                        b'f' => out.push(0x0c),
+                        other => out.push(other),
+                    }
+                }
+                other => out.push(other),
+            }
+        }
+    }
+
+    fn number(&mut self) -> Option<Json> {
+        let start = self.at;
+        while self
+            .bytes
+            .get(self.at)
+            .is_some_and(|b| b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.' | b'e' | b'E'))
+        {
+            self.at += 1;
+        }
+        std::str::from_utf8(&self.bytes[start..self.at])
+            .ok()?
+            .parse()
+            .ok()
+            .map(Json::Number)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Json;
+
+    #[test]
+    fn reads_the_stream_leader_out_of_jsz() {
+        let body = r#"{"meta_cluster":{"name":"C","leader":"n2","cluster_size":3},
+            "account_details":[{"name":"$G","reserved_memory":18446744073709551615,
+            "stream_detail":[{"name":"S","cluster":{"name":"C","leader":"n1","replicas":[{"name":"n0","current":true,"lag":-1.5e3}]},
+            "config":{"subjects":["p.\u003e"]}}]}]}"#;
+        let jsz = Json::parse(body).expect("valid JSON");
+        let meta = jsz.get("meta_cluster").and_then(|m| m.get("leader"));
+        assert_eq!(meta.and_then(Json::as_str), Some("n2"));
+        let detail = &jsz
+            .get("account_details")
+            .and_then(Json::as_array)
+            .expect("accounts")[0]
+            .get("stream_detail")
+            .and_then(Json::as_array)
+            .expect("streams")[0];
+        let leader = detail.get("cluster").and_then(|c| c.get("leader"));
+        assert_eq!(leader.and_then(Json::as_str), Some("n1"));
+        let subjects = detail
+            .get("config")
+            .and_then(|c| c.get("subjects"))
+            .and_then(Json::as_array)
+            .expect("subjects");
+        assert_eq!(subjects[0].as_str(), Some("p.>"));
+        assert_eq!(Json::parse("{\"a\": [true, false, null]} x"), None);
+    }
+}
