@@ -61,6 +61,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     let mut bootstrapped = false;
     loop {
         let started = Instant::now();
+        let acked_before = stats.acked();
         let result = async {
             let Some(lease) = Lease::acquire(&config, &shutdown).await? else { return Ok(()) };
             tokio::select! {
@@ -77,7 +78,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
                 if shutdown.is_cancelled() {
                     return Ok(());
                 }
-                if started.elapsed() > Duration::from_secs(30) {
+                // A session that got acknowledgements through, or ran a while, was healthy:
+                // the next failure starts the backoff over.
+                if stats.acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
                     backoff.reset();
                 }
                 let delay = backoff.next_delay();

@@ -116,6 +116,11 @@ pub struct SinkStats {
 }
 
 impl SinkStats {
+    /// Publishes acknowledged so far, stored or duplicate.
+    pub fn acked(&self) -> u64 {
+        self.stored.load(Ordering::Relaxed) + self.duplicates.load(Ordering::Relaxed)
+    }
+
     /// See the field's docs.
     pub fn stored_through(&self) -> Option<Position> {
         *self
