@@ -530,3 +530,64 @@ async fn strict_mode_converges_when_the_tail_carries_no_position() {
     );
     eprintln!("no_position: {stored} stored before the kill; {committed} rows stored once each after the restart");
 }
+
+/// L2: a walsender still holding the slot (here `pg_recvlogical`, standing in for a dead
+/// relay's connection Postgres has not noticed yet) is ended by the relay holding the lease,
+/// which then streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_holder_ends_a_walsender_that_still_holds_the_slot() {
+    let case = new_case("lingering");
+    let init = case.relay_command("init").output().unwrap();
+    assert!(
+        init.status.success(),
+        "{}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let pg = &servers().pg;
+    let mut squatter = std::process::Command::new(pg.bin_dir().join("pg_recvlogical"));
+    squatter.args([
+        "-d",
+        &case.pg_url,
+        "--slot",
+        &case.slot,
+        "--start",
+        "--no-loop",
+        "-f",
+        "/dev/null",
+    ]);
+    squatter.args([
+        "-o",
+        "proto_version=1",
+        "-o",
+        &format!("publication_names={}", case.publication),
+    ]);
+    let mut squatter = testkit::Process::spawn("pg_recvlogical", squatter);
+    let sql = case.sql().await;
+    eventually("pg_recvlogical to hold the slot", DEADLINE, || async {
+        let row = sql
+            .query_one(
+                "select active from pg_replication_slots where slot_name = $1",
+                &[&case.slot],
+            )
+            .await
+            .unwrap();
+        row.get::<_, bool>(0).then_some(())
+    })
+    .await;
+
+    let relay = case.start_relay();
+    assert!(
+        relay
+            .output()
+            .contains("ended a walsender still holding the slot"),
+        "{}",
+        relay.output()
+    );
+    let status = squatter.wait_exit(DEADLINE);
+    assert!(!status.success(), "pg_recvlogical was disconnected");
+    sql.batch_execute("insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')")
+        .await
+        .unwrap();
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 1, DEADLINE).await;
+}
