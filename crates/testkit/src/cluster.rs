@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -11,6 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::cleanup::{self, Managed};
+use crate::nats::{http_get, nats_bin};
 
 const NODES: usize = 3;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -289,7 +289,7 @@ impl NatsCluster {
 
     fn jsz(&self, i: usize, path: &str) -> Option<Json> {
         match self.monitor_get(i, path) {
-            Ok((200, body)) => Json::parse(&body),
+            Ok((200, body)) => serde_json::from_str(&body).ok(),
             _ => None,
         }
     }
@@ -424,227 +424,8 @@ impl Drop for NatsCluster {
     }
 }
 
-fn nats_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER") {
-        let bin = PathBuf::from(bin);
-        assert!(
-            bin.is_file(),
-            "testkit: TESTKIT_NATS_SERVER={} does not exist",
-            bin.display()
-        );
-        return bin;
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
-        .map(|dir| dir.join("nats-server"))
-        .find(|bin| bin.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "testkit: `nats-server` not found on PATH: install it with `apt-get install nats-server` \
-                 (or point TESTKIT_NATS_SERVER at the binary)"
-            )
-        })
-}
-
-/// Minimal HTTP/1.0 GET against 127.0.0.1:{port}.
-fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .map_err(|e| e.to_string())?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
-        .map_err(|e| format!("write to {addr}: {e}"))?;
-    let mut response = Vec::new();
-    stream
-        .read_to_end(&mut response)
-        .map_err(|e| format!("read from {addr}: {e}"))?;
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("malformed HTTP response: {response:?}"))?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse::<u16>().ok())
-        .ok_or_else(|| format!("malformed HTTP status line: {head:?}"))?;
-    Ok((status, body.to_string()))
-}
-
-/// Just enough JSON to read the monitoring endpoints (the testkit has no JSON dependency).
-#[derive(Debug, Clone, PartialEq)]
-enum Json {
-    Null,
-    Bool(bool),
-    Number(f64),
-    String(String),
-    Array(Vec<Json>),
-    Object(Vec<(String, Json)>),
-}
-
-impl Json {
-    fn parse(text: &str) -> Option<Json> {
-        let mut parser = JsonParser {
-            bytes: text.as_bytes(),
-            at: 0,
-        };
-        let value = parser.value()?;
-        parser.skip_whitespace();
-        (parser.at == parser.bytes.len()).then_some(value)
-    }
-
-    fn get(&self, key: &str) -> Option<&Json> {
-        match self {
-            Json::Object(fields) => fields.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-
-    fn as_str(&self) -> Option<&str> {
-        match self {
-            Json::String(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    fn as_array(&self) -> Option<&[Json]> {
-        match self {
-            Json::Array(items) => Some(items),
-            _ => None,
-        }
-    }
-}
-
-struct JsonParser<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl JsonParser<'_> {
-    fn skip_whitespace(&mut self) {
-        while self
-            .bytes
-            .get(self.at)
-            .is_some_and(|b| b.is_ascii_whitespace())
-        {
-            self.at += 1;
-        }
-    }
-
-    fn eat(&mut self, byte: u8) -> Option<()> {
-        self.skip_whitespace();
-        (self.bytes.get(self.at) == Some(&byte)).then(|| self.at += 1)
-    }
-
-    fn literal(&mut self, word: &str, value: Json) -> Option<Json> {
-        let end = self.at + word.len();
-        (self.bytes.get(self.at..end) == Some(word.as_bytes())).then(|| {
-            self.at = end;
-            value
-        })
-    }
-
-    fn value(&mut self) -> Option<Json> {
-        self.skip_whitespace();
-        match *self.bytes.get(self.at)? {
-            b'{' => self.object(),
-            b'[' => self.array(),
-            b'"' => self.string().map(Json::String),
-            b't' => self.literal("true", Json::Bool(true)),
-            b'f' => self.literal("false", Json::Bool(false)),
-            b'n' => self.literal("null", Json::Null),
-            _ => self.number(),
-        }
-    }
-
-    fn object(&mut self) -> Option<Json> {
-        self.eat(b'{')?;
-        let mut fields = Vec::new();
-        if self.eat(b'}').is_some() {
-            return Some(Json::Object(fields));
-        }
-        loop {
-            self.skip_whitespace();
-            let key = self.string()?;
-            self.eat(b':')?;
-            fields.push((key, self.value()?));
-            if self.eat(b',').is_none() {
-                self.eat(b'}')?;
-                return Some(Json::Object(fields));
-            }
-        }
-    }
-
-    fn array(&mut self) -> Option<Json> {
-        self.eat(b'[')?;
-        let mut items = Vec::new();
-        if self.eat(b']').is_some() {
-            return Some(Json::Array(items));
-        }
-        loop {
-            items.push(self.value()?);
-            if self.eat(b',').is_none() {
-                self.eat(b']')?;
-                return Some(Json::Array(items));
-            }
-        }
-    }
-
-    fn string(&mut self) -> Option<String> {
-        if self.bytes.get(self.at) != Some(&b'"') {
-            return None;
-        }
-        self.at += 1;
-        let mut out: Vec<u8> = Vec::new();
-        loop {
-            let byte = *self.bytes.get(self.at)?;
-            self.at += 1;
-            match byte {
-                b'"' => return String::from_utf8(out).ok(),
-                b'\\' => {
-                    let escaped = *self.bytes.get(self.at)?;
-                    self.at += 1;
-                    match escaped {
-                        b'u' => {
-                            let hex =
-                                std::str::from_utf8(self.bytes.get(self.at..self.at + 4)?).ok()?;
-                            self.at += 4;
-                            let c = char::from_u32(u32::from_str_radix(hex, 16).ok()?)
-                                .unwrap_or('\u{fffd}');
-                            out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
-                        }
-                        b'n' => out.push(b'\n'),
-                        b't' => out.push(b'\t'),
-                        b'r' => out.push(b'\r'),
-                        b'b' => out.push(0x08),
-                        b'f' => out.push(0x0c),
-                        other => out.push(other),
-                    }
-                }
-                other => out.push(other),
-            }
-        }
-    }
-
-    fn number(&mut self) -> Option<Json> {
-        let start = self.at;
-        while self
-            .bytes
-            .get(self.at)
-            .is_some_and(|b| b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.' | b'e' | b'E'))
-        {
-            self.at += 1;
-        }
-        std::str::from_utf8(&self.bytes[start..self.at])
-            .ok()?
-            .parse()
-            .ok()
-            .map(Json::Number)
-    }
-}
+/// The monitoring endpoints' JSON.
+type Json = serde_json::Value;
 
 #[cfg(test)]
 mod tests {
@@ -656,7 +437,7 @@ mod tests {
             "account_details":[{"name":"$G","reserved_memory":18446744073709551615,
             "stream_detail":[{"name":"S","cluster":{"name":"C","leader":"n1","replicas":[{"name":"n0","current":true,"lag":-1.5e3}]},
             "config":{"subjects":["p.\u003e"]}}]}]}"#;
-        let jsz = Json::parse(body).expect("valid JSON");
+        let jsz: Json = serde_json::from_str(body).expect("valid JSON");
         let meta = jsz.get("meta_cluster").and_then(|m| m.get("leader"));
         assert_eq!(meta.and_then(Json::as_str), Some("n2"));
         let detail = &jsz
@@ -674,6 +455,5 @@ mod tests {
             .and_then(Json::as_array)
             .expect("subjects");
         assert_eq!(subjects[0].as_str(), Some("p.>"));
-        assert_eq!(Json::parse("{\"a\": [true, false, null]} x"), None);
     }
 }

@@ -256,7 +256,7 @@ impl Drop for Nats {
     }
 }
 
-fn nats_bin() -> PathBuf {
+pub(crate) fn nats_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER") {
         let bin = PathBuf::from(bin);
         assert!(
@@ -280,7 +280,7 @@ fn nats_bin() -> PathBuf {
 }
 
 /// Minimal HTTP/1.0 GET against 127.0.0.1:{port}.
-fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
+pub(crate) fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .map_err(|e| format!("connect {addr}: {e}"))?;
