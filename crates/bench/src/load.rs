@@ -1,0 +1,152 @@
+//! Writing backlogs, and reading them back as the events the relay would publish.
+//!
+//! Rows look like the seed's: `entity-{i % 1000}`, `OrderPaid`, placeholder key columns
+//! (the relay derives the keys itself) and a small jsonb payload
+//! `{"amount": 10, "order_id": i}`.
+
+use std::num::NonZeroU64;
+
+use anyhow::{Context as _, Result};
+use bytes::Bytes;
+use outbox::{OutboxEvent, Position};
+use pgoutput::Lsn;
+use tokio_postgres::Client;
+
+/// The relay's default shard count.
+pub const PARTITIONS: NonZeroU64 = match NonZeroU64::new(12) {
+    Some(n) => n,
+    None => panic!("12 is not zero"),
+};
+
+/// Rows `$1..=$2` in one statement (one transaction in autocommit).
+const INSERT_RANGE: &str = "insert into outbox_events \
+        (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+    select 'entity-' || (i % 1000), 'OrderPaid', 'tmp-' || i, 'tmp', 'tmp', \
+           jsonb_build_object('order_id', i, 'amount', 10) \
+      from generate_series($1::bigint, $2::bigint) i";
+
+/// A procedure committing one row per transaction, server-side: the fastest way to write
+/// many single-row transactions (no client round trip per commit).
+const SINGLE_ROW_PROCEDURE: &str =
+    "create or replace procedure bench_single_rows(first_i bigint, last_i bigint) \
+    language plpgsql as $$ \
+    begin \
+      for i in first_i..last_i loop \
+        insert into outbox_events \
+               (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+        values ('entity-' || (i % 1000), 'OrderPaid', 'tmp-' || i, 'tmp', 'tmp', \
+                jsonb_build_object('order_id', i, 'amount', 10)); \
+        commit; \
+      end loop; \
+    end $$";
+
+/// Writes `total` rows in transactions of `per_tx` rows.
+pub async fn write_batched(sql: &Client, total: u64, per_tx: u64) -> Result<()> {
+    let statement = sql.prepare(INSERT_RANGE).await?;
+    let mut first = 1u64;
+    while first <= total {
+        let last = (first + per_tx - 1).min(total);
+        sql.execute(&statement, &[&(first as i64), &(last as i64)])
+            .await
+            .with_context(|| format!("insert rows {first}..={last}"))?;
+        first = last + 1;
+    }
+    Ok(())
+}
+
+/// Writes `total` rows, one transaction each.
+pub async fn write_single_rows(sql: &Client, total: u64) -> Result<()> {
+    sql.batch_execute(SINGLE_ROW_PROCEDURE).await?;
+    sql.batch_execute(&format!("call bench_single_rows(1, {total})"))
+        .await
+        .context("call bench_single_rows")?;
+    Ok(())
+}
+
+/// `pg_current_wal_lsn()`: the end of everything written so far.
+pub async fn current_wal_lsn(sql: &Client) -> Result<Lsn> {
+    let text: String = sql
+        .query_one("select pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    text.parse()
+        .map_err(|e| anyhow::anyhow!("pg_current_wal_lsn {text:?}: {e:?}"))
+}
+
+/// The event the relay publishes for a row (keys, shard, subject as `outbox` derives
+/// them), built without decoding WAL: for the broker ceiling and the polling publisher.
+pub fn event_for_row(
+    prefix: &str,
+    id: i64,
+    entity_id: String,
+    event_type: String,
+    payload: Bytes,
+    created_at_ms: i64,
+    position: Position,
+) -> OutboxEvent {
+    let keys = outbox::compute_keys(id, &entity_id, &event_type, created_at_ms);
+    let shard = outbox::shard_for_key(PARTITIONS, &keys.partition_key);
+    let subject = outbox::subject::subject(prefix, shard, &event_type);
+    OutboxEvent {
+        id,
+        entity_id,
+        event_type,
+        keys,
+        shard,
+        subject,
+        payload,
+        position,
+    }
+}
+
+/// The columns an event is built from, in the order [`row_event`] reads them.
+pub const EVENT_COLUMNS: &str = "id, entity_id, event_type, payload::text, \
+     floor(extract(epoch from created_at) * 1000)::bigint";
+
+/// Builds the event of a row selected with [`EVENT_COLUMNS`].
+pub fn row_event(prefix: &str, row: &tokio_postgres::Row, position: Position) -> OutboxEvent {
+    let payload: String = row.get(3);
+    event_for_row(
+        prefix,
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        Bytes::from(payload),
+        row.get(4),
+        position,
+    )
+}
+
+/// Every row of the case's table as the event the relay would publish under `prefix`, in
+/// id order; `per_tx` rows share a (stand-in) commit LSN and count their index from 0.
+pub async fn read_events(
+    sql: &Client,
+    prefix: &str,
+    per_tx: u64,
+    commit_lsn: Lsn,
+) -> Result<Vec<OutboxEvent>> {
+    let statement = sql
+        .prepare(&format!(
+            "select {EVENT_COLUMNS} from outbox_events where id between $1 and $2 order by id"
+        ))
+        .await?;
+    let max: i64 = sql
+        .query_one("select coalesce(max(id), 0) from outbox_events", &[])
+        .await?
+        .get(0);
+    let mut events = Vec::with_capacity(usize::try_from(max).unwrap_or(0));
+    let chunk = 50_000i64;
+    let mut first = 1i64;
+    while first <= max {
+        for row in sql
+            .query(&statement, &[&first, &(first + chunk - 1)])
+            .await?
+        {
+            let id: i64 = row.get(0);
+            let index = u32::try_from((id - 1).rem_euclid(per_tx.max(1) as i64)).unwrap_or(0);
+            events.push(row_event(prefix, &row, Position { commit_lsn, index }));
+        }
+        first += chunk;
+    }
+    Ok(events)
+}
