@@ -83,6 +83,8 @@ pub mod opt {
             "Other writers publish to the stream too: de-duplication only, no sequence fencing or tail resume (weaker; see docs/guarantees.md)");
         ON_POISON = ("on_poison", "OUTBOX_RELAY_ON_POISON", Some("halt"),
             "An event JetStream can never accept: halt (stop, naming it) or dead-letter (a record on {prefix}.dlq in its place)");
+        WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
+            "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
     }
@@ -323,6 +325,8 @@ pub struct Config {
     pub shared_stream: bool,
     /// What to do with an event JetStream can never accept.
     pub on_poison: sink::PoisonPolicy,
+    /// Runtime worker threads (1: a current-thread runtime).
+    pub worker_threads: usize,
     /// Log format.
     pub log_format: LogFormat,
     /// Whether `run` may create the publication, slot and stream.
@@ -414,6 +418,10 @@ impl Config {
             "dead-letter" => Ok(sink::PoisonPolicy::DeadLetter),
             _ => Err("expected halt or dead-letter".into()),
         })?;
+        let worker_threads = raw.parse(&WORKER_THREADS, |v| match v.parse::<usize>() {
+            Ok(n) if (1..=256).contains(&n) => Ok(n),
+            _ => Err("expected an integer from 1 to 256".into()),
+        })?;
         let log_format = raw.parse(&LOG_FORMAT, |v| match v {
             "text" => Ok(LogFormat::Text),
             "json" => Ok(LogFormat::Json),
@@ -434,6 +442,7 @@ impl Config {
             shutdown_timeout,
             shared_stream,
             on_poison,
+            worker_threads,
             log_format,
             create: true,
         })

@@ -476,7 +476,10 @@ impl Reader {
                 // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
                 permit = reserve(&self.items), if intake_open && !pending.is_empty() => match permit {
                     Some(permit) => {
-                        permit.send(std::mem::replace(&mut pending, Vec::with_capacity(MAX_BATCH)));
+                        // Size the next batch like this one: a live trickle should not
+                        // allocate a 512-item vector per event.
+                        let capacity = pending.len().clamp(16, MAX_BATCH);
+                        permit.send(std::mem::replace(&mut pending, Vec::with_capacity(capacity)));
                         Step::Handed
                     }
                     // The sink ended; PRIORITY 2 reports why.

@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use outbox::headers;
 use outbox::{OutboxEvent, Position};
@@ -203,9 +203,9 @@ pub fn is_fence_refusal(error: &SinkError) -> bool {
 
 /// The JetStream message for an event: its subject's payload and the frozen headers.
 pub fn publish_message(event: &OutboxEvent) -> PublishMessage {
-    PublishMessage::build()
-        .headers(event_headers(event))
-        .payload(event.payload.clone())
+    let commit_lsn = event.position.commit_lsn.to_string();
+    let (_, map, payload) = into_message(event.clone(), &commit_lsn, None);
+    PublishMessage::build().headers(map).payload(payload)
 }
 
 /// The bytes JetStream counts against `max_payload` and `max_msg_size`: the serialised
@@ -258,27 +258,94 @@ pub fn dead_letter_record(event: &OutboxEvent, reason: &str) -> (HeaderMap, Byte
     (map, record.to_string().into())
 }
 
-fn event_headers(event: &OutboxEvent) -> HeaderMap {
+/// Header names, built once (`HeaderName::from_static` is free; parsing a `&str` name per
+/// message showed in the profile).
+mod name {
+    use async_nats::HeaderName;
+    use outbox::headers as h;
+
+    pub const NATS_MSG_ID: HeaderName = HeaderName::from_static(h::NATS_MSG_ID);
+    pub const OUTBOX_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ID);
+    pub const OUTBOX_ENTITY_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ENTITY_ID);
+    pub const OUTBOX_EVENT_TYPE: HeaderName = HeaderName::from_static(h::OUTBOX_EVENT_TYPE);
+    pub const OUTBOX_PARTITION_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_PARTITION_KEY);
+    pub const OUTBOX_ORDERING_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_ORDERING_KEY);
+    pub const OUTBOX_SHARD: HeaderName = HeaderName::from_static(h::OUTBOX_SHARD);
+    pub const OUTBOX_COMMIT_LSN: HeaderName = HeaderName::from_static(h::OUTBOX_COMMIT_LSN);
+    pub const OUTBOX_TX_INDEX: HeaderName = HeaderName::from_static(h::OUTBOX_TX_INDEX);
+    pub const OUTBOX_SOURCE: HeaderName = HeaderName::from_static(h::OUTBOX_SOURCE);
+    pub const EXPECTED_LAST_SEQUENCE: HeaderName =
+        HeaderName::from_static("Nats-Expected-Last-Sequence");
+}
+
+fn int(value: impl itoa::Integer) -> String {
+    itoa::Buffer::new().format(value).to_owned()
+}
+
+fn digits(value: impl itoa::Integer) -> usize {
+    itoa::Buffer::new().format(value).len()
+}
+
+/// One serialised header line, `Name: value\r\n`.
+fn line(name: &str, value_len: usize) -> usize {
+    name.len() + 2 + value_len + 2
+}
+
+/// [`wire_size`] of the message [`into_message`] builds, from the lengths alone.
+fn event_wire_size(
+    event: &OutboxEvent,
+    commit_lsn: &str,
+    source: Option<&str>,
+    fence: Option<u64>,
+) -> usize {
+    use outbox::headers as h;
+    let k = &event.keys;
+    b"NATS/1.0\r\n\r\n".len()
+        + line(h::NATS_MSG_ID, k.dedupe_key.len())
+        + line(h::OUTBOX_ID, digits(event.id))
+        + line(h::OUTBOX_ENTITY_ID, event.entity_id.len())
+        + line(h::OUTBOX_EVENT_TYPE, event.event_type.len())
+        + line(h::OUTBOX_PARTITION_KEY, k.partition_key.len())
+        + line(h::OUTBOX_ORDERING_KEY, k.ordering_key.len())
+        + line(h::OUTBOX_SHARD, digits(event.shard))
+        + line(h::OUTBOX_COMMIT_LSN, commit_lsn.len())
+        + line(h::OUTBOX_TX_INDEX, digits(event.position.index))
+        + source.map_or(0, |s| line(h::OUTBOX_SOURCE, s.len()))
+        + fence.map_or(0, |f| line("Nats-Expected-Last-Sequence", digits(f)))
+        + event.payload.len()
+}
+
+/// The subject, headers and payload for `event`, moving its strings into the header values
+/// instead of copying them.
+fn into_message(
+    event: OutboxEvent,
+    commit_lsn: &str,
+    source: Option<&str>,
+) -> (Subject, HeaderMap, Bytes) {
+    let OutboxEvent {
+        id,
+        entity_id,
+        event_type,
+        keys,
+        shard,
+        subject,
+        payload,
+        position,
+    } = event;
     let mut map = HeaderMap::new();
-    map.insert(headers::NATS_MSG_ID, event.keys.dedupe_key.as_str());
-    map.insert(headers::OUTBOX_ID, event.id.to_string());
-    map.insert(headers::OUTBOX_ENTITY_ID, event.entity_id.as_str());
-    map.insert(headers::OUTBOX_EVENT_TYPE, event.event_type.as_str());
-    map.insert(
-        headers::OUTBOX_PARTITION_KEY,
-        event.keys.partition_key.as_str(),
-    );
-    map.insert(
-        headers::OUTBOX_ORDERING_KEY,
-        event.keys.ordering_key.as_str(),
-    );
-    map.insert(headers::OUTBOX_SHARD, event.shard.to_string());
-    map.insert(
-        headers::OUTBOX_COMMIT_LSN,
-        event.position.commit_lsn.to_string(),
-    );
-    map.insert(headers::OUTBOX_TX_INDEX, event.position.index.to_string());
-    map
+    map.insert(name::NATS_MSG_ID, keys.dedupe_key);
+    map.insert(name::OUTBOX_ID, int(id));
+    map.insert(name::OUTBOX_ENTITY_ID, entity_id);
+    map.insert(name::OUTBOX_EVENT_TYPE, event_type);
+    map.insert(name::OUTBOX_PARTITION_KEY, keys.partition_key);
+    map.insert(name::OUTBOX_ORDERING_KEY, keys.ordering_key);
+    map.insert(name::OUTBOX_SHARD, int(shard));
+    map.insert(name::OUTBOX_COMMIT_LSN, commit_lsn);
+    map.insert(name::OUTBOX_TX_INDEX, int(position.index));
+    if let Some(source) = source {
+        map.insert(name::OUTBOX_SOURCE, source);
+    }
+    (Subject::from(subject), map, payload)
 }
 
 enum AckItem<P> {
@@ -317,6 +384,8 @@ where
         stats.clone(),
     ));
     let mut fence = options.fence;
+    // The commit LSN's text, formatted once per transaction.
+    let mut commit_lsn = (pgoutput::Lsn::ZERO, String::new());
 
     let publishing = async {
         while let Some(batch) = input.recv().await {
@@ -337,16 +406,19 @@ where
                             let Ok(permit) = window.clone().acquire_owned().await else {
                                 return Ok(());
                             };
-                            let (subject, message) = prepare(&event, &options, &mut fence, &stats)?;
-                            let ack = jetstream.send_publish(subject, message).await.map_err(
-                                |source| SinkError::Publish {
-                                    id: event.id,
-                                    source,
-                                },
-                            )?;
+                            let (id, position) = (event.id, event.position);
+                            if commit_lsn.0 != position.commit_lsn {
+                                commit_lsn = (position.commit_lsn, position.commit_lsn.to_string());
+                            }
+                            let (subject, message) =
+                                prepare(event, &commit_lsn.1, &options, &mut fence, &stats)?;
+                            let ack = jetstream
+                                .send_publish(subject, message)
+                                .await
+                                .map_err(|source| SinkError::Publish { id, source })?;
                             AckItem::Publish {
-                                id: event.id,
-                                position: event.position,
+                                id,
+                                position,
                                 ack,
                                 _permit: permit,
                             }
@@ -383,23 +455,19 @@ where
 }
 
 /// The subject and message for `event`: the event itself, or its dead-letter record when it
-/// is too large (P7); fenced in strict mode (P5).
+/// is too large (P7); fenced in strict mode (P5). `commit_lsn` is the event's commit LSN,
+/// formatted once per transaction by the caller.
 fn prepare(
-    event: &OutboxEvent,
+    event: OutboxEvent,
+    commit_lsn: &str,
     options: &SinkOptions,
     fence: &mut Option<u64>,
     stats: &SinkStats,
-) -> Result<(String, PublishMessage), SinkError> {
-    let mut map = event_headers(event);
-    map.insert(headers::OUTBOX_SOURCE, options.source.as_str());
-    let mut payload = event.payload.clone();
-    let mut subject = event.subject.clone();
-    // Room for the fence header, so the size check covers what is actually sent.
-    let fence_len = fence.map_or(0, |f| {
-        "Nats-Expected-Last-Sequence".len() + 4 + f.to_string().len() + 1
-    });
-    let size = wire_size(&map, payload.len()) + fence_len;
-    if size > options.max_message_bytes {
+) -> Result<(Subject, PublishMessage), SinkError> {
+    let source = options.source.as_str();
+    // Room for the fence header too, so the size check covers what is actually sent.
+    let size = event_wire_size(&event, commit_lsn, Some(source), *fence);
+    let (subject, mut map, payload) = if size > options.max_message_bytes {
         let reason = format!(
             "the message is {size} bytes (headers and payload), over the {} bytes JetStream accepts (the server's max_payload or the stream's max_msg_size)",
             options.max_message_bytes
@@ -414,17 +482,20 @@ fn prepare(
             PoisonPolicy::DeadLetter => {
                 tracing::warn!(outbox_id = event.id, reason = %reason, "publishing a dead-letter record in place of the event");
                 stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                (map, payload) = dead_letter_record(event, &reason);
-                map.insert(headers::OUTBOX_SOURCE, options.source.as_str());
-                subject = options.dead_letter_subject.clone();
+                let (mut map, payload) = dead_letter_record(&event, &reason);
+                map.insert(name::OUTBOX_SOURCE, source);
+                (
+                    Subject::from(options.dead_letter_subject.clone()),
+                    map,
+                    payload,
+                )
             }
         }
-    }
+    } else {
+        into_message(event, commit_lsn, Some(source))
+    };
     if let Some(next) = fence.as_mut() {
-        map.insert(
-            async_nats::header::NATS_EXPECTED_LAST_SEQUENCE,
-            next.to_string(),
-        );
+        map.insert(name::EXPECTED_LAST_SEQUENCE, int(*next));
         *next += 1;
     }
     Ok((
@@ -492,3 +563,74 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
 
 /// How long to wait for in-flight acks on shutdown, at most.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn event(
+        entity_id: &str,
+        event_type: &str,
+        id: i64,
+        index: u32,
+        payload_len: usize,
+    ) -> OutboxEvent {
+        let keys = outbox::compute_keys(id, entity_id, event_type, 1_700_000_000_000);
+        OutboxEvent {
+            id,
+            entity_id: entity_id.to_owned(),
+            event_type: event_type.to_owned(),
+            shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), entity_id),
+            subject: outbox::subject::subject("outbox", 3, event_type),
+            keys,
+            payload: Bytes::from(vec![b'x'; payload_len]),
+            position: Position {
+                commit_lsn: pgoutput::Lsn(0x16_B374_D848),
+                index,
+            },
+        }
+    }
+
+    proptest! {
+        /// The size check, computed from lengths, equals the serialised size of what is sent.
+        #[test]
+        fn size_from_lengths_equals_the_serialised_size(
+            entity_id in "[a-zA-Z0-9:ü -]{0,40}",
+            event_type in "[a-zA-Z.* ]{0,20}",
+            id in any::<i64>(),
+            index in any::<u32>(),
+            payload_len in 0usize..2000,
+            fence in proptest::option::of(any::<u64>()),
+        ) {
+            let event = event(&entity_id, &event_type, id, index, payload_len);
+            let commit_lsn = event.position.commit_lsn.to_string();
+            let computed = event_wire_size(&event, &commit_lsn, Some("7713/db/slot"), fence);
+            let (_, mut map, payload) = into_message(event, &commit_lsn, Some("7713/db/slot"));
+            if let Some(f) = fence {
+                map.insert(name::EXPECTED_LAST_SEQUENCE, int(f));
+            }
+            prop_assert_eq!(computed, wire_size(&map, payload.len()));
+        }
+    }
+
+    #[test]
+    fn headers_carry_the_events_values() {
+        let (subject, map, payload) = into_message(
+            event("order:A-1", "OrderPaid", 42, 7, 3),
+            "16/B374D848",
+            Some("src"),
+        );
+        let get = |name: &str| map.get(name).map(|v| v.as_str().to_owned());
+        assert_eq!(subject.as_str(), "outbox.3.OrderPaid");
+        assert_eq!(
+            get("Nats-Msg-Id").as_deref(),
+            Some("OrderPaid:order:A-1:42")
+        );
+        assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
+        assert_eq!(get("Outbox-Tx-Index").as_deref(), Some("7"));
+        assert_eq!(get("Outbox-Commit-Lsn").as_deref(), Some("16/B374D848"));
+        assert_eq!(get("Outbox-Source").as_deref(), Some("src"));
+        assert_eq!(payload.len(), 3);
+    }
+}
