@@ -20,10 +20,12 @@
 
 mod support;
 
+use support::servers;
+
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -1240,19 +1242,6 @@ async fn torture() {
 // -----------------------------------------------------------------------------------------
 // The dedupe-window outage.
 // -----------------------------------------------------------------------------------------
-
-struct Servers {
-    pg: Postgres,
-    nats: Nats,
-}
-
-fn servers() -> &'static Servers {
-    static SERVERS: OnceLock<Servers> = OnceLock::new();
-    testkit::shared(&SERVERS, || Servers {
-        pg: Postgres::start(),
-        nats: Nats::start(),
-    })
-}
 
 /// The relay's window in this scenario: exactly this many publishes of the big transaction
 /// reach the stream while their acks are held.

@@ -14,26 +14,14 @@
 
 mod support;
 
+use support::servers;
+
 use std::collections::HashMap;
-use std::sync::OnceLock;
 
 use async_nats::jetstream;
 use pgoutput::Lsn;
 use support::{assert_matches_row, eventually, insert_transaction, rows, Case, Stored, DEADLINE};
-use testkit::{Nats, Postgres, Process};
-
-struct Servers {
-    pg: Postgres,
-    nats: Nats,
-}
-
-fn servers() -> &'static Servers {
-    static SERVERS: OnceLock<Servers> = OnceLock::new();
-    testkit::shared(&SERVERS, || Servers {
-        pg: Postgres::start(),
-        nats: Nats::start(),
-    })
-}
+use testkit::Process;
 
 /// The stream's message size limit: far above an ordinary event (a few hundred bytes),
 /// far below the poison row's ~10 KB.

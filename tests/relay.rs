@@ -6,25 +6,13 @@
 
 mod support;
 
+use support::servers;
+
 use std::collections::{HashMap, HashSet};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use support::{assert_matches_row, eventually, insert_transaction, rows, Case, DEADLINE};
-use testkit::{Nats, Postgres};
-
-struct Servers {
-    pg: Postgres,
-    nats: Nats,
-}
-
-fn servers() -> &'static Servers {
-    static SERVERS: OnceLock<Servers> = OnceLock::new();
-    testkit::shared(&SERVERS, || Servers {
-        pg: Postgres::start(),
-        nats: Nats::start(),
-    })
-}
+use testkit::Postgres;
 
 fn new_case(name: &str) -> Case {
     let s = servers();

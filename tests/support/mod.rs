@@ -46,6 +46,22 @@ where
     }
 }
 
+/// A Postgres and a nats-server shared by the tests of one test binary (each test binary
+/// compiles this module, so each gets its own pair), started on first use.
+pub struct Servers {
+    pub pg: Postgres,
+    pub nats: Nats,
+}
+
+/// This test binary's shared servers.
+pub fn servers() -> &'static Servers {
+    static SERVERS: std::sync::OnceLock<Servers> = std::sync::OnceLock::new();
+    testkit::shared(&SERVERS, || Servers {
+        pg: Postgres::start(),
+        nats: Nats::start(),
+    })
+}
+
 /// One test's slice of the servers.
 #[derive(Debug, Clone)]
 pub struct Case {
@@ -65,21 +81,7 @@ static CASE_COUNTER: AtomicUsize = AtomicUsize::new(0);
 impl Case {
     /// Creates a database with the seed's table on `pg`, and names for everything else.
     pub fn new(pg: &Postgres, nats: &Nats, name: &str) -> Case {
-        let n = CASE_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let database = format!("{name}_{n}");
-        pg.create_database(&database);
-        pg.psql(&database, SCHEMA_SQL);
-        Case {
-            name: name.to_owned(),
-            pg_url: pg.url(&database),
-            nats_url: nats.url(),
-            stream: format!("OUTBOX_{}", database.to_uppercase()),
-            prefix: format!("t{n}.{name}"),
-            slot: format!("slot_{database}"),
-            publication: format!("pub_{database}"),
-            database,
-            extra_env: vec![],
-        }
+        Case::with_nats_url(pg, &nats.url(), name)
     }
 
     /// The relay binary, configured through environment variables for this case.
@@ -319,8 +321,9 @@ pub async fn insert_transaction(
 // ---------------------------------------------------------------------------------------
 
 impl Case {
-    /// Like [`Case::new`] for NATS servers other than a single [`Nats`] (e.g. a
-    /// `testkit::cluster::NatsCluster`): `nats_url` may list several servers, comma-separated.
+    /// A database with the seed's table on `pg`, and names for everything else, for NATS at
+    /// `nats_url` (several servers may be listed, comma-separated, e.g. a
+    /// `testkit::cluster::NatsCluster`).
     pub fn with_nats_url(pg: &Postgres, nats_url: &str, name: &str) -> Case {
         let n = CASE_COUNTER.fetch_add(1, Ordering::Relaxed);
         let database = format!("{name}_{n}");
