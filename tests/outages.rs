@@ -113,3 +113,56 @@ async fn postgres_crash_and_restart_loses_nothing_and_duplicates_nothing() {
     );
     eprintln!("pg_crash: 2 crashes, {} rows once each", ids.len());
 }
+
+/// The walsender never times the relay out while its pipeline is backpressured: with
+/// `wal_sender_timeout = 2s` and JetStream's acks held back (the window fills, the reader stops
+/// taking data), the replication session survives 4× the timeout, because status updates go
+/// out on schedule whatever the backpressure; when the acks flow again everything arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backpressured_relay_is_not_timed_out_by_the_walsender() {
+    let _serial = SERIAL.lock().await;
+    let pg = Postgres::start_with(testkit::PgOptions {
+        settings: vec![("wal_sender_timeout".into(), "2s".into())],
+        ..Default::default()
+    });
+    let nats = Nats::start();
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
+    let mut case = Case::new(&pg, &nats, "backpressure");
+    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
+    case.extra_env
+        .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "64".into()));
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let js = jetstream_direct(&nats).await;
+
+    proxy.set_blackhole(true);
+    // Far more than the window and the channel hold: the reader is backpressured.
+    insert_transaction(&mut sql, 20_000, 10, "held").await;
+    // The scenario itself: 4 × wal_sender_timeout with the acks held back.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    proxy.set_blackhole(false);
+    case.wait_for_count(&js, 20_000, DEADLINE).await;
+
+    let log = pg.log();
+    assert!(
+        !log.contains("replication timeout"),
+        "the walsender timed the relay out:\n{log}"
+    );
+    assert!(
+        !relay.output().contains("relay session ended"),
+        "the session had to restart:\n{}",
+        relay.output()
+    );
+    eprintln!("backpressure: acks held 8 s (4 × wal_sender_timeout) with 20 000 events behind a window of 64; no timeout, no restart");
+}
+
+/// A JetStream context that bypasses the case's proxy.
+async fn jetstream_direct(nats: &Nats) -> async_nats::jetstream::Context {
+    async_nats::jetstream::new(
+        async_nats::connect(nats.url())
+            .await
+            .expect("connect to NATS"),
+    )
+}

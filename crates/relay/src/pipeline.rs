@@ -11,9 +11,14 @@
 //! # Invariants (numbered as in docs/architecture.md)
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged.
-//! - I2 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` and at once when
-//!   the server asks, whatever the pipeline's backpressure: the reader never blocks on the
-//!   sink while it could be answering the server.
+//! - I2 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
+//!   pipeline's backpressure: the reader waits for channel capacity inside the same `select!`
+//!   as its status timer, never blocking on the sink. A keepalive that asks for a reply is
+//!   answered the moment it is read; while backpressured the reader takes no new data (memory
+//!   stays bounded), so such a keepalive may wait behind data, but the scheduled status keeps
+//!   the walsender's timer fresh (the walsender reads replies while its send is blocked), so
+//!   the server never times the relay out (tested: `outages.rs`, 4 × `wal_sender_timeout` of
+//!   held acks).
 //! - I3 Memory is bounded: at most one batch waits in the reader, a few batches in the
 //!   channel, and `max_in_flight` publishes in the sink.
 //! - I4 On any transient failure the whole session (replication stream, sink, in-flight
