@@ -65,6 +65,8 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(connection);
     let insert = "insert into outbox_events(entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
                   values ($1, $2, $3, 'placeholder', '0000000000000:00000000000000000000', $4::text::jsonb)";
+    // Entities on different shards (shard_for_key(12, ·): order:A-1 → 0, order:C-3 → 6,
+    // customer:42 → 3), and event types the subject must escape.
     let samples = [
         (
             "order:A-1",
@@ -77,15 +79,20 @@ async fn main() -> anyhow::Result<()> {
             r#"{"order_id": "A-1", "amount": 20}"#,
         ),
         (
-            "order:B-7",
+            "order:C-3",
             "OrderCreated",
-            r#"{"order_id": "B-7", "amount": 5}"#,
+            r#"{"order_id": "C-3", "amount": 5}"#,
         ),
         ("order:A-1", "OrderPaid", r#"{"order_id": "A-1"}"#),
         (
-            "order:B-7",
+            "order:C-3",
             "order.refunded",
-            r#"{"order_id": "B-7", "reason": "damaged"}"#,
+            r#"{"order_id": "C-3", "reason": "damaged"}"#,
+        ),
+        (
+            "customer:42",
+            "Customer Registered",
+            r#"{"customer_id": 42}"#,
         ),
     ];
     for (i, (entity, event_type, payload)) in samples.iter().enumerate() {
