@@ -117,8 +117,14 @@ pub enum Error {
 
     /// An error of the control-plane SQL connection ([`crate::connect_sql`]) that is not a
     /// server error. Transient unless caused by a permanent error of ours (TLS).
-    #[error("{0}")]
-    Sql(#[source] tokio_postgres::Error),
+    #[error("{context}: {source}")]
+    Sql {
+        /// What we were doing, with the redacted target.
+        context: String,
+        /// The tokio-postgres error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
 }
 
 impl Error {
@@ -138,7 +144,7 @@ impl Error {
             | Error::Protocol(_)
             | Error::Decode(_) => true,
             Error::Server(db) => db.is_transient(),
-            Error::Sql(error) => sql_error_is_transient(error),
+            Error::Sql { source, .. } => sql_error_is_transient(source),
         }
     }
 
@@ -146,7 +152,7 @@ impl Error {
     pub fn sqlstate(&self) -> Option<&str> {
         match self {
             Error::Server(db) => Some(db.code()),
-            Error::Sql(error) => error.code().map(|code| code.code()),
+            Error::Sql { source, .. } => source.code().map(|code| code.code()),
             _ => None,
         }
     }

@@ -389,7 +389,10 @@ pub async fn connect_sql(info: &ConnInfo) -> Result<tokio_postgres::Client, Erro
             .await
             .map_err(|error| match error.as_db_error() {
                 Some(db) => Error::from(DbError::from_tokio_postgres(db, info.user())),
-                None => Error::Sql(error),
+                None => Error::Sql {
+                    context: format!("could not connect to Postgres at {}", info.redacted()),
+                    source: error,
+                },
             })?;
     let target = info.redacted();
     tokio::spawn(async move {
