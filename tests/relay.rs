@@ -579,3 +579,56 @@ async fn the_lease_holder_ends_a_walsender_that_still_holds_the_slot() {
     let js = case.jetstream().await;
     case.wait_for_count(&js, 1, DEADLINE).await;
 }
+
+/// Wrong permissions stop the relay at start with a message naming the missing privilege:
+/// a role that is not the table's owner cannot create the publication; a role without
+/// REPLICATION cannot create the slot or stream.
+#[test]
+fn wrong_permissions_fail_at_startup_naming_the_privilege() {
+    let case = new_case("permissions");
+    let pg = &servers().pg;
+    pg.psql(
+        &case.database,
+        "create role plain login; grant select on outbox_events to plain;
+         create role replicator login replication; grant select on outbox_events to replicator;",
+    );
+    let as_role = |role: &str, case: &Case| {
+        let mut case = case.clone();
+        case.pg_url =
+            case.pg_url
+                .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+        case
+    };
+
+    // Not the owner: the publication cannot be created.
+    let output = as_role("plain", &case)
+        .relay_command("run")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot create the publication") && stderr.contains("sql/publication.sql"),
+        "{stderr}"
+    );
+
+    // The owner created the publication (sql/publication.sql); still no REPLICATION.
+    pg.psql(
+        &case.database,
+        &format!(
+            "create publication {} for table outbox_events with (publish = 'insert')",
+            case.publication
+        ),
+    );
+    let output = as_role("plain", &case)
+        .relay_command("run")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("REPLICATION"), "{stderr}");
+
+    // With REPLICATION (and SELECT) it runs.
+    let relay = as_role("replicator", &case).start_relay();
+    drop(relay);
+}

@@ -47,12 +47,33 @@ fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
         }
         text
     });
-    let message = format!("{what}: {}", db.unwrap_or_else(|| error.to_string()));
+    let mut message = format!("{what}: {}", db.unwrap_or_else(|| error.to_string()));
+    if let Some(fix) = error
+        .code()
+        .and_then(|code| privilege_fix(what, code.code()))
+    {
+        message.push_str("; ");
+        message.push_str(fix);
+    }
     if transient {
         RelayError::transient(anyhow::anyhow!(message))
     } else {
         permanent(message)
     }
+}
+
+/// The operator's fix for a privilege error (SQLSTATE 42501) while doing `what`.
+fn privilege_fix(what: &str, sqlstate: &str) -> Option<&'static str> {
+    if sqlstate != "42501" {
+        return None;
+    }
+    Some(if what.contains("publication") {
+        "only the table's owner may create its publication: run sql/publication.sql as the owner, then start the relay with --no-create"
+    } else if what.contains("slot") {
+        "the role needs the REPLICATION attribute: ALTER ROLE <role> REPLICATION (see sql/role.sql)"
+    } else {
+        "grant the relay's role what sql/role.sql grants"
+    })
 }
 
 /// Whether the slot exists.
