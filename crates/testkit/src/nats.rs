@@ -159,19 +159,15 @@ impl Nats {
     }
 
     fn shut_down(&mut self, signal: i32, what: &str) {
-        let mut guard = self.lock_child();
-        let Some(child) = guard.as_mut() else {
-            return;
-        };
-        child.signal(signal);
-        if child.wait_timeout(STOP_TIMEOUT).is_none() {
-            child.kill();
-            drop(guard);
-            panic!(
-                "testkit: nats-server did not exit within {STOP_TIMEOUT:?} after {what}; killed it. log tail:\n{}",
-                crate::tail(&self.log(), 40)
-            );
-        }
+        let log_path = self.log_path.clone();
+        crate::stop_child(
+            &mut self.lock_child(),
+            signal,
+            "nats-server",
+            what,
+            STOP_TIMEOUT,
+            || crate::read_lossy(&log_path),
+        );
     }
 
     fn launch(&mut self) -> Result<(), LaunchError> {

@@ -303,21 +303,15 @@ impl Postgres {
     }
 
     fn shut_down(&mut self, signal: i32, what: &str) {
-        let mut guard = self.lock_child();
-        let Some(child) = guard.as_mut() else {
-            return;
-        };
-        child.signal(signal);
-        if child.wait_timeout(STOP_TIMEOUT).is_none() {
-            let pid = child.pid();
-            child.kill();
-            drop(guard);
-            panic!(
-                "testkit: postgres (pid {pid}) did not exit within {STOP_TIMEOUT:?} after {what}; \
-                 killed it. log tail:\n{}",
-                crate::tail(&self.log(), 40)
-            );
-        }
+        let log_path = self.log_path.clone();
+        crate::stop_child(
+            &mut self.lock_child(),
+            signal,
+            "postgres",
+            what,
+            STOP_TIMEOUT,
+            || crate::read_lossy(&log_path),
+        );
     }
 
     fn server_args(&self) -> Vec<OsString> {
