@@ -299,20 +299,7 @@ pub async fn insert_transaction(
     entities: usize,
     tag: &str,
 ) -> Vec<i64> {
-    let tx = sql.transaction().await.expect("begin");
-    let rows = tx
-        .query(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             select 'entity-' || (i % $2), 'OrderPaid', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', \
-                    jsonb_build_object('n', i, 'tag', $3::text) \
-               from generate_series(1, $1::int) as i \
-             returning id",
-            &[&(count as i32), &(entities.max(1) as i32), &tag],
-        )
-        .await
-        .expect("insert");
-    tx.commit().await.expect("commit");
-    rows.iter().map(|r| r.get(0)).collect()
+    write_transaction(sql, count, entities, tag, true).await
 }
 
 // ---------------------------------------------------------------------------------------
@@ -343,8 +330,8 @@ impl Case {
     }
 }
 
-/// Inserts `count` rows in one transaction like [`insert_transaction`], then commits it or
-/// rolls it back; returns the ids either way.
+/// Inserts `count` rows in one transaction, seed-style (placeholder key columns), for
+/// entities `entity-{0..entities}`, then commits it or rolls it back; returns the ids either way.
 pub async fn write_transaction(
     sql: &mut tokio_postgres::Client,
     count: usize,

@@ -11,8 +11,6 @@
 //! - B2 Every failure is permanent and its message names the setting, object or column and
 //!   how to fix it; connection failures stay transient.
 
-use std::time::Duration;
-
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use outbox::OutboxColumns;
@@ -362,9 +360,6 @@ pub fn subject_filter_covers(filter: &str, pattern: &str) -> bool {
     }
     filter.len() == pattern.len()
 }
-
-/// How long the walsender waits for our status before it drops us.
-pub const DEFAULT_WAL_SENDER_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[cfg(test)]
 mod tests {

@@ -40,8 +40,6 @@ pub struct Decoder {
     pub first_commit_time: Option<PgTimestamp>,
     open_commit_time: PgTimestamp,
     last_idle: Lsn,
-    /// Events decoded (for logs and benchmarks).
-    pub event_count: u64,
 }
 
 impl Decoder {
@@ -57,13 +55,7 @@ impl Decoder {
             first_commit_time: None,
             open_commit_time: 0,
             last_idle: Lsn::ZERO,
-            event_count: 0,
         }
-    }
-
-    /// Whether a transaction is open.
-    pub fn in_transaction(&self) -> bool {
-        self.open_commit_lsn.is_some()
     }
 
     /// Decodes one message, appending what it yields to `out`.
@@ -148,7 +140,6 @@ impl Decoder {
                          delete the row's transaction's effects, or see docs/guarantees.md)"
                     ))
                 })?;
-                self.event_count += 1;
                 out.push(SinkItem::Event(event));
             }
             LogicalMessage::Update(_)

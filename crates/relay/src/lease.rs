@@ -74,6 +74,11 @@ impl Lease {
         }
     }
 
+    /// The lease's control connection, for the session's other control-plane queries.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// Completes when the lease is lost (L1): the session closed or stopped answering.
     pub async fn lost(&self) {
         loop {

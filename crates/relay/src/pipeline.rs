@@ -170,10 +170,19 @@ pub fn jetstream_context(client: async_nats::Client, config: &Config) -> jetstre
 /// operator's deliberate act) passes `false`.
 pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::SlotState> {
     let client = replication::connect_sql(&config.database).await?;
-    let nats = connect_nats(config).await?;
-    let jetstream = jetstream_context(nats, config);
-    if guard_history && config.create && !bootstrap::slot_exists(&client, &config.slot).await? {
-        if let Ok(tail) = read_tail(&jetstream, config, None).await {
+    let jetstream = jetstream_context(connect_nats(config).await?, config);
+    ensure(&client, &jetstream, config, guard_history).await
+}
+
+/// [`init`]'s checks and creations on connections the caller already has.
+async fn ensure(
+    client: &tokio_postgres::Client,
+    jetstream: &jetstream::Context,
+    config: &Config,
+    guard_history: bool,
+) -> Result<bootstrap::SlotState> {
+    if guard_history && config.create && !bootstrap::slot_exists(client, &config.slot).await? {
+        if let Ok(tail) = read_tail(jetstream, config, None).await {
             if let Some(position) = tail.position {
                 return Err(RelayError::permanent(anyhow::anyhow!(
                     "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
@@ -186,8 +195,8 @@ pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::Slo
             }
         }
     }
-    let slot = bootstrap::postgres(&client, config).await?;
-    bootstrap::stream(&jetstream, config).await?;
+    let slot = bootstrap::postgres(client, config).await?;
+    bootstrap::stream(jetstream, config).await?;
     Ok(slot)
 }
 
@@ -198,15 +207,18 @@ async fn session(
     stats: &Arc<SinkStats>,
     lease: &Lease,
 ) -> Result<()> {
+    let nats = connect_nats(config).await?;
+    let max_payload = nats.server_info().max_payload;
+    let jetstream = jetstream_context(nats, config);
+    // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
-        let client = replication::connect_sql(&config.database).await?;
         let mut checking = config.clone();
         checking.create = false;
-        bootstrap::postgres(&client, &checking).await?
+        bootstrap::postgres(lease.client(), &checking).await?
     } else {
-        init(config, true).await?
+        ensure(lease.client(), &jetstream, config, true).await?
     };
     *bootstrapped = true;
     let mut connection = ReplicationConnection::connect(&config.database).await?;
@@ -217,9 +229,6 @@ async fn session(
         system.dbname.as_deref().unwrap_or(config.database.dbname()),
         config.slot
     );
-    let nats = connect_nats(config).await?;
-    let max_payload = nats.server_info().max_payload;
-    let jetstream = jetstream_context(nats, config);
     let tail = read_tail(&jetstream, config, Some(&source)).await?;
     let max_message_bytes = match tail.max_msg_size {
         Some(limit) => limit.min(max_payload),

@@ -37,7 +37,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
@@ -560,9 +559,6 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     }
     Ok(())
 }
-
-/// How long to wait for in-flight acks on shutdown, at most.
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
