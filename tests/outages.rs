@@ -133,9 +133,14 @@ async fn a_backpressured_relay_is_not_timed_out_by_the_walsender() {
         .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
     case.extra_env
         .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "64".into()));
+    // Every standby status update the relay sends, with its time.
+    case.extra_env.push((
+        "RUST_LOG".into(),
+        "info,outbox_relay=debug,replication::stream=trace".into(),
+    ));
     let relay = case.start_relay();
     let mut sql = case.sql().await;
-    let js = jetstream_direct(&nats).await;
+    let js = support::jetstream_at(&nats.url()).await;
 
     proxy.set_blackhole(true);
     // Far more than the window and the channel hold: the reader is backpressured.
@@ -150,19 +155,32 @@ async fn a_backpressured_relay_is_not_timed_out_by_the_walsender() {
         !log.contains("replication timeout"),
         "the walsender timed the relay out:\n{log}"
     );
+    // The mechanism (I3): updates go out every status interval (1 s here), never a whole
+    // wal_sender_timeout apart. A ticker that aliased with the due time once spaced them
+    // 2 s apart and the walsender timed the relay out in half of the runs.
+    let sent: Vec<std::time::SystemTime> = support::timed_log_lines(&relay.output())
+        .into_iter()
+        .filter(|(_, line)| line.contains("standby status update sent"))
+        .map(|(time, _)| time)
+        .collect();
+    assert!(
+        sent.len() >= 8,
+        "too few status updates logged: {}",
+        sent.len()
+    );
+    let widest = sent
+        .windows(2)
+        .map(|pair| pair[1].duration_since(pair[0]).unwrap_or_default())
+        .max()
+        .unwrap();
+    assert!(
+        widest < Duration::from_millis(1500),
+        "two status updates were {widest:?} apart (wal_sender_timeout 2 s, interval 1 s)"
+    );
     assert!(
         !relay.output().contains("relay session ended"),
         "the session had to restart:\n{}",
         relay.output()
     );
-    eprintln!("backpressure: acks held 8 s (4 × wal_sender_timeout) with 20 000 events behind a window of 64; no timeout, no restart");
-}
-
-/// A JetStream context that bypasses the case's proxy.
-async fn jetstream_direct(nats: &Nats) -> async_nats::jetstream::Context {
-    async_nats::jetstream::new(
-        async_nats::connect(nats.url())
-            .await
-            .expect("connect to NATS"),
-    )
+    eprintln!("backpressure: acks held 8 s (4 × wal_sender_timeout) with 20 000 events behind a window of 64; no timeout, no restart; {} status updates, at most {widest:?} apart", sent.len());
 }

@@ -46,6 +46,11 @@ where
     }
 }
 
+/// A JetStream context on the NATS server(s) at `url` (e.g. bypassing a case's proxy).
+pub async fn jetstream_at(url: &str) -> jetstream::Context {
+    jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
+}
+
 /// A Postgres and a nats-server shared by the tests of one test binary (each test binary
 /// compiles this module, so each gets its own pair), started on first use.
 pub struct Servers {
@@ -125,11 +130,7 @@ impl Case {
 
     /// A JetStream context.
     pub async fn jetstream(&self) -> jetstream::Context {
-        jetstream::new(
-            async_nats::connect(&self.nats_url)
-                .await
-                .expect("connect to NATS"),
-        )
+        jetstream_at(&self.nats_url).await
     }
 
     /// The slot's `confirmed_flush_lsn`.

@@ -8,12 +8,15 @@
 //!   `shard_for_key`, for every vector in `shared/seed/key-vectors.json`.
 //! - T1–T2 ([`timestamp`]): `created_at` milliseconds are exact integers.
 //! - S1–S2 ([`subject`]): the subject token escaping is injective and NATS-safe.
+//! - SRC1–SRC2 ([`source`]): the `Outbox-Source` value names the WAL history (cluster,
+//!   timeline, database, slot) and is header-safe.
 //! - E1–E3 ([`event`]): only the row is trusted, the payload is passed through unchanged,
 //!   and a row that cannot be represented faithfully is an error, never altered.
 
 pub mod event;
 pub mod headers;
 pub mod keys;
+pub mod source;
 pub mod subject;
 pub mod timestamp;
 

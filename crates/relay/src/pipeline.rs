@@ -38,8 +38,9 @@ use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
 use sink::{SinkItem, SinkOptions, SinkStats};
 use tokio::sync::{mpsc, watch};
-use tokio::time::MissedTickBehavior;
+use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::bootstrap;
@@ -55,9 +56,6 @@ const MAX_BATCH: usize = 512;
 const CHANNEL_BATCHES: usize = 4;
 /// How long a session waits for its sink after the reader stopped cleanly.
 const SINK_GRACE: Duration = Duration::from_secs(1);
-/// The reader's timer period: the status interval, but at least this often so confirmed
-/// progress reaches Postgres promptly.
-const MAX_TICK: Duration = Duration::from_secs(1);
 
 /// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
@@ -68,12 +66,13 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
         let started = Instant::now();
         let acked_before = stats.acked();
         let result = async {
-            let Some(lease) = Lease::acquire(&config, &shutdown).await? else { return Ok(()) };
-            tokio::select! {
-                result = session(&config, &shutdown, &mut bootstrapped, &stats, &lease) => result,
-                // L1: stop publishing the moment the lease is gone.
-                () = lease.lost() => Err(RelayError::transient(anyhow::anyhow!("lost the lease for slot {}", config.slot))),
-            }
+            let lease = tokio::select! {
+                // A SIGTERM while the lease's connect hangs ends the process at once.
+                () = shutdown.cancelled() => return Ok(()),
+                lease = Lease::acquire(&config, &shutdown) => lease?,
+            };
+            let Some(lease) = lease else { return Ok(()) };
+            session(&config, &shutdown, &mut bootstrapped, &stats, &lease).await
         }
         .await;
         match result {
@@ -200,6 +199,19 @@ async fn ensure(
     Ok(slot)
 }
 
+/// What a session set up before streaming.
+struct Prepared {
+    jetstream: jetstream::Context,
+    slot: bootstrap::SlotState,
+    stream: ReplicationStream,
+    status_interval: Duration,
+    tail: Tail,
+    source: String,
+    max_message_bytes: usize,
+}
+
+/// One session: set up (every step racing the lease and shutdown), then stream. `Ok(())`
+/// means shutdown.
 async fn session(
     config: &Config,
     shutdown: &CancellationToken,
@@ -207,6 +219,29 @@ async fn session(
     stats: &Arc<SinkStats>,
     lease: &Lease,
 ) -> Result<()> {
+    let prepared = tokio::select! {
+        biased;
+        // A SIGTERM while a connect or a check hangs ends the process at once: nothing has
+        // been published yet, so there is nothing to drain.
+        () = shutdown.cancelled() => return Ok(()),
+        // L1: no session without the lease.
+        () = lease.lost() => return Err(lease_lost(config)),
+        prepared = prepare(config, bootstrapped, stats, lease) => prepared?,
+    };
+    stream_events(config, shutdown, stats, lease, prepared).await
+}
+
+fn lease_lost(config: &Config) -> RelayError {
+    RelayError::transient(anyhow::anyhow!("lost the lease for slot {}", config.slot))
+}
+
+/// Connects, checks, reads the stream's tail and starts replication.
+async fn prepare(
+    config: &Config,
+    bootstrapped: &mut bool,
+    stats: &SinkStats,
+    lease: &Lease,
+) -> Result<Prepared> {
     let nats = connect_nats(config).await?;
     let max_payload = nats.server_info().max_payload;
     let jetstream = jetstream_context(nats, config);
@@ -223,13 +258,16 @@ async fn session(
     *bootstrapped = true;
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
-    let source = format!(
-        "{}/{}/{}",
-        system.systemid,
+    // P6/I6: positions are comparable only within one timeline of one cluster's database
+    // and slot; the source names all four.
+    let source = outbox::source::source_id(
+        &system.systemid,
+        system.timeline,
         system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        config.slot
+        &config.slot,
     );
-    let tail = read_tail(&jetstream, config, Some(&source)).await?;
+    let mut tail = read_tail(&jetstream, config, Some(&source)).await?;
+    tail.position = trusted_position(tail.position, system.xlogpos, "the stream's last message");
     let max_message_bytes = match tail.max_msg_size {
         Some(limit) => limit.min(max_payload),
         None => max_payload,
@@ -259,11 +297,71 @@ async fn session(
         stream.set_idle_timeout(Some(timeout));
     }
     // P6: skip what the tail shows stored, or what an earlier session of this process saw
-    // acknowledged, whichever is further.
+    // acknowledged from the same source, whichever is further.
+    if !config.shared_stream {
+        let seen = trusted_position(
+            stats.stored_through(&source),
+            system.xlogpos,
+            "what an earlier session acknowledged",
+        );
+        tail.position = tail.position.max(seen);
+    }
+    Ok(Prepared {
+        jetstream,
+        slot,
+        stream,
+        status_interval,
+        tail,
+        source,
+        max_message_bytes,
+    })
+}
+
+/// I6: a stored position at or beyond the server's WAL end cannot be this server's history
+/// (a restored-older database, a forged tail): skipping by it could skip new events that
+/// reuse its LSNs. Such a position is dropped, said and counted.
+fn trusted_position(position: Option<Position>, wal_end: Lsn, what: &str) -> Option<Position> {
+    let position = position?;
+    if position.commit_lsn < wal_end {
+        return Some(position);
+    }
+    metrics::TAIL_REJECTED.fetch_add(1, Ordering::Relaxed);
+    warn!(
+        commit_lsn = %position.commit_lsn,
+        wal_end = %wal_end,
+        metric = metrics::TAIL_REJECTED_NAME,
+        "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
+    );
+    None
+}
+
+/// Aborts `task` and waits until it is gone: nothing it does happens after this returns.
+async fn stop<T>(mut task: AbortOnDropHandle<T>) {
+    task.abort();
+    let _ = (&mut task).await;
+}
+
+/// Streams until shutdown, an error, or the loss of the lease.
+async fn stream_events(
+    config: &Config,
+    shutdown: &CancellationToken,
+    stats: &Arc<SinkStats>,
+    lease: &Lease,
+    prepared: Prepared,
+) -> Result<()> {
+    let Prepared {
+        jetstream,
+        slot,
+        stream,
+        status_interval,
+        tail,
+        source,
+        max_message_bytes,
+    } = prepared;
     let resume_after = if config.shared_stream {
         None
     } else {
-        tail.position.max(stats.stored_through())
+        tail.position
     };
     info!(
         slot = %config.slot,
@@ -292,13 +390,14 @@ async fn session(
         source,
     };
     let guard = config.shared_stream.then_some(tail.duplicate_window);
-    let sink = tokio::spawn(sink::run(
+    // L1: the sink task ends with the session, however the session ends (aborted on drop).
+    let mut sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         jetstream,
         options,
         items_rx,
         watermark_tx,
         stats.clone(),
-    ));
+    )));
     let reader = Reader {
         stream,
         decoder,
@@ -307,13 +406,19 @@ async fn session(
         feedback: Feedback::new(status_interval),
         dedupe_guard: guard,
     };
-    let drain_deadline = config.shutdown_timeout;
-    let mut sink = sink;
-    let read_result = reader.run(shutdown.clone(), drain_deadline).await;
+    let read_result = tokio::select! {
+        biased;
+        // L1: the lease is gone: stop the sink before anything else is published.
+        () = lease.lost() => {
+            stop(sink).await;
+            return Err(lease_lost(config));
+        }
+        result = reader.run(shutdown.clone(), config.shutdown_timeout) => result,
+    };
     if let Err(error) = read_result {
         // The replication stream is gone, so nothing the sink still awaits could be
         // confirmed: drop the window now (I4) rather than drain it.
-        sink.abort();
+        stop(sink).await;
         return Err(error);
     }
     // The reader returns Ok once the sink has ended (drained, or failed), or when the drain
@@ -326,7 +431,7 @@ async fn session(
             )))
         }
         Err(_) => {
-            sink.abort();
+            stop(sink).await;
             Ok(())
         }
     };
@@ -430,7 +535,7 @@ async fn read_tail(
                 tail_source = tail_source.as_deref().unwrap_or("none"),
                 source = ours,
                 metric = metrics::TAIL_UNREADABLE_NAME,
-                "the stream's last message was published from another source (another database or slot writes to this stream: give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position"
+                "the stream's last message was published from another source: another timeline of this database (after a fail-over or a point-in-time restore, LSNs are reused), or another database or slot writing to this stream (give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position: replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
             );
             return Ok(tail);
         }
@@ -471,11 +576,20 @@ impl Reader {
     /// Reads until shutdown (then drains) or an error. See I2, I3, I5.
     async fn run(mut self, shutdown: CancellationToken, drain_deadline: Duration) -> Result<()> {
         self.feedback.update(*self.confirmed.borrow_and_update());
-        let mut tick = tokio::time::interval(self.feedback.interval().min(MAX_TICK));
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut pending: Vec<SinkItem<Lsn>> = Vec::with_capacity(MAX_BATCH);
-        let mut drain_until: Option<tokio::time::Instant> = None;
+        let mut drain_until: Option<TokioInstant> = None;
+        // I2: one timer, always set to the moment the next status is due (or the drain
+        // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
+        // hair before the due time skips a whole period, and the updates end up spaced
+        // 2 × interval = wal_sender_timeout apart (the walsender timed out a backpressured
+        // relay that way).
+        let timer = tokio::time::sleep_until(self.wake_at(drain_until));
+        tokio::pin!(timer);
         loop {
+            let wake = self.wake_at(drain_until);
+            if timer.deadline() != wake {
+                timer.as_mut().reset(wake);
+            }
             let intake_open = self.items.is_some();
             // Each branch only yields a step; the steps are handled below, once the branch
             // futures (which borrow parts of `self`) are dropped.
@@ -485,8 +599,8 @@ impl Reader {
                 _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
                 // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
                 changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
-                // PRIORITY 3: status on schedule (cancel-safe: interval tick).
-                _ = tick.tick() => Step::Tick,
+                // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
+                () = &mut timer => Step::Tick,
                 // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
                 permit = reserve(&self.items), if intake_open && !pending.is_empty() => match permit {
                     Some(permit) => {
@@ -508,7 +622,7 @@ impl Reader {
                     info!("shutting down: waiting for in-flight acks");
                     self.items = None;
                     pending.clear();
-                    drain_until = Some(tokio::time::Instant::now() + drain_deadline);
+                    drain_until = Some(TokioInstant::now() + drain_deadline);
                 }
                 Step::Watermark { sink_running: true } => {
                     self.feedback.update(*self.confirmed.borrow_and_update());
@@ -530,12 +644,13 @@ impl Reader {
                     return Ok(());
                 }
                 Step::Tick => {
-                    if drain_until.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
+                    let now = TokioInstant::now();
+                    if drain_until.is_some_and(|deadline| now >= deadline) {
                         warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
                         self.send_status().await?;
                         return Ok(());
                     }
-                    if self.feedback.due(tokio::time::Instant::now()) {
+                    if self.feedback.due(now) {
                         self.send_status().await?;
                     }
                 }
@@ -551,6 +666,13 @@ impl Reader {
                 }
             }
         }
+    }
+
+    /// When the reader's timer must fire next: the status due time (now, if none was sent
+    /// yet), or the drain deadline if sooner.
+    fn wake_at(&self, drain_until: Option<TokioInstant>) -> TokioInstant {
+        let due = self.feedback.next_due().unwrap_or_else(TokioInstant::now);
+        drain_until.map_or(due, |deadline| due.min(deadline))
     }
 
     async fn on_message(

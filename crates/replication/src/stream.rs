@@ -221,11 +221,16 @@ impl ReplicationStream {
         self.writer.flush().await
     }
 
-    /// Sends `feedback`'s status update and marks it sent.
+    /// Sends `feedback`'s status update and marks it sent, as of the moment it was built:
+    /// the next one is then due one interval after this one's `send_time`, however long the
+    /// write took (timing it from the write's end would let the spacing between two updates
+    /// exceed the interval, and a caller that wakes exactly at the due time could find the
+    /// update "not yet due" and skip a whole period).
     pub async fn send_feedback(&mut self, feedback: &mut Feedback) -> Result<(), Error> {
+        let built = Instant::now();
         let update = feedback.status(SystemTime::now());
         self.send_status(update).await?;
-        feedback.sent(Instant::now());
+        feedback.sent(built);
         tracing::trace!(flush_lsn = %update.flush_lsn, "standby status update sent");
         Ok(())
     }

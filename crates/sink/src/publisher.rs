@@ -45,6 +45,7 @@ use bytes::Bytes;
 use outbox::headers;
 use outbox::{OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_util::task::AbortOnDropHandle;
 use tracing::debug;
 
 use crate::tracker::{AckTracker, Ticket, TrackerError};
@@ -110,8 +111,10 @@ pub struct SinkStats {
     /// event acknowledged (stored or duplicate) with every earlier one of its session
     /// acknowledged too (P6). Outlives a session, so the next one skips what this one
     /// learned is stored even when the stream's tail cannot tell (a duplicate consumes no
-    /// sequence, so re-publishing it would break the fence of everything behind it).
-    stored_through: std::sync::Mutex<Option<Position>>,
+    /// sequence, so re-publishing it would break the fence of everything behind it). Kept
+    /// with the source it was learned from: positions of another source (another timeline
+    /// after a fail-over) say nothing about this one.
+    stored_through: std::sync::Mutex<Option<(String, Position)>>,
 }
 
 impl SinkStats {
@@ -120,20 +123,27 @@ impl SinkStats {
         self.stored.load(Ordering::Relaxed) + self.duplicates.load(Ordering::Relaxed)
     }
 
-    /// See the field's docs.
-    pub fn stored_through(&self) -> Option<Position> {
-        *self
-            .stored_through
+    /// See the field's docs: the position through which the stream holds every event of
+    /// `source`, as far as this process saw acknowledged.
+    pub fn stored_through(&self, source: &str) -> Option<Position> {
+        match &*self.through_lock() {
+            Some((seen, position)) if seen == source => Some(*position),
+            _ => None,
+        }
+    }
+
+    fn through_lock(&self) -> std::sync::MutexGuard<'_, Option<(String, Position)>> {
+        self.stored_through
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn note_stored(&self, position: Position) {
-        let mut through = self
-            .stored_through
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *through = (*through).max(Some(position));
+    fn note_stored(&self, source: &str, position: Position) {
+        let mut through = self.through_lock();
+        match &mut *through {
+            Some((seen, through)) if seen == source => *through = (*through).max(position),
+            other => *other = Some((source.to_owned(), position)),
+        }
     }
 }
 
@@ -376,12 +386,14 @@ where
     let window = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
-    let mut acker = tokio::spawn(acker(
+    // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
+    let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
         ack_rx,
         AckTracker::new(start),
         watermark,
         stats.clone(),
-    ));
+        options.source.clone(),
+    )));
     let mut fence = options.fence;
     // The commit LSN's text, formatted once per transaction.
     let mut commit_lsn = (pgoutput::Lsn::ZERO, String::new());
@@ -516,6 +528,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     mut tracker: AckTracker<P>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
+    source: String,
 ) -> Result<(), SinkError> {
     while let Some(item) = items.recv().await {
         let moved = match item {
@@ -549,7 +562,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 }
                 // Acks are awaited in publish order, so every earlier publish of this
                 // session is acknowledged too.
-                stats.note_stored(position);
+                stats.note_stored(&source, position);
                 tracker.ack(ticket)?
             }
         };
