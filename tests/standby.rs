@@ -13,7 +13,8 @@ mod support;
 use std::time::{Duration, Instant, SystemTime};
 
 use support::{
-    check_faithful, eventually, min_median_max, timed_log_lines, Case, Writers, DEADLINE,
+    check_faithful, eventually, insert_transaction, min_median_max, timed_log_lines, Case, Writers,
+    DEADLINE,
 };
 use testkit::{Nats, Postgres, Process};
 
@@ -300,4 +301,102 @@ async fn the_standby_takes_over_from_a_killed_relay_within_10s_and_the_stream_st
     assert_eq!(takeovers.len(), KILLS);
     findings.assert_faithful();
     drop(relays);
+}
+
+/// L1, issue 7 case 6: the moment a relay learns that its lease is gone it publishes nothing
+/// more. Its sink task once outlived the session and went on publishing its buffered backlog
+/// after another relay (here: the test) had taken the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_publish_after_the_lease_is_lost() {
+    let pg = Postgres::start();
+    let nats = Nats::start();
+    // Acks can be held back while publishes still reach the server.
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
+    let mut case = Case::new(&pg, &nats, "lease_lost");
+    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
+    case.extra_env
+        .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "64".into()));
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
+    case.extra_env.push(("NO_COLOR".into(), "1".into()));
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let js = support::jetstream_at(&nats.url()).await;
+    const ROWS: u64 = 20_000;
+    insert_transaction(&mut sql, ROWS as usize, 50, "backlog").await;
+    case.wait_for_count(&js, 500, DEADLINE).await;
+
+    // Hold the acks: the relay fills its window (64 publishes, stored) and its channel, and
+    // stalls with a backlog buffered.
+    proxy.set_blackhole(true);
+    let stalled_at = eventually("the relay to stall on its window", DEADLINE, || async {
+        let before = last_sequence(&case, &js).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        (last_sequence(&case, &js).await == before).then_some(before)
+    })
+    .await;
+    assert!(stalled_at < ROWS, "the backlog must outlast the window");
+
+    // Take the lease away: end the relay's lease session and hold the lock ourselves.
+    let thief = case.sql().await;
+    eventually("the test to hold the relay's lease", DEADLINE, || async {
+        thief
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks \
+                  WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap();
+        let held: bool = thief
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay/' || $1, 0))",
+                &[&case.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        held.then_some(())
+    })
+    .await;
+    relay.wait_for_output(&format!("lost the lease for slot {}", case.slot), DEADLINE);
+    relay.wait_for_output(WAITING, DEADLINE);
+    let at_loss = last_sequence(&case, &js).await;
+
+    // Release the acks. A sink that outlived its session would now publish its buffered
+    // items; the stream must not grow while the test holds the lease.
+    proxy.set_blackhole(false);
+    let watch_until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < watch_until {
+        assert_eq!(
+            last_sequence(&case, &js).await,
+            at_loss,
+            "the relay published after it lost the lease"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Give the lease back: the relay takes over again and the stream ends exact.
+    drop(thief);
+    case.wait_for_count(&js, ROWS, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let ids: Vec<i64> = messages.iter().map(|m| m.outbox_id()).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "each event once");
+    assert_eq!(ids.len() as u64, ROWS);
+    eprintln!(
+        "lease lost: {stalled_at} of {ROWS} stored when the relay stalled, {at_loss} at the loss; no publish in the 3 s after it; all {ROWS} once after the takeover"
+    );
+}
+
+async fn last_sequence(case: &Case, js: &async_nats::jetstream::Context) -> u64 {
+    let mut stream = js.get_stream(&case.stream).await.expect("stream exists");
+    stream
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .last_sequence
 }
