@@ -67,7 +67,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use nats::Nats;
-pub use postgres::{PgAuth, PgOptions, Postgres};
+pub use postgres::{Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
 pub use proxy::Proxy;
 

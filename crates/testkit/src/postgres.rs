@@ -298,6 +298,71 @@ impl Postgres {
         &self.data_dir
     }
 
+    /// A cold backup: a copy of the data directory as it is now, for
+    /// [`Postgres::restore`]. Panics unless the server is stopped.
+    pub fn backup(&self) -> Backup {
+        assert!(!self.is_running(), "testkit: back up a stopped server only");
+        let dir = tempfile::Builder::new()
+            .prefix("testkit-pg-backup-")
+            .tempdir_in(crate::temp_base())
+            .expect("testkit: create a directory for a backup");
+        cleanup::register_dir(dir.path());
+        let data = dir.path().join("data");
+        copy_tree(&self.data_dir, &data);
+        Backup { _dir: dir, data }
+    }
+
+    /// Replaces the data directory with `backup`: the database goes back to the
+    /// backup's state, on the same timeline (no recovery is requested). Panics
+    /// unless the server is stopped; start it with [`Postgres::start_again`] or
+    /// [`Postgres::start_on_new_timeline`].
+    pub fn restore(&mut self, backup: &Backup) {
+        assert!(
+            !self.is_running(),
+            "testkit: restore into a stopped server only"
+        );
+        std::fs::remove_dir_all(&self.data_dir)
+            .unwrap_or_else(|e| panic!("testkit: remove {}: {e}", self.data_dir.display()));
+        copy_tree(&backup.data, &self.data_dir);
+    }
+
+    /// Starts the stopped server as a standby and promotes it: a new timeline
+    /// begins where its WAL ends, with the same system identifier, as after a
+    /// fail-over to a replica or a point-in-time restore. Returns once the
+    /// server accepts writes.
+    pub fn start_on_new_timeline(&mut self) {
+        let signal = self.data_dir.join("standby.signal");
+        File::create(&signal)
+            .unwrap_or_else(|e| panic!("testkit: create {}: {e}", signal.display()));
+        crate::chown_to_server(&signal);
+        self.start_again();
+        let mut promote = Command::new(self.bin_dir.join("pg_ctl"));
+        promote
+            .arg("promote")
+            .arg("-w")
+            .arg("-D")
+            .arg(&self.data_dir)
+            .stdin(Stdio::null());
+        as_server_user(&mut promote);
+        let output = promote
+            .output()
+            .unwrap_or_else(|e| panic!("testkit: run pg_ctl promote: {e}"));
+        assert!(
+            output.status.success(),
+            "testkit: pg_ctl promote failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        crate::wait_until(
+            "the promoted server to accept writes",
+            START_TIMEOUT,
+            || {
+                self.try_psql("postgres", "SELECT pg_is_in_recovery()")
+                    .is_ok_and(|out| out.trim() == "f")
+            },
+        );
+    }
+
     fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
         self.child.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -512,7 +577,14 @@ fn initdb(bin_dir: &Path, root: &Path, data_dir: &Path) {
     );
 }
 
-/// Copy a (never started) data directory, keeping modes, owned by the
+/// A copy of a data directory taken by [`Postgres::backup`]; removed on drop.
+#[derive(Debug)]
+pub struct Backup {
+    _dir: tempfile::TempDir,
+    data: PathBuf,
+}
+
+/// Copy a data directory (of a stopped server), keeping modes, owned by the
 /// server user.
 fn copy_tree(from: &Path, to: &Path) {
     let mode = std::fs::metadata(from)

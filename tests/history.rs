@@ -1,0 +1,158 @@
+//! WAL histories (I6, issue 7 case 5): the stream's tail is used to skip replayed events
+//! only when it belongs to the server's own history. A restore from an older backup, or a
+//! fail-over that starts a new timeline, reuses LSNs: a tail from the lost history must
+//! never make the relay skip the new history's events. These tests stop, restore and
+//! promote their own Postgres.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use pgoutput::Lsn;
+use support::{eventually, insert_transaction, Case, DEADLINE};
+use testkit::{Nats, Postgres};
+
+/// Rows the lost history relays: enough WAL that its tail lies well beyond what the new
+/// history writes before the relay starts again.
+const LOST_ROWS: usize = 3_000;
+/// Rows of the new history, written before the relay restarts.
+const NEW_ROWS: usize = 20;
+
+/// Which way the history is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Restore {
+    /// Back to a cold backup, same timeline: the tail lies beyond the WAL end.
+    SameTimeline,
+    /// Back to a cold backup, then promoted: timeline 2, WAL end pushed past the tail.
+    NewTimeline,
+}
+
+/// Relays some rows, takes a cold backup, relays `LOST_ROWS` more (the stream's tail now
+/// lies in that history), restores the backup as `restore` says, writes `NEW_ROWS` rows
+/// with keys of their own, and checks that the restarted relay publishes every one of them.
+async fn relay_after_losing_history(restore: Restore) {
+    let mut pg = Postgres::start();
+    let nats = Nats::start();
+    let case = Case::new(&pg, &nats, "history");
+    let js = case.jetstream().await;
+
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 10, 3, "kept").await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    drop(sql);
+    pg.stop();
+    let backup = pg.backup();
+    pg.start_again();
+
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, LOST_ROWS, 7, "lost").await;
+    case.wait_for_count(&js, (10 + LOST_ROWS) as u64, DEADLINE)
+        .await;
+    relay.terminate(DEADLINE);
+    let tail = case.messages(&js).await.last().unwrap().commit_lsn();
+    drop(sql);
+
+    pg.stop();
+    pg.restore(&backup);
+    match restore {
+        Restore::SameTimeline => pg.start_again(),
+        Restore::NewTimeline => pg.start_on_new_timeline(),
+    }
+    let sql = case.sql().await;
+    let new_ids: Vec<i64> = sql
+        .query(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             select 'restored-' || i, 'AfterRestore', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', '{}'::jsonb \
+               from generate_series(1, $1::int) as i returning id",
+            &[&(NEW_ROWS as i32)],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let last_new_commit = wal_lsn(&sql).await;
+    assert!(
+        last_new_commit < tail,
+        "the new history's events ({last_new_commit}) must lie below the lost tail ({tail}) for this test to mean anything"
+    );
+    if restore == Restore::NewTimeline {
+        // Past the tail, so only the timeline tells the histories apart.
+        sql.batch_execute("create table filler (n int)")
+            .await
+            .unwrap();
+        eventually("the WAL end to pass the lost tail", DEADLINE, || async {
+            sql.batch_execute("insert into filler select generate_series(1, 20000)")
+                .await
+                .unwrap();
+            (wal_lsn(&sql).await > tail).then_some(())
+        })
+        .await;
+        let timeline: i32 = sql
+            .query_one("select timeline_id from pg_control_checkpoint()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        let current: String = sql
+            .query_one("select pg_walfile_name(pg_current_wal_lsn())", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            current.starts_with("00000002"),
+            "a new timeline (WAL file {current}, checkpoint timeline {timeline})"
+        );
+    }
+
+    let relay = case.start_relay();
+    let expected = 10 + LOST_ROWS + NEW_ROWS;
+    case.wait_for_count(&js, expected as u64, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let published: Vec<i64> = messages
+        .iter()
+        .filter(|m| m.header("Outbox-Event-Type") == "AfterRestore")
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(
+        published, new_ids,
+        "every event of the new history, once, in order"
+    );
+    let output = relay.output();
+    let why = match restore {
+        Restore::SameTimeline => "beyond the server's WAL end",
+        Restore::NewTimeline => "another timeline",
+    };
+    assert!(
+        output.contains(why),
+        "the relay says why it does not skip by the tail ({why}):\n{output}"
+    );
+    eprintln!(
+        "{restore:?}: tail of the lost history at {tail}, new history's {NEW_ROWS} events below it all published"
+    );
+}
+
+async fn wal_lsn(sql: &tokio_postgres::Client) -> Lsn {
+    sql.query_one("select pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0)
+        .parse()
+        .unwrap()
+}
+
+/// A tail beyond the server's WAL end (a database restored from an older backup) is not
+/// used to skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_beyond_the_wal_end_is_not_used_to_skip() {
+    relay_after_losing_history(Restore::SameTimeline).await;
+}
+
+/// A tail from another timeline (a fail-over or a point-in-time restore) is not used to
+/// skip, even once the new timeline's WAL has passed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_from_another_timeline_is_not_used_to_skip() {
+    relay_after_losing_history(Restore::NewTimeline).await;
+}
