@@ -18,12 +18,19 @@
 //!   stays bounded), so such a keepalive may wait behind data, but the scheduled status keeps
 //!   the walsender's timer fresh (the walsender reads replies while its send is blocked), so
 //!   the server never times the relay out (tested: `outages.rs`, 4 × `wal_sender_timeout` of
-//!   held acks).
+//!   held acks). The status timer is one sleep, always reset to the next due time: a fixed
+//!   ticker beside a "due?" check once skipped every other period.
 //! - I3 Memory is bounded: at most one batch waits in the reader, a few batches in the
 //!   channel, and `max_in_flight` publishes in the sink.
 //! - I4 On any transient failure the whole session (replication stream, sink, in-flight
 //!   window) is dropped and a new one starts from the slot's `confirmed_flush_lsn`;
 //!   replayed events carry the same `Nats-Msg-Id`, which JetStream de-duplicates.
+//! - L1 (see [`crate::lease`]) Set-up races the lease and shutdown; streaming races the
+//!   lease, and on its loss the sink task is aborted and awaited before the session returns,
+//!   so nothing is published after the loss is noticed. The sink task is aborted whenever
+//!   its session ends, however it ends.
+//! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
+//!   (cluster, timeline, database, slot) that lies below the server's WAL end.
 //! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
 //!   the deadline, and the final status carries the watermark only.
 
