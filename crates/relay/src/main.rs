@@ -39,7 +39,7 @@ fn cli() -> Command {
         )
         .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream, then exit"));
     for spec in opt::ALL {
-        let flag: &'static str = Box::leak(spec.key.replace('_', "-").into_boxed_str());
+        let flag: &'static str = Box::leak(spec.long().into_boxed_str());
         let mut help = format!("{} [env: {}]", spec.help, spec.env);
         if let Some(default) = spec.default {
             help.push_str(&format!(" [default: {default}]"));
