@@ -27,7 +27,7 @@ fn cli() -> Command {
                 .long("config")
                 .value_name("FILE")
                 .global(true)
-                .help("TOML file with any of the options below (keys as the flags, with underscores) [env: OUTBOX_RELAY_CONFIG]"),
+                .help("TOML file with any of the options below, by file key (docs/configuration.md) [env: OUTBOX_RELAY_CONFIG]"),
         )
         .subcommand(
             Command::new("run").about("Check and create what is missing, then relay events until SIGTERM/SIGINT").arg(

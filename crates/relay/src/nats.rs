@@ -588,6 +588,19 @@ mod tests {
     }
 
     #[test]
+    fn file_keys_and_booleans_set_tls() {
+        let options = load(
+            &[],
+            &[DB],
+            Some("nats_tlsfirst = true\nnats_url = \"tls://h:4222\"\n"),
+        )
+        .unwrap()
+        .nats;
+        assert!(options.tls.first && options.tls.required());
+        assert_eq!(options.servers, ["tls://h:4222"]);
+    }
+
+    #[test]
     fn secrets_never_print() {
         let options = nats(&[
             ("NATS_URL", "nats://h"),
