@@ -98,18 +98,26 @@ impl Case {
                 command.env_remove(key);
             }
         }
+        command.envs(self.relay_env());
         command
-            .env("DATABASE_URL", &self.pg_url)
-            .env("NATS_URL", &self.nats_url)
-            .env("OUTBOX_RELAY_SLOT", &self.slot)
-            .env("OUTBOX_RELAY_PUBLICATION", &self.publication)
-            .env("OUTBOX_RELAY_STREAM", &self.stream)
-            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &self.prefix)
-            .env("RUST_LOG", "info,outbox_relay=debug");
-        for (key, value) in &self.extra_env {
-            command.env(key, value);
-        }
-        command
+    }
+
+    /// The environment that configures the relay for this case (`extra_env` last).
+    pub fn relay_env(&self) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = [
+            ("DATABASE_URL", &self.pg_url),
+            ("NATS_URL", &self.nats_url),
+            ("OUTBOX_RELAY_SLOT", &self.slot),
+            ("OUTBOX_RELAY_PUBLICATION", &self.publication),
+            ("OUTBOX_RELAY_STREAM", &self.stream),
+            ("OUTBOX_RELAY_SUBJECT_PREFIX", &self.prefix),
+            ("RUST_LOG", &"info,outbox_relay=debug".to_owned()),
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_owned(), value.clone()))
+        .collect();
+        env.extend(self.extra_env.iter().cloned());
+        env
     }
 
     /// Starts `outbox-relay run` and waits until it streams.
@@ -164,6 +172,15 @@ impl Case {
             || async { (self.stream_count(js).await >= n).then_some(()) },
         )
         .await;
+    }
+
+    /// The `Outbox-Id` of every message in the stream, in stream order.
+    pub async fn outbox_ids(&self, js: &jetstream::Context) -> Vec<i64> {
+        self.messages(js)
+            .await
+            .iter()
+            .map(Stored::outbox_id)
+            .collect()
     }
 
     /// Every message in the stream, in stream order.

@@ -6,8 +6,9 @@
 //! `--partitions` or `partitions` in the file) and says what is expected.
 //!
 //! # Invariants
-//! - C1 Secrets (the Postgres password, NATS credentials in the URL) never appear in
-//!   `Debug`, `Display` or error output of a config.
+//! - C1 Secrets (the Postgres password, NATS credentials in the URL, `--password`,
+//!   `--token`, the contents of key and credentials files) never appear in `Debug`,
+//!   `Display` or error output of a config ([`OptionSpec::is_secret`], [`crate::nats`]).
 //! - C2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
 //!   must not silently fall back to a default.
 
@@ -31,20 +32,54 @@ pub struct OptionSpec {
     pub default: Option<&'static str>,
     /// What the option does (shown by `--help`).
     pub help: &'static str,
+    /// The flag's name when it is not the key with dashes (the `nats` CLI's names).
+    pub long: Option<&'static str>,
 }
 
 impl OptionSpec {
-    /// The command-line flag, `--key-with-dashes`.
+    /// The flag's name without the dashes: `long`, or the key with dashes.
+    pub fn long(&self) -> String {
+        self.long
+            .map_or_else(|| self.key.replace('_', "-"), str::to_owned)
+    }
+
+    /// The command-line flag, `--key-with-dashes` (or `--{long}`).
     pub fn flag(&self) -> String {
-        format!("--{}", self.key.replace('_', "-"))
+        format!("--{}", self.long())
+    }
+
+    /// How to set it: `--flag, ENV or the file key key`.
+    pub fn how_to_set(&self) -> String {
+        format!("{}, {} or the file key {}", self.flag(), self.env, self.key)
+    }
+
+    /// Whether its value is (or may hold) a secret, never to be shown.
+    pub fn is_secret(&self) -> bool {
+        [
+            opt::DATABASE_URL,
+            opt::NATS_URL,
+            opt::NATS_PASSWORD,
+            opt::NATS_TOKEN,
+        ]
+        .iter()
+        .any(|s| s.key == self.key)
     }
 }
 
+macro_rules! long {
+    () => {
+        None
+    };
+    ($flag:literal) => {
+        Some($flag)
+    };
+}
+
 macro_rules! options {
-    ($($name:ident = ($key:literal, $env:literal, $default:expr, $help:literal);)*) => {
+    ($($name:ident = ($key:literal, $env:literal, $default:expr, $help:literal $(, flag = $flag:literal)?);)*) => {
         $(
             #[doc = $help]
-            pub const $name: OptionSpec = OptionSpec { key: $key, env: $env, default: $default, help: $help };
+            pub const $name: OptionSpec = OptionSpec { key: $key, env: $env, default: $default, help: $help, long: long!($($flag)?) };
         )*
         /// Every option, in help order.
         pub const ALL: &[OptionSpec] = &[$($name),*];
@@ -58,7 +93,26 @@ pub mod opt {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
             "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
-            "NATS server URL(s), comma-separated");
+            "NATS server URL(s), comma-separated; user:password@ or token@ in a URL authenticates (percent-encoded)");
+        // NATS authentication and TLS: the `nats` CLI's flag names (crate::nats).
+        NATS_USER = ("nats_user", "OUTBOX_RELAY_NATS_USER", None,
+            "NATS user name (with --password)", flag = "user");
+        NATS_PASSWORD = ("nats_password", "OUTBOX_RELAY_NATS_PASSWORD", None,
+            "NATS password (with --user)", flag = "password");
+        NATS_TOKEN = ("nats_token", "OUTBOX_RELAY_NATS_TOKEN", None,
+            "NATS authentication token", flag = "token");
+        NATS_NKEY = ("nats_nkey", "OUTBOX_RELAY_NATS_NKEY", None,
+            "File holding the NATS user's nkey seed (SU...)", flag = "nkey");
+        NATS_CREDS = ("nats_creds", "OUTBOX_RELAY_NATS_CREDS", None,
+            "NATS credentials file (.creds: user JWT and nkey seed)", flag = "creds");
+        NATS_TLSCA = ("nats_tlsca", "OUTBOX_RELAY_NATS_TLSCA", None,
+            "PEM file of the CA(s) that sign the NATS server's certificate (implies TLS; default: the system's roots)", flag = "tlsca");
+        NATS_TLSCERT = ("nats_tlscert", "OUTBOX_RELAY_NATS_TLSCERT", None,
+            "PEM client certificate (chain) for NATS, with --tlskey (implies TLS)", flag = "tlscert");
+        NATS_TLSKEY = ("nats_tlskey", "OUTBOX_RELAY_NATS_TLSKEY", None,
+            "PEM private key of --tlscert", flag = "tlskey");
+        NATS_TLSFIRST = ("nats_tlsfirst", "OUTBOX_RELAY_NATS_TLSFIRST", Some("false"),
+            "TLS handshake before the server's INFO, for servers configured with handshake_first (implies TLS)", flag = "tlsfirst");
         TABLE = ("table", "OUTBOX_RELAY_TABLE", Some("public.outbox_events"),
             "The outbox table, as schema.table");
         SLOT = ("slot", "OUTBOX_RELAY_SLOT", Some("outbox_relay"),
@@ -179,9 +233,10 @@ impl RawConfig {
                 let value = match value {
                     toml::Value::String(s) => s,
                     toml::Value::Integer(i) => i.to_string(),
+                    toml::Value::Boolean(b) => b.to_string(),
                     other => {
                         return Err(ConfigError(format!(
-                            "key {key} in config file {} must be a string or an integer, not {}",
+                            "key {key} in config file {} must be a string, an integer or a boolean, not {}",
                             path.display(),
                             other.type_str()
                         )))
@@ -198,6 +253,30 @@ impl RawConfig {
         Ok(raw)
     }
 
+    /// The option as the operator gave it (`--flag`, `ENV`, `key (in file)`), if given.
+    pub(crate) fn name(&self, spec: &OptionSpec) -> Option<String> {
+        let (_, origin) = self.values.get(spec.key)?;
+        Some(match origin {
+            Origin::Flag => spec.flag(),
+            Origin::Env => spec.env.to_owned(),
+            Origin::File(path) => format!("{} (in {})", spec.key, path.display()),
+            Origin::Default => format!("{} (default)", spec.key),
+        })
+    }
+
+    /// Parses an option without a default: `None` when it is not given.
+    pub(crate) fn parse_optional<T>(
+        &self,
+        spec: &OptionSpec,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<Option<T>, ConfigError> {
+        if self.values.contains_key(spec.key) {
+            self.parse(spec, parse).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     fn get(&self, spec: &OptionSpec) -> Result<(&str, &Origin), ConfigError> {
         self.values.get(spec.key).map(|(v, o)| (v.as_str(), o)).ok_or_else(|| {
             ConfigError(format!(
@@ -211,24 +290,19 @@ impl RawConfig {
     }
 
     /// Parses one value, naming the key as its origin spells it on failure.
-    fn parse<T>(
+    pub(crate) fn parse<T>(
         &self,
         spec: &OptionSpec,
         parse: impl FnOnce(&str) -> Result<T, String>,
     ) -> Result<T, ConfigError> {
-        let (value, origin) = self.get(spec)?;
+        let (value, _) = self.get(spec)?;
         parse(value).map_err(|why| {
-            let shown = if spec.key == opt::DATABASE_URL.key || spec.key == opt::NATS_URL.key {
+            let shown = if spec.is_secret() {
                 "<redacted>".to_owned()
             } else {
                 format!("{value:?}")
             };
-            let name = match origin {
-                Origin::Flag => spec.flag(),
-                Origin::Env => spec.env.to_owned(),
-                Origin::File(path) => format!("{} (in {})", spec.key, path.display()),
-                Origin::Default => format!("{} (default)", spec.key),
-            };
+            let name = self.name(spec).unwrap_or_else(|| spec.flag());
             ConfigError(format!("invalid {name} = {shown}: {why}"))
         })
     }
@@ -301,6 +375,8 @@ pub struct Config {
     pub database: ConnInfo,
     /// The NATS server(s).
     pub nats_url: NatsUrl,
+    /// How to connect to them: the servers without credentials, the credential, TLS.
+    pub nats: crate::nats::NatsOptions,
     /// The outbox table.
     pub table: TableName,
     /// The replication slot.
@@ -356,6 +432,7 @@ impl Config {
             }
             Ok(NatsUrl(v.to_owned()))
         })?;
+        let nats = crate::nats::NatsOptions::from_raw(raw, &nats_url)?;
         let table = raw.parse(&TABLE, |v| {
             let (schema, name) = v.split_once('.').unwrap_or(("public", v));
             if schema.is_empty() || name.is_empty() {
@@ -430,6 +507,7 @@ impl Config {
         Ok(Config {
             database,
             nats_url,
+            nats,
             table,
             slot,
             publication,
@@ -482,10 +560,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn load(
+    /// A config from flags, environment variables and a file's text.
+    pub(crate) fn load(
         flags: &[(&'static str, &str)],
         env: &[(&str, &str)],
         file: Option<&str>,

@@ -4,7 +4,8 @@
 //! This crate wires the others and holds no domain logic of its own: [`config`] turns
 //! flags, environment and file into a validated [`Config`]; [`bootstrap`] checks and
 //! creates the publication, slot and stream; [`decode`] frames replication messages into
-//! sink items; [`pipeline`] runs the reader and the sink and restarts them on failure.
+//! sink items; [`pipeline`] runs the reader and the sink and restarts them on failure; [`nats`]
+//! connects to NATS with the configured credential and TLS files.
 //!
 //! # Invariants
 //! The numbered invariants I1–I5 are stated in [`pipeline`] and in docs/architecture.md.
@@ -15,6 +16,7 @@ pub mod decode;
 pub mod error;
 pub mod lease;
 pub mod metrics;
+pub mod nats;
 pub mod pipeline;
 
 pub use config::Config;

@@ -27,7 +27,7 @@ fn cli() -> Command {
                 .long("config")
                 .value_name("FILE")
                 .global(true)
-                .help("TOML file with any of the options below (keys as the flags, with underscores) [env: OUTBOX_RELAY_CONFIG]"),
+                .help("TOML file with any of the options below, by file key (docs/configuration.md) [env: OUTBOX_RELAY_CONFIG]"),
         )
         .subcommand(
             Command::new("run").about("Check and create what is missing, then relay events until SIGTERM/SIGINT").arg(
@@ -39,7 +39,7 @@ fn cli() -> Command {
         )
         .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream, then exit"));
     for spec in opt::ALL {
-        let flag: &'static str = Box::leak(spec.key.replace('_', "-").into_boxed_str());
+        let flag: &'static str = Box::leak(spec.long().into_boxed_str());
         let mut help = format!("{} [env: {}]", spec.help, spec.env);
         if let Some(default) = spec.default {
             help.push_str(&format!(" [default: {default}]"));
@@ -151,5 +151,120 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// docs/configuration.md, rendered from [`cli`] (flags, commands) and `config::opt` (the
+/// environment variable, file key, default and meaning of each flag).
+#[cfg(test)]
+fn configuration_doc(command: &Command) -> String {
+    use outbox_relay::config::OptionSpec;
+    let cell = |text: &str| text.replace('|', "\\|");
+    let mut doc = String::from(
+        "# Configuration\n\n\
+         <!-- Generated from the command line's definition (`cli()` in crates/relay/src/main.rs and\n\
+         \x20    `config::opt`) by a test that fails when this file differs; do not edit it by hand.\n\
+         \x20    Regenerate: UPDATE_DOCS=1 cargo test -p outbox-relay --bin outbox-relay configuration_doc -->\n\n\
+         Every option is a command-line flag, an environment variable and a key of the TOML file\n\
+         given with `--config` (or `OUTBOX_RELAY_CONFIG`). Precedence: flag > environment > file >\n\
+         default. An unknown `OUTBOX_RELAY_*` variable or file key and an invalid value stop the\n\
+         relay at start with a message naming them (exit 2). Secrets are never printed.\n\n\
+         ## Commands\n\n| command | flags of its own | does |\n|---|---|---|\n",
+    );
+    for sub in command.get_subcommands() {
+        let flags: Vec<String> = sub
+            .get_arguments()
+            .filter(|arg| !arg.is_global_set())
+            .filter_map(|arg| {
+                arg.get_long().map(|long| {
+                    format!(
+                        "`--{long}`: {}",
+                        arg.get_help().map(|h| h.to_string()).unwrap_or_default()
+                    )
+                })
+            })
+            .collect();
+        doc.push_str(&format!(
+            "| `outbox-relay {}` | {} | {} |\n",
+            sub.get_name(),
+            cell(&flags.join("; ")),
+            cell(&sub.get_about().map(|a| a.to_string()).unwrap_or_default())
+        ));
+    }
+    doc.push_str(
+        "\n## Options\n\n| flag | environment variable | file key | default | meaning |\n|---|---|---|---|---|\n",
+    );
+    let mut documented: Vec<&OptionSpec> = Vec::new();
+    for arg in command.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if arg.get_id() == "config" {
+            doc.push_str(&format!(
+                "| `--config` | `OUTBOX_RELAY_CONFIG` | | | {} |\n",
+                cell("The TOML file with any of the options below, by file key")
+            ));
+            continue;
+        }
+        let spec = opt::ALL
+            .iter()
+            .find(|spec| spec.key == arg.get_id().as_str())
+            .unwrap_or_else(|| panic!("--{long} is not an option of config::opt: document it"));
+        documented.push(spec);
+        let mut meaning = spec.help.to_owned();
+        if spec.is_secret() {
+            meaning.push_str(if spec.key.ends_with("_url") {
+                " (credentials in it are never printed)"
+            } else {
+                " (a secret: never printed)"
+            });
+        }
+        doc.push_str(&format!(
+            "| `--{long}` | `{}` | `{}` | {} | {} |\n",
+            spec.env,
+            spec.key,
+            spec.default.map(|d| format!("`{d}`")).unwrap_or_else(|| {
+                if spec.key == opt::DATABASE_URL.key {
+                    "required".into()
+                } else {
+                    String::new()
+                }
+            }),
+            cell(&meaning)
+        ));
+    }
+    for spec in opt::ALL {
+        assert!(
+            documented.iter().any(|d| d.key == spec.key),
+            "option {} has no flag on the command line",
+            spec.key
+        );
+    }
+    doc
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// docs/configuration.md is what the command line defines: it cannot drift.
+    #[test]
+    fn configuration_doc_matches_the_cli() {
+        let expected = configuration_doc(&cli());
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/configuration.md");
+        let actual = std::fs::read_to_string(&path).unwrap_or_default();
+        if actual == expected {
+            return;
+        }
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            std::fs::write(&path, &expected).unwrap();
+            return;
+        }
+        panic!(
+            "docs/configuration.md differs from the command line's definition: regenerate it with\n  \
+             UPDATE_DOCS=1 cargo test -p outbox-relay --bin outbox-relay configuration_doc\n\
+             The expected text:\n{expected}"
+        );
     }
 }

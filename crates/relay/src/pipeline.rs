@@ -137,26 +137,9 @@ impl Backoff {
     }
 }
 
-/// Connects to NATS.
+/// Connects to NATS (credentials and TLS: [`crate::nats`]).
 pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
-    // NATS_URL may list several servers, comma-separated (validated in config): async-nats
-    // parses a single string as one URL, so hand it the list.
-    let servers: Vec<&str> = config.nats_url.expose().split(',').map(str::trim).collect();
-    async_nats::ConnectOptions::new()
-        .name("outbox-relay")
-        .connection_timeout(Duration::from_secs(5))
-        .connect(servers)
-        .await
-        .map_err(|e| {
-            let message = format!("cannot connect to NATS at {}: {e}", config.nats_url);
-            match e.kind() {
-                async_nats::ConnectErrorKind::Authentication
-                | async_nats::ConnectErrorKind::AuthorizationViolation => RelayError::permanent(
-                    anyhow::anyhow!("{message}: check the credentials in NATS_URL"),
-                ),
-                _ => RelayError::transient(anyhow::anyhow!(message)),
-            }
-        })
+    crate::nats::connect(&config.nats).await
 }
 
 /// A JetStream context for the relay's publishing.

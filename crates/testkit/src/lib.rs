@@ -70,6 +70,7 @@ pub use nats::Nats;
 pub use postgres::{Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
 pub use proxy::Proxy;
+pub use tls::Ca;
 
 /// A free TCP port on 127.0.0.1: binds port 0 and reads the port the kernel
 /// picked. Never returns the same port twice within one test process.

@@ -1,4 +1,5 @@
-//! Throwaway PKI: a CA and a server certificate for `localhost` / 127.0.0.1.
+//! Throwaway PKI: a CA ([`Ca`]), server certificates for `localhost` / 127.0.0.1 and
+//! client certificates.
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -22,48 +23,121 @@ pub(crate) struct ServerTls {
 /// Write `ca.crt`, `server.crt` and `server.key` (mode 0600) into `dir`;
 /// all three are chowned to the server user.
 pub(crate) fn write_server_tls(dir: &Path) -> ServerTls {
-    let ca_key = KeyPair::generate().expect("testkit: generate CA key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("testkit: CA params");
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, unique_ca_name());
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_cert = ca_params
-        .self_signed(&ca_key)
-        .expect("testkit: self-sign CA certificate");
-    let issuer = Issuer::new(ca_params, ca_key);
+    let ca = Ca::new();
+    let ca_cert = dir.join("ca.crt");
+    ca.write_cert(&ca_cert);
+    let (server_cert, server_key) = ca.write_server(dir, "server");
+    ServerTls {
+        ca_cert,
+        server_cert,
+        server_key,
+    }
+}
 
-    let server_key = KeyPair::generate().expect("testkit: generate server key");
-    let mut params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
-        .expect("testkit: server certificate params");
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "localhost");
-    params.is_ca = IsCa::ExplicitNoCa;
-    params.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-    ];
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let server_cert = params
-        .signed_by(&server_key, &issuer)
-        .expect("testkit: sign server certificate");
+/// A throwaway certificate authority that issues server certificates for `localhost` /
+/// 127.0.0.1 and client certificates. Files it writes are chowned to the server user
+/// (keys mode 0600).
+pub struct Ca {
+    cert_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
 
-    let files = ServerTls {
-        ca_cert: dir.join("ca.crt"),
-        server_cert: dir.join("server.crt"),
-        server_key: dir.join("server.key"),
-    };
-    write_file(&files.ca_cert, &ca_cert.pem(), 0o644);
-    write_file(&files.server_cert, &server_cert.pem(), 0o644);
-    write_file(&files.server_key, &server_key.serialize_pem(), 0o600);
-    files
+impl std::fmt::Debug for Ca {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ca")
+    }
+}
+
+impl Default for Ca {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Ca {
+    /// A new CA with a name of its own (see [`unique_ca_name`]).
+    pub fn new() -> Ca {
+        let ca_key = KeyPair::generate().expect("testkit: generate CA key");
+        let mut ca_params =
+            CertificateParams::new(Vec::<String>::new()).expect("testkit: CA params");
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, unique_ca_name());
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert_pem = ca_params
+            .self_signed(&ca_key)
+            .expect("testkit: self-sign CA certificate")
+            .pem();
+        Ca {
+            cert_pem,
+            issuer: Issuer::new(ca_params, ca_key),
+        }
+    }
+
+    /// The CA certificate, PEM.
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// Writes the CA certificate to `path` (mode 0644).
+    pub fn write_cert(&self, path: &Path) {
+        write_file(path, &self.cert_pem, 0o644);
+    }
+
+    /// Writes `{stem}.crt` and `{stem}.key`: a server certificate for `localhost` and
+    /// 127.0.0.1. Returns (certificate, key).
+    pub fn write_server(&self, dir: &Path, stem: &str) -> (PathBuf, PathBuf) {
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+                .expect("testkit: server certificate params");
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        self.write_issued(params, dir, stem)
+    }
+
+    /// Writes `{stem}.crt` and `{stem}.key`: a client certificate with common name
+    /// `common_name`. Returns (certificate, key).
+    pub fn write_client(&self, dir: &Path, stem: &str, common_name: &str) -> (PathBuf, PathBuf) {
+        let mut params = CertificateParams::new(Vec::<String>::new())
+            .expect("testkit: client certificate params");
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        self.write_issued(params, dir, stem)
+    }
+
+    fn write_issued(
+        &self,
+        mut params: CertificateParams,
+        dir: &Path,
+        stem: &str,
+    ) -> (PathBuf, PathBuf) {
+        params.is_ca = IsCa::ExplicitNoCa;
+        let key = KeyPair::generate().expect("testkit: generate a key");
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .expect("testkit: sign a certificate");
+        let cert_path = dir.join(format!("{stem}.crt"));
+        let key_path = dir.join(format!("{stem}.key"));
+        write_file(&cert_path, &cert.pem(), 0o644);
+        write_file(&key_path, &key.serialize_pem(), 0o600);
+        (cert_path, key_path)
+    }
 }
 
 fn write_file(path: &Path, contents: &str, mode: u32) {

@@ -1,0 +1,620 @@
+//! NATS connections: the configuration's servers, credential and TLS files turned into an
+//! async-nats client, and a refusal turned into an error that says what to fix.
+//!
+//! async-nats 0.51 never sends the user information of a server URL (nats.rs issue 1623):
+//! the relay takes `user:password@` or `token@` out of every URL of `NATS_URL` itself,
+//! percent-decoded, and hands async-nats the bare URLs plus one explicit credential. The
+//! options carry the `nats` CLI's names: `--user`/`--password`, `--token`, `--nkey` (a file
+//! holding a user nkey seed), `--creds` (a `.creds` file: user JWT and seed), `--tlsca`,
+//! `--tlscert`/`--tlskey` and `--tlsfirst`; each is also an `OUTBOX_RELAY_NATS_*` variable
+//! and a `nats_*` file key ([`crate::config::opt`]).
+//!
+//! # Invariants
+//! - N1 Secrets never print: a password or token lives in a [`Secret`] (`Debug` and
+//!   `Display` show `<redacted>`), seeds and keys stay in their files (only paths are kept),
+//!   and URLs reach async-nats, which logs them, without their user information.
+//! - N2 One credential for every server: async-nats sends the same credential to every
+//!   server of the list (and to the servers they advertise), so the URLs that carry user
+//!   information must all carry the same, and at most one source (the URLs, `--user` and
+//!   `--password`, `--token`, `--nkey`, `--creds`) may be given; anything else is a
+//!   configuration error, never a silent choice.
+//! - N3 A credential or certificate the server refuses is a permanent error (retrying cannot
+//!   help) whose message names the options to check as the operator gave them
+//!   (`OUTBOX_RELAY_NATS_PASSWORD`, `--creds`, `nats_tlscert (in relay.toml)`…) and never a
+//!   secret; every other connection failure is transient.
+//! - N4 Files are checked when the configuration loads (a missing or malformed file stops
+//!   the relay at start, exit 2) and read again at every connect, so a rotated file is used
+//!   from the next session on.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use replication::Secret;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::config::{opt, parse_bool, ConfigError, NatsUrl, OptionSpec, RawConfig};
+use crate::error::{RelayError, Result};
+
+/// How long one connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where and how to connect: the validated NATS options of a [`crate::Config`].
+#[derive(Debug, Clone)]
+pub struct NatsOptions {
+    /// The servers, without user information.
+    servers: Vec<String>,
+    /// The one credential (N2), if any.
+    credential: Option<Credential>,
+    /// TLS files and mode.
+    tls: Tls,
+}
+
+/// A credential and the options it came from, as the operator gave them (N3).
+#[derive(Debug, Clone)]
+struct Credential {
+    kind: CredentialKind,
+    given_by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CredentialKind {
+    UserPassword { user: String, password: Secret },
+    Token(Secret),
+    Nkey(PathBuf),
+    Creds(PathBuf),
+}
+
+#[derive(Debug, Clone, Default)]
+struct Tls {
+    /// The CA file and the option that gave it.
+    ca: Option<(PathBuf, String)>,
+    /// The client certificate and key files and the options that gave them.
+    client: Option<(PathBuf, PathBuf, String)>,
+    first: bool,
+}
+
+impl Tls {
+    fn required(&self) -> bool {
+        self.ca.is_some() || self.client.is_some() || self.first
+    }
+}
+
+impl NatsOptions {
+    /// The servers, without user information.
+    pub fn servers(&self) -> &[String] {
+        &self.servers
+    }
+
+    /// Validates the NATS options of `raw` (`url` already parsed): splits the URLs' user
+    /// information off, enforces N2, and checks every file (N4).
+    pub(crate) fn from_raw(raw: &RawConfig, url: &NatsUrl) -> Result<NatsOptions, ConfigError> {
+        let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
+        let url_name = name(&opt::NATS_URL);
+        let mut servers = Vec::new();
+        let mut from_url: Option<CredentialKind> = None;
+        for server in url.expose().split(',') {
+            let (bare, credential) = split_user_info(server.trim())
+                .map_err(|why| ConfigError(format!("invalid {url_name}: {why}")))?;
+            if let Some(credential) = credential {
+                if from_url.as_ref().is_some_and(|seen| *seen != credential) {
+                    return Err(ConfigError(format!(
+                        "{url_name} gives different credentials for different servers, but the relay sends one \
+                         credential to every server: give the same user:password@ (or token@) in every URL, or use \
+                         --user and --password, or --token"
+                    )));
+                }
+                from_url = Some(credential);
+            }
+            servers.push(bare);
+        }
+
+        let text = |v: &str| {
+            if v.is_empty() {
+                Err("must not be empty".to_owned())
+            } else {
+                Ok(v.to_owned())
+            }
+        };
+        let user = raw.parse_optional(&opt::NATS_USER, text)?;
+        let password = raw.parse_optional(&opt::NATS_PASSWORD, text)?;
+        let token = raw.parse_optional(&opt::NATS_TOKEN, text)?;
+        let nkey = raw.parse_optional(&opt::NATS_NKEY, |v| {
+            read_seed(Path::new(v)).map(|_| PathBuf::from(v))
+        })?;
+        let creds = raw.parse_optional(&opt::NATS_CREDS, |v| {
+            read_creds(Path::new(v)).map(|_| PathBuf::from(v))
+        })?;
+
+        let mut given = Vec::new();
+        if let Some((user, password)) = both(
+            raw,
+            (user, &opt::NATS_USER),
+            (password, &opt::NATS_PASSWORD),
+        )? {
+            given.push(Credential {
+                kind: CredentialKind::UserPassword {
+                    user,
+                    password: Secret::new(password),
+                },
+                given_by: format!(
+                    "{} and {}",
+                    name(&opt::NATS_USER),
+                    name(&opt::NATS_PASSWORD)
+                ),
+            });
+        }
+        let explicit = [
+            (
+                token.map(|t| CredentialKind::Token(Secret::new(t))),
+                &opt::NATS_TOKEN,
+            ),
+            (nkey.map(CredentialKind::Nkey), &opt::NATS_NKEY),
+            (creds.map(CredentialKind::Creds), &opt::NATS_CREDS),
+        ];
+        for (kind, spec) in explicit {
+            if let Some(kind) = kind {
+                given.push(Credential {
+                    kind,
+                    given_by: name(spec),
+                });
+            }
+        }
+        if let Some(kind) = from_url {
+            let what = match kind {
+                CredentialKind::UserPassword { .. } => "user:password",
+                _ => "token",
+            };
+            given.push(Credential {
+                kind,
+                given_by: format!("the {what} in {url_name}"),
+            });
+        }
+        if given.len() > 1 {
+            return Err(ConfigError(format!(
+                "NATS credentials are given more than once ({}): give exactly one",
+                given
+                    .iter()
+                    .map(|c| c.given_by.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+
+        let ca = raw.parse_optional(&opt::NATS_TLSCA, |v| {
+            read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
+        })?;
+        let cert = raw.parse_optional(&opt::NATS_TLSCERT, |v| {
+            read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
+        })?;
+        let key = raw.parse_optional(&opt::NATS_TLSKEY, |v| {
+            read_key(Path::new(v)).map(|_| PathBuf::from(v))
+        })?;
+        let client = match both(raw, (cert, &opt::NATS_TLSCERT), (key, &opt::NATS_TLSKEY))? {
+            Some((cert, key)) => {
+                let given_by = format!(
+                    "{} and {}",
+                    name(&opt::NATS_TLSCERT),
+                    name(&opt::NATS_TLSKEY)
+                );
+                check_key_pair(&cert, &key)
+                    .map_err(|why| ConfigError(format!("invalid {given_by}: {why}")))?;
+                Some((cert, key, given_by))
+            }
+            None => None,
+        };
+        let tls = Tls {
+            ca: ca.map(|ca| (ca, name(&opt::NATS_TLSCA))),
+            client,
+            first: raw.parse(&opt::NATS_TLSFIRST, parse_bool)?,
+        };
+        Ok(NatsOptions {
+            servers,
+            credential: given.pop(),
+            tls,
+        })
+    }
+}
+
+/// Two options that only work together: both or neither is given.
+fn both<A, B>(
+    raw: &RawConfig,
+    (a, a_spec): (Option<A>, &OptionSpec),
+    (b, b_spec): (Option<B>, &OptionSpec),
+) -> Result<Option<(A, B)>, ConfigError> {
+    let missing = |given: &OptionSpec, missing: &OptionSpec| {
+        ConfigError(format!(
+            "{} is set without {}: set {}",
+            raw.name(given).unwrap_or_else(|| given.flag()),
+            missing.flag(),
+            missing.how_to_set()
+        ))
+    };
+    match (a, b) {
+        (Some(a), Some(b)) => Ok(Some((a, b))),
+        (Some(_), None) => Err(missing(a_spec, b_spec)),
+        (None, Some(_)) => Err(missing(b_spec, a_spec)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The servers, comma-separated, without user information.
+impl fmt::Display for NatsOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.servers.join(","))
+    }
+}
+
+/// Connects to NATS with the configured credential and TLS files (read now: N4).
+pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
+    let mut connect = async_nats::ConnectOptions::new()
+        .name("outbox-relay")
+        .connection_timeout(CONNECT_TIMEOUT);
+    if let Some(credential) = &options.credential {
+        let unusable = |why: String| {
+            RelayError::permanent(anyhow::anyhow!(
+                "cannot use the NATS credentials of {}: {why}",
+                credential.given_by
+            ))
+        };
+        connect = match &credential.kind {
+            CredentialKind::UserPassword { user, password } => {
+                connect.user_and_password(user.clone(), password.expose().to_owned())
+            }
+            CredentialKind::Token(token) => connect.token(token.expose().to_owned()),
+            CredentialKind::Nkey(path) => {
+                connect.nkey(read_seed(path).map_err(unusable)?.expose().to_owned())
+            }
+            CredentialKind::Creds(path) => connect
+                .credentials(read_creds(path).map_err(unusable)?.expose())
+                .map_err(|e| unusable(e.to_string()))?,
+        };
+    }
+    if let Some((ca, _)) = &options.tls.ca {
+        connect = connect.add_root_certificates(ca.clone());
+    }
+    if let Some((cert, key, _)) = &options.tls.client {
+        connect = connect.add_client_certificate(cert.clone(), key.clone());
+    }
+    if options.tls.required() {
+        connect = connect.require_tls(true);
+    }
+    if options.tls.first {
+        connect = connect.tls_first();
+    }
+    let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
+    connect.connect(servers).await.map_err(|error| {
+        let message = format!("cannot connect to NATS at {options}: {error}");
+        match refusal(options, &error) {
+            Some(fix) => RelayError::permanent(anyhow::anyhow!("{message}: {fix}")),
+            None => RelayError::transient(anyhow::anyhow!(message)),
+        }
+    })
+}
+
+/// What to fix when `error` is a refusal retrying cannot cure (N3), naming the options.
+fn refusal(options: &NatsOptions, error: &async_nats::ConnectError) -> Option<String> {
+    use async_nats::ConnectErrorKind as Kind;
+    match error.kind() {
+        Kind::Authentication | Kind::AuthorizationViolation => {
+            return Some(match &options.credential {
+                Some(credential) => format!(
+                    "the server refused the credentials of {}: check them (the server's log says why)",
+                    credential.given_by
+                ),
+                None => format!(
+                    "the server requires authentication: set {} and {}, or {}, {} or {}, or put user:password@ in {}",
+                    opt::NATS_USER.flag(),
+                    opt::NATS_PASSWORD.flag(),
+                    opt::NATS_TOKEN.flag(),
+                    opt::NATS_NKEY.flag(),
+                    opt::NATS_CREDS.flag(),
+                    opt::NATS_URL.env
+                ),
+            });
+        }
+        // Setting TLS up (reading the files, the server name) failed: not the network.
+        Kind::Tls => {
+            let given: Vec<&str> = [
+                options.tls.ca.as_ref().map(|(_, by)| by.as_str()),
+                options.tls.client.as_ref().map(|(_, _, by)| by.as_str()),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            return Some(if given.is_empty() {
+                format!(
+                    "TLS cannot be set up with the system's roots: set {}",
+                    opt::NATS_TLSCA.how_to_set()
+                )
+            } else {
+                format!("TLS cannot be set up: check {}", given.join(" and "))
+            });
+        }
+        _ => {}
+    }
+    match tls_error(error)? {
+        rustls::Error::InvalidCertificate(_) => Some(match &options.tls.ca {
+            Some((_, given_by)) => format!(
+                "the server's certificate is not signed by the CA of {given_by} (or does not name the host): check it"
+            ),
+            None => format!(
+                "the server's certificate is not signed by a CA of the system's roots: set {} to the CA that signed it",
+                opt::NATS_TLSCA.how_to_set()
+            ),
+        }),
+        rustls::Error::AlertReceived(alert) if is_certificate_alert(*alert) => {
+            Some(match &options.tls.client {
+                Some((_, _, given_by)) => format!(
+                    "the server rejected the client certificate of {given_by}: check them (a certificate the server's CA signed, not expired, with its key)"
+                ),
+                None => format!(
+                    "the server requires a client certificate: set {} and {}",
+                    opt::NATS_TLSCERT.how_to_set(),
+                    opt::NATS_TLSKEY.how_to_set()
+                ),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// An alert a server sends when it does not accept the client's certificate.
+fn is_certificate_alert(alert: rustls::AlertDescription) -> bool {
+    use rustls::AlertDescription as A;
+    matches!(
+        alert,
+        A::BadCertificate
+            | A::CertificateRequired
+            | A::UnknownCA
+            | A::CertificateUnknown
+            | A::CertificateExpired
+            | A::CertificateRevoked
+            | A::UnsupportedCertificate
+            | A::AccessDenied
+    )
+}
+
+/// The TLS error in `error`'s chain, also inside an `io::Error` (whose `source` skips it).
+fn tls_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        let inner = error
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+        if inner.is_some() {
+            return inner;
+        }
+        next = error.source();
+    }
+    None
+}
+
+/// Splits `user:password@` or `token@` off a server URL: the bare URL and the credential,
+/// percent-decoded. Errors never quote the user information.
+fn split_user_info(server: &str) -> Result<(String, Option<CredentialKind>), String> {
+    if server.is_empty() {
+        return Err("a server URL is empty".into());
+    }
+    let (scheme, rest) = match server.find("://") {
+        Some(i) => server.split_at(i + 3),
+        None => ("", server),
+    };
+    let Some(at) = rest.rfind('@') else {
+        return Ok((server.to_owned(), None));
+    };
+    let (info, host) = (&rest[..at], &rest[at + 1..]);
+    if host.is_empty() {
+        return Err("a server URL has user information but no host".into());
+    }
+    let decode = |part: &str, what: &str| {
+        percent_encoding::percent_decode_str(part)
+            .decode_utf8()
+            .map(|s| s.into_owned())
+            .map_err(|_| format!("the {what} in a server URL is not UTF-8 once percent-decoded"))
+    };
+    let credential = match info.split_once(':') {
+        Some((user, password)) => {
+            let user = decode(user, "user")?;
+            if user.is_empty() {
+                return Err(
+                    "a server URL has a password but no user name (user:password@host)".into(),
+                );
+            }
+            CredentialKind::UserPassword {
+                user,
+                password: Secret::new(decode(password, "password")?),
+            }
+        }
+        None => {
+            let token = decode(info, "token")?;
+            if token.is_empty() {
+                return Err("a server URL has an empty token before its '@'".into());
+            }
+            CredentialKind::Token(Secret::new(token))
+        }
+    };
+    Ok((format!("{scheme}{host}"), Some(credential)))
+}
+
+/// Reads the user nkey seed of an nkey file: the file may hold just the seed (as `nk -gen
+/// user` writes it) or a decorated seed between `-----BEGIN…` lines. Errors never quote it.
+fn read_seed(path: &Path) -> Result<Secret, String> {
+    let text = read_file(path)?;
+    let seed = text
+        .lines()
+        .map(str::trim)
+        .find(|line| line.starts_with('S') && !line.contains(' '))
+        .ok_or("holds no nkey seed (a line starting with SU)")?;
+    let key_pair = nkeys::KeyPair::from_seed(seed)
+        .map_err(|_| "holds no valid nkey seed (a line starting with SU)".to_owned())?;
+    if key_pair.key_pair_type() != nkeys::KeyPairType::User {
+        return Err(format!(
+            "holds the seed of a {:?} key, not of a user (SU…)",
+            key_pair.key_pair_type()
+        ));
+    }
+    Ok(Secret::new(seed))
+}
+
+/// Reads a `.creds` file (user JWT and nkey seed), checked the way async-nats will use it.
+fn read_creds(path: &Path) -> Result<Secret, String> {
+    let text = read_file(path)?;
+    async_nats::ConnectOptions::new()
+        .credentials(&text)
+        .map_err(|e| format!("is not a NATS credentials file (user JWT and nkey seed): {e}"))?;
+    Ok(Secret::new(text))
+}
+
+/// Reads a PEM file holding at least one certificate.
+fn read_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certificates = CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("cannot read certificates from it: {e}"))?;
+    if certificates.is_empty() {
+        return Err("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into());
+    }
+    Ok(certificates)
+}
+
+/// Reads a PEM private key. Errors never quote it.
+fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| match e {
+        rustls_pki_types::pem::Error::NoItemsFound => {
+            "holds no PEM private key (-----BEGIN PRIVATE KEY-----)".to_owned()
+        }
+        rustls_pki_types::pem::Error::Io(e) => format!("cannot read it: {e}"),
+        _ => "holds no valid PEM private key".to_owned(),
+    })
+}
+
+/// Checks that the key belongs to the certificate.
+fn check_key_pair(cert: &Path, key: &Path) -> Result<(), String> {
+    let provider = rustls::crypto::ring::default_provider();
+    rustls::sign::CertifiedKey::from_der(read_certificates(cert)?, read_key(key)?, &provider)
+        .map(drop)
+        .map_err(|e| format!("the key does not fit the certificate: {e}"))
+}
+
+fn read_file(path: &Path) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read it: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::load;
+
+    const DB: (&str, &str) = ("DATABASE_URL", "postgres://relay:pw@db/app");
+
+    fn nats(env: &[(&str, &str)]) -> Result<NatsOptions, ConfigError> {
+        let mut all = vec![DB];
+        all.extend_from_slice(env);
+        load(&[], &all, None).map(|config| config.nats)
+    }
+
+    #[test]
+    fn user_information_of_every_url_is_taken_out_and_decoded() {
+        let options = nats(&[(
+            "NATS_URL",
+            "nats://relay:s%40cr%3At@a:4222, nats://b:4222,tls://relay:s%40cr%3At@c",
+        )])
+        .unwrap();
+        assert_eq!(
+            options.servers,
+            ["nats://a:4222", "nats://b:4222", "tls://c"]
+        );
+        let credential = options.credential.unwrap();
+        assert_eq!(
+            credential.kind,
+            CredentialKind::UserPassword {
+                user: "relay".into(),
+                password: Secret::new("s@cr:t")
+            }
+        );
+        assert_eq!(credential.given_by, "the user:password in NATS_URL");
+
+        let options = nats(&[("NATS_URL", "tok3n@host:4222")]).unwrap();
+        assert_eq!(options.servers, ["host:4222"]);
+        assert_eq!(
+            options.credential.unwrap().kind,
+            CredentialKind::Token(Secret::new("tok3n"))
+        );
+    }
+
+    #[test]
+    fn different_credentials_per_server_are_refused() {
+        let e = nats(&[("NATS_URL", "nats://a:x@h1,nats://a:y@h2")]).unwrap_err();
+        assert!(e.0.contains("different credentials"), "{e}");
+        assert!(!e.0.contains(":x@") && !e.0.contains(":y@"), "{e}");
+    }
+
+    #[test]
+    fn two_credential_sources_are_refused_naming_both() {
+        let e = nats(&[
+            ("NATS_URL", "nats://tok@h"),
+            ("OUTBOX_RELAY_NATS_TOKEN", "other"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.0.contains("OUTBOX_RELAY_NATS_TOKEN") && e.0.contains("the token in NATS_URL"),
+            "{e}"
+        );
+        assert!(!e.0.contains("other") && !e.0.contains("tok@"), "{e}");
+        let e = nats(&[("OUTBOX_RELAY_NATS_USER", "relay")]).unwrap_err();
+        assert!(e.0.contains("--password"), "{e}");
+    }
+
+    #[test]
+    fn missing_and_malformed_files_name_the_option() {
+        let e = nats(&[("OUTBOX_RELAY_NATS_CREDS", "/nonexistent/relay.creds")]).unwrap_err();
+        assert!(
+            e.0.contains("invalid OUTBOX_RELAY_NATS_CREDS") && e.0.contains("cannot read it"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let seed = dir.path().join("seed");
+        std::fs::write(&seed, "SXnotaseed\n").unwrap();
+        let e = nats(&[("OUTBOX_RELAY_NATS_NKEY", seed.to_str().unwrap())]).unwrap_err();
+        assert!(e.0.contains("no valid nkey seed"), "{e}");
+        assert!(!e.0.contains("SXnotaseed"), "{e}");
+        let e = nats(&[("OUTBOX_RELAY_NATS_TLSCERT", seed.to_str().unwrap())]).unwrap_err();
+        assert!(e.0.contains("OUTBOX_RELAY_NATS_TLSCERT"), "{e}");
+    }
+
+    #[test]
+    fn file_keys_and_booleans_set_tls() {
+        let options = load(
+            &[],
+            &[DB],
+            Some("nats_tlsfirst = true\nnats_url = \"tls://h:4222\"\n"),
+        )
+        .unwrap()
+        .nats;
+        assert!(options.tls.first && options.tls.required());
+        assert_eq!(options.servers, ["tls://h:4222"]);
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let options = nats(&[
+            ("NATS_URL", "nats://h"),
+            ("OUTBOX_RELAY_NATS_USER", "relay"),
+            ("OUTBOX_RELAY_NATS_PASSWORD", "hunter2"),
+        ])
+        .unwrap();
+        let shown = format!("{options:?} {options}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        let options = nats(&[("NATS_URL", "nats://relay:hunter2@h,nats://tok3n@h2")]);
+        let shown = format!("{options:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("tok3n"),
+            "{shown}"
+        );
+    }
+}

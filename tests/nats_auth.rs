@@ -1,0 +1,422 @@
+//! NATS authentication and TLS, end to end: for every mode a real nats-server requires
+//! (user/password, token, nkey, a JWT operator set-up, TLS with a client certificate), the
+//! relay connects and relays events, and a wrong secret stops it at once (exit 1, not
+//! retried) with a message naming the option to check and without the secret.
+//!
+//! Each test starts its own nats-server configured for its mode (flags or a config file the
+//! test writes); the Postgres is shared by the tests of this binary.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use nkeys::KeyPair;
+use support::{insert_transaction, Case, DEADLINE};
+use testkit::{Ca, Nats, Postgres, Process};
+
+/// How long a refused relay may take to give up: one connection attempt, no retries.
+const REFUSAL_DEADLINE: Duration = Duration::from_secs(30);
+
+fn pg() -> &'static Postgres {
+    static PG: OnceLock<Postgres> = OnceLock::new();
+    testkit::shared(&PG, Postgres::start)
+}
+
+/// A private directory for a test's files.
+fn temp_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("nats-auth-")
+        .tempdir()
+        .unwrap()
+}
+
+fn write(dir: &Path, name: &str, contents: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+/// A nats-server with JetStream and the configuration file `config`.
+fn nats_with_config(dir: &Path, config: &str) -> Nats {
+    let path = write(dir, "nats-server.conf", config);
+    Nats::start_with_args(&["-c", path.to_str().unwrap()])
+}
+
+/// `nats://127.0.0.1:{port}` with `user_info@` in front of the host.
+fn url_with(nats: &Nats, user_info: &str) -> String {
+    format!("nats://{user_info}@127.0.0.1:{}", nats.port())
+}
+
+/// Runs the relay for `case` (extra arguments after `run`), commits a transaction of three
+/// events and waits until the stream, read by a client connected to `nats` with `client`,
+/// holds exactly them.
+async fn relays_events(
+    case: &Case,
+    args: &[&str],
+    nats: &Nats,
+    client: async_nats::ConnectOptions,
+) {
+    let mut command = case.relay_command("run");
+    command.args(args);
+    let relay = Process::spawn(&format!("relay-{}", case.name), command);
+    relay.wait_for_output("streaming outbox events", DEADLINE);
+    let mut sql = case.sql().await;
+    let ids = insert_transaction(&mut sql, 3, 2, &case.name).await;
+    let js = jetstream::new(
+        client
+            .connect(nats.url())
+            .await
+            .expect("the test's client connects"),
+    );
+    case.wait_for_count(&js, 3, DEADLINE).await;
+    assert_eq!(
+        case.outbox_ids(&js).await,
+        ids,
+        "the committed events, once, in order"
+    );
+    drop(relay);
+}
+
+/// Runs the relay for `case` (extra arguments after `run`) and asserts that it stops on its
+/// own with exit status 1 without retrying, that its final error names every one of
+/// `names`, and that its output contains none of `secrets`.
+fn is_refused(case: &Case, args: &[&str], names: &[&str], secrets: &[&str]) -> String {
+    let mut command = case.relay_command("run");
+    command.args(args);
+    let mut relay = Process::spawn(&format!("refused-{}", case.name), command);
+    let status = relay.wait_exit(REFUSAL_DEADLINE);
+    let output = relay.output();
+    assert_eq!(status.code(), Some(1), "exit status 1 expected:\n{output}");
+    let last = output
+        .lines()
+        .rev()
+        .find(|line| line.starts_with("outbox-relay: "))
+        .unwrap_or_else(|| panic!("no final error line:\n{output}"));
+    for name in names {
+        assert!(last.contains(name), "{name} is not named in: {last}");
+    }
+    eprintln!("{}: {last}", case.name);
+    assert!(last.contains("cannot connect to NATS"), "{last}");
+    assert!(
+        !output.contains("resuming from the slot's confirmed position"),
+        "a refusal is not retried:\n{output}"
+    );
+    for secret in secrets {
+        assert!(
+            !output.contains(secret),
+            "the secret {secret:?} is printed:\n{output}"
+        );
+    }
+    output
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_and_password_from_flags_or_the_url_relay_and_a_wrong_password_is_refused() {
+    const PASSWORD: &str = "p@ss:w/rd s3cret";
+    const ENCODED: &str = "p%40ss%3Aw%2Frd%20s3cret";
+    let nats = Nats::start_with_args(&["--user", "relay", "--pass", PASSWORD]);
+    let client =
+        || async_nats::ConnectOptions::with_user_and_password("relay".into(), PASSWORD.into());
+
+    // --user/--password (flags).
+    let case = Case::with_nats_url(pg(), &nats.url(), "userpass_flags");
+    relays_events(
+        &case,
+        &["--user", "relay", "--password", PASSWORD],
+        &nats,
+        client(),
+    )
+    .await;
+
+    // In the URL, percent-encoded, for every server of the list (the first is down).
+    let down = testkit::free_port();
+    let url = format!(
+        "nats://relay:{ENCODED}@127.0.0.1:{down},{}",
+        url_with(&nats, &format!("relay:{ENCODED}"))
+    );
+    let case = Case::with_nats_url(pg(), &url, "userpass_url");
+    relays_events(&case, &[], &nats, client()).await;
+
+    // Wrong passwords: the option named as given, the password never printed.
+    let mut case = Case::with_nats_url(pg(), &nats.url(), "userpass_wrong");
+    case.extra_env = vec![
+        ("OUTBOX_RELAY_NATS_USER".into(), "relay".into()),
+        ("OUTBOX_RELAY_NATS_PASSWORD".into(), "wr0ng-passw0rd".into()),
+    ];
+    is_refused(
+        &case,
+        &[],
+        &["OUTBOX_RELAY_NATS_USER", "OUTBOX_RELAY_NATS_PASSWORD"],
+        &["wr0ng-passw0rd"],
+    );
+    let case = Case::with_nats_url(
+        pg(),
+        &url_with(&nats, "relay:wr0ng-in-url"),
+        "userpass_url_wrong",
+    );
+    is_refused(
+        &case,
+        &[],
+        &["the user:password in NATS_URL"],
+        &["wr0ng-in-url"],
+    );
+
+    // No credentials at all: the message lists what to set.
+    let case = Case::with_nats_url(pg(), &nats.url(), "userpass_none");
+    is_refused(&case, &[], &["--user", "--token", "--creds"], &[PASSWORD]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_from_the_option_or_the_url_relays_and_a_wrong_token_is_refused() {
+    const TOKEN: &str = "tok3n-s3cret";
+    let nats = Nats::start_with_args(&["--auth", TOKEN]);
+    let client = || async_nats::ConnectOptions::with_token(TOKEN.into());
+
+    let mut case = Case::with_nats_url(pg(), &nats.url(), "token_env");
+    case.extra_env = vec![("OUTBOX_RELAY_NATS_TOKEN".into(), TOKEN.into())];
+    relays_events(&case, &[], &nats, client()).await;
+
+    let case = Case::with_nats_url(pg(), &url_with(&nats, TOKEN), "token_url");
+    relays_events(&case, &[], &nats, client()).await;
+
+    let case = Case::with_nats_url(pg(), &nats.url(), "token_wrong");
+    is_refused(
+        &case,
+        &["--token", "wr0ng-tok3n"],
+        &["--token"],
+        &["wr0ng-tok3n"],
+    );
+    let case = Case::with_nats_url(pg(), &url_with(&nats, "wr0ng-url-tok3n"), "token_url_wrong");
+    is_refused(&case, &[], &["the token in NATS_URL"], &["wr0ng-url-tok3n"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nkey_seed_file_relays_and_another_users_seed_is_refused() {
+    let dir = temp_dir();
+    let user = KeyPair::new_user();
+    let nats = nats_with_config(
+        dir.path(),
+        &format!(
+            "authorization {{ users: [ {{ nkey: {} }} ] }}\n",
+            user.public_key()
+        ),
+    );
+    let seed = user.seed().unwrap();
+    let seed_file = write(dir.path(), "relay.nk", &format!("{seed}\n"));
+    let client = async_nats::ConnectOptions::with_nkey(seed.clone());
+
+    let case = Case::with_nats_url(pg(), &nats.url(), "nkey");
+    relays_events(
+        &case,
+        &["--nkey", seed_file.to_str().unwrap()],
+        &nats,
+        client,
+    )
+    .await;
+
+    let stranger = KeyPair::new_user().seed().unwrap();
+    let stranger_file = write(dir.path(), "stranger.nk", &format!("{stranger}\n"));
+    let mut case = Case::with_nats_url(pg(), &nats.url(), "nkey_wrong");
+    case.extra_env = vec![(
+        "OUTBOX_RELAY_NATS_NKEY".into(),
+        stranger_file.to_str().unwrap().into(),
+    )];
+    is_refused(&case, &[], &["OUTBOX_RELAY_NATS_NKEY"], &[&stranger, &seed]);
+}
+
+/// A JWT signed with `signer` (the header and signature NATS expects: `ed25519-nkey`).
+fn jwt(signer: &KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+    static JTI: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = serde_json::json!({
+        "jti": format!("TESTJTI{}{}", std::process::id(), JTI.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+        "iat": now,
+        "iss": signer.public_key(),
+        "sub": subject,
+        "name": name,
+        "nats": nats,
+    });
+    let header = URL_SAFE_NO_PAD.encode(r#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let payload = URL_SAFE_NO_PAD.encode(claims.to_string());
+    let signed = format!("{header}.{payload}");
+    let signature = signer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", URL_SAFE_NO_PAD.encode(signature))
+}
+
+/// An account JWT with everything unlimited, JetStream too if `jetstream` (never for the
+/// system account).
+fn account_jwt(operator: &KeyPair, account: &KeyPair, name: &str, jetstream: bool) -> String {
+    let mut limits = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1
+    });
+    if jetstream {
+        for key in ["mem_storage", "disk_storage", "streams", "consumer"] {
+            limits[key] = (-1).into();
+        }
+    }
+    jwt(
+        operator,
+        &account.public_key(),
+        name,
+        serde_json::json!({ "type": "account", "version": 2, "limits": limits }),
+    )
+}
+
+/// A `.creds` file's text: the user's JWT (signed by `account`) and seed.
+fn creds(account: &KeyPair, user: &KeyPair) -> String {
+    let user_jwt = jwt(
+        account,
+        &user.public_key(),
+        "relay",
+        serde_json::json!({ "type": "user", "version": 2, "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1 }),
+    );
+    format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+        user.seed().unwrap()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creds_file_of_an_operator_set_up_relays_and_a_user_of_an_unknown_account_is_refused() {
+    let dir = temp_dir();
+    let operator = KeyPair::new_operator();
+    let account = KeyPair::new_account();
+    let system = KeyPair::new_account();
+    let operator_jwt = jwt(
+        &operator,
+        &operator.public_key(),
+        "test-operator",
+        serde_json::json!({ "type": "operator", "version": 2, "system_account": system.public_key() }),
+    );
+    let operator_file = write(dir.path(), "operator.jwt", &operator_jwt);
+    let nats = nats_with_config(
+        dir.path(),
+        &format!(
+            "operator: {operator_file:?}\nsystem_account: {sys}\nresolver: MEMORY\nresolver_preload: {{\n  {acc}: {acc_jwt:?}\n  {sys}: {sys_jwt:?}\n}}\n",
+            sys = system.public_key(),
+            acc = account.public_key(),
+            acc_jwt = account_jwt(&operator, &account, "APP", true),
+            sys_jwt = account_jwt(&operator, &system, "SYS", false),
+        ),
+    );
+    let user = KeyPair::new_user();
+    let creds_text = creds(&account, &user);
+    let creds_file = write(dir.path(), "relay.creds", &creds_text);
+    let client = async_nats::ConnectOptions::with_credentials(&creds_text).unwrap();
+
+    let case = Case::with_nats_url(pg(), &nats.url(), "creds");
+    relays_events(
+        &case,
+        &["--creds", creds_file.to_str().unwrap()],
+        &nats,
+        client,
+    )
+    .await;
+
+    // A user signed by an account the operator never signed.
+    let stranger = KeyPair::new_user();
+    let stranger_seed = stranger.seed().unwrap();
+    let wrong = write(
+        dir.path(),
+        "stranger.creds",
+        &creds(&KeyPair::new_account(), &stranger),
+    );
+    let mut case = Case::with_nats_url(pg(), &nats.url(), "creds_wrong");
+    case.extra_env = vec![(
+        "OUTBOX_RELAY_NATS_CREDS".into(),
+        wrong.to_str().unwrap().into(),
+    )];
+    is_refused(
+        &case,
+        &[],
+        &["OUTBOX_RELAY_NATS_CREDS"],
+        &[&stranger_seed, &user.seed().unwrap()],
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_private_ca_and_a_required_client_certificate_relays_and_wrong_certificates_are_refused(
+) {
+    let dir = temp_dir();
+    let ca = Ca::new();
+    let ca_file = dir.path().join("ca.crt");
+    ca.write_cert(&ca_file);
+    let (server_cert, server_key) = ca.write_server(dir.path(), "server");
+    let (client_cert, client_key) = ca.write_client(dir.path(), "relay", "relay");
+    let nats = nats_with_config(
+        dir.path(),
+        &format!(
+            "tls {{\n  cert_file: {server_cert:?}\n  key_file: {server_key:?}\n  ca_file: {ca_file:?}\n  verify: true\n  timeout: 5\n}}\n"
+        ),
+    );
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(ca_file.clone())
+        .add_client_certificate(client_cert.clone(), client_key.clone())
+        .require_tls(true);
+
+    // The files given as keys of the TOML file.
+    let config = write(
+        dir.path(),
+        "relay.toml",
+        &format!(
+            "nats_tlsca = {ca_file:?}\nnats_tlscert = {client_cert:?}\nnats_tlskey = {client_key:?}\n"
+        ),
+    );
+    let case = Case::with_nats_url(pg(), &nats.url(), "tls");
+    relays_events(
+        &case,
+        &["--config", config.to_str().unwrap()],
+        &nats,
+        client,
+    )
+    .await;
+
+    // A client certificate of another CA: the server rejects it.
+    let other = Ca::new();
+    let (other_cert, other_key) = other.write_client(dir.path(), "stranger", "relay");
+    let other_key_text = std::fs::read_to_string(&other_key).unwrap();
+    let key_body = other_key_text.lines().nth(1).unwrap().to_owned();
+    let ca_arg = ca_file.to_str().unwrap();
+    let case = Case::with_nats_url(pg(), &nats.url(), "tls_wrong_client");
+    is_refused(
+        &case,
+        &[
+            "--tlsca",
+            ca_arg,
+            "--tlscert",
+            other_cert.to_str().unwrap(),
+            "--tlskey",
+            other_key.to_str().unwrap(),
+        ],
+        &["--tlscert", "--tlskey"],
+        &[&key_body],
+    );
+
+    // No CA given: the server's certificate is not trusted; the message says to set --tlsca.
+    let case = Case::with_nats_url(pg(), &nats.url(), "tls_no_ca");
+    is_refused(
+        &case,
+        &[
+            "--tlscert",
+            client_cert.to_str().unwrap(),
+            "--tlskey",
+            client_key.to_str().unwrap(),
+        ],
+        &["--tlsca"],
+        &[],
+    );
+}
