@@ -632,3 +632,31 @@ fn wrong_permissions_fail_at_startup_naming_the_privilege() {
     let relay = as_role("replicator", &case).start_relay();
     drop(relay);
 }
+
+/// Issue 7 case 10: a database whose name holds a line break (Postgres allows it) is
+/// relayed. The name reaches every message through `Outbox-Source`, where it once tripped
+/// async-nats's header assertion and panicked the relay; it is percent-encoded now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_name_with_a_line_break_is_relayed() {
+    let s = servers();
+    let mut case = new_case("dbname");
+    let database = format!("{}\nNats-Msg-Id: x", case.database);
+    s.pg.create_database(&database);
+    s.pg.psql(&database, support::SCHEMA_SQL);
+    case.pg_url = s.pg.url(&database);
+    case.database = database;
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let ids = insert_transaction(&mut sql, 3, 2, "dbname").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 3, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let stored: Vec<i64> = messages.iter().map(|m| m.outbox_id()).collect();
+    assert_eq!(stored, ids);
+    let source = messages[0].header("Outbox-Source");
+    assert!(
+        source.contains("%0ANats%2DMsg%2DId:%20x/"),
+        "the database name is percent-encoded in {source:?}"
+    );
+    assert!(!relay.output().contains("panicked"), "{}", relay.output());
+}

@@ -339,32 +339,23 @@ async fn stream_events(
     lease: &Lease,
     prepared: Prepared,
 ) -> Result<()> {
-    let Prepared {
-        jetstream,
-        slot,
-        stream,
-        status_interval,
-        tail,
-        source,
-        max_message_bytes,
-    } = prepared;
     let resume_after = if config.shared_stream {
         None
     } else {
-        tail.position
+        prepared.tail.position
     };
     info!(
         slot = %config.slot,
-        confirmed_flush_lsn = %slot.confirmed_flush_lsn,
+        confirmed_flush_lsn = %prepared.slot.confirmed_flush_lsn,
         stream = %config.stream,
         mode = if config.shared_stream { "shared" } else { "strict" },
-        last_sequence = tail.last_sequence,
+        last_sequence = prepared.tail.last_sequence,
         resume_after = ?resume_after,
         "streaming outbox events"
     );
 
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
-    let (watermark_tx, watermark_rx) = watch::channel(slot.confirmed_flush_lsn);
+    let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
     let decoder = Decoder::new(
         config.table.clone(),
         config.subject_prefix.clone(),
@@ -372,28 +363,30 @@ async fn stream_events(
     );
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
-        fence: (!config.shared_stream).then_some(tail.last_sequence),
+        fence: (!config.shared_stream).then_some(prepared.tail.last_sequence),
         resume_after,
-        max_message_bytes,
+        max_message_bytes: prepared.max_message_bytes,
         poison: config.on_poison,
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-        source,
+        source: prepared.source,
     };
-    let guard = config.shared_stream.then_some(tail.duplicate_window);
+    let guard = config
+        .shared_stream
+        .then_some(prepared.tail.duplicate_window);
     // L1: the sink task ends with the session, however the session ends (aborted on drop).
     let mut sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
-        jetstream,
+        prepared.jetstream,
         options,
         items_rx,
         watermark_tx,
         stats.clone(),
     )));
     let reader = Reader {
-        stream,
+        stream: prepared.stream,
         decoder,
         items: Some(items_tx),
         confirmed: watermark_rx,
-        feedback: Feedback::new(status_interval),
+        feedback: Feedback::new(prepared.status_interval),
         dedupe_guard: guard,
     };
     let read_result = tokio::select! {
