@@ -10,10 +10,14 @@
 //! - S1–S2 ([`subject`]): the subject token escaping is injective and NATS-safe.
 //! - E1–E3 ([`event`]): only the row is trusted, the payload is passed through unchanged,
 //!   and a row that cannot be represented faithfully is an error, never altered.
+//! - H1–H4 ([`encoding`]): header values no row can subvert; a hostile row's values are
+//!   percent-encoded, exactly recoverable.
 
+pub mod encoding;
 pub mod event;
 pub mod headers;
 pub mod keys;
+mod percent;
 pub mod subject;
 pub mod timestamp;
 
