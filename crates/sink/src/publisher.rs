@@ -249,7 +249,7 @@ impl SinkError {
                 "neither this event nor a dead-letter record in its place fits what JetStream accepts; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload; see docs/guarantees.md)"
             }
             SinkError::Poison { kind: PoisonKind::ReusedId, .. } => {
-                "this event would be dropped as a duplicate; nothing after it is confirmed (outbox ids were reused within the stream's duplicate window, e.g. by TRUNCATE ... RESTART IDENTITY or a restored sequence: move the id sequence past every id relayed with setval so new rows get new ids; to relay this event, restart once the duplicate window has passed, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
+                "this event would be dropped as a duplicate; nothing after it is confirmed (outbox ids were reused within the stream's duplicate window, e.g. by TRUNCATE ... RESTART IDENTITY or a restored sequence: move the id sequence past every id relayed, SELECT setval(pg_get_serial_sequence('<table>', 'id'), <highest id relayed>), so new rows get new ids; to relay this event, restart once the duplicate window has passed, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
             }
             _ => {
                 "JetStream refuses this event for good; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or run with OUTBOX_RELAY_ON_POISON=dead-letter; see docs/guarantees.md)"
