@@ -356,11 +356,8 @@ where
                             if commit_lsn.0 != position.commit_lsn {
                                 commit_lsn = (position.commit_lsn, position.commit_lsn.to_string());
                             }
-                            let instead = if dead_letter_instead.is_empty() {
-                                None
-                            } else {
-                                dead_letter_instead.get(&position).map(String::as_str)
-                            };
+                            // An empty map answers without hashing.
+                            let instead = dead_letter_instead.get(&position).map(String::as_str);
                             let (subject, message) = prepare(
                                 event,
                                 &commit_lsn.1,
