@@ -5,9 +5,10 @@
 //!   The table's own `dedupe_key`, `partition_key` and `ordering_key` columns are never
 //!   trusted: applications fill them with placeholders (the seed's `seed.py` does).
 //! - E2 The payload is the column's text exactly as pgoutput sent it, a zero-copy slice.
-//! - E3 A row from which no faithful event can be built (a NULL key column, `infinity`, a
-//!   header value NATS cannot carry) is an [`EventError`] naming the outbox id and the
-//!   column: never a silently altered or dropped event.
+//! - E3 A row from which no faithful event can be built (a NULL key column, `infinity`) is
+//!   an [`EventError`] naming the outbox id and the column: never a silently altered or
+//!   dropped event. Values a header cannot carry verbatim (a line break, a header name) are
+//!   not refused: the sink percent-encodes them ([`crate::encoding`]).
 
 use std::fmt;
 use std::num::NonZeroU64;
@@ -258,9 +259,6 @@ pub enum EventErrorKind {
     /// `created_at` cannot give epoch milliseconds.
     #[error(transparent)]
     CreatedAt(#[from] TimestampError),
-    /// A value NATS headers cannot carry verbatim.
-    #[error("column {0} contains a line break or NUL, which a NATS header cannot carry")]
-    Unrepresentable(&'static str),
 }
 
 /// Builds events from outbox INSERT tuples.
@@ -328,12 +326,6 @@ impl EventBuilder {
         let created_at = text("created_at", created_at).map_err(fail)?;
         let created_at_ms =
             epoch_millis(parse_timestamptz(&created_at).map_err(|e| fail(e.into()))?);
-
-        for (column, value) in [("entity_id", &entity_id), ("event_type", &event_type)] {
-            if value.bytes().any(|b| matches!(b, b'\r' | b'\n' | 0)) {
-                return Err(fail(EventErrorKind::Unrepresentable(column)));
-            }
-        }
 
         let keys = compute_keys(id, &entity_id, &event_type, created_at_ms);
         let shard = shard_for_key(self.partitions, &keys.partition_key);

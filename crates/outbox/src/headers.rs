@@ -24,3 +24,7 @@ pub const OUTBOX_TX_INDEX: &str = "Outbox-Tx-Index";
 pub const OUTBOX_SOURCE: &str = "Outbox-Source";
 /// On a dead-letter record: why the event itself could not be stored.
 pub const OUTBOX_DEAD_LETTER_REASON: &str = "Outbox-Dead-Letter-Reason";
+/// `percent` on a message whose row values are percent-encoded (`crate::encoding`): then the
+/// values of `Nats-Msg-Id`, `Outbox-Entity-Id`, `Outbox-Event-Type` and
+/// `Outbox-Partition-Key` must be decoded. Absent on every other message.
+pub const OUTBOX_ENCODING: &str = "Outbox-Encoding";

@@ -12,10 +12,14 @@
 //!   timeline, database, slot) and is header-safe.
 //! - E1–E3 ([`event`]): only the row is trusted, the payload is passed through unchanged,
 //!   and a row that cannot be represented faithfully is an error, never altered.
+//! - H1–H4 ([`encoding`]): header values no row can subvert; a hostile row's values are
+//!   percent-encoded, exactly recoverable.
 
+pub mod encoding;
 pub mod event;
 pub mod headers;
 pub mod keys;
+mod percent;
 pub mod source;
 pub mod subject;
 pub mod timestamp;

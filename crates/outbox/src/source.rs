@@ -10,29 +10,19 @@
 //! - SRC1 The value names the system identifier, the timeline, the database and the slot:
 //!   `{system_identifier}/{timeline}/{database}/{slot}`.
 //! - SRC2 The value is a valid NATS header value that contains no `Nats-` header name in any
-//!   case: the database name (any text) is percent-encoded (every byte outside
-//!   `[A-Za-z0-9_.~:]` as `%XX`), so it cannot break the header block, and two different
-//!   databases never share a source.
+//!   case: the database name (any text) is [`encoding::encode`]d like a hostile row's values
+//!   (every byte outside `[A-Za-z0-9_.~:]` as `%XX`), so it cannot break or subvert the
+//!   header block, and two different databases never share a source.
 
-use std::fmt::Write as _;
+use crate::encoding;
 
 /// The `Outbox-Source` value for a slot of `database` on timeline `timeline` of the cluster
 /// `system_identifier` (SRC1, SRC2).
 pub fn source_id(system_identifier: &str, timeline: u32, database: &str, slot: &str) -> String {
-    let mut source =
-        String::with_capacity(system_identifier.len() + database.len() + slot.len() + 16);
-    source.push_str(system_identifier);
-    let _ = write!(source, "/{timeline}/");
-    for byte in database.bytes() {
-        if byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'.' | b'~' | b':') {
-            source.push(char::from(byte));
-        } else {
-            let _ = write!(source, "%{byte:02X}");
-        }
-    }
-    source.push('/');
-    source.push_str(slot);
-    source
+    format!(
+        "{system_identifier}/{timeline}/{}/{slot}",
+        encoding::encode(database)
+    )
 }
 
 #[cfg(test)]

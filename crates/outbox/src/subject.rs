@@ -16,6 +16,8 @@
 
 use std::fmt::Write as _;
 
+use crate::percent;
+
 fn must_escape(byte: u8) -> bool {
     matches!(byte, b'%' | b'.' | b'*' | b'>' | 0x00..=0x20 | 0x7F)
 }
@@ -26,13 +28,7 @@ pub fn push_token(out: &mut String, event_type: &str) {
         out.push('%');
         return;
     }
-    let mut rest = event_type;
-    while let Some(at) = rest.bytes().position(must_escape) {
-        out.push_str(&rest[..at]);
-        let _ = write!(out, "%{:02X}", rest.as_bytes()[at]);
-        rest = &rest[at + 1..];
-    }
-    out.push_str(rest);
+    percent::push_escaped(out, event_type, must_escape);
 }
 
 /// The subject token for `event_type`.
@@ -47,27 +43,7 @@ pub fn unescape_token(token: &str) -> Option<String> {
     if token == "%" {
         return Some(String::new());
     }
-    let bytes = token.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut at = 0;
-    while at < bytes.len() {
-        let byte = bytes[at];
-        if byte == b'%' {
-            let hex = token.get(at + 1..at + 3)?;
-            let decoded = u8::from_str_radix(hex, 16).ok()?;
-            if !must_escape(decoded) || hex.bytes().any(|b| b.is_ascii_lowercase()) {
-                return None;
-            }
-            out.push(decoded);
-            at += 3;
-        } else if must_escape(byte) {
-            return None;
-        } else {
-            out.push(byte);
-            at += 1;
-        }
-    }
-    String::from_utf8(out).ok().filter(|s| !s.is_empty())
+    percent::unescape(token, must_escape).filter(|s| !s.is_empty())
 }
 
 /// `{prefix}.{shard}.{token}`.

@@ -365,7 +365,10 @@ async fn stream_events(
         max_in_flight: config.max_in_flight,
         fence: (!config.shared_stream).then_some(prepared.tail.last_sequence),
         resume_after,
-        max_message_bytes: prepared.max_message_bytes,
+        limits: sink::Limits {
+            max_message_bytes: prepared.max_message_bytes,
+            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
+        },
         poison: config.on_poison,
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source: prepared.source,
@@ -421,11 +424,10 @@ async fn stream_events(
     if let Err(error) = sink_result {
         let poison = error.poison_id().is_some();
         let fenced = sink::is_fence_refusal(&error);
+        let advice = error.advice();
         let error = anyhow::Error::new(error);
         return Err(if poison {
-            RelayError::permanent(error.context(
-                "JetStream refuses this event for good; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or run with OUTBOX_RELAY_ON_POISON=dead-letter; see docs/guarantees.md)",
-            ))
+            RelayError::permanent(error.context(advice))
         } else if fenced {
             RelayError::transient(error.context(
                 "the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail",

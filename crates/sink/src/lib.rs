@@ -5,16 +5,23 @@
 //! # Invariants
 //! - A1–A4 ([`tracker`]): a position is confirmable only when it and everything before it
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
-//! - P1–P4 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
-//!   drains it.
+//! - P1–P8 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
+//!   drains it, strict mode fences, nothing is dropped silently.
+//! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
+//!   publishing; dead-letter records are cut to fit.
 //!
 //! Generic over the position type: this crate knows nothing of LSNs or Postgres.
 
+pub mod message;
 pub mod publisher;
 pub mod tracker;
 
+pub use message::{
+    control_line_len, publish_message, wire_size, Limits, DEFAULT_MAX_CONTROL_LINE,
+    REPLY_SUBJECT_LEN,
+};
 pub use publisher::{
-    dead_letter_record, is_fence_refusal, publish_message, run, wire_size, PoisonPolicy, SinkError,
-    SinkItem, SinkOptions, SinkStats,
+    is_fence_refusal, run, PoisonKind, PoisonPolicy, SinkError, SinkItem, SinkOptions, SinkStats,
+    REUSED_ID_METRIC,
 };
 pub use tracker::{AckTracker, Ticket, TrackerError};

@@ -14,7 +14,7 @@
 //! # Invariants
 //! - P1 The watermark only moves through [`AckTracker`] (see its A1–A4): a publish that
 //!   errors, times out or is dropped never counts as stored; `duplicate: true` does (the
-//!   stream already holds the message).
+//!   stream already holds the message) once P8 found the original to be the same event.
 //! - P2 At most `max_in_flight` publishes are unacknowledged at any time; the input channel
 //!   is bounded too, so memory is bounded whatever the size of a transaction or backlog.
 //! - P3 Any publish or ack error ends [`run`] with that error; nothing after it is
@@ -29,26 +29,39 @@
 //! - P6 Events at or before [`SinkOptions::resume_after`] (the position of the stream's last
 //!   message) are already stored: they are counted as acknowledged without being published.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
-//!   stream's `max_msg_size`) is never dropped silently: under [`PoisonPolicy::Halt`] [`run`]
-//!   awaits the acks of everything published before it, then ends with
-//!   [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
+//!   stream's `max_msg_size`, or a publish line longer than the server's
+//!   `max_control_line`: [`Limits`], checked before publishing) is never dropped silently:
+//!   under [`PoisonPolicy::Halt`] [`run`] awaits the acks of everything published before it,
+//!   then ends with [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
 //!   [`PoisonPolicy::DeadLetter`] a small record with its id, keys and the reason takes its
-//!   place in the stream, in order.
+//!   place in the stream, in order, cut to what fits (M3); if even that cannot fit, [`run`]
+//!   halts.
+//! - P8 A `duplicate: true` ack is checked against the stream: the original (at the ack's
+//!   sequence) must carry this event's position. A different position means the outbox id
+//!   was reused (`TRUNCATE … RESTART IDENTITY`, a restored sequence) and the event would be
+//!   lost: strict mode stops ([`PoisonPolicy::Halt`]) or ends the session so that the next
+//!   one publishes a dead-letter record in its place ([`PoisonPolicy::DeadLetter`]); shared
+//!   mode counts it ([`SinkStats::reused_ids`]) and warns. Only duplicates pay for the
+//!   check.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::{HeaderMap, Subject};
-use bytes::Bytes;
-use outbox::headers;
-use outbox::{OutboxEvent, Position};
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::Subject;
+use outbox::{encoding, headers, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
-use tracing::debug;
+use tracing::{debug, warn};
 
+use crate::message::{event_wire_size, fit_dead_letter, int, into_message, name, Excess, Limits};
 use crate::tracker::{AckTracker, Ticket, TrackerError};
+
+/// The metric counting events acknowledged as duplicates of another event (P8).
+pub const REUSED_ID_METRIC: &str = "outbox_relay_reused_id_total";
 
 /// What the sink consumes, in replication order.
 // Events dominate the stream and travel in batches (`Vec<SinkItem>`); boxing them would add
@@ -85,10 +98,9 @@ pub struct SinkOptions {
     pub fence: Option<u64>,
     /// The position of the stream's last message, when it could be read (P6).
     pub resume_after: Option<Position>,
-    /// The largest message JetStream accepts: `min(max_payload, max_msg_size)`, in bytes of
-    /// headers plus payload.
-    pub max_message_bytes: usize,
-    /// What to do with an event larger than that, or refused for good.
+    /// What the server accepts (P7).
+    pub limits: Limits,
+    /// What to do with an event beyond the limits, or refused for good.
     pub poison: PoisonPolicy,
     /// Where dead-letter records go (`{prefix}.dlq`).
     pub dead_letter_subject: String,
@@ -107,6 +119,11 @@ pub struct SinkStats {
     pub skipped: AtomicU64,
     /// Dead-letter records published in place of an event.
     pub dead_lettered: AtomicU64,
+    /// Events acknowledged as duplicates of another event: their outbox id was reused (P8).
+    pub reused_ids: AtomicU64,
+    /// Strict mode under [`PoisonPolicy::DeadLetter`]: events a later session publishes as
+    /// dead-letter records, with the reason (P8). Outlives a session.
+    dead_letter_instead: Mutex<HashMap<Position, String>>,
     /// The position through which the stream is known to hold every event: the newest
     /// event acknowledged (stored or duplicate) with every earlier one of its session
     /// acknowledged too (P6). Outlives a session, so the next one skips what this one
@@ -138,6 +155,13 @@ impl SinkStats {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn dead_letter_instead(&self) -> HashMap<Position, String> {
+        self.dead_letter_instead
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     fn note_stored(&self, source: &str, position: Position) {
         let mut through = self.through_lock();
         match &mut *through {
@@ -166,20 +190,83 @@ pub enum SinkError {
         /// What async-nats reported.
         source: async_nats::jetstream::context::PublishError,
     },
-    /// An event JetStream can never accept, under [`PoisonPolicy::Halt`].
+    /// An event JetStream can never accept, under [`PoisonPolicy::Halt`] (or whose
+    /// dead-letter record cannot fit either).
     #[error("outbox event id={id} cannot be stored: {reason}")]
     Poison {
         /// The outbox row id.
         id: i64,
+        /// What kind of problem.
+        kind: PoisonKind,
+        /// Why, in detail.
+        reason: String,
+    },
+    /// Strict mode, [`PoisonPolicy::DeadLetter`]: the event was acknowledged as a duplicate
+    /// of another event (P8); the next session publishes a dead-letter record in its place.
+    #[error("outbox event id={id} cannot be stored: {reason}; re-syncing to publish a dead-letter record in its place")]
+    ReusedId {
+        /// The outbox row id.
+        id: i64,
         /// Why.
         reason: String,
+    },
+    /// A duplicate's original could not be read (P8).
+    #[error(
+        "cannot check the original of outbox event id={id}, acknowledged as a duplicate: {source}"
+    )]
+    Verify {
+        /// The outbox row id.
+        id: i64,
+        /// What async-nats reported.
+        source: async_nats::jetstream::stream::RawMessageError,
     },
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
 }
 
+/// Why an event cannot be stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoisonKind {
+    /// Larger than `max_payload` or `max_msg_size`.
+    TooLarge,
+    /// Its publish line is longer than `max_control_line`.
+    ControlLine,
+    /// Its dead-letter record does not fit either.
+    DeadLetterTooLarge,
+    /// Acknowledged as a duplicate of another event (P8).
+    ReusedId,
+}
+
+impl From<Excess> for PoisonKind {
+    fn from(excess: Excess) -> Self {
+        match excess {
+            Excess::Size => PoisonKind::TooLarge,
+            Excess::ControlLine => PoisonKind::ControlLine,
+        }
+    }
+}
+
 impl SinkError {
+    /// For an error that stops the relay ([`Self::poison_id`]): what it means and what the
+    /// operator can do.
+    pub fn advice(&self) -> &'static str {
+        match self {
+            SinkError::Poison { kind: PoisonKind::ControlLine, .. } => {
+                "NATS cannot carry this event's subject; nothing after it is confirmed (the subject holds the escaped event type, and the server refuses a publish line longer than its max_control_line, 4096 bytes by default: run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
+            }
+            SinkError::Poison { kind: PoisonKind::DeadLetterTooLarge, .. } => {
+                "neither this event nor a dead-letter record in its place fits what JetStream accepts; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload; see docs/guarantees.md)"
+            }
+            SinkError::Poison { kind: PoisonKind::ReusedId, .. } => {
+                "this event would be dropped as a duplicate; nothing after it is confirmed (outbox ids were reused within the stream's duplicate window, e.g. by TRUNCATE ... RESTART IDENTITY or a restored sequence: move the id sequence past every id relayed, SELECT setval(pg_get_serial_sequence('<table>', 'id'), <highest id relayed>), so new rows get new ids; to relay this event, restart once the duplicate window has passed, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
+            }
+            _ => {
+                "JetStream refuses this event for good; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or run with OUTBOX_RELAY_ON_POISON=dead-letter; see docs/guarantees.md)"
+            }
+        }
+    }
+
     /// The outbox id of an event JetStream will never accept, whatever we retry (an
     /// oversized payload): the caller must stop or dead-letter it, not retry forever.
     pub fn poison_id(&self) -> Option<i64> {
@@ -208,153 +295,6 @@ fn is_size_refusal(error: &async_nats::jetstream::context::PublishError) -> bool
 /// Whether the ack error is strict mode's fence refusing a publish out of sequence.
 pub fn is_fence_refusal(error: &SinkError) -> bool {
     matches!(error, SinkError::Ack { source, .. } if source.kind() == PublishErrorKind::WrongLastSequence)
-}
-
-/// The JetStream message for an event: its subject's payload and the frozen headers.
-pub fn publish_message(event: &OutboxEvent) -> PublishMessage {
-    let commit_lsn = event.position.commit_lsn.to_string();
-    let (_, map, payload) = into_message(event.clone(), &commit_lsn, None);
-    PublishMessage::build().headers(map).payload(payload)
-}
-
-/// The bytes JetStream counts against `max_payload` and `max_msg_size`: the serialised
-/// headers (`NATS/1.0\r\n`, `Name: value\r\n` each, `\r\n`) plus the payload.
-pub fn wire_size(headers: &HeaderMap, payload_len: usize) -> usize {
-    let mut len = b"NATS/1.0\r\n\r\n".len();
-    for (name, values) in headers.iter() {
-        for value in values {
-            len += <async_nats::HeaderName as AsRef<str>>::as_ref(name).len()
-                + 2
-                + value.as_str().len()
-                + 2;
-        }
-    }
-    len + payload_len
-}
-
-/// The dead-letter record published in place of `event` (P7): headers and a JSON body with
-/// the event's identity, keys and position and the reason; not the payload.
-pub fn dead_letter_record(event: &OutboxEvent, reason: &str) -> (HeaderMap, Bytes) {
-    let mut map = HeaderMap::new();
-    map.insert(
-        headers::NATS_MSG_ID,
-        format!("dead-letter:{}", event.keys.dedupe_key),
-    );
-    map.insert(headers::OUTBOX_ID, event.id.to_string());
-    map.insert(
-        headers::OUTBOX_COMMIT_LSN,
-        event.position.commit_lsn.to_string(),
-    );
-    map.insert(headers::OUTBOX_TX_INDEX, event.position.index.to_string());
-    map.insert(
-        headers::OUTBOX_DEAD_LETTER_REASON,
-        reason.replace(['\r', '\n'], " "),
-    );
-    let record = serde_json::json!({
-        "outbox_id": event.id,
-        "entity_id": event.entity_id,
-        "event_type": event.event_type,
-        "dedupe_key": event.keys.dedupe_key,
-        "partition_key": event.keys.partition_key,
-        "ordering_key": event.keys.ordering_key,
-        "shard": event.shard,
-        "subject": event.subject,
-        "commit_lsn": event.position.commit_lsn.to_string(),
-        "tx_index": event.position.index,
-        "payload_bytes": event.payload.len(),
-        "reason": reason,
-    });
-    (map, record.to_string().into())
-}
-
-/// Header names, built once (`HeaderName::from_static` is free; parsing a `&str` name per
-/// message showed in the profile).
-mod name {
-    use async_nats::HeaderName;
-    use outbox::headers as h;
-
-    pub const NATS_MSG_ID: HeaderName = HeaderName::from_static(h::NATS_MSG_ID);
-    pub const OUTBOX_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ID);
-    pub const OUTBOX_ENTITY_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ENTITY_ID);
-    pub const OUTBOX_EVENT_TYPE: HeaderName = HeaderName::from_static(h::OUTBOX_EVENT_TYPE);
-    pub const OUTBOX_PARTITION_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_PARTITION_KEY);
-    pub const OUTBOX_ORDERING_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_ORDERING_KEY);
-    pub const OUTBOX_SHARD: HeaderName = HeaderName::from_static(h::OUTBOX_SHARD);
-    pub const OUTBOX_COMMIT_LSN: HeaderName = HeaderName::from_static(h::OUTBOX_COMMIT_LSN);
-    pub const OUTBOX_TX_INDEX: HeaderName = HeaderName::from_static(h::OUTBOX_TX_INDEX);
-    pub const OUTBOX_SOURCE: HeaderName = HeaderName::from_static(h::OUTBOX_SOURCE);
-    pub const EXPECTED_LAST_SEQUENCE: HeaderName =
-        HeaderName::from_static("Nats-Expected-Last-Sequence");
-}
-
-fn int(value: impl itoa::Integer) -> String {
-    itoa::Buffer::new().format(value).to_owned()
-}
-
-fn digits(value: impl itoa::Integer) -> usize {
-    itoa::Buffer::new().format(value).len()
-}
-
-/// One serialised header line, `Name: value\r\n`.
-fn line(name: &str, value_len: usize) -> usize {
-    name.len() + 2 + value_len + 2
-}
-
-/// [`wire_size`] of the message [`into_message`] builds, from the lengths alone.
-fn event_wire_size(
-    event: &OutboxEvent,
-    commit_lsn: &str,
-    source: Option<&str>,
-    fence: Option<u64>,
-) -> usize {
-    use outbox::headers as h;
-    let k = &event.keys;
-    b"NATS/1.0\r\n\r\n".len()
-        + line(h::NATS_MSG_ID, k.dedupe_key.len())
-        + line(h::OUTBOX_ID, digits(event.id))
-        + line(h::OUTBOX_ENTITY_ID, event.entity_id.len())
-        + line(h::OUTBOX_EVENT_TYPE, event.event_type.len())
-        + line(h::OUTBOX_PARTITION_KEY, k.partition_key.len())
-        + line(h::OUTBOX_ORDERING_KEY, k.ordering_key.len())
-        + line(h::OUTBOX_SHARD, digits(event.shard))
-        + line(h::OUTBOX_COMMIT_LSN, commit_lsn.len())
-        + line(h::OUTBOX_TX_INDEX, digits(event.position.index))
-        + source.map_or(0, |s| line(h::OUTBOX_SOURCE, s.len()))
-        + fence.map_or(0, |f| line("Nats-Expected-Last-Sequence", digits(f)))
-        + event.payload.len()
-}
-
-/// The subject, headers and payload for `event`, moving its strings into the header values
-/// instead of copying them.
-fn into_message(
-    event: OutboxEvent,
-    commit_lsn: &str,
-    source: Option<&str>,
-) -> (Subject, HeaderMap, Bytes) {
-    let OutboxEvent {
-        id,
-        entity_id,
-        event_type,
-        keys,
-        shard,
-        subject,
-        payload,
-        position,
-    } = event;
-    let mut map = HeaderMap::new();
-    map.insert(name::NATS_MSG_ID, keys.dedupe_key);
-    map.insert(name::OUTBOX_ID, int(id));
-    map.insert(name::OUTBOX_ENTITY_ID, entity_id);
-    map.insert(name::OUTBOX_EVENT_TYPE, event_type);
-    map.insert(name::OUTBOX_PARTITION_KEY, keys.partition_key);
-    map.insert(name::OUTBOX_ORDERING_KEY, keys.ordering_key);
-    map.insert(name::OUTBOX_SHARD, int(shard));
-    map.insert(name::OUTBOX_COMMIT_LSN, commit_lsn);
-    map.insert(name::OUTBOX_TX_INDEX, int(position.index));
-    if let Some(source) = source {
-        map.insert(name::OUTBOX_SOURCE, source);
-    }
-    (Subject::from(subject), map, payload)
 }
 
 enum AckItem<P> {
@@ -393,8 +333,15 @@ where
         watermark,
         stats.clone(),
         options.source.clone(),
+        Duplicates {
+            jetstream: jetstream.clone(),
+            strict: options.fence.is_some(),
+            poison: options.poison,
+        },
     )));
     let mut fence = options.fence;
+    // P8: events an earlier session found to reuse another event's id.
+    let dead_letter_instead = stats.dead_letter_instead();
     // The commit LSN's text, formatted once per transaction.
     let mut commit_lsn = (pgoutput::Lsn::ZERO, String::new());
 
@@ -421,8 +368,16 @@ where
                             if commit_lsn.0 != position.commit_lsn {
                                 commit_lsn = (position.commit_lsn, position.commit_lsn.to_string());
                             }
-                            let (subject, message) =
-                                prepare(event, &commit_lsn.1, &options, &mut fence, &stats)?;
+                            // An empty map answers without hashing.
+                            let instead = dead_letter_instead.get(&position).map(String::as_str);
+                            let (subject, message) = prepare(
+                                event,
+                                &commit_lsn.1,
+                                &options,
+                                &mut fence,
+                                &stats,
+                                instead,
+                            )?;
                             let ack = jetstream
                                 .send_publish(subject, message)
                                 .await
@@ -466,44 +421,56 @@ where
 }
 
 /// The subject and message for `event`: the event itself, or its dead-letter record when it
-/// is too large (P7); fenced in strict mode (P5). `commit_lsn` is the event's commit LSN,
-/// formatted once per transaction by the caller.
+/// is beyond the limits or `instead` gives a reason to (P7, P8); fenced in strict mode (P5).
+/// `commit_lsn` is the event's commit LSN, formatted once per transaction by the caller.
 fn prepare(
     event: OutboxEvent,
     commit_lsn: &str,
     options: &SinkOptions,
     fence: &mut Option<u64>,
     stats: &SinkStats,
+    instead: Option<&str>,
 ) -> Result<(Subject, PublishMessage), SinkError> {
     let source = options.source.as_str();
+    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     // Room for the fence header too, so the size check covers what is actually sent.
-    let size = event_wire_size(&event, commit_lsn, Some(source), *fence);
-    let (subject, mut map, payload) = if size > options.max_message_bytes {
-        let reason = format!(
-            "the message is {size} bytes (headers and payload), over the {} bytes JetStream accepts (the server's max_payload or the stream's max_msg_size)",
-            options.max_message_bytes
-        );
-        match options.poison {
-            PoisonPolicy::Halt => {
-                return Err(SinkError::Poison {
-                    id: event.id,
-                    reason,
-                })
-            }
-            PoisonPolicy::DeadLetter => {
-                tracing::warn!(outbox_id = event.id, reason = %reason, "publishing a dead-letter record in place of the event");
-                stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                let (mut map, payload) = dead_letter_record(&event, &reason);
-                map.insert(name::OUTBOX_SOURCE, source);
-                (
-                    Subject::from(options.dead_letter_subject.clone()),
-                    map,
-                    payload,
-                )
-            }
+    let size = event_wire_size(&event, hostile, commit_lsn, Some(source), *fence);
+    let problem = match instead {
+        Some(reason) => Err((PoisonKind::ReusedId, reason.to_owned())),
+        None => options
+            .limits
+            .check(size, event.payload.len(), event.subject.len())
+            .map_err(|(excess, reason)| (PoisonKind::from(excess), reason)),
+    };
+    let (subject, mut map, payload) = match problem {
+        Ok(()) => into_message(event, hostile, commit_lsn, Some(source)),
+        Err((kind, reason)) if options.poison == PoisonPolicy::Halt => {
+            return Err(SinkError::Poison {
+                id: event.id,
+                kind,
+                reason,
+            })
         }
-    } else {
-        into_message(event, commit_lsn, Some(source))
+        Err((_, reason)) => {
+            let subject = options.dead_letter_subject.as_str();
+            let (map, payload, cut) = fit_dead_letter(
+                &event,
+                hostile,
+                &reason,
+                source,
+                subject,
+                *fence,
+                options.limits,
+            )
+            .map_err(|why| SinkError::Poison {
+                id: event.id,
+                kind: PoisonKind::DeadLetterTooLarge,
+                reason: format!("{reason}; {why}"),
+            })?;
+            warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
+            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            (Subject::from(subject), map, payload)
+        }
     };
     if let Some(next) = fence.as_mut() {
         map.insert(name::EXPECTED_LAST_SEQUENCE, int(*next));
@@ -529,6 +496,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
     source: String,
+    duplicates: Duplicates,
 ) -> Result<(), SinkError> {
     while let Some(item) = items.recv().await {
         let moved = match item {
@@ -551,12 +519,8 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 let ticket: Ticket = tracker.publish()?;
                 let ack = ack.await.map_err(|source| SinkError::Ack { id, source })?;
                 if ack.duplicate {
-                    debug!(
-                        outbox_id = id,
-                        sequence = ack.sequence,
-                        "JetStream already held this message id"
-                    );
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                    duplicates.check(&ack, id, position, &stats).await?;
                 } else {
                     stats.stored.fetch_add(1, Ordering::Relaxed);
                 }
@@ -573,73 +537,97 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
+/// P8: what the acker needs to check a duplicate's original.
+struct Duplicates {
+    jetstream: Context,
+    strict: bool,
+    poison: PoisonPolicy,
+}
 
-    fn event(
-        entity_id: &str,
-        event_type: &str,
+impl Duplicates {
+    /// Checks that the message JetStream holds under the event's id (at `ack.sequence`) is
+    /// the same event: the same position. `Err` when it is another one and strict mode must
+    /// not go on (P8), or when it cannot be read.
+    async fn check(
+        &self,
+        ack: &PublishAck,
         id: i64,
-        index: u32,
-        payload_len: usize,
-    ) -> OutboxEvent {
-        let keys = outbox::compute_keys(id, entity_id, event_type, 1_700_000_000_000);
-        OutboxEvent {
-            id,
-            entity_id: entity_id.to_owned(),
-            event_type: event_type.to_owned(),
-            shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), entity_id),
-            subject: outbox::subject::subject("outbox", 3, event_type),
-            keys,
-            payload: Bytes::from(vec![b'x'; payload_len]),
-            position: Position {
-                commit_lsn: pgoutput::Lsn(0x16_B374_D848),
-                index,
-            },
-        }
-    }
-
-    proptest! {
-        /// The size check, computed from lengths, equals the serialised size of what is sent.
-        #[test]
-        fn size_from_lengths_equals_the_serialised_size(
-            entity_id in "[a-zA-Z0-9:ü -]{0,40}",
-            event_type in "[a-zA-Z.* ]{0,20}",
-            id in any::<i64>(),
-            index in any::<u32>(),
-            payload_len in 0usize..2000,
-            fence in proptest::option::of(any::<u64>()),
-        ) {
-            let event = event(&entity_id, &event_type, id, index, payload_len);
-            let commit_lsn = event.position.commit_lsn.to_string();
-            let computed = event_wire_size(&event, &commit_lsn, Some("7713/db/slot"), fence);
-            let (_, mut map, payload) = into_message(event, &commit_lsn, Some("7713/db/slot"));
-            if let Some(f) = fence {
-                map.insert(name::EXPECTED_LAST_SEQUENCE, int(f));
+        position: Position,
+        stats: &SinkStats,
+    ) -> Result<(), SinkError> {
+        let stream = self
+            .jetstream
+            .get_stream_no_info(&ack.stream)
+            .await
+            .map_err(|e| SinkError::Verify {
+                id,
+                source: async_nats::jetstream::stream::RawMessageError::with_source(
+                    async_nats::jetstream::stream::RawMessageErrorKind::Other,
+                    e,
+                ),
+            })?;
+        let original = match stream.get_raw_message(ack.sequence).await {
+            Ok(original) => original,
+            Err(error)
+                if error.kind()
+                    == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
+            {
+                warn!(
+                    outbox_id = id,
+                    sequence = ack.sequence,
+                    "JetStream acknowledged this event as a duplicate of a message no longer in the stream (deleted or aged out), so whether it was the same event cannot be checked"
+                );
+                return Ok(());
             }
-            prop_assert_eq!(computed, wire_size(&map, payload.len()));
+            Err(source) => return Err(SinkError::Verify { id, source }),
+        };
+        let header = |name: &str| original.headers.get(name).map(|v| v.as_str().to_owned());
+        let theirs = match (
+            header(headers::OUTBOX_COMMIT_LSN),
+            header(headers::OUTBOX_TX_INDEX),
+        ) {
+            (Some(lsn), Some(index)) => Position::from_headers(&lsn, &index),
+            _ => None,
+        };
+        let Some(theirs) = theirs.filter(|&theirs| theirs != position) else {
+            // The same event (a replay), or a message without a position (another writer,
+            // e.g. a polling publisher during a migration): a legitimate duplicate.
+            debug!(
+                outbox_id = id,
+                sequence = ack.sequence,
+                "JetStream already held this event"
+            );
+            return Ok(());
+        };
+        stats.reused_ids.fetch_add(1, Ordering::Relaxed);
+        let reason = format!(
+            "JetStream acknowledged it as a duplicate of stream sequence {}, another event (commit LSN {}, index {}; this one is at commit LSN {}, index {}): its outbox id was reused within the duplicate window",
+            ack.sequence, theirs.commit_lsn, theirs.index, position.commit_lsn, position.index
+        );
+        if !self.strict {
+            warn!(
+                outbox_id = id,
+                sequence = ack.sequence,
+                metric = REUSED_ID_METRIC,
+                reason = %reason,
+                "this event is not in the stream: outbox ids were reused (TRUNCATE ... RESTART IDENTITY, or a restored sequence?); move the id sequence past every id relayed"
+            );
+            return Ok(());
         }
-    }
-
-    #[test]
-    fn headers_carry_the_events_values() {
-        let (subject, map, payload) = into_message(
-            event("order:A-1", "OrderPaid", 42, 7, 3),
-            "16/B374D848",
-            Some("src"),
-        );
-        let get = |name: &str| map.get(name).map(|v| v.as_str().to_owned());
-        assert_eq!(subject.as_str(), "outbox.3.OrderPaid");
-        assert_eq!(
-            get("Nats-Msg-Id").as_deref(),
-            Some("OrderPaid:order:A-1:42")
-        );
-        assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
-        assert_eq!(get("Outbox-Tx-Index").as_deref(), Some("7"));
-        assert_eq!(get("Outbox-Commit-Lsn").as_deref(), Some("16/B374D848"));
-        assert_eq!(get("Outbox-Source").as_deref(), Some("src"));
-        assert_eq!(payload.len(), 3);
+        match self.poison {
+            PoisonPolicy::Halt => Err(SinkError::Poison {
+                id,
+                kind: PoisonKind::ReusedId,
+                reason,
+            }),
+            PoisonPolicy::DeadLetter => {
+                stats
+                    .dead_letter_instead
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(position, reason.clone());
+                Err(SinkError::ReusedId { id, reason })
+            }
+        }
     }
 }

@@ -192,3 +192,305 @@ async fn wire_size_matches_the_servers_max_msg_size() {
         .unwrap_err();
     assert!(error.to_string().contains("maximum"), "{error}");
 }
+
+/// A bare NATS connection writing its own `HPUB` frames, header block byte for byte (async-nats
+/// writes headers in hash-map order), to show how the server reads them.
+struct RawClient {
+    reader: tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl RawClient {
+    async fn connect(nats: &Nats) -> RawClient {
+        use tokio::io::AsyncWriteExt;
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", nats.port()))
+            .await
+            .unwrap();
+        let (read, write) = stream.into_split();
+        let mut client = RawClient {
+            reader: tokio::io::BufReader::new(read),
+            writer: write,
+        };
+        assert!(client.line().await.starts_with("INFO "));
+        client
+            .writer
+            .write_all(b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\nSUB _RAW.reply 1\r\nPING\r\n")
+            .await
+            .unwrap();
+        while client.line().await != "PONG" {}
+        client
+    }
+
+    async fn line(&mut self) -> String {
+        use tokio::io::AsyncBufReadExt;
+        let mut line = String::new();
+        self.reader.read_line(&mut line).await.unwrap();
+        line.trim_end().to_owned()
+    }
+
+    /// Publishes with exactly these header lines; returns JetStream's reply.
+    async fn publish(&mut self, subject: &str, header_lines: &[&str]) -> serde_json::Value {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut block = String::from("NATS/1.0\r\n");
+        for line in header_lines {
+            block.push_str(line);
+            block.push_str("\r\n");
+        }
+        block.push_str("\r\n");
+        let payload = "{}";
+        let frame = format!(
+            "HPUB {subject} _RAW.reply {} {}\r\n{block}{payload}\r\n",
+            block.len(),
+            block.len() + payload.len()
+        );
+        self.writer.write_all(frame.as_bytes()).await.unwrap();
+        loop {
+            let line = self.line().await;
+            if line == "PING" {
+                self.writer.write_all(b"PONG\r\n").await.unwrap();
+                continue;
+            }
+            let len: usize = line
+                .rsplit(' ')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("unexpected server line {line:?}"));
+            let mut body = vec![0; len + 2];
+            self.reader.read_exact(&mut body).await.unwrap();
+            return serde_json::from_slice(&body[..len]).unwrap();
+        }
+    }
+}
+
+/// Why the relay encodes hostile row values (docs/guarantees.md): nats-server 2.9.10 looks a
+/// header up by the first occurrence of its name anywhere in the header block, and a name
+/// that is not at a line start counts as absent. A header value containing
+/// `Nats-Expected-Last-Sequence` switches the fence off, one containing `Nats-Msg-Id`
+/// switches de-duplication off; the same values percent-encoded do not.
+#[tokio::test]
+async fn a_header_name_inside_a_value_hides_the_header_unless_encoded() {
+    let nats = Nats::start();
+    let _ = context(&nats, "RAW", -1).await;
+    let mut raw = RawClient::connect(&nats).await;
+    let first = raw
+        .publish(
+            "RAW.x",
+            &["Nats-Msg-Id: a", "Nats-Expected-Last-Sequence: 0"],
+        )
+        .await;
+    assert_eq!(first["seq"], 1, "{first}");
+
+    // The fence expects 0, but the stream's last sequence is 1.
+    let unfenced = raw
+        .publish(
+            "RAW.x",
+            &[
+                "Outbox-Entity-Id: x Nats-Expected-Last-Sequence: 1",
+                "Nats-Expected-Last-Sequence: 0",
+                "Nats-Msg-Id: b",
+            ],
+        )
+        .await;
+    assert_eq!(
+        unfenced["seq"], 2,
+        "the hidden fence let a stale publish in: {unfenced}"
+    );
+    let undeduplicated = raw
+        .publish(
+            "RAW.x",
+            &["Outbox-Entity-Id: Nats-Msg-Id", "Nats-Msg-Id: a"],
+        )
+        .await;
+    assert_eq!(
+        undeduplicated["seq"], 3,
+        "the hidden id let a duplicate in: {undeduplicated}"
+    );
+    assert_eq!(undeduplicated.get("duplicate"), None);
+
+    // Encoded, the same values hide nothing.
+    let value = outbox::encoding::encode("x Nats-Expected-Last-Sequence: 3");
+    let fenced = raw
+        .publish(
+            "RAW.x",
+            &[
+                &format!("Outbox-Entity-Id: {value}"),
+                "Nats-Expected-Last-Sequence: 0",
+                "Nats-Msg-Id: c",
+            ],
+        )
+        .await;
+    assert_eq!(fenced["error"]["err_code"], 10071, "{fenced}");
+    let value = outbox::encoding::encode("Nats-Msg-Id");
+    let deduplicated = raw
+        .publish(
+            "RAW.x",
+            &[&format!("Outbox-Entity-Id: {value}"), "Nats-Msg-Id: a"],
+        )
+        .await;
+    assert_eq!(deduplicated["duplicate"], true, "{deduplicated}");
+}
+
+fn hostile_event(n: u32) -> outbox::OutboxEvent {
+    let entity_id = format!("order-{n} Nats-Msg-Id: fake Nats-Expected-Last-Sequence: 0");
+    let event_type = if n % 2 == 0 {
+        "Nats-Expected-Last-Sequence".to_owned()
+    } else {
+        format!("OrderPaid\r\nNats-Msg-Id: x-{n}")
+    };
+    let keys = outbox::compute_keys(i64::from(n), &entity_id, &event_type, 1_700_000_000_000);
+    outbox::OutboxEvent {
+        id: i64::from(n),
+        shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), &entity_id),
+        subject: outbox::subject::subject("HOSTILE", 0, &event_type),
+        entity_id,
+        event_type,
+        keys,
+        payload: Bytes::from_static(b"{}"),
+        position: outbox::Position {
+            commit_lsn: pgoutput::Lsn(0x100 + u64::from(n)),
+            index: 0,
+        },
+    }
+}
+
+/// Messages the relay builds for rows whose values contain `Nats-Msg-Id` and
+/// `Nats-Expected-Last-Sequence` are de-duplicated and fenced on the real server, whatever
+/// order async-nats writes their headers in (50 messages, 50 draws of that order), and the
+/// exact values are recovered by decoding.
+#[tokio::test]
+async fn hostile_rows_built_by_the_relay_are_deduplicated_and_fenced() {
+    let nats = Nats::start();
+    let js = context(&nats, "HOSTILE", -1).await;
+    for n in 0..50u32 {
+        let event = hostile_event(n);
+        let last = u64::from(n);
+        let stored = js
+            .send_publish(
+                event.subject.clone(),
+                sink::publish_message(&event).expected_last_sequence(last),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!((stored.sequence, stored.duplicate), (last + 1, false));
+        // A replay with a stale expected sequence: recognised as a duplicate.
+        let replay = js
+            .send_publish(
+                event.subject.clone(),
+                sink::publish_message(&event).expected_last_sequence(last),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(replay.duplicate, "message {n} was stored twice");
+        // Another row with a stale expected sequence: refused.
+        let other = hostile_event(n + 1000);
+        let refused = js
+            .send_publish(
+                other.subject.clone(),
+                sink::publish_message(&other).expected_last_sequence(last),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.kind(),
+            PublishErrorKind::WrongLastSequence,
+            "message {n}"
+        );
+    }
+    let stream = js.get_stream("HOSTILE").await.unwrap();
+    assert_eq!(stream.cached_info().state.messages, 50);
+    let stored = stream.get_raw_message(8).await.unwrap();
+    let expected = hostile_event(7);
+    let header = |name: &str| stored.headers.get(name).unwrap().as_str().to_owned();
+    assert_eq!(header("Outbox-Encoding"), "percent");
+    let decoded = |name: &str| outbox::encoding::decode(&header(name)).unwrap();
+    assert_eq!(decoded("Outbox-Entity-Id"), expected.entity_id);
+    assert_eq!(decoded("Outbox-Event-Type"), expected.event_type);
+    assert_eq!(decoded("Outbox-Partition-Key"), expected.keys.partition_key);
+    assert_eq!(decoded("Nats-Msg-Id"), expected.keys.dedupe_key);
+}
+
+/// The reply subject async-nats puts on a JetStream publish is `sink::REPLY_SUBJECT_LEN`
+/// bytes long (the control-line budget counts on it).
+#[tokio::test]
+async fn jetstream_publish_reply_subjects_are_as_long_as_budgeted() {
+    use futures::StreamExt;
+    let nats = Nats::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    js.create_stream(stream::Config {
+        name: "REPLY".into(),
+        subjects: vec!["REPLY.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut watch = client.subscribe("REPLY.>").await.unwrap();
+    client.flush().await.unwrap();
+    for id in ["r1", "r2"] {
+        js.send_publish("REPLY.x", message(id, None))
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let seen = watch.next().await.unwrap();
+        let reply = seen
+            .reply
+            .expect("a JetStream publish carries a reply subject");
+        assert_eq!(reply.len(), sink::REPLY_SUBJECT_LEN, "{reply}");
+    }
+}
+
+/// Why the relay checks the publish line before publishing: nats-server closes a
+/// connection whose `HPUB` line exceeds its `max_control_line` (4096 by default), so the
+/// publish never gets an ack and the client reconnects; a line within the budget is stored.
+#[tokio::test]
+async fn a_publish_line_over_the_control_line_limit_is_never_acknowledged() {
+    let nats = Nats::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::context::ContextBuilder::new()
+        .timeout(std::time::Duration::from_secs(2))
+        .build(client);
+    js.create_stream(stream::Config {
+        name: "LINE".into(),
+        subjects: vec!["LINE.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let publish = |subject: String, id: &str| {
+        let js = js.clone();
+        let message = message(id, None);
+        async move { js.send_publish(subject, message).await?.await }
+    };
+    // At the budget: stored.
+    let headers = {
+        let mut h = HeaderMap::new();
+        h.insert("Nats-Msg-Id", "fits");
+        h
+    };
+    let header_len = sink::wire_size(&headers, 0);
+    let total = header_len + 2;
+    let fixed = sink::control_line_len(0, header_len, total);
+    let subject = format!(
+        "LINE.{}",
+        "x".repeat(sink::DEFAULT_MAX_CONTROL_LINE - fixed - 5)
+    );
+    assert_eq!(
+        sink::control_line_len(subject.len(), header_len, total),
+        sink::DEFAULT_MAX_CONTROL_LINE
+    );
+    publish(subject, "fits")
+        .await
+        .expect("a publish line within the budget is stored");
+    // A 5 000-byte event type in the subject: never acknowledged.
+    let error = publish(format!("LINE.{}", "x".repeat(5000)), "long")
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), PublishErrorKind::TimedOut, "{error}");
+}

@@ -1,0 +1,618 @@
+//! What goes on the wire for an event: its headers (the frozen names of
+//! [`outbox::headers`]), payload and subject, the dead-letter record that may take its place,
+//! and the sizes the server checks, computed before publishing.
+//!
+//! # Invariants
+//! - M1 No row value can hide one of the relay's `Nats-*` headers: a header-hostile row's
+//!   values are percent-encoded and the message says `Outbox-Encoding: percent`
+//!   ([`outbox::encoding`]); every other row's values are written verbatim. This holds for
+//!   dead-letter records too.
+//! - M2 [`event_wire_size`] is exactly [`wire_size`] of what [`into_message`] builds (plus
+//!   the fence header), computed from lengths alone (a proptest locks it, hostile rows
+//!   included); [`control_line_len`] is at least the `HPUB` line async-nats writes for it.
+//! - M3 A dead-letter record is cut to what fits ([`fit_dead_letter`]): its long text
+//!   fields are truncated, then dropped, and the record says `"truncated": true`; if even
+//!   the smallest record does not fit, the caller gets an error, never a record the server
+//!   would refuse. Its `Nats-Msg-Id` depends on the event alone (not on the cut), so every
+//!   replay de-duplicates.
+
+use std::fmt::Write as _;
+
+use async_nats::{HeaderMap, Subject};
+use bytes::Bytes;
+use outbox::{encoding, OutboxEvent};
+use sha2::{Digest, Sha256};
+
+/// nats-server's default `max_control_line`. The server does not announce its configured
+/// value (its INFO has no such field), so the relay budgets the default.
+pub const DEFAULT_MAX_CONTROL_LINE: usize = 4096;
+
+/// The reply subject async-nats 0.51 puts on a JetStream publish: `_INBOX.{id}.{token}`,
+/// the default inbox prefix, the request multiplexer's id and the request's token (NUIDs of
+/// 22 characters each). `tests/jetstream.rs` checks it on the real server.
+pub const REPLY_SUBJECT_LEN: usize = "_INBOX.".len() + 22 + 1 + 22;
+
+/// A dead-letter record's `Nats-Msg-Id` longer than this uses a digest of the dedupe key.
+const DEAD_LETTER_ID_MAX: usize = 256;
+
+/// Text fields of a truncated dead-letter record keep at most this many bytes.
+const TRUNCATED_FIELD_MAX: usize = 64;
+
+/// Header names, built once (`HeaderName::from_static` is free; parsing a `&str` name per
+/// message showed in the profile).
+pub(crate) mod name {
+    use async_nats::HeaderName;
+    use outbox::headers as h;
+
+    pub const NATS_MSG_ID: HeaderName = HeaderName::from_static(h::NATS_MSG_ID);
+    pub const OUTBOX_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ID);
+    pub const OUTBOX_ENTITY_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ENTITY_ID);
+    pub const OUTBOX_EVENT_TYPE: HeaderName = HeaderName::from_static(h::OUTBOX_EVENT_TYPE);
+    pub const OUTBOX_PARTITION_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_PARTITION_KEY);
+    pub const OUTBOX_ORDERING_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_ORDERING_KEY);
+    pub const OUTBOX_SHARD: HeaderName = HeaderName::from_static(h::OUTBOX_SHARD);
+    pub const OUTBOX_COMMIT_LSN: HeaderName = HeaderName::from_static(h::OUTBOX_COMMIT_LSN);
+    pub const OUTBOX_TX_INDEX: HeaderName = HeaderName::from_static(h::OUTBOX_TX_INDEX);
+    pub const OUTBOX_SOURCE: HeaderName = HeaderName::from_static(h::OUTBOX_SOURCE);
+    pub const OUTBOX_ENCODING: HeaderName = HeaderName::from_static(h::OUTBOX_ENCODING);
+    pub const OUTBOX_DEAD_LETTER_REASON: HeaderName =
+        HeaderName::from_static(h::OUTBOX_DEAD_LETTER_REASON);
+    pub const EXPECTED_LAST_SEQUENCE: HeaderName =
+        HeaderName::from_static(EXPECTED_LAST_SEQUENCE_STR);
+    pub const EXPECTED_LAST_SEQUENCE_STR: &str = "Nats-Expected-Last-Sequence";
+}
+
+pub(crate) fn int(value: impl itoa::Integer) -> String {
+    itoa::Buffer::new().format(value).to_owned()
+}
+
+fn digits(value: impl itoa::Integer) -> usize {
+    itoa::Buffer::new().format(value).len()
+}
+
+/// One serialised header line, `Name: value\r\n`.
+fn line(name: &str, value_len: usize) -> usize {
+    name.len() + 2 + value_len + 2
+}
+
+/// The serialised length of the strict-mode fence header for `fence`, if any.
+pub(crate) fn fence_len(fence: Option<u64>) -> usize {
+    fence.map_or(0, |f| line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f)))
+}
+
+/// A row value as its header carries it (M1).
+fn value(text: String, hostile: bool) -> String {
+    if hostile {
+        encoding::encode(&text)
+    } else {
+        text
+    }
+}
+
+/// The length of [`value`]`(text, hostile)`.
+fn value_len(text: &str, hostile: bool) -> usize {
+    if hostile {
+        encoding::encoded_len(text)
+    } else {
+        text.len()
+    }
+}
+
+/// The bytes JetStream counts against `max_payload` and `max_msg_size`: the serialised
+/// headers (`NATS/1.0\r\n`, `Name: value\r\n` each, `\r\n`) plus the payload.
+pub fn wire_size(headers: &HeaderMap, payload_len: usize) -> usize {
+    let mut len = b"NATS/1.0\r\n\r\n".len();
+    for (name, values) in headers.iter() {
+        for value in values {
+            len += line(
+                <async_nats::HeaderName as AsRef<str>>::as_ref(name),
+                value.as_str().len(),
+            );
+        }
+    }
+    len + payload_len
+}
+
+/// The length of the `HPUB {subject} {reply} {header bytes} {total bytes}\r\n` line
+/// async-nats writes for a JetStream publish, which nats-server checks against its
+/// `max_control_line`. Conservative by the 7 bytes of `HPUB ` and `\r\n`, which the
+/// server does not count.
+pub fn control_line_len(subject_len: usize, headers_len: usize, total_len: usize) -> usize {
+    "HPUB ".len()
+        + subject_len
+        + 1
+        + REPLY_SUBJECT_LEN
+        + 1
+        + digits(headers_len)
+        + 1
+        + digits(total_len)
+        + 2
+}
+
+/// The JetStream message for an event: its subject's payload and the frozen headers.
+pub fn publish_message(event: &OutboxEvent) -> async_nats::jetstream::message::PublishMessage {
+    let commit_lsn = event.position.commit_lsn.to_string();
+    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+    let (_, map, payload) = into_message(event.clone(), hostile, &commit_lsn, None);
+    async_nats::jetstream::message::PublishMessage::build()
+        .headers(map)
+        .payload(payload)
+}
+
+/// [`wire_size`] of the message [`into_message`] builds, with the fence header, from the
+/// lengths alone (M2). `hostile` is [`encoding::row_is_hostile`] of the event.
+pub(crate) fn event_wire_size(
+    event: &OutboxEvent,
+    hostile: bool,
+    commit_lsn: &str,
+    source: Option<&str>,
+    fence: Option<u64>,
+) -> usize {
+    use outbox::headers as h;
+    let k = &event.keys;
+    b"NATS/1.0\r\n\r\n".len()
+        + line(h::NATS_MSG_ID, value_len(&k.dedupe_key, hostile))
+        + line(h::OUTBOX_ID, digits(event.id))
+        + line(h::OUTBOX_ENTITY_ID, value_len(&event.entity_id, hostile))
+        + line(h::OUTBOX_EVENT_TYPE, value_len(&event.event_type, hostile))
+        + line(
+            h::OUTBOX_PARTITION_KEY,
+            value_len(&k.partition_key, hostile),
+        )
+        + line(h::OUTBOX_ORDERING_KEY, k.ordering_key.len())
+        + line(h::OUTBOX_SHARD, digits(event.shard))
+        + line(h::OUTBOX_COMMIT_LSN, commit_lsn.len())
+        + line(h::OUTBOX_TX_INDEX, digits(event.position.index))
+        + if hostile {
+            line(h::OUTBOX_ENCODING, encoding::PERCENT.len())
+        } else {
+            0
+        }
+        + source.map_or(0, |s| line(h::OUTBOX_SOURCE, s.len()))
+        + fence_len(fence)
+        + event.payload.len()
+}
+
+/// The subject, headers and payload for `event`, moving its strings into the header values
+/// instead of copying them. `hostile` is [`encoding::row_is_hostile`] of the event (M1).
+pub(crate) fn into_message(
+    event: OutboxEvent,
+    hostile: bool,
+    commit_lsn: &str,
+    source: Option<&str>,
+) -> (Subject, HeaderMap, Bytes) {
+    let OutboxEvent {
+        id,
+        entity_id,
+        event_type,
+        keys,
+        shard,
+        subject,
+        payload,
+        position,
+    } = event;
+    let mut map = HeaderMap::new();
+    map.insert(name::NATS_MSG_ID, value(keys.dedupe_key, hostile));
+    map.insert(name::OUTBOX_ID, int(id));
+    map.insert(name::OUTBOX_ENTITY_ID, value(entity_id, hostile));
+    map.insert(name::OUTBOX_EVENT_TYPE, value(event_type, hostile));
+    map.insert(
+        name::OUTBOX_PARTITION_KEY,
+        value(keys.partition_key, hostile),
+    );
+    map.insert(name::OUTBOX_ORDERING_KEY, keys.ordering_key);
+    map.insert(name::OUTBOX_SHARD, int(shard));
+    map.insert(name::OUTBOX_COMMIT_LSN, commit_lsn);
+    map.insert(name::OUTBOX_TX_INDEX, int(position.index));
+    if hostile {
+        map.insert(name::OUTBOX_ENCODING, encoding::PERCENT);
+    }
+    if let Some(source) = source {
+        map.insert(name::OUTBOX_SOURCE, source);
+    }
+    (Subject::from(subject), map, payload)
+}
+
+/// How much of a dead-letter record is kept (M3), fullest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    /// Every field.
+    Full,
+    /// The event's text fields (entity id, event type, keys, subject) cut to
+    /// [`TRUNCATED_FIELD_MAX`] bytes.
+    Truncated,
+    /// The event's text fields and the body's copy of the reason dropped.
+    Minimal,
+}
+
+impl Cut {
+    pub(crate) const ALL: [Cut; 3] = [Cut::Full, Cut::Truncated, Cut::Minimal];
+}
+
+/// The dead-letter record's `Nats-Msg-Id`: `dead-letter:{dedupe_key}` (the key encoded when
+/// the row is hostile), or `dead-letter:sha256:{hex}` of the key when that would be longer
+/// than [`DEAD_LETTER_ID_MAX`] bytes. A function of the event alone (M3).
+fn dead_letter_id(event: &OutboxEvent, hostile: bool) -> String {
+    let key = &event.keys.dedupe_key;
+    let id = format!("dead-letter:{}", value(key.clone(), hostile));
+    if id.len() <= DEAD_LETTER_ID_MAX {
+        return id;
+    }
+    let mut digest = String::from("dead-letter:sha256:");
+    for byte in Sha256::digest(key.as_bytes()) {
+        let _ = write!(digest, "{byte:02x}");
+    }
+    digest
+}
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn prefix(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// The dead-letter record published in place of `event` (P7): headers and a JSON body with
+/// the event's identity, keys and position and the reason; not the payload. `reason` is the
+/// relay's own text: it never contains a header name, nor a line break.
+pub(crate) fn dead_letter_record(
+    event: &OutboxEvent,
+    hostile: bool,
+    reason: &str,
+    cut: Cut,
+) -> (HeaderMap, Bytes) {
+    debug_assert!(!encoding::is_hostile(reason), "{reason:?}");
+    let mut map = HeaderMap::new();
+    map.insert(name::NATS_MSG_ID, dead_letter_id(event, hostile));
+    map.insert(name::OUTBOX_ID, int(event.id));
+    map.insert(
+        name::OUTBOX_COMMIT_LSN,
+        event.position.commit_lsn.to_string(),
+    );
+    map.insert(name::OUTBOX_TX_INDEX, int(event.position.index));
+    map.insert(
+        name::OUTBOX_DEAD_LETTER_REASON,
+        reason.replace(['\r', '\n'], " "),
+    );
+    if hostile {
+        map.insert(name::OUTBOX_ENCODING, encoding::PERCENT);
+    }
+    let mut record = serde_json::json!({
+        "outbox_id": event.id,
+        "ordering_key": event.keys.ordering_key,
+        "shard": event.shard,
+        "commit_lsn": event.position.commit_lsn.to_string(),
+        "tx_index": event.position.index,
+        "payload_bytes": event.payload.len(),
+        "truncated": cut != Cut::Full,
+    });
+    let texts = [
+        ("entity_id", &event.entity_id),
+        ("event_type", &event.event_type),
+        ("dedupe_key", &event.keys.dedupe_key),
+        ("partition_key", &event.keys.partition_key),
+        ("subject", &event.subject),
+    ];
+    for (field, text) in texts {
+        let kept = match cut {
+            Cut::Full => text.as_str(),
+            Cut::Truncated => prefix(text, TRUNCATED_FIELD_MAX),
+            Cut::Minimal => continue,
+        };
+        record[field] = kept.into();
+    }
+    if cut != Cut::Minimal {
+        record["reason"] = reason.into();
+    }
+    (map, record.to_string().into())
+}
+
+/// What the server accepts: the message (headers and payload) and the `HPUB` line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// `min(max_payload, max_msg_size)`, in bytes of headers plus payload.
+    pub max_message_bytes: usize,
+    /// The server's `max_control_line` ([`DEFAULT_MAX_CONTROL_LINE`]).
+    pub max_control_line: usize,
+}
+
+/// What exceeds a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Excess {
+    /// The message is larger than `max_message_bytes`.
+    Size,
+    /// The `HPUB` line is longer than `max_control_line`.
+    ControlLine,
+}
+
+impl Limits {
+    /// Checks a message of `size` bytes (headers, fence and payload; `payload_len` of them
+    /// payload) on a subject of `subject_len` bytes. `Err` names what exceeds which limit,
+    /// in words fit for a dead-letter reason (no header name, no line break).
+    pub(crate) fn check(
+        &self,
+        size: usize,
+        payload_len: usize,
+        subject_len: usize,
+    ) -> Result<(), (Excess, String)> {
+        if size > self.max_message_bytes {
+            return Err((
+                Excess::Size,
+                format!(
+                    "the message is {size} bytes (headers and payload), over the {} bytes JetStream accepts (the server's max_payload or the stream's max_msg_size)",
+                    self.max_message_bytes
+                ),
+            ));
+        }
+        let control_line = control_line_len(subject_len, size - payload_len, size);
+        if control_line > self.max_control_line {
+            return Err((
+                Excess::ControlLine,
+                format!(
+                    "its publish line is {control_line} bytes (the subject carries the event type), over the {} bytes of the NATS server's max_control_line",
+                    self.max_control_line
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The largest dead-letter record for `event` that fits `limits` (M3): its headers (with
+/// `source` and room for the fence) and body, and its `HPUB` line on `subject`. `Err` says
+/// why the smallest record does not fit.
+pub(crate) fn fit_dead_letter(
+    event: &OutboxEvent,
+    hostile: bool,
+    reason: &str,
+    source: &str,
+    subject: &str,
+    fence: Option<u64>,
+    limits: Limits,
+) -> Result<(HeaderMap, Bytes, Cut), String> {
+    let mut why = String::new();
+    for cut in Cut::ALL {
+        let (mut map, payload) = dead_letter_record(event, hostile, reason, cut);
+        map.insert(name::OUTBOX_SOURCE, source);
+        let size = wire_size(&map, payload.len()) + fence_len(fence);
+        match limits.check(size, payload.len(), subject.len()) {
+            Ok(()) => return Ok((map, payload, cut)),
+            Err((_, excess)) => why = excess,
+        }
+    }
+    Err(format!(
+        "the dead-letter record in its place does not fit either, even cut to its minimum: {why}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox::{headers, Position};
+    use proptest::prelude::*;
+
+    pub(crate) fn event(
+        entity_id: &str,
+        event_type: &str,
+        id: i64,
+        index: u32,
+        payload_len: usize,
+    ) -> OutboxEvent {
+        let keys = outbox::compute_keys(id, entity_id, event_type, 1_700_000_000_000);
+        OutboxEvent {
+            id,
+            entity_id: entity_id.to_owned(),
+            event_type: event_type.to_owned(),
+            shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), entity_id),
+            subject: outbox::subject::subject("outbox", 3, event_type),
+            keys,
+            payload: Bytes::from(vec![b'x'; payload_len]),
+            position: Position {
+                commit_lsn: pgoutput::Lsn(0x16_B374_D848),
+                index,
+            },
+        }
+    }
+
+    fn get(map: &HeaderMap, name: &str) -> Option<String> {
+        map.get(name).map(|v| v.as_str().to_owned())
+    }
+
+    proptest! {
+        /// M2: the size check, computed from lengths, equals the serialised size of what is
+        /// sent, for benign and hostile rows alike.
+        #[test]
+        fn size_from_lengths_equals_the_serialised_size(
+            entity_id in "[a-zA-Z0-9:ü \r\n-]{0,40}|(?i)[a-z ]{0,5}nats-msg-id[:a-z ]{0,5}",
+            event_type in "[a-zA-Z.* ]{0,20}|(?i)nats-expected-last-sequence[a-z\0]{0,3}",
+            id in any::<i64>(),
+            index in any::<u32>(),
+            payload_len in 0usize..2000,
+            fence in proptest::option::of(any::<u64>()),
+        ) {
+            let event = event(&entity_id, &event_type, id, index, payload_len);
+            let commit_lsn = event.position.commit_lsn.to_string();
+            let hostile = encoding::row_is_hostile(&entity_id, &event_type);
+            let computed = event_wire_size(&event, hostile, &commit_lsn, Some("7713/db/slot"), fence);
+            let (_, mut map, payload) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
+            if let Some(f) = fence {
+                map.insert(name::EXPECTED_LAST_SEQUENCE, int(f));
+            }
+            prop_assert_eq!(computed, wire_size(&map, payload.len()));
+        }
+
+        /// M1: whatever the row, no header value contains `nats-` in any case, and the
+        /// encoded values decode to the row's.
+        #[test]
+        fn no_row_value_carries_a_header_name(
+            entity_id in any::<String>(),
+            event_type in "(?i)[a-z]{0,3}(nats-msg-id|nats-expected-last-sequence)?[\r\n ]{0,2}",
+        ) {
+            let event = event(&entity_id, &event_type, 7, 0, 1);
+            let hostile = encoding::row_is_hostile(&entity_id, &event_type);
+            let keys = event.keys.clone();
+            let (_, map, _) = into_message(event.clone(), hostile, "0/1", Some("src"));
+            let (dead_letter, _) = dead_letter_record(&event, hostile, "too large", Cut::Full);
+            for map in [&map, &dead_letter] {
+                for (_, values) in map.iter() {
+                    for v in values {
+                        prop_assert!(!encoding::is_hostile(v.as_str()), "{:?}", v.as_str());
+                    }
+                }
+            }
+            let decoded = |name: &str| {
+                let raw = get(&map, name).unwrap_or_default();
+                if get(&map, headers::OUTBOX_ENCODING).is_some() {
+                    encoding::decode(&raw)
+                } else {
+                    Some(raw)
+                }
+            };
+            prop_assert_eq!(decoded(headers::OUTBOX_ENTITY_ID), Some(entity_id.clone()));
+            prop_assert_eq!(decoded(headers::OUTBOX_EVENT_TYPE), Some(event_type.clone()));
+            prop_assert_eq!(decoded(headers::OUTBOX_PARTITION_KEY), Some(keys.partition_key));
+            prop_assert_eq!(decoded(headers::NATS_MSG_ID), Some(keys.dedupe_key));
+            prop_assert_eq!(hostile, get(&map, headers::OUTBOX_ENCODING).is_some());
+        }
+    }
+
+    #[test]
+    fn headers_carry_the_events_values() {
+        let (subject, map, payload) = into_message(
+            event("order:A-1", "OrderPaid", 42, 7, 3),
+            false,
+            "16/B374D848",
+            Some("src"),
+        );
+        let get = |name: &str| get(&map, name);
+        assert_eq!(subject.as_str(), "outbox.3.OrderPaid");
+        assert_eq!(
+            get("Nats-Msg-Id").as_deref(),
+            Some("OrderPaid:order:A-1:42")
+        );
+        assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
+        assert_eq!(get("Outbox-Tx-Index").as_deref(), Some("7"));
+        assert_eq!(get("Outbox-Commit-Lsn").as_deref(), Some("16/B374D848"));
+        assert_eq!(get("Outbox-Source").as_deref(), Some("src"));
+        assert_eq!(get("Outbox-Encoding"), None);
+        assert_eq!(payload.len(), 3);
+    }
+
+    #[test]
+    fn a_hostile_rows_values_are_percent_encoded() {
+        let (_, map, _) = into_message(
+            event(
+                "order Nats-Msg-Id: x",
+                "Nats-Expected-Last-Sequence",
+                42,
+                0,
+                3,
+            ),
+            true,
+            "16/B374D848",
+            None,
+        );
+        let get = |name: &str| get(&map, name);
+        assert_eq!(get("Outbox-Encoding").as_deref(), Some("percent"));
+        assert_eq!(
+            get("Outbox-Entity-Id").as_deref(),
+            Some("order%20Nats%2DMsg%2DId:%20x")
+        );
+        assert_eq!(
+            get("Outbox-Event-Type").as_deref(),
+            Some("Nats%2DExpected%2DLast%2DSequence")
+        );
+        assert_eq!(
+            get("Nats-Msg-Id").as_deref(),
+            Some("Nats%2DExpected%2DLast%2DSequence:order%20Nats%2DMsg%2DId:%20x:42")
+        );
+        assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
+    }
+
+    /// The `HPUB` line async-nats writes, measured on its own serialisation rules.
+    #[test]
+    fn control_line_counts_the_hpub_line() {
+        let reply = format!("_INBOX.{}.{}", "a".repeat(22), "b".repeat(22));
+        let written = format!("HPUB {} {reply} {} {}\r\n", "outbox.3.X", 120, 4120);
+        assert_eq!(
+            control_line_len("outbox.3.X".len(), 120, 4120),
+            written.len()
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_record_is_cut_to_what_fits() {
+        let long = "x".repeat(5000);
+        let event = event(&long, &long, 9, 2, 10);
+        let fit = |max_message_bytes| {
+            let limits = Limits {
+                max_message_bytes,
+                max_control_line: DEFAULT_MAX_CONTROL_LINE,
+            };
+            fit_dead_letter(
+                &event,
+                false,
+                "too large",
+                "src",
+                "outbox.dlq",
+                Some(1),
+                limits,
+            )
+        };
+        let (map, body, cut) = fit(100_000).unwrap();
+        assert_eq!(cut, Cut::Full);
+        assert!(get(&map, "Nats-Msg-Id")
+            .unwrap()
+            .starts_with("dead-letter:sha256:"));
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["truncated"], false);
+        assert_eq!(json["entity_id"], serde_json::json!(long));
+
+        let (map_cut, body, cut) = fit(1000).unwrap();
+        assert_eq!(cut, Cut::Truncated);
+        assert!(wire_size(&map_cut, body.len()) + fence_len(Some(1)) <= 1000);
+        assert_eq!(
+            get(&map, "Nats-Msg-Id"),
+            get(&map_cut, "Nats-Msg-Id"),
+            "the record's id does not depend on the cut"
+        );
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["truncated"], true);
+        assert_eq!(json["entity_id"], serde_json::json!("x".repeat(64)));
+        assert_eq!(json["outbox_id"], 9);
+
+        let (_, body, cut) = fit(500).unwrap();
+        assert_eq!(cut, Cut::Minimal);
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json.get("entity_id"), None);
+        assert_eq!(json["tx_index"], 2);
+
+        let error = fit(200).unwrap_err();
+        assert!(error.contains("does not fit"), "{error}");
+        assert!(error.contains("over the 200 bytes"), "{error}");
+    }
+
+    /// Every reason the sink writes into a dead-letter header is header-safe.
+    #[test]
+    fn limit_reasons_are_header_safe() {
+        let limits = Limits {
+            max_message_bytes: 100,
+            max_control_line: DEFAULT_MAX_CONTROL_LINE,
+        };
+        let (excess, reason) = limits.check(101, 0, 1).unwrap_err();
+        assert_eq!(excess, Excess::Size);
+        assert!(!encoding::is_hostile(&reason), "{reason}");
+        let (excess, reason) = limits.check(100, 0, 4050).unwrap_err();
+        assert_eq!(excess, Excess::ControlLine);
+        assert!(!encoding::is_hostile(&reason), "{reason}");
+        assert!(limits.check(100, 0, 3900).is_ok());
+    }
+
+    #[test]
+    fn truncation_keeps_whole_characters() {
+        assert_eq!(prefix("üüü", 3), "ü");
+        assert_eq!(prefix("abc", 64), "abc");
+    }
+}
