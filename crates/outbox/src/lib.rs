@@ -28,3 +28,5 @@ pub use event::{
     EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, Position, SchemaError,
 };
 pub use keys::{compute_keys, shard_for_key, Keys};
+/// The LSN type of [`Position::commit_lsn`], so users of positions need not know the decoder.
+pub use pgoutput::Lsn;

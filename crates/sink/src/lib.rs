@@ -10,7 +10,10 @@
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
 //!
-//! Generic over the position type: this crate knows nothing of LSNs or Postgres.
+//! The ack tracker is generic over the position type; the publisher writes an event's
+//! position (from `outbox`) into its headers as text. Nothing here speaks to Postgres or
+//! decodes replication messages: it depends on `outbox` for the event and its position,
+//! not on `pgoutput` or `replication`.
 
 pub mod message;
 pub mod publisher;

@@ -410,7 +410,7 @@ mod tests {
             keys,
             payload: Bytes::from(vec![b'x'; payload_len]),
             position: Position {
-                commit_lsn: pgoutput::Lsn(0x16_B374_D848),
+                commit_lsn: outbox::Lsn(0x16_B374_D848),
                 index,
             },
         }

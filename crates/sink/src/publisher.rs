@@ -343,7 +343,7 @@ where
     // P8: events an earlier session found to reuse another event's id.
     let dead_letter_instead = stats.dead_letter_instead();
     // The commit LSN's text, formatted once per transaction.
-    let mut commit_lsn = (pgoutput::Lsn::ZERO, String::new());
+    let mut commit_lsn = (outbox::Lsn::ZERO, String::new());
 
     let publishing = async {
         while let Some(batch) = input.recv().await {

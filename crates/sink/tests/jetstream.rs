@@ -347,7 +347,7 @@ fn hostile_event(n: u32) -> outbox::OutboxEvent {
         keys,
         payload: Bytes::from_static(b"{}"),
         position: outbox::Position {
-            commit_lsn: pgoutput::Lsn(0x100 + u64::from(n)),
+            commit_lsn: outbox::Lsn(0x100 + u64::from(n)),
             index: 0,
         },
     }
