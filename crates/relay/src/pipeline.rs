@@ -26,8 +26,12 @@
 //!   replayed events carry the same `Nats-Msg-Id`, which JetStream de-duplicates.
 //! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
 //!   the deadline, and the final status carries the watermark only.
+//! - I6 Shutdown during a session's set-up (lease, connections, bootstrap, tail) is
+//!   immediate: the set-up races the shutdown token and is dropped (nothing was published,
+//!   nothing confirmed); every connect is bounded besides (Postgres `connect_timeout`,
+//!   10 s by default; NATS 5 s).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,15 +71,25 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     loop {
         let started = Instant::now();
         let acked_before = stats.acked();
+        let streaming = AtomicBool::new(false);
         let result = async {
-            let Some(lease) = Lease::acquire(&config, &shutdown).await? else { return Ok(()) };
+            let Some(lease) = Lease::acquire(&config, &shutdown).await? else {
+                return Ok(());
+            };
             tokio::select! {
-                result = session(&config, &shutdown, &mut bootstrapped, &stats, &lease) => result,
+                result = session(&config, &shutdown, &mut bootstrapped, &stats, &lease, &streaming) => result,
                 // L1: stop publishing the moment the lease is gone.
                 () = lease.lost() => Err(RelayError::transient(anyhow::anyhow!("lost the lease for slot {}", config.slot))),
             }
-        }
-        .await;
+        };
+        // I6: until the session streams, a shutdown ends it at once.
+        let result = tokio::select! {
+            result = result => result,
+            () = shutdown_during_set_up(&shutdown, &streaming) => {
+                info!("shutting down during session set-up");
+                Ok(())
+            }
+        };
         match result {
             Ok(()) => return Ok(()),
             Err(error) if !error.is_transient() => return Err(error),
@@ -96,6 +110,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
                 }
             }
         }
+    }
+}
+
+/// Completes when `shutdown` fires before the session streams (I6); never once it streams,
+/// where the reader drains instead (I5).
+async fn shutdown_during_set_up(shutdown: &CancellationToken, streaming: &AtomicBool) {
+    shutdown.cancelled().await;
+    if streaming.load(Ordering::SeqCst) {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -206,6 +229,7 @@ async fn session(
     bootstrapped: &mut bool,
     stats: &Arc<SinkStats>,
     lease: &Lease,
+    streaming: &AtomicBool,
 ) -> Result<()> {
     let nats = connect_nats(config).await?;
     let max_payload = nats.server_info().max_payload;
@@ -309,6 +333,8 @@ async fn session(
     };
     let drain_deadline = config.shutdown_timeout;
     let mut sink = sink;
+    // Set-up is over: from here on a shutdown drains (I5, I6).
+    streaming.store(true, Ordering::SeqCst);
     let read_result = reader.run(shutdown.clone(), drain_deadline).await;
     if let Err(error) = read_result {
         // The replication stream is gone, so nothing the sink still awaits could be
