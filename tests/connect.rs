@@ -9,13 +9,14 @@
 mod support;
 
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{insert_transaction, servers, Case, DEADLINE};
+use support::{
+    assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it,
+    insert_transaction, relay_one_row_as_superuser, servers, Case, DEADLINE,
+};
 use testkit::{PgAuth, PgOptions, Postgres, Process};
 
 fn new_case(name: &str) -> Case {
@@ -169,17 +170,7 @@ async fn secrets_never_reach_any_output() {
 
     // Running, at debug level.
     let mut relay = case.start_relay();
-    let (sql, connection) = tokio_postgres::connect(&pg.url(&case.database), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    sql.batch_execute(
-        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')",
-    )
-    .await
-    .unwrap();
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 1, DEADLINE).await;
+    relay_one_row_as_superuser(pg, &case).await;
     assert!(relay.terminate(DEADLINE).success());
     let output = relay.output();
     assert_no_secret("the debug log", &output);
@@ -189,21 +180,11 @@ async fn secrets_never_reach_any_output() {
     );
 
     // A wrong password: the error names the problem, not the password.
-    let mut wrong = case.clone();
-    wrong.pg_url = case.pg_url.replace("s3cret", "wr0ng");
-    let output = wrong.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("password authentication failed"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("wr0ng"), "{stderr}");
-    assert_no_secret("the error", &stderr);
+    assert_wrong_password_fails_without_printing_it(&case, PG_PASSWORD, "Pg?pw=wr0ng-Ab9");
 
     // A TOML syntax error on the line with the password.
-    let dir = scratch_dir("secrets");
-    let file = dir.join("relay.toml");
+    let dir = testkit::scratch_dir("secrets");
+    let file = dir.path().join("relay.toml");
     std::fs::write(
         &file,
         format!("database_url = \"{}\n", case.pg_url.replace("\"", "")),
@@ -236,19 +217,6 @@ async fn secrets_never_reach_any_output() {
     ] {
         assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("connect-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn write_mode(path: &Path, text: &str, mode: u32) {
-    std::fs::write(path, text).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
 /// Part 2 of issue 8: without DATABASE_URL, the `PG*` variables configure both connections
@@ -260,10 +228,10 @@ fn write_mode(path: &Path, text: &str, mode: u32) {
 async fn pg_variables_and_a_password_file_configure_postgres_without_database_url() {
     let pg = scram_tls();
     let case = Case::new(pg, &servers().nats, "libpq_env");
-    let dir = scratch_dir("libpq_env");
-    let passfile = dir.join("pgpass");
+    let dir = testkit::scratch_dir("libpq_env");
+    let passfile = dir.path().join("pgpass");
     let escaped = PG_PASSWORD.replace('\\', "\\\\").replace(':', "\\:");
-    write_mode(
+    testkit::write_file_mode(
         &passfile,
         &format!("localhost:{}:*:postgres:{escaped}\n", pg.port()),
         0o600,
@@ -301,31 +269,11 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
 
     let relay = Process::spawn("relay-libpq-env", command("run"));
     relay.wait_for_output("streaming outbox events", DEADLINE);
-    let encrypted: i64 = pg
-        .psql(
-            &case.database,
-            "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid) where s.ssl and a.application_name <> 'psql' and a.application_name <> 'testkit-psql'",
-        )
-        .parse()
-        .unwrap();
-    assert!(
-        encrypted >= 2,
-        "replication and lease sessions use TLS ({encrypted})"
-    );
-    let (sql, connection) = tokio_postgres::connect(&pg.url(&case.database), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    sql.batch_execute(
-        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')",
-    )
-    .await
-    .unwrap();
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 1, DEADLINE).await;
+    assert_relay_sessions_use_tls(pg, &case);
+    relay_one_row_as_superuser(pg, &case).await;
     drop(relay);
 
-    write_mode(
+    testkit::write_file_mode(
         &passfile,
         &std::fs::read_to_string(&passfile).unwrap(),
         0o644,
@@ -337,5 +285,4 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
         stderr.contains("has group or world access") && stderr.contains("none was given"),
         "{stderr}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1313,19 +1313,6 @@ mod tests {
         move |name| vars.get(name).cloned()
     }
 
-    /// A private directory for files a test writes.
-    fn scratch_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("conninfo-test-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    fn write_mode(path: &Path, text: &str, mode: u32) {
-        std::fs::write(path, text).unwrap();
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
-    }
-
     #[test]
     fn url_with_everything() {
         let info = parse(
@@ -1613,9 +1600,10 @@ mod tests {
 
     #[test]
     fn password_file_supplies_the_password_with_libpq_rules() {
-        let dir = scratch_dir("pgpass");
+        let scratch = testkit::scratch_dir("pgpass");
+        let dir = scratch.path();
         let file = dir.join("pgpass");
-        write_mode(
+        testkit::write_file_mode(
             &file,
             "# comment\n\
              other:5432:*:relay:wrong-host\n\
@@ -1652,7 +1640,7 @@ mod tests {
         assert_eq!(info.password().map(Secret::expose), Some("pa:ss\\word"));
 
         // Group- or world-readable: ignored, with a warning that says how to fix it.
-        write_mode(&file, "*:*:*:*:exposed\n", 0o644);
+        testkit::write_file_mode(&file, "*:*:*:*:exposed\n", 0o644);
         let info = ConnInfo::parse_with_env("host=db", &env).unwrap();
         assert_eq!(info.password(), None);
         assert!(
@@ -1665,7 +1653,6 @@ mod tests {
         let info =
             ConnInfo::parse_with_env("host=db passfile=/nonexistent/pgpass", no_env).unwrap();
         assert_eq!((info.password(), info.warnings().len()), (None, 0));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

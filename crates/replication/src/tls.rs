@@ -463,16 +463,16 @@ mod tests {
 
     #[test]
     fn client_certificate_files_are_checked() {
-        let dir = std::env::temp_dir().join(format!("tls-client-cert-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = testkit::scratch_dir("client-cert");
+        let dir = scratch.path();
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = rcgen::CertificateParams::new(vec!["relay".to_owned()])
             .unwrap()
             .self_signed(&key)
             .unwrap();
         let (cert_path, key_path) = (dir.join("client.crt"), dir.join("client.key"));
-        std::fs::write(&cert_path, cert.pem()).unwrap();
-        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        testkit::write_file_mode(&cert_path, &cert.pem(), 0o644);
+        testkit::write_file_mode(&key_path, &key.serialize_pem(), 0o600);
         let conninfo = format!(
             "host=h sslmode=require sslcert={} sslkey={}",
             cert_path.display(),
@@ -504,7 +504,6 @@ mod tests {
         let error =
             client_config(&info(&format!("host=h sslcert={}", cert_path.display()))).unwrap_err();
         assert!(error.to_string().contains("set sslkey="), "{error}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

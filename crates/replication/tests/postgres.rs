@@ -585,20 +585,6 @@ async fn trust_over_unix_socket_and_a_crash_is_transient() {
 // replication connection and the control connection (connect_sql).
 // ---------------------------------------------------------------------------------------
 
-/// A private directory for files a test writes (readable by the server's OS user).
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("replication-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create scratch dir");
-    dir
-}
-
-fn write_file(path: &Path, text: &str, mode: u32) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(path, text).expect("write file");
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
-}
-
 /// Connects both ways; returns the replication connection's SASL mechanism.
 async fn connect_both(info: &ConnInfo) -> Option<&'static str> {
     let mut connection = ReplicationConnection::connect(info)
@@ -625,11 +611,11 @@ async fn fail_both(info: &ConnInfo) -> [Error; 2] {
 #[tokio::test]
 async fn pg_environment_variables_and_a_password_file_supply_the_password() {
     let pg = scram_tls();
-    let dir = scratch_dir("pgpass");
-    let passfile = dir.join("pgpass");
+    let dir = testkit::scratch_dir("pgpass");
+    let passfile = dir.path().join("pgpass");
     // libpq's format: the escaped ':' and '\' of the password, a comment, a non-matching line.
     let escaped = PASSWORD.replace('\\', "\\\\").replace(':', "\\:");
-    write_file(
+    testkit::write_file_mode(
         &passfile,
         &format!(
             "# relay\n127.0.0.1:1:*:*:wrong\n127.0.0.1:{}:*:postgres:{escaped}\n",
@@ -679,7 +665,7 @@ async fn pg_environment_variables_and_a_password_file_supply_the_password() {
 
     // A password file that others can read is ignored, with a warning; then there is no
     // password, and the error says where to put one.
-    write_file(
+    testkit::write_file_mode(
         &passfile,
         &std::fs::read_to_string(&passfile).unwrap(),
         0o644,
@@ -697,7 +683,6 @@ async fn pg_environment_variables_and_a_password_file_supply_the_password() {
         assert!(error.to_string().contains("pgpass"), "{error}");
         assert!(!error.is_transient());
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A TLS server with a pg_hba.conf of per-user methods: `certuser` by client certificate
@@ -712,7 +697,8 @@ struct HbaServer {
 fn hba_server() -> &'static HbaServer {
     static SERVER: OnceLock<HbaServer> = OnceLock::new();
     testkit::shared(&SERVER, || {
-        let dir = scratch_dir("hba");
+        // Kept for the life of the test process, as the server is.
+        let dir = testkit::scratch_dir("hba").keep();
         // A CA for client certificates, and certuser's certificate (CN = the role name).
         let ca_key = rcgen::KeyPair::generate().expect("CA key");
         let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA");
@@ -736,11 +722,11 @@ fn hba_server() -> &'static HbaServer {
             .signed_by(&client_key, &issuer)
             .expect("sign client certificate");
         let ca_path = dir.join("client-ca.crt");
-        write_file(&ca_path, &ca_cert.pem(), 0o644);
+        testkit::write_file_mode(&ca_path, &ca_cert.pem(), 0o644);
         let client_cert_path = dir.join("client.crt");
-        write_file(&client_cert_path, &client_cert.pem(), 0o644);
+        testkit::write_file_mode(&client_cert_path, &client_cert.pem(), 0o644);
         let client_key_path = dir.join("client.key");
-        write_file(&client_key_path, &client_key.serialize_pem(), 0o600);
+        testkit::write_file_mode(&client_key_path, &client_key.serialize_pem(), 0o600);
 
         let mut hba = String::from("local all all trust\nlocal replication all trust\n");
         for (kind, user, method) in [
@@ -754,7 +740,7 @@ fn hba_server() -> &'static HbaServer {
             }
         }
         let hba_path = dir.join("pg_hba.conf");
-        write_file(&hba_path, &hba, 0o644);
+        testkit::write_file_mode(&hba_path, &hba, 0o644);
         let pg = Postgres::start_with(PgOptions {
             auth: PgAuth::Scram,
             password: Some(PASSWORD.to_owned()),
