@@ -67,7 +67,7 @@ pub mod opt {
     use super::OptionSpec;
     options! {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
-            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string");
+            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
             "NATS server URL(s), comma-separated");
         TABLE = ("table", "OUTBOX_RELAY_TABLE", Some("public.outbox_events"),
