@@ -4,10 +4,10 @@
 //! or a Unix socket), TLS negotiation per `sslmode` (see [`crate::tls`]), the StartupMessage,
 //! authentication (trust, cleartext password, MD5, SCRAM-SHA-256 with
 //! `tls-server-end-point` channel binding when on TLS and offered, as `channel_binding`
-//! allows), each request of the server checked by [`crate::auth::AuthCheck`] before it is
+//! allows), each request of the server checked by `auth::AuthCheck` before it is
 //! answered (`channel_binding`, `require_auth`), and the check that the session settings we
-//! pin came back as asked. `connect_timeout` bounds all of it ([`with_connect_timeout`]).
-//! The socket and TLS part ([`open`]) serves the control connection too
+//! pin came back as asked. `connect_timeout` bounds all of it (`with_connect_timeout`).
+//! The socket and TLS part (`open`) serves the control connection too
 //! ([`crate::connect_sql`]).
 //!
 //! The pinned settings decide how the server renders values as text, which the relay

@@ -31,7 +31,7 @@
 //! (`ClientConfig::builder_with_provider`), never taken from a process-wide default, so the
 //! relay works whatever other crates install.
 //!
-//! Both connections run their TLS through [`crate::connection::open`]: the replication
+//! Both connections run their TLS through `connection::open`: the replication
 //! connection and [`crate::connect_sql`]'s control connection.
 
 use std::io;
