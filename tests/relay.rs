@@ -434,44 +434,11 @@ async fn relays_over_tls_verify_full_with_scram() {
         case.database
     );
     let relay = case.start_relay();
-    // Check the relay's sessions really are encrypted.
-    let encrypted: i64 = pg
-        .psql(
-            &case.database,
-            "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid) where s.ssl and a.application_name <> 'psql'",
-        )
-        .parse()
-        .unwrap();
-    assert!(
-        encrypted >= 2,
-        "replication and lease sessions use TLS ({encrypted})"
-    );
-    let (sql, connection) = tokio_postgres::connect(&pg.url(&case.database), tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    sql.batch_execute(
-        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')",
-    )
-    .await
-    .unwrap();
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 1, DEADLINE).await;
+    support::assert_relay_sessions_use_tls(&pg, &case);
+    support::relay_one_row_as_superuser(&pg, &case).await;
     drop(relay);
 
-    let mut wrong = case.clone();
-    wrong.pg_url = wrong.pg_url.replace("s3cret-pw", "wrong-pw");
-    let output = wrong.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("password authentication failed"),
-        "{stderr}"
-    );
-    assert!(
-        !stderr.contains("wrong-pw") && !stderr.contains("s3cret-pw"),
-        "{stderr}"
-    );
+    support::assert_wrong_password_fails_without_printing_it(&case, "s3cret-pw", "wrong-pw");
 }
 
 /// Strict mode converges when the stream's tail cannot tell what is stored (here another

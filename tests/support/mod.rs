@@ -643,6 +643,57 @@ pub fn check_faithful(messages: &[Stored], log: &WriterLog) -> Findings {
     findings
 }
 
+/// Asserts that the relay's sessions on the case's database (replication and lease, at
+/// least two) use TLS; psql's own session does not count.
+pub fn assert_relay_sessions_use_tls(pg: &Postgres, case: &Case) {
+    let encrypted: i64 = pg
+        .psql(
+            &case.database,
+            "select count(*) from pg_stat_ssl s join pg_stat_activity a using (pid) \
+             where s.ssl and a.application_name not in ('psql', 'testkit-psql')",
+        )
+        .parse()
+        .unwrap();
+    assert!(
+        encrypted >= 2,
+        "replication and lease sessions use TLS ({encrypted})"
+    );
+}
+
+/// Inserts one outbox row as `pg`'s superuser (whatever credentials the relay uses) and
+/// waits until the case's stream holds it.
+pub async fn relay_one_row_as_superuser(pg: &Postgres, case: &Case) {
+    let (sql, connection) = tokio_postgres::connect(&pg.url(&case.database), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    sql.batch_execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')",
+    )
+    .await
+    .unwrap();
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 1, DEADLINE).await;
+}
+
+/// Runs the relay with `right` replaced by `wrong` in the case's DATABASE_URL: it must stop
+/// (exit 1) saying that password authentication failed, printing neither password.
+pub fn assert_wrong_password_fails_without_printing_it(case: &Case, right: &str, wrong: &str) {
+    let mut case = case.clone();
+    case.pg_url = case.pg_url.replace(right, wrong);
+    let output = case.relay_command("run").output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains(wrong) && !stderr.contains(right),
+        "{stderr}"
+    );
+}
+
 /// Removes ANSI colour escapes (`ESC [ … letter`).
 pub fn strip_ansi(text: &str) -> String {
     let mut out = String::with_capacity(text.len());

@@ -5,10 +5,21 @@
 //! so every error names the key as the operator wrote it (`OUTBOX_RELAY_PARTITIONS`,
 //! `--partitions` or `partitions` in the file) and says what is expected.
 //!
+//! The Postgres connection also follows libpq: `DATABASE_URL` is a connection string whose
+//! missing parameters come from the `PG*` variables and the password file
+//! ([`replication::ConnInfo`]); with no `DATABASE_URL` at all, the `PG*` variables alone
+//! configure it (when at least one is set).
+//!
+//! [`effective`] renders the configuration for `outbox-relay config`: every value and where
+//! it came from, secrets as `<redacted>`.
+//!
 //! # Invariants
-//! - C1 Secrets (the Postgres password, NATS credentials in the URL, `--password`,
-//!   `--token`, the contents of key and credentials files) never appear in `Debug`,
-//!   `Display` or error output of a config ([`OptionSpec::is_secret`], [`crate::nats`]).
+//! - C1 Secrets (the Postgres password, NATS credentials in the URL, with or without a
+//!   scheme, any option whose key names a password, token or secret) never appear in
+//!   `Debug`, `Display` or error output of a config, raw or validated, nor in
+//!   [`effective`]; errors about the TOML file give the line and column, never the line.
+//!   [`Config::secrets`] lists them for the log scrubber (`crate::logging`), the last line
+//!   of defence for text the relay does not format itself.
 //! - C2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
 //!   must not silently fall back to a default.
 
@@ -16,7 +27,6 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
 use replication::ConnInfo;
@@ -53,16 +63,9 @@ impl OptionSpec {
         format!("{}, {} or the file key {}", self.flag(), self.env, self.key)
     }
 
-    /// Whether its value is (or may hold) a secret, never to be shown.
+    /// Whether its value is (or may hold) a secret, never to be shown (C1).
     pub fn is_secret(&self) -> bool {
-        [
-            opt::DATABASE_URL,
-            opt::NATS_URL,
-            opt::NATS_PASSWORD,
-            opt::NATS_TOKEN,
-        ]
-        .iter()
-        .any(|s| s.key == self.key)
+        key_is_secret(self.key)
     }
 }
 
@@ -91,7 +94,7 @@ pub mod opt {
     use super::OptionSpec;
     options! {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
-            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string");
+            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
             "NATS server URL(s), comma-separated; user:password@ or token@ in a URL authenticates (percent-encoded)");
         // NATS authentication and TLS: the `nats` CLI's flag names (crate::nats).
@@ -157,10 +160,26 @@ pub enum Origin {
     Default,
 }
 
-/// Raw option values by file key, each with its origin.
-#[derive(Debug, Default, Clone)]
+/// Raw option values by file key, each with its origin; and the environment libpq reads
+/// (`PG*`, `HOME`, `USER`), for the Postgres connection. Its `Debug` redacts secrets (C1).
+#[derive(Default, Clone)]
 pub struct RawConfig {
     values: BTreeMap<&'static str, (String, Origin)>,
+    libpq_env: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for RawConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let values: BTreeMap<&str, (String, &Origin)> = self
+            .values
+            .iter()
+            .map(|(key, (value, origin))| (*key, (shown_value(key, value), origin)))
+            .collect();
+        f.debug_struct("RawConfig")
+            .field("values", &values)
+            .field("libpq_env", &self.libpq_env.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 /// An invalid configuration. The message names the key and what it expects.
@@ -194,6 +213,11 @@ impl RawConfig {
             }
         }
         for key in env_keys {
+            if key.starts_with("PG") || key == "HOME" || key == "USER" {
+                if let Some(value) = env(key) {
+                    raw.libpq_env.insert(key.clone(), value);
+                }
+            }
             let known =
                 opt::ALL.iter().any(|s| s.env == key) || KNOWN_EXTRA_ENV.contains(&key.as_str());
             if key.starts_with("OUTBOX_RELAY_") && !known {
@@ -212,12 +236,7 @@ impl RawConfig {
             let text = std::fs::read_to_string(path).map_err(|e| {
                 ConfigError(format!("cannot read config file {}: {e}", path.display()))
             })?;
-            let table: toml::Table = text.parse().map_err(|e| {
-                ConfigError(format!(
-                    "config file {} is not valid TOML: {e}",
-                    path.display()
-                ))
-            })?;
+            let table: toml::Table = text.parse().map_err(|e| toml_error(path, &text, &e))?;
             for (key, value) in table {
                 let spec = opt::ALL.iter().find(|s| s.key == key).ok_or_else(|| {
                     ConfigError(format!(
@@ -279,14 +298,24 @@ impl RawConfig {
 
     fn get(&self, spec: &OptionSpec) -> Result<(&str, &Origin), ConfigError> {
         self.values.get(spec.key).map(|(v, o)| (v.as_str(), o)).ok_or_else(|| {
+            let libpq = if spec.key == opt::DATABASE_URL.key {
+                " (or the libpq variables PGHOST, PGDATABASE, PGUSER, ...)"
+            } else {
+                ""
+            };
             ConfigError(format!(
-                "{} is required: set the environment variable {}, the flag {} or the key {} in the config file",
+                "{} is required: set the environment variable {}{libpq}, the flag {} or the key {} in the config file",
                 spec.env,
                 spec.env,
                 spec.flag(),
                 spec.key
             ))
         })
+    }
+
+    /// A variable of the environment libpq reads (`PG*`, `HOME`, `USER`).
+    fn libpq_env(&self, name: &str) -> Option<String> {
+        self.libpq_env.get(name).cloned()
     }
 
     /// Parses one value, naming the key as its origin spells it on failure.
@@ -310,6 +339,51 @@ impl RawConfig {
 
 /// Environment variables we read that are not options (so C2 does not reject them).
 const KNOWN_EXTRA_ENV: &[&str] = &["OUTBOX_RELAY_CONFIG"];
+
+/// Options whose value is, or may contain, a secret (C1). Any option whose key names a
+/// password, token or secret is one too.
+const SECRET_KEYS: &[&str] = &["database_url", "nats_url"];
+
+/// Whether the value of option `key` is, or may contain, a secret.
+fn key_is_secret(key: &str) -> bool {
+    SECRET_KEYS.contains(&key)
+        || ["password", "token", "secret"]
+            .iter()
+            .any(|w| key.contains(w))
+}
+
+/// A raw value as it may be shown: NATS URLs without their credentials, other secrets as
+/// `<redacted>`, everything else as given.
+fn shown_value(key: &str, value: &str) -> String {
+    if key == opt::NATS_URL.key {
+        redact_nats_urls(value)
+    } else if key_is_secret(key) {
+        "<redacted>".to_owned()
+    } else {
+        value.to_owned()
+    }
+}
+
+/// A TOML syntax error, located by line and column but without the offending line, which
+/// may hold a password (C1).
+fn toml_error(path: &Path, text: &str, error: &toml::de::Error) -> ConfigError {
+    let location = match error.span() {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.chars().rev().take_while(|c| *c != '\n').count() + 1;
+            format!(" at line {line}, column {column}")
+        }
+        None => String::new(),
+    };
+    let message: Vec<&str> = error.message().lines().map(str::trim).collect();
+    ConfigError(format!(
+        "config file {} is not valid TOML{location}: {}; hint: each line is key = \"string\" \
+         or key = integer, each key once",
+        path.display(),
+        message.join("; ")
+    ))
+}
 
 /// `schema.table`, both parts verbatim (quoted when used in SQL).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -346,19 +420,77 @@ impl NatsUrl {
     }
 }
 
+impl NatsUrl {
+    /// The credentials in the URLs (passwords, tokens), in every form a library may print
+    /// them: as written, percent-decoded, and as the `url` crate serializes them.
+    pub fn secrets(&self) -> Vec<String> {
+        let mut secrets = Vec::new();
+        for entry in self.0.split(',') {
+            let entry = entry.trim();
+            let (_, Some(userinfo), _) = split_nats_url(entry) else {
+                continue;
+            };
+            // user:password, or a token alone.
+            let secret = userinfo.split_once(':').map_or(userinfo, |(_, p)| p);
+            secrets.push(secret.to_owned());
+            let with_scheme = if entry.contains("://") {
+                entry.to_owned()
+            } else {
+                format!("nats://{entry}")
+            };
+            if let Ok(url) = url::Url::parse(&with_scheme) {
+                secrets.extend(url.password().map(str::to_owned));
+                if url.password().is_none() {
+                    secrets.push(url.username().to_owned());
+                }
+            }
+        }
+        secrets
+    }
+}
+
+/// Splits one NATS server URL into its scheme (with `://`, or empty), its user info (up to
+/// the last `@`) and the rest (`host:port...`).
+fn split_nats_url(entry: &str) -> (&str, Option<&str>, &str) {
+    let (scheme, rest) = match entry.find("://") {
+        Some(at) => entry.split_at(at + 3),
+        None => ("", entry),
+    };
+    match rest.rfind('@') {
+        Some(at) => (scheme, Some(&rest[..at]), &rest[at + 1..]),
+        None => (scheme, None, rest),
+    }
+}
+
+/// Whether `host[:port][/...]` has a numeric port, if any. Without an `@`, a user:password
+/// would land in the port.
+fn nats_host_port_ok(rest: &str) -> bool {
+    let host_port = rest.split(['/', '?']).next().unwrap_or("");
+    let port = match host_port.strip_prefix('[') {
+        Some(v6) => v6
+            .split_once(']')
+            .map(|(_, after)| after.strip_prefix(':').unwrap_or(after)),
+        None => Some(host_port.rsplit_once(':').map_or("", |(_, port)| port)),
+    };
+    !host_port.is_empty() && port.is_some_and(|port| port.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// NATS URLs (comma-separated, with or without a scheme) with every user info replaced by
+/// `<redacted>`; an entry that does not even look like `host:port` is redacted whole.
+pub fn redact_nats_urls(text: &str) -> String {
+    text.split(',')
+        .map(|entry| match split_nats_url(entry) {
+            (scheme, Some(_), rest) => format!("{scheme}<redacted>@{rest}"),
+            (_, None, rest) if !nats_host_port_ok(rest.trim()) => "<redacted>".to_owned(),
+            _ => entry.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 impl fmt::Display for NatsUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let redacted: Vec<String> = self
-            .0
-            .split(',')
-            .map(|url| match (url.find("://"), url.rfind('@')) {
-                (Some(scheme), Some(at)) if at > scheme => {
-                    format!("{}<redacted>{}", &url[..scheme + 3], &url[at..])
-                }
-                _ => url.to_owned(),
-            })
-            .collect();
-        f.write_str(&redacted.join(","))
+        f.write_str(&redact_nats_urls(&self.0))
     }
 }
 
@@ -413,11 +545,24 @@ impl Config {
     /// Validates every raw value; the first invalid one is the error.
     pub fn from_sources(raw: &RawConfig) -> Result<Config, ConfigError> {
         use opt::*;
-        let database = raw.parse(&DATABASE_URL, |v| {
-            ConnInfo::from_str(v).map_err(|e| e.to_string())
-        })?;
+        let libpq_env = |name: &str| raw.libpq_env(name);
+        let database = if raw.values.contains_key(DATABASE_URL.key)
+            || !ConnInfo::env_has_parameters(libpq_env)
+        {
+            raw.parse(&DATABASE_URL, |v| {
+                ConnInfo::parse_with_env(v, libpq_env).map_err(|e| e.to_string())
+            })?
+        } else {
+            // libpq's habit: no connection string, the PG* variables say it all.
+            ConnInfo::parse_with_env("", libpq_env).map_err(|e| {
+                ConfigError(format!(
+                    "DATABASE_URL is not set, and the PG* environment variables do not make a \
+                     valid connection: {e}"
+                ))
+            })?
+        };
         let nats_url = raw.parse(&NATS_URL, |v| {
-            for url in v.split(',') {
+            for (i, url) in v.split(',').enumerate() {
                 let url = url.trim();
                 let scheme_ok = ["nats://", "tls://", "ws://", "wss://"]
                     .iter()
@@ -428,6 +573,15 @@ impl Config {
                         "expected nats://host:port (or tls://, ws://, wss://), comma-separated"
                             .into(),
                     );
+                }
+                // Not quoted: the text may hold a password.
+                if !nats_host_port_ok(split_nats_url(url).2) {
+                    return Err(format!(
+                        "server {} of the list is not [user:password@]host[:port] with a \
+                         numeric port (a ',' or '@' in a password must be percent-encoded: \
+                         %2C, %40)",
+                        i + 1
+                    ));
                 }
             }
             Ok(NatsUrl(v.to_owned()))
@@ -527,6 +681,95 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Every secret of the configuration (the Postgres password, NATS URL credentials), for
+    /// the log scrubber.
+    pub fn secrets(&self) -> Vec<String> {
+        let mut secrets = self.nats_url.secrets();
+        secrets.extend(self.nats.secrets());
+        secrets.extend(
+            self.database
+                .password()
+                .map(|password| password.expose().to_owned()),
+        );
+        secrets
+    }
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Flag => f.write_str("command-line flag"),
+            Origin::Env => f.write_str("environment"),
+            Origin::File(path) => write!(f, "config file {}", path.display()),
+            Origin::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// The effective configuration, for `outbox-relay config`: every option as a TOML line with
+/// where it came from, then the Postgres connection parameter by parameter; secrets as
+/// `<redacted>` (C1).
+pub fn effective(raw: &RawConfig, config: &Config) -> String {
+    let mut lines = vec![
+        "# outbox-relay: the effective configuration, and where each value came from".to_owned(),
+        "# (precedence: flag > environment > config file > default; secrets are <redacted>)"
+            .to_owned(),
+    ];
+    let quote = |value: &str| toml::Value::String(value.to_owned()).to_string();
+    let origin_of = |spec: &OptionSpec, origin: &Origin| match origin {
+        Origin::Flag => format!("flag {}", spec.flag()),
+        Origin::Env => format!("environment variable {}", spec.env),
+        other => other.to_string(),
+    };
+    let mut rows = Vec::new();
+    for spec in opt::ALL {
+        match raw.values.get(spec.key) {
+            Some((value, origin)) => rows.push((
+                format!("{} = {}", spec.key, quote(&shown_value(spec.key, value))),
+                origin_of(spec, origin),
+            )),
+            None if spec.key == opt::DATABASE_URL.key => rows.push((
+                "# database_url is not set: the PG* environment configures Postgres (below)"
+                    .to_owned(),
+                String::new(),
+            )),
+            None => rows.push((format!("# {} is not set", spec.key), String::new())),
+        }
+    }
+    let database_origin = raw
+        .values
+        .get(opt::DATABASE_URL.key)
+        .map(|(_, origin)| origin_of(&opt::DATABASE_URL, origin));
+    rows.push((String::new(), String::new()));
+    rows.push((
+        "# The Postgres connection: libpq parameters (connection string > PG* environment > password file > defaults)".to_owned(),
+        String::new(),
+    ));
+    for (name, value, source) in config.database.describe() {
+        let source = match (&source, &database_origin) {
+            (replication::Source::ConnString, Some(origin)) => format!("database_url ({origin})"),
+            _ => source.to_string(),
+        };
+        rows.push((format!("# {name} = {}", quote(&value)), source));
+    }
+    let width = rows
+        .iter()
+        .filter(|(_, source)| !source.is_empty())
+        .map(|(line, _)| line.chars().count())
+        .max()
+        .unwrap_or(0);
+    for (line, source) in rows {
+        if source.is_empty() {
+            lines.push(line);
+        } else {
+            lines.push(format!("{line:<width$}  # {source}"));
+        }
+    }
+    lines.push(String::new());
+    lines.join("\n")
+}
+
 /// Parses `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`).
 pub fn parse_bool(text: &str) -> Result<bool, String> {
     match text.trim().to_ascii_lowercase().as_str() {
@@ -569,6 +812,14 @@ pub(crate) mod tests {
         env: &[(&str, &str)],
         file: Option<&str>,
     ) -> Result<Config, ConfigError> {
+        load_raw(flags, env, file).and_then(|raw| Config::from_sources(&raw))
+    }
+
+    fn load_raw(
+        flags: &[(&'static str, &str)],
+        env: &[(&str, &str)],
+        file: Option<&str>,
+    ) -> Result<RawConfig, ConfigError> {
         let flags = flags.iter().map(|(k, v)| (*k, v.to_string())).collect();
         let env_map: BTreeMap<String, String> = env
             .iter()
@@ -580,13 +831,12 @@ pub(crate) mod tests {
             std::fs::write(&path, text).unwrap();
         }
         let keys: Vec<String> = env_map.keys().cloned().collect();
-        let raw = RawConfig::load(
+        RawConfig::load(
             &flags,
             &|k| env_map.get(k).cloned(),
             &keys,
             file.map(|_| path.as_path()),
-        )?;
-        Config::from_sources(&raw)
+        )
     }
 
     fn tempfile_dir() -> PathBuf {
@@ -697,6 +947,172 @@ pub(crate) mod tests {
             !e.0.contains("s3cret") && e.0.contains("DATABASE_URL"),
             "{e}"
         );
+    }
+
+    /// Item 8 of issue 7: NATS URLs without a scheme, TOML syntax errors, passwords with
+    /// '?' and '=', and `RawConfig`'s `Debug`.
+    #[test]
+    fn secrets_never_print_in_any_form() {
+        // A NATS URL without a scheme, with a password or a token; several servers.
+        for (url, secret) in [
+            ("user:hunter2@nats:4222", "hunter2"),
+            ("tok3n-hunter2@nats:4222", "tok3n-hunter2"),
+            ("nats://a:4222,u:hunter2@b:4222", "hunter2"),
+            ("tls://u:p%40ss-hunter2@nats:4222", "hunter2"),
+        ] {
+            let config = load(&[], &[DB, ("NATS_URL", url)], None).unwrap();
+            let shown = format!("{config:?} {}", config.nats_url);
+            assert!(!shown.contains(secret), "{shown}");
+            assert!(shown.contains("<redacted>@"), "{shown}");
+            assert!(
+                config.secrets().iter().any(|s| s.contains("hunter2")),
+                "the scrubber learns the secret: {:?}",
+                config.secrets()
+            );
+        }
+        // A ',' in a password splits the list: refused without quoting any part.
+        let e = load(
+            &[],
+            &[DB, ("NATS_URL", "nats://u:hunter2,x@nats:4222")],
+            None,
+        )
+        .unwrap_err();
+        assert!(e.0.contains("NATS_URL") && !e.0.contains("hunter2"), "{e}");
+        assert!(e.0.contains("%2C"), "{e}");
+        assert_eq!(redact_nats_urls("u:hunter2"), "<redacted>");
+
+        // TOML syntax errors locate the problem without echoing the line.
+        for file in [
+            "database_url = \"postgres://relay:hunter2@db/app\n",
+            "database_url = postgres://relay:hunter2@db/app\n",
+            "database_url = \"postgres://relay:hunter2\\q@db/app\"\n",
+            "database_url = \"postgres://relay:hunter2@db/app\" trailing\n",
+            "nats_url = 'nats://u:hunter2@n:4222'\nnats_url = 'x'\n",
+        ] {
+            let e = load(&[], &[], Some(file)).unwrap_err();
+            assert!(!e.0.contains("hunter2"), "{e}");
+            assert!(e.0.contains("is not valid TOML at line "), "{e}");
+        }
+        // A wrong type names the key, not the value.
+        let e = load(&[], &[], Some("database_url = [\"hunter2\"]\n")).unwrap_err();
+        assert!(
+            e.0.contains("database_url") && !e.0.contains("hunter2"),
+            "{e}"
+        );
+
+        // Unencoded '?' and '=' in a DATABASE_URL password: parsed whole, and an error
+        // elsewhere in the URL does not quote a part of it.
+        let config = load(
+            &[],
+            &[("DATABASE_URL", "postgres://relay:hun?ter=2@db:5432/app")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            config.database.password().map(|p| p.expose()),
+            Some("hun?ter=2")
+        );
+        assert_eq!(
+            (config.database.host(), config.database.dbname()),
+            ("db", "app")
+        );
+        for url in [
+            "postgres://relay:hunter2?x=hunter2@db:notaport/app",
+            "postgres://relay:hunter2/app",
+            "user=relay password=hunter2 hunter2=1",
+        ] {
+            let e = load(&[], &[("DATABASE_URL", url)], None).unwrap_err();
+            assert!(
+                !e.0.contains("hunter2") && e.0.contains("DATABASE_URL"),
+                "{e}"
+            );
+        }
+
+        // RawConfig's Debug, from every source.
+        let raw = load_raw(
+            &[("database_url", "postgres://relay:hunter2@db/app")],
+            &[
+                ("NATS_URL", "u:hunter2@nats:4222"),
+                ("PGPASSWORD", "hunter2"),
+            ],
+            Some("nats_url = \"nats://u:hunter2@n:4222\"\n"),
+        )
+        .unwrap();
+        let shown = format!("{raw:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("PGPASSWORD"), "names, not values: {shown}");
+    }
+
+    #[test]
+    fn pg_environment_alone_configures_postgres() {
+        let config = load(
+            &[],
+            &[
+                ("PGHOST", "envhost"),
+                ("PGDATABASE", "app"),
+                ("PGUSER", "relay"),
+                ("PGPASSWORD", "hunter2"),
+            ],
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (config.database.host(), config.database.dbname()),
+            ("envhost", "app")
+        );
+        assert_eq!(
+            config.database.source("host"),
+            &replication::Source::Env("PGHOST")
+        );
+        // DATABASE_URL wins parameter by parameter.
+        let config = load(
+            &[],
+            &[DB, ("PGHOST", "envhost"), ("PGAPPNAME", "from-env")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.database.host(), "db");
+        assert_eq!(config.database.application_name(), Some("from-env"));
+        let e = load(&[], &[("PGHOSTADDR", "10.0.0.1"), ("PGHOST", "h")], None).unwrap_err();
+        assert!(e.0.contains("PGHOSTADDR"), "{e}");
+    }
+
+    #[test]
+    fn effective_configuration_shows_values_and_origins_but_no_secret() {
+        let raw = load_raw(
+            &[("partitions", "5")],
+            &[
+                (
+                    "DATABASE_URL",
+                    "postgres://relay:hunter2@db:5432/app?sslmode=require",
+                ),
+                ("NATS_URL", "nats://u:hunter2@nats:4222"),
+                ("PGAPPNAME", "from-env"),
+            ],
+            Some("stream = \"FROM_FILE\"\n"),
+        )
+        .unwrap();
+        let config = Config::from_sources(&raw).unwrap();
+        let text = effective(&raw, &config);
+        assert!(!text.contains("hunter2"), "{text}");
+        for expected in [
+            "partitions = \"5\"",
+            "# flag --partitions",
+            "stream = \"FROM_FILE\"",
+            "# config file ",
+            "database_url = \"<redacted>\"",
+            "# environment variable DATABASE_URL",
+            "nats_url = \"nats://<redacted>@nats:4222\"",
+            "slot = \"outbox_relay\"",
+            "# default",
+            "# password = \"<redacted>\"",
+            "# database_url (environment variable DATABASE_URL)",
+            "# application_name = \"from-env\"",
+            "# environment variable PGAPPNAME",
+            "# sslmode = \"require\"",
+        ] {
+            assert!(text.contains(expected), "{expected:?} missing from\n{text}");
+        }
     }
 
     #[test]

@@ -82,6 +82,18 @@ impl Tls {
 }
 
 impl NatsOptions {
+    /// The password or token, for the log scrubber (`crate::logging`); key and credentials
+    /// files stay in their files.
+    pub fn secrets(&self) -> Vec<String> {
+        match self.credential.as_ref().map(|c| &c.kind) {
+            Some(CredentialKind::UserPassword { password, .. }) => {
+                vec![password.expose().to_owned()]
+            }
+            Some(CredentialKind::Token(token)) => vec![token.expose().to_owned()],
+            _ => vec![],
+        }
+    }
+
     /// The servers, without user information.
     pub fn servers(&self) -> &[String] {
         &self.servers

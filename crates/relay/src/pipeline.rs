@@ -29,10 +29,14 @@
 //!   lease, and on its loss the sink task is aborted and awaited before the session returns,
 //!   so nothing is published after the loss is noticed. The sink task is aborted whenever
 //!   its session ends, however it ends.
-//! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
-//!   (cluster, timeline, database, slot) that lies below the server's WAL end.
 //! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
 //!   the deadline, and the final status carries the watermark only.
+//! - I6 Shutdown during a session's set-up (lease, connections, bootstrap, tail) is
+//!   immediate: the set-up races the shutdown token and is dropped (nothing was published,
+//!   nothing confirmed); every connect is bounded besides (Postgres `connect_timeout`,
+//!   10 s by default; NATS 5 s).
+//! - I7 Replayed events are skipped only by a position of the session's own `Outbox-Source`
+//!   (cluster, timeline, database, slot) that lies below the server's WAL end.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

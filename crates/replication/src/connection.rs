@@ -3,8 +3,12 @@
 //! [`ReplicationConnection::connect`] runs the whole startup: socket (TCP with `TCP_NODELAY`,
 //! or a Unix socket), TLS negotiation per `sslmode` (see [`crate::tls`]), the StartupMessage,
 //! authentication (trust, cleartext password, MD5, SCRAM-SHA-256 with
-//! `tls-server-end-point` channel binding when on TLS and offered), and the check that the
-//! session settings we pin came back as asked. `connect_timeout` bounds all of it.
+//! `tls-server-end-point` channel binding when on TLS and offered, as `channel_binding`
+//! allows), each request of the server checked by `auth::AuthCheck` before it is
+//! answered (`channel_binding`, `require_auth`), and the check that the session settings we
+//! pin came back as asked. `connect_timeout` bounds all of it (`with_connect_timeout`).
+//! The socket and TLS part (`open`) serves the control connection too
+//! ([`crate::connect_sql`]).
 //!
 //! The pinned settings decide how the server renders values as text, which the relay
 //! derives keys from: `client_encoding=UTF8`, `DateStyle=ISO` (timestamptz as
@@ -28,13 +32,14 @@ use bytes::BytesMut;
 use pgoutput::Lsn;
 use postgres_protocol::authentication::md5_hash;
 use postgres_protocol::authentication::sasl::{
-    ChannelBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
+    ChannelBinding as SaslBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
 };
 use postgres_protocol::message::frontend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpStream, UnixStream};
 
-use crate::conninfo::{ConnInfo, SslMode};
+use crate::auth::{self, AuthCheck, Transport};
+use crate::conninfo::{ChannelBinding, ConnInfo, SslMode};
 use crate::stream::{parse_wal_sender_timeout, ReplicationStream};
 use crate::wire::{self, Authentication, FrameReader, FrameWriter};
 use crate::{tls, Error};
@@ -46,15 +51,6 @@ pub(crate) trait Socket:
 }
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Socket for T {}
 pub(crate) type BoxSocket = Box<dyn Socket>;
-
-/// What the transport offers for SCRAM channel binding.
-enum Transport {
-    Plain,
-    /// On TLS; the `tls-server-end-point` hash when the certificate's algorithm has one.
-    Tls {
-        end_point: Option<Vec<u8>>,
-    },
-}
 
 /// The reply to `IDENTIFY_SYSTEM`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,15 +100,7 @@ impl ReplicationConnection {
     /// Connects and authenticates; see the module docs.
     pub async fn connect(info: &ConnInfo) -> Result<Self, Error> {
         let target = info.redacted();
-        match info.connect_timeout() {
-            Some(limit) => tokio::time::timeout(limit, Self::connect_inner(info, target.clone()))
-                .await
-                .map_err(|_| Error::Timeout {
-                    what: format!("connecting to {target}"),
-                    after: limit,
-                })?,
-            None => Self::connect_inner(info, target).await,
-        }
+        with_connect_timeout(info, Self::connect_inner(info, target.clone())).await
     }
 
     async fn connect_inner(info: &ConnInfo, target: String) -> Result<Self, Error> {
@@ -152,6 +140,7 @@ impl ReplicationConnection {
     }
 
     async fn startup(&mut self, info: &ConnInfo, transport: Transport) -> Result<(), Error> {
+        let mut check = AuthCheck::new(info, &transport)?;
         let mut parameters = vec![
             ("user", info.user()),
             ("database", info.dbname()),
@@ -170,7 +159,9 @@ impl ReplicationConnection {
         loop {
             let frame = self.reader.next_frame("while authenticating").await?;
             match frame.tag {
-                wire::AUTHENTICATION => match wire::authentication(&frame.body)? {
+                wire::AUTHENTICATION => match wire::authentication(&frame.body)
+                    .and_then(|request| check.on_request(&request).map(|()| request))?
+                {
                     Authentication::Ok => break,
                     Authentication::CleartextPassword => {
                         let password = password(info)?;
@@ -185,7 +176,8 @@ impl ReplicationConnection {
                     }
                     Authentication::Sasl { mechanisms } => {
                         let password = password(info)?;
-                        let (mechanism, binding) = choose_sasl(&mechanisms, &transport)?;
+                        let (mechanism, binding) =
+                            choose_sasl(&mechanisms, &transport, info.channel_binding())?;
                         let state = ScramSha256::new(password.as_bytes(), binding);
                         frontend::sasl_initial_response(
                             mechanism,
@@ -475,8 +467,27 @@ pub(crate) fn start_replication_command(
     command
 }
 
+/// Runs `connect` within `info`'s connect timeout (if it has one).
+pub(crate) async fn with_connect_timeout<T>(
+    info: &ConnInfo,
+    connect: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match info.connect_timeout() {
+        Some(limit) => tokio::time::timeout(limit, connect)
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!(
+                    "connecting to {} (raise connect_timeout if the server is slow to answer)",
+                    info.redacted()
+                ),
+                after: limit,
+            })?,
+        None => connect.await,
+    }
+}
+
 /// Opens the socket and negotiates TLS per `sslmode`.
-async fn open(info: &ConnInfo, target: &str) -> Result<(BoxSocket, Transport), Error> {
+pub(crate) async fn open(info: &ConnInfo, target: &str) -> Result<(BoxSocket, Transport), Error> {
     let could_not_connect = |error| Error::io(format!("could not connect to {target}"), error);
     if let Some(path) = info.unix_socket_path() {
         // As in libpq, TLS is not used over Unix sockets.
@@ -534,29 +545,34 @@ async fn open(info: &ConnInfo, target: &str) -> Result<(BoxSocket, Transport), E
     }
 }
 
-/// SCRAM-SHA-256-PLUS when on TLS, offered, and the certificate has a binding hash;
-/// otherwise SCRAM-SHA-256 with the GS2 flag libpq would send: `y` ("I could bind, you
-/// did not offer") on TLS, `n` ("I cannot bind") otherwise.
+/// SCRAM-SHA-256-PLUS when on TLS, offered, the certificate has a binding hash, and
+/// `channel_binding` is not `disable`; otherwise SCRAM-SHA-256 with the GS2 flag libpq would
+/// send: `y` ("I could bind, you did not offer") on TLS, `n` ("I cannot bind", or will not)
+/// otherwise. (`channel_binding=require` was checked by [`AuthCheck`] before.)
 fn choose_sasl(
     mechanisms: &[String],
     transport: &Transport,
-) -> Result<(&'static str, ChannelBinding), Error> {
+    channel_binding: ChannelBinding,
+) -> Result<(&'static str, SaslBinding), Error> {
     let offers = |name: &str| mechanisms.iter().any(|m| m == name);
+    if channel_binding == ChannelBinding::Disable && offers(SCRAM_SHA_256) {
+        return Ok((SCRAM_SHA_256, SaslBinding::unsupported()));
+    }
     match transport {
         Transport::Tls {
             end_point: Some(hash),
         } if offers(SCRAM_SHA_256_PLUS) => Ok((
             SCRAM_SHA_256_PLUS,
-            ChannelBinding::tls_server_end_point(hash.clone()),
+            SaslBinding::tls_server_end_point(hash.clone()),
         )),
         Transport::Tls { end_point: None } if offers(SCRAM_SHA_256) => {
-            Ok((SCRAM_SHA_256, ChannelBinding::unsupported()))
+            Ok((SCRAM_SHA_256, SaslBinding::unsupported()))
         }
         Transport::Tls { .. } if offers(SCRAM_SHA_256) && !offers(SCRAM_SHA_256_PLUS) => {
-            Ok((SCRAM_SHA_256, ChannelBinding::unrequested()))
+            Ok((SCRAM_SHA_256, SaslBinding::unrequested()))
         }
         Transport::Plain if offers(SCRAM_SHA_256) => {
-            Ok((SCRAM_SHA_256, ChannelBinding::unsupported()))
+            Ok((SCRAM_SHA_256, SaslBinding::unsupported()))
         }
         _ => Err(Error::Auth(format!(
             "the server offers SASL mechanisms {mechanisms:?}, none of which this client \
@@ -566,13 +582,9 @@ fn choose_sasl(
 }
 
 fn password(info: &ConnInfo) -> Result<&str, Error> {
-    info.password().map(|p| p.expose()).ok_or_else(|| {
-        Error::Auth(format!(
-            "the server requires a password for user {:?}, but none was given; hint: put \
-             it in DATABASE_URL or PGPASSWORD",
-            info.user()
-        ))
-    })
+    info.password()
+        .map(|p| p.expose())
+        .ok_or_else(|| auth::no_password(info.user()))
 }
 
 fn nul_in_password() -> Error {
@@ -905,11 +917,21 @@ mod tests {
             end_point: Some(vec![1; 32]),
         };
         let unbound = Transport::Tls { end_point: None };
-        let pick = |m: &[String], t: &Transport| choose_sasl(m, t).map(|(name, _)| name).ok();
+        let pick = |m: &[String], t: &Transport| {
+            choose_sasl(m, t, ChannelBinding::Prefer)
+                .map(|(name, _)| name)
+                .ok()
+        };
         assert_eq!(pick(&both, &bound), Some(SCRAM_SHA_256_PLUS));
         assert_eq!(pick(&both, &unbound), Some(SCRAM_SHA_256));
         assert_eq!(pick(&plain_only, &bound), Some(SCRAM_SHA_256));
         assert_eq!(pick(&plain_only, &Transport::Plain), Some(SCRAM_SHA_256));
         assert_eq!(pick(&["OAUTHBEARER".to_owned()], &Transport::Plain), None);
+        let disabled = choose_sasl(&both, &bound, ChannelBinding::Disable).map(|(name, _)| name);
+        assert_eq!(
+            disabled.ok(),
+            Some(SCRAM_SHA_256),
+            "channel_binding=disable never binds"
+        );
     }
 }

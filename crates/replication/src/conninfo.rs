@@ -1,35 +1,76 @@
-//! Connection parameters, parsed like libpq parses them.
+//! Connection parameters, parsed like libpq parses them, in one place for the replication
+//! connection and the control connection alike.
 //!
-//! Two notations are accepted (<https://www.postgresql.org/docs/15/libpq-connect.html#LIBPQ-CONNSTRING>):
+//! Sources, by libpq's precedence: the connection string, then the `PG*` environment
+//! variables, then (for the password only) the password file, then defaults. Every value
+//! remembers where it came from ([`Source`], shown by [`ConnInfo::describe`]).
+//!
+//! Two notations of the connection string are accepted
+//! (<https://www.postgresql.org/docs/15/libpq-connect.html#LIBPQ-CONNSTRING>):
 //! - a URL: `postgres://user:password@host:port/dbname?sslmode=verify-full&...` (or
 //!   `postgresql://`), with percent-decoding of every component, `[...]` around IPv6
-//!   addresses, and a percent-encoded socket directory as host (`postgres://%2Ftmp/db`);
+//!   addresses, and a percent-encoded socket directory as host (`postgres://%2Ftmp/db`).
+//!   The user info ends at the last `@`, so a password with unencoded `@`, `/`, `?`, `=` or
+//!   `:` stays whole; an `@` in the query string (`?application_name=me@host`) is recognised
+//!   as such only when that query string is well-formed (every name a supported parameter).
 //! - key=value pairs: `host=db port=5432 user=relay password='it\'s' dbname=app`, values
 //!   optionally in single quotes, a backslash escaping the next character. As an extension
 //!   (libpq rejects it), a doubled quote inside a quoted value is one quote: `'it''s'`.
 //!
-//! Supported parameters: `host`, `port`, `user`, `password`, `dbname`, `sslmode`,
-//! `sslrootcert`, `application_name`, `connect_timeout`. Any other is an error naming it:
-//! silently ignoring, say, `sslcert` would connect with weaker security than asked for.
+//! Supported parameters and their environment variables: `host` (`PGHOST`), `port`
+//! (`PGPORT`), `user` (`PGUSER`), `password` (`PGPASSWORD`), `dbname` (`PGDATABASE`),
+//! `passfile` (`PGPASSFILE`), `sslmode` (`PGSSLMODE`), `sslrootcert` (`PGSSLROOTCERT`, a
+//! PEM file or `system`), `sslcert` (`PGSSLCERT`), `sslkey` (`PGSSLKEY`), `channel_binding`
+//! (`PGCHANNELBINDING`), `require_auth` (`PGREQUIREAUTH`), `application_name`
+//! (`PGAPPNAME`) and `connect_timeout` (`PGCONNECT_TIMEOUT`). A few more are accepted with
+//! the value that describes what the relay does anyway ([`NEUTRAL`], e.g.
+//! `target_session_attrs=any`), so that connection strings printed by managed services
+//! work. Any other parameter is an error naming it, and so is a set environment variable
+//! of a libpq feature the relay lacks (`PGHOSTADDR`, `PGSERVICE`, `PGOPTIONS`, `PGSSLCRL`,
+//! ...): silently ignoring, say, a CRL would connect with weaker security than asked for.
 //!
 //! Defaults follow libpq, except that the host defaults to `localhost` rather than the
-//! default socket directory: port 5432, user `$PGUSER`, else `$USER`, else `postgres`; the
-//! database is named like the user; the password comes from `$PGPASSWORD` when not given;
-//! `sslmode=prefer`. An empty value means "not given". A host that starts with `/` is a Unix
-//! socket directory (the socket is `{host}/.s.PGSQL.{port}`); TLS is never used over a Unix
-//! socket, whatever `sslmode` says (as in libpq).
+//! default socket directory: port 5432, user `$USER`, else `postgres`; the database is
+//! named like the user; `sslmode=prefer` (`verify-full` with `sslrootcert=system`, which
+//! refuses weaker modes, as in libpq 16); `channel_binding=prefer`; trusted roots from
+//! `~/.postgresql/root.crt` and a client certificate from `~/.postgresql/postgresql.crt`
+//! (key `postgresql.key`) when those files exist; and, unlike libpq, a connect timeout of
+//! [`DEFAULT_CONNECT_TIMEOUT`] (libpq waits forever; `connect_timeout=0` still does). An
+//! empty value means "not given". A host that starts with `/` is a Unix socket directory
+//! (the socket is `{host}/.s.PGSQL.{port}`); TLS is never used over a Unix socket (as in
+//! libpq), so `channel_binding=require` is refused there.
+//!
+//! The password file (`passfile`, else `~/.pgpass`) is read when no password is given, with
+//! libpq's rules: `host:port:dbname:user:password` lines, `*` matching anything, `\`
+//! escaping `:` and `\`, the first matching line wins; a file that group or others can
+//! access is ignored with a warning ([`ConnInfo::warnings`]), as is one that is not a plain
+//! file.
+//!
+//! Why not `tokio_postgres::Config`'s parser: it reads no environment and no password file,
+//! knows `sslmode` only up to `require`, has no `sslrootcert`, `sslcert`, `sslkey` or
+//! `require_auth`, and cannot say where a value came from or keep a password out of its
+//! errors. `tokio_postgres::Config` is still what runs the control connection's startup and
+//! authentication (see [`crate::connect_sql`]).
 //!
 //! # Invariants
 //! - The password lives only in a [`Secret`], whose `Debug` and `Display` print
-//!   `<redacted>`; neither `ConnInfo`'s `Debug` nor [`ConnInfo::redacted`] contains it, and
-//!   no parse error quotes it.
+//!   `<redacted>`; neither `ConnInfo`'s `Debug`, nor [`ConnInfo::redacted`], nor
+//!   [`ConnInfo::describe`] contains it, and no parse error quotes it or a part of it
+//!   (the port of a URL, which a forgotten `@` would fill with the password, is never
+//!   quoted either).
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
 use crate::Error;
+
+/// How long connecting (TCP, TLS and authentication together) may take when
+/// `connect_timeout` is not given.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A password (or any credential) that never prints its content.
 #[derive(Clone, PartialEq, Eq)]
@@ -125,7 +166,278 @@ impl FromStr for SslMode {
     }
 }
 
-/// Where and how to connect. Parse it with [`str::parse`].
+/// libpq's `channel_binding`: whether SCRAM must bind the authentication to the TLS
+/// channel (SCRAM-SHA-256-PLUS with `tls-server-end-point`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ChannelBinding {
+    /// Never bind.
+    Disable,
+    /// Bind when on TLS and the server offers it.
+    #[default]
+    Prefer,
+    /// Authenticate with SCRAM-SHA-256-PLUS or not at all: no cleartext, md5, plain SCRAM
+    /// or passwordless downgrade.
+    Require,
+}
+
+impl ChannelBinding {
+    /// The libpq spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChannelBinding::Disable => "disable",
+            ChannelBinding::Prefer => "prefer",
+            ChannelBinding::Require => "require",
+        }
+    }
+}
+
+/// An authentication method, as `require_auth` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AuthMethod {
+    /// The server asks for nothing (trust).
+    None,
+    /// Cleartext password.
+    Password,
+    /// MD5 password hash.
+    Md5,
+    /// SCRAM-SHA-256 (with or without channel binding).
+    ScramSha256,
+    /// GSSAPI (Kerberos).
+    Gss,
+    /// SSPI.
+    Sspi,
+}
+
+impl AuthMethod {
+    const ALL: [AuthMethod; 6] = [
+        AuthMethod::None,
+        AuthMethod::Password,
+        AuthMethod::Md5,
+        AuthMethod::ScramSha256,
+        AuthMethod::Gss,
+        AuthMethod::Sspi,
+    ];
+
+    /// The `require_auth` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthMethod::None => "none",
+            AuthMethod::Password => "password",
+            AuthMethod::Md5 => "md5",
+            AuthMethod::ScramSha256 => "scram-sha-256",
+            AuthMethod::Gss => "gss",
+            AuthMethod::Sspi => "sspi",
+        }
+    }
+}
+
+/// libpq's `require_auth`: the authentication methods the server may use, e.g.
+/// `scram-sha-256` or `!password,!md5`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequireAuth {
+    text: String,
+    allowed: Vec<AuthMethod>,
+}
+
+impl RequireAuth {
+    /// Whether the server may authenticate the client with `method`.
+    pub fn allows(&self, method: AuthMethod) -> bool {
+        self.allowed.contains(&method)
+    }
+
+    /// The parameter as given.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl FromStr for RequireAuth {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self, Error> {
+        let mut listed = Vec::new();
+        let mut negated = None;
+        for word in text.split(',') {
+            let (negate, name) = match word.strip_prefix('!') {
+                Some(name) => (true, name),
+                None => (false, word),
+            };
+            if negated.is_some_and(|n| n != negate) {
+                return Err(Error::Config(
+                    "require_auth cannot mix negated (!method) and plain methods".to_owned(),
+                ));
+            }
+            negated = Some(negate);
+            let method = AuthMethod::ALL
+                .into_iter()
+                .find(|m| m.as_str() == name)
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "invalid require_auth method {name:?}: expected password, md5, \
+                         scram-sha-256, gss, sspi or none, each optionally negated with !"
+                    ))
+                })?;
+            listed.push(method);
+        }
+        let allowed = if negated == Some(true) {
+            AuthMethod::ALL
+                .into_iter()
+                .filter(|m| !listed.contains(m))
+                .collect()
+        } else {
+            listed
+        };
+        Ok(RequireAuth {
+            text: text.to_owned(),
+            allowed,
+        })
+    }
+}
+
+/// The trusted roots for verifying the server's certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RootCerts {
+    /// A PEM file.
+    File(PathBuf),
+    /// The system's trust store (`sslrootcert=system`).
+    System,
+}
+
+impl fmt::Display for RootCerts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RootCerts::File(path) => write!(f, "{}", path.display()),
+            RootCerts::System => f.write_str("system"),
+        }
+    }
+}
+
+/// Where a parameter's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// The connection string.
+    ConnString,
+    /// A `PG*` environment variable.
+    Env(&'static str),
+    /// The password file.
+    PassFile(PathBuf),
+    /// The default (possibly derived from other parameters, like `dbname` from `user`).
+    Default,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::ConnString => f.write_str("connection string"),
+            Source::Env(name) => write!(f, "environment variable {name}"),
+            Source::PassFile(path) => write!(f, "password file {}", path.display()),
+            Source::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// A supported parameter and the environment variable that supplies it when the
+/// connection string does not.
+struct Parameter {
+    name: &'static str,
+    env: &'static str,
+}
+
+const PARAMETERS: &[Parameter] = &[
+    Parameter {
+        name: "host",
+        env: "PGHOST",
+    },
+    Parameter {
+        name: "port",
+        env: "PGPORT",
+    },
+    Parameter {
+        name: "user",
+        env: "PGUSER",
+    },
+    Parameter {
+        name: "password",
+        env: "PGPASSWORD",
+    },
+    Parameter {
+        name: "dbname",
+        env: "PGDATABASE",
+    },
+    Parameter {
+        name: "passfile",
+        env: "PGPASSFILE",
+    },
+    Parameter {
+        name: "sslmode",
+        env: "PGSSLMODE",
+    },
+    Parameter {
+        name: "sslrootcert",
+        env: "PGSSLROOTCERT",
+    },
+    Parameter {
+        name: "sslcert",
+        env: "PGSSLCERT",
+    },
+    Parameter {
+        name: "sslkey",
+        env: "PGSSLKEY",
+    },
+    Parameter {
+        name: "channel_binding",
+        env: "PGCHANNELBINDING",
+    },
+    Parameter {
+        name: "require_auth",
+        env: "PGREQUIREAUTH",
+    },
+    Parameter {
+        name: "application_name",
+        env: "PGAPPNAME",
+    },
+    Parameter {
+        name: "connect_timeout",
+        env: "PGCONNECT_TIMEOUT",
+    },
+];
+
+/// Parameters (and their environment variables) accepted only with a value that describes
+/// what the relay does anyway; the first listed is that behaviour. Values compare
+/// ignoring ASCII case.
+pub const NEUTRAL: &[(&str, &str, &[&str])] = &[
+    ("gssencmode", "PGGSSENCMODE", &["disable", "prefer"]),
+    ("target_session_attrs", "PGTARGETSESSIONATTRS", &["any"]),
+    ("load_balance_hosts", "PGLOADBALANCEHOSTS", &["disable"]),
+    ("sslnegotiation", "PGSSLNEGOTIATION", &["postgres"]),
+    ("sslsni", "PGSSLSNI", &["1"]),
+    ("sslcertmode", "PGSSLCERTMODE", &["allow"]),
+    ("client_encoding", "PGCLIENTENCODING", &["UTF8", "UTF-8"]),
+];
+
+/// libpq environment variables of features the relay lacks: set, they are an error.
+const UNSUPPORTED_ENV: &[(&str, &str)] = &[
+    ("PGHOSTADDR", "hostaddr"),
+    ("PGSERVICE", "service"),
+    ("PGSERVICEFILE", "service files"),
+    ("PGOPTIONS", "options"),
+    ("PGSSLCRL", "sslcrl"),
+    ("PGSSLCRLDIR", "sslcrldir"),
+    ("PGREQUIREPEER", "requirepeer"),
+    ("PGSSLMINPROTOCOLVERSION", "ssl_min_protocol_version"),
+    ("PGSSLMAXPROTOCOLVERSION", "ssl_max_protocol_version"),
+];
+
+/// Session defaults libpq would send, which the relay's pinned session settings override:
+/// ignored, with a warning.
+const PINNED_ENV: &[&str] = &["PGDATESTYLE", "PGTZ"];
+
+const DEFAULT_HOST: &str = "localhost";
+const DEFAULT_PORT: u16 = 5432;
+/// libpq's default socket directory on Debian: a password file names it `localhost`.
+const DEFAULT_SOCKET_DIR: &str = "/var/run/postgresql";
+
+/// Where and how to connect. Parse it with [`str::parse`] or [`ConnInfo::parse_with_env`].
 #[derive(Clone, PartialEq, Eq)]
 pub struct ConnInfo {
     host: String,
@@ -133,26 +445,18 @@ pub struct ConnInfo {
     user: String,
     password: Option<Secret>,
     dbname: String,
+    passfile: Option<PathBuf>,
     sslmode: SslMode,
-    sslrootcert: Option<PathBuf>,
+    sslrootcert: Option<RootCerts>,
+    sslcert: Option<PathBuf>,
+    sslkey: Option<PathBuf>,
+    channel_binding: ChannelBinding,
+    require_auth: Option<RequireAuth>,
     application_name: Option<String>,
     connect_timeout: Option<Duration>,
+    sources: BTreeMap<&'static str, Source>,
+    warnings: Vec<String>,
 }
-
-const PARAMETERS: &[&str] = &[
-    "host",
-    "port",
-    "user",
-    "password",
-    "dbname",
-    "sslmode",
-    "sslrootcert",
-    "application_name",
-    "connect_timeout",
-];
-
-const DEFAULT_HOST: &str = "localhost";
-const DEFAULT_PORT: u16 = 5432;
 
 impl ConnInfo {
     /// Host name, IP address, or (starting with `/`) Unix socket directory.
@@ -185,9 +489,31 @@ impl ConnInfo {
         self.sslmode
     }
 
-    /// The PEM file with the trusted root certificates, if given.
-    pub fn sslrootcert(&self) -> Option<&Path> {
-        self.sslrootcert.as_deref()
+    /// The trusted roots: `sslrootcert`, else `~/.postgresql/root.crt` when it exists.
+    pub fn root_certs(&self) -> Option<&RootCerts> {
+        self.sslrootcert.as_ref()
+    }
+
+    /// The client certificate (PEM chain): `sslcert`, else `~/.postgresql/postgresql.crt`
+    /// when it exists.
+    pub fn sslcert(&self) -> Option<&Path> {
+        self.sslcert.as_deref()
+    }
+
+    /// The client certificate's private key: `sslkey`, else
+    /// `~/.postgresql/postgresql.key` (when there is a client certificate).
+    pub fn sslkey(&self) -> Option<&Path> {
+        self.sslkey.as_deref()
+    }
+
+    /// Whether SCRAM must, may or must not use channel binding.
+    pub fn channel_binding(&self) -> ChannelBinding {
+        self.channel_binding
+    }
+
+    /// The authentication methods the server may use (`None`: any).
+    pub fn require_auth(&self) -> Option<&RequireAuth> {
+        self.require_auth.as_ref()
     }
 
     /// The `application_name` to report to the server, if given.
@@ -196,7 +522,7 @@ impl ConnInfo {
     }
 
     /// How long connecting (TCP, TLS and authentication together) may take; `None` waits
-    /// indefinitely.
+    /// indefinitely (`connect_timeout=0`).
     pub fn connect_timeout(&self) -> Option<Duration> {
         self.connect_timeout
     }
@@ -210,6 +536,17 @@ impl ConnInfo {
     pub fn unix_socket_path(&self) -> Option<PathBuf> {
         self.is_unix_socket()
             .then(|| Path::new(&self.host).join(format!(".s.PGSQL.{}", self.port)))
+    }
+
+    /// Where the value of `parameter` came from.
+    pub fn source(&self, parameter: &str) -> &Source {
+        self.sources.get(parameter).unwrap_or(&Source::Default)
+    }
+
+    /// What parsing noticed but did not refuse (an ignored password file, an ignored
+    /// environment variable), for the caller to log.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// The same parameters with another `application_name`.
@@ -240,21 +577,72 @@ impl ConnInfo {
             percent_encode(&self.dbname),
             self.sslmode
         );
-        if let Some(path) = &self.sslrootcert {
+        if let Some(roots) = &self.sslrootcert {
             url.push_str("&sslrootcert=");
-            url.push_str(&percent_encode(&path.to_string_lossy()));
+            url.push_str(&percent_encode(&roots.to_string()));
         }
         if let Some(name) = &self.application_name {
             url.push_str("&application_name=");
             url.push_str(&percent_encode(name));
         }
-        if let Some(timeout) = self.connect_timeout {
-            url.push_str(&format!("&connect_timeout={}", timeout.as_secs()));
+        if self.source("connect_timeout") != &Source::Default {
+            let seconds = self.connect_timeout.map_or(0, |t| t.as_secs());
+            url.push_str(&format!("&connect_timeout={seconds}"));
         }
         url
     }
 
-    /// Parses `text`, reading defaults from `env` instead of the process environment.
+    /// Every parameter with its effective value and where it came from, the password shown
+    /// as `<redacted>` (for `outbox-relay config`).
+    pub fn describe(&self) -> Vec<(&'static str, String, Source)> {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        let values: [(&'static str, Option<String>); 14] = [
+            ("host", Some(self.host.clone())),
+            ("port", Some(self.port.to_string())),
+            ("user", Some(self.user.clone())),
+            ("password", self.password.as_ref().map(Secret::to_string)),
+            ("dbname", Some(self.dbname.clone())),
+            ("passfile", path(&self.passfile)),
+            ("sslmode", Some(self.sslmode.to_string())),
+            (
+                "sslrootcert",
+                self.sslrootcert.as_ref().map(RootCerts::to_string),
+            ),
+            ("sslcert", path(&self.sslcert)),
+            ("sslkey", path(&self.sslkey)),
+            (
+                "channel_binding",
+                Some(self.channel_binding.as_str().to_owned()),
+            ),
+            (
+                "require_auth",
+                self.require_auth.as_ref().map(|r| r.as_str().to_owned()),
+            ),
+            ("application_name", self.application_name.clone()),
+            (
+                "connect_timeout",
+                Some(match self.connect_timeout {
+                    Some(limit) => format!("{}s", limit.as_secs()),
+                    None => "0 (wait indefinitely)".to_owned(),
+                }),
+            ),
+        ];
+        values
+            .into_iter()
+            .filter_map(|(name, value)| Some((name, value?, self.source(name).clone())))
+            .collect()
+    }
+
+    /// Whether any of the `PG*` variables of the supported parameters is set (then the
+    /// connection string may be empty, as with libpq).
+    pub fn env_has_parameters(env: impl Fn(&str) -> Option<String>) -> bool {
+        PARAMETERS
+            .iter()
+            .any(|p| env(p.env).is_some_and(|v| !v.is_empty()))
+    }
+
+    /// Parses `text`, reading the `PG*` variables, `HOME` and `USER` from `env` instead of
+    /// the process environment.
     pub fn parse_with_env(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
         let text = text.trim();
         let pairs = match text
@@ -264,39 +652,84 @@ impl ConnInfo {
             Some(rest) => parse_url(rest)?,
             None => parse_key_values(text)?,
         };
-        Self::from_pairs(pairs, env)
+        Self::from_pairs(pairs, &|name: &str| env(name).filter(|v| !v.is_empty()))
     }
 
-    fn from_pairs(
-        pairs: Vec<(String, String)>,
-        env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Self, Error> {
-        let mut values: [Option<String>; PARAMETERS.len()] = Default::default();
-        for (key, value) in pairs {
-            let Some(index) = PARAMETERS.iter().position(|p| *p == key) else {
+    fn from_pairs(pairs: Vec<Pair>, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        let mut values = Values {
+            given: BTreeMap::new(),
+            sources: BTreeMap::new(),
+            env,
+        };
+        let mut neutral_given = Vec::new();
+        for pair in pairs {
+            if let Some(parameter) = PARAMETERS.iter().find(|p| p.name == pair.key) {
+                // Last one wins, as in libpq; an empty value means "not given".
+                if pair.value.is_empty() {
+                    values.given.remove(parameter.name);
+                } else {
+                    values.given.insert(parameter.name, pair.value);
+                }
+            } else if let Some(neutral) = NEUTRAL.iter().find(|n| n.0 == pair.key) {
+                check_neutral(neutral, &pair.value, neutral.0)?;
+                neutral_given.push(neutral.0);
+            } else if pair.follows_bare_password {
+                // The "key" may be the rest of a password that has a space in it.
+                return Err(Error::Config(
+                    "unsupported parameter after the password; if the password contains a \
+                     space, put it in single quotes: password='...'"
+                        .to_owned(),
+                ));
+            } else {
                 return Err(Error::Config(format!(
-                    "unknown parameter {key:?}; supported: {}",
-                    PARAMETERS.join(", ")
+                    "unsupported parameter {:?}; supported: {}",
+                    pair.key,
+                    PARAMETERS
+                        .iter()
+                        .map(|p| p.name)
+                        .chain(NEUTRAL.iter().map(|n| n.0))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )));
-            };
-            // Last one wins, as in libpq; an empty value means "not given".
-            values[index] = (!value.is_empty()).then_some(value);
+            }
         }
-        let [host, port, user, password, dbname, sslmode, sslrootcert, application_name, connect_timeout] =
-            values;
+        for (variable, feature) in UNSUPPORTED_ENV {
+            if env(variable).is_some() {
+                return Err(Error::Config(format!(
+                    "the environment variable {variable} is set, but outbox-relay does not \
+                     support {feature}; unset it"
+                )));
+            }
+        }
+        for neutral in NEUTRAL.iter().filter(|n| !neutral_given.contains(&n.0)) {
+            if let Some(value) = env(neutral.1) {
+                check_neutral(neutral, &value, neutral.1)?;
+            }
+        }
+        let mut warnings: Vec<String> = PINNED_ENV
+            .iter()
+            .filter(|variable| env(variable).is_some())
+            .map(|variable| {
+                format!(
+                    "{variable} is ignored: the relay pins DateStyle=ISO and TimeZone=UTC for \
+                     its sessions"
+                )
+            })
+            .collect();
+        let home = env("HOME").map(PathBuf::from);
 
-        let env = |name: &str| env(name).filter(|value| !value.is_empty());
-        let user = user
-            .or_else(|| env("PGUSER"))
-            .or_else(|| env("USER"))
-            .unwrap_or_else(|| "postgres".to_owned());
-        let host = host.unwrap_or_else(|| DEFAULT_HOST.to_owned());
+        let user = values
+            .take("user")
+            .unwrap_or_else(|| env("USER").unwrap_or_else(|| "postgres".to_owned()));
+        let host = values
+            .take("host")
+            .unwrap_or_else(|| DEFAULT_HOST.to_owned());
         if host.contains(',') {
             return Err(Error::Config(format!(
                 "multiple hosts ({host:?}) are not supported; give one host"
             )));
         }
-        let port = match port {
+        let port = match values.take("port") {
             None => DEFAULT_PORT,
             Some(port) => match port.parse::<u16>() {
                 Ok(port) if port != 0 => port,
@@ -307,16 +740,95 @@ impl ConnInfo {
                 }
             },
         };
-        let sslmode = match sslmode {
-            None => SslMode::default(),
-            Some(mode) => mode
-                .parse::<SslMode>()
-                .map_err(|e| Error::Config(e.to_string()))?,
+        let dbname = values.take("dbname").unwrap_or_else(|| user.clone());
+        let passfile = values
+            .take("passfile")
+            .map(PathBuf::from)
+            .or_else(|| home.as_ref().map(|home| home.join(".pgpass")));
+        let mut password = values.take("password").map(Secret);
+        if password.is_none() {
+            if let Some(path) = &passfile {
+                let key = [host.as_str(), &port.to_string(), &dbname, &user];
+                password = password_from_file(path, key, &mut warnings);
+                if password.is_some() {
+                    values
+                        .sources
+                        .insert("password", Source::PassFile(path.clone()));
+                }
+            }
+        }
+
+        let explicit_sslmode = values
+            .take("sslmode")
+            .map(|mode| mode.parse::<SslMode>())
+            .transpose()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let sslrootcert = match values.take("sslrootcert") {
+            Some(text) if text == "system" => Some(RootCerts::System),
+            Some(path) => Some(RootCerts::File(PathBuf::from(path))),
+            None => home
+                .as_ref()
+                .map(|home| home.join(".postgresql").join("root.crt"))
+                .filter(|path| path.is_file())
+                .map(RootCerts::File),
         };
-        let connect_timeout = match connect_timeout {
-            None => None,
+        let sslmode = match (explicit_sslmode, &sslrootcert) {
+            (Some(SslMode::VerifyFull) | None, Some(RootCerts::System)) => SslMode::VerifyFull,
+            (Some(weak), Some(RootCerts::System)) => {
+                return Err(Error::Config(format!(
+                    "weak sslmode {:?} may not be used with sslrootcert=system (use \
+                     \"verify-full\")",
+                    weak.as_str()
+                )))
+            }
+            (mode, _) => mode.unwrap_or_default(),
+        };
+        let sslcert = values.take("sslcert").map(PathBuf::from).or_else(|| {
+            home.as_ref()
+                .map(|home| home.join(".postgresql").join("postgresql.crt"))
+                .filter(|path| path.is_file())
+        });
+        let sslkey = values.take("sslkey").map(PathBuf::from).or_else(|| {
+            sslcert.as_ref()?;
+            home.as_ref()
+                .map(|home| home.join(".postgresql").join("postgresql.key"))
+        });
+        let channel_binding = match values.take("channel_binding").as_deref() {
+            None => ChannelBinding::default(),
+            Some("disable") => ChannelBinding::Disable,
+            Some("prefer") => ChannelBinding::Prefer,
+            Some("require") => ChannelBinding::Require,
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "invalid channel_binding {other:?}: expected disable, prefer or require"
+                )))
+            }
+        };
+        if channel_binding == ChannelBinding::Require {
+            if sslmode == SslMode::Disable {
+                return Err(Error::Config(
+                    "channel_binding=require needs TLS, but sslmode=disable; use \
+                     sslmode=require or stricter"
+                        .to_owned(),
+                ));
+            }
+            if host.starts_with('/') {
+                return Err(Error::Config(
+                    "channel_binding=require needs TLS, which is not used over a Unix socket; \
+                     connect over TCP"
+                        .to_owned(),
+                ));
+            }
+        }
+        let require_auth = values
+            .take("require_auth")
+            .map(|text| text.parse::<RequireAuth>())
+            .transpose()?;
+        let application_name = values.take("application_name");
+        let connect_timeout = match values.take("connect_timeout") {
+            None => Some(DEFAULT_CONNECT_TIMEOUT),
             Some(text) => {
-                let seconds = text.parse::<i64>().map_err(|_| {
+                let seconds = text.trim().parse::<i64>().map_err(|_| {
                     Error::Config(format!(
                         "invalid connect_timeout {text:?}: expected a whole number of seconds"
                     ))
@@ -329,24 +841,144 @@ impl ConnInfo {
             }
         };
         Ok(ConnInfo {
-            dbname: dbname.unwrap_or_else(|| user.clone()),
             host,
             port,
-            password: password.or_else(|| env("PGPASSWORD")).map(Secret),
             user,
+            password,
+            dbname,
+            passfile,
             sslmode,
-            sslrootcert: sslrootcert.map(PathBuf::from),
+            sslrootcert,
+            sslcert,
+            sslkey,
+            channel_binding,
+            require_auth,
             application_name,
             connect_timeout,
+            sources: values.sources,
+            warnings,
         })
     }
+}
+
+/// The connection string's values and the environment, handing out each parameter once
+/// and recording where it came from.
+struct Values<'a> {
+    given: BTreeMap<&'static str, String>,
+    sources: BTreeMap<&'static str, Source>,
+    env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl Values<'_> {
+    fn take(&mut self, name: &'static str) -> Option<String> {
+        if let Some(value) = self.given.remove(name) {
+            self.sources.insert(name, Source::ConnString);
+            return Some(value);
+        }
+        let variable = PARAMETERS.iter().find(|p| p.name == name)?.env;
+        let value = (self.env)(variable)?;
+        self.sources.insert(name, Source::Env(variable));
+        Some(value)
+    }
+}
+
+fn check_neutral(
+    (name, _, accepted): &(&str, &str, &[&str]),
+    value: &str,
+    given_as: &str,
+) -> Result<(), Error> {
+    if value.is_empty() || accepted.iter().any(|a| a.eq_ignore_ascii_case(value)) {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "{given_as}={value:?} is not supported: outbox-relay always behaves as {name}={}",
+        accepted[0]
+    )))
+}
+
+/// The password of the first line of the password file at `path` that matches
+/// `[host, port, dbname, user]`. A file that is not a plain file, or that group or others
+/// can access, is ignored with a warning (libpq's rule); a missing one silently.
+fn password_from_file(path: &Path, key: [&str; 4], warnings: &mut Vec<String>) -> Option<Secret> {
+    let metadata = std::fs::metadata(path).ok()?;
+    if !metadata.is_file() {
+        warnings.push(format!(
+            "password file {} is not a plain file; ignoring it",
+            path.display()
+        ));
+        return None;
+    }
+    if metadata.permissions().mode() & 0o077 != 0 {
+        warnings.push(format!(
+            "password file {} has group or world access; permissions should be u=rw (0600) \
+             or less; ignoring it (chmod 600 {} to use it)",
+            path.display(),
+            path.display()
+        ));
+        return None;
+    }
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) => {
+            warnings.push(format!(
+                "cannot read password file {}: {error}; ignoring it",
+                path.display()
+            ));
+            return None;
+        }
+    };
+    let host = if key[0] == DEFAULT_SOCKET_DIR {
+        DEFAULT_HOST
+    } else {
+        key[0]
+    };
+    let key = [host, key[1], key[2], key[3]];
+    text.lines()
+        .map(|line| line.strip_suffix('\r').unwrap_or(line))
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .find_map(|line| {
+            let fields = password_file_fields(line);
+            let matches = fields.len() >= 5
+                && key
+                    .iter()
+                    .zip(&fields)
+                    .all(|(wanted, (field, wildcard))| *wildcard || field == wanted);
+            matches.then(|| Secret(fields[4].0.clone()))
+        })
+}
+
+/// The `:`-separated fields of a password-file line, `\` escaping the next character; each
+/// with whether it is the wildcard `*` (unescaped).
+fn password_file_fields(line: &str) -> Vec<(String, bool)> {
+    let mut fields = Vec::new();
+    let mut field = String::new();
+    let mut escaped_any = false;
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                escaped_any = true;
+                if let Some(next) = chars.next() {
+                    field.push(next);
+                }
+            }
+            ':' => {
+                let wildcard = field == "*" && !escaped_any;
+                fields.push((std::mem::take(&mut field), wildcard));
+                escaped_any = false;
+            }
+            c => field.push(c),
+        }
+    }
+    let wildcard = field == "*" && !escaped_any;
+    fields.push((field, wildcard));
+    fields
 }
 
 impl FromStr for ConnInfo {
     type Err = Error;
 
-    /// Parses a URL or key=value string; defaults come from `PGUSER`, `USER` and
-    /// `PGPASSWORD`.
+    /// Parses a URL or key=value string; defaults come from the process environment.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         ConnInfo::parse_with_env(s, |name| std::env::var(name).ok())
     }
@@ -360,8 +992,13 @@ impl fmt::Debug for ConnInfo {
             .field("user", &self.user)
             .field("password", &self.password)
             .field("dbname", &self.dbname)
+            .field("passfile", &self.passfile)
             .field("sslmode", &self.sslmode)
             .field("sslrootcert", &self.sslrootcert)
+            .field("sslcert", &self.sslcert)
+            .field("sslkey", &self.sslkey)
+            .field("channel_binding", &self.channel_binding)
+            .field("require_auth", &self.require_auth)
             .field("application_name", &self.application_name)
             .field("connect_timeout", &self.connect_timeout)
             .finish()
@@ -375,8 +1012,27 @@ impl fmt::Display for ConnInfo {
     }
 }
 
+/// One parameter of a connection string.
+struct Pair {
+    key: String,
+    value: String,
+    /// Key=value notation: the pair right after an unquoted password, whose "key" may be
+    /// the rest of a password with a space in it (so errors must not quote it).
+    follows_bare_password: bool,
+}
+
+impl Pair {
+    fn new(key: &str, value: String) -> Pair {
+        Pair {
+            key: key.to_owned(),
+            value,
+            follows_bare_password: false,
+        }
+    }
+}
+
 /// `user:password@host:port/dbname?k=v&...`, after the scheme.
-fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
+fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
     let mut pairs = Vec::new();
     let (userinfo, rest) = split_userinfo(rest);
     if let Some(userinfo) = userinfo {
@@ -384,9 +1040,9 @@ fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
             Some((user, password)) => (user, Some(password)),
             None => (userinfo, None),
         };
-        pairs.push(("user".to_owned(), percent_decode(user, "user")?));
+        pairs.push(Pair::new("user", percent_decode(user, "user")?));
         if let Some(password) = password {
-            pairs.push(("password".to_owned(), percent_decode(password, "password")?));
+            pairs.push(Pair::new("password", percent_decode(password, "password")?));
         }
     }
     let (main, query) = match rest.split_once('?') {
@@ -397,29 +1053,23 @@ fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
         Some((host_port, path)) => (host_port, Some(path)),
         None => (main, None),
     };
-    let (host, port) = if let Some(bracketed) = host_port.strip_prefix('[') {
-        let (host, after) = bracketed.split_once(']').ok_or_else(|| {
-            Error::Config(format!("unterminated IPv6 address in host {host_port:?}"))
-        })?;
-        let port = match after {
-            "" => None,
-            _ => Some(after.strip_prefix(':').ok_or_else(|| {
-                Error::Config(format!("unexpected {after:?} after IPv6 address"))
-            })?),
-        };
-        (host.to_owned(), port)
-    } else {
-        match host_port.rsplit_once(':') {
-            Some((host, port)) => (percent_decode(host, "host")?, Some(port)),
-            None => (percent_decode(host_port, "host")?, None),
-        }
-    };
-    pairs.push(("host".to_owned(), host));
+    let (host, port) = split_host_port(host_port)?;
+    pairs.push(Pair::new("host", host));
     if let Some(port) = port {
-        pairs.push(("port".to_owned(), percent_decode(port, "port")?));
+        if !port.is_empty() {
+            if !port.bytes().all(|b| b.is_ascii_digit()) {
+                // Not quoted: without an '@', "user:password" lands here.
+                return Err(Error::Config(
+                    "invalid port in the URL: expected a number after the host's ':' (if the \
+                     URL has user:password, it needs an '@' before the host)"
+                        .to_owned(),
+                ));
+            }
+            pairs.push(Pair::new("port", port.to_owned()));
+        }
     }
     if let Some(path) = path {
-        pairs.push(("dbname".to_owned(), percent_decode(path, "dbname")?));
+        pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
     }
     for param in query.into_iter().flat_map(|q| q.split('&')) {
         if param.is_empty() {
@@ -436,28 +1086,78 @@ fn parse_url(rest: &str) -> Result<Vec<(String, String)>, Error> {
         } else {
             "query parameter value"
         };
-        pairs.push((key, percent_decode(value, what)?));
+        let value = percent_decode(value, what)?;
+        pairs.push(Pair::new(&key, value));
     }
     Ok(pairs)
 }
 
-/// Splits `user:password@` off the rest of the URL. The user info ends at the last '@'
-/// (so that a password with an unencoded '/', '?' or '@' stays whole and never ends up in
-/// the host, port or database name, where errors and logs would show it), except for an
-/// '@' inside the query string (`?application_name=me@host`).
+/// `host`, `host:port`, `[ipv6]` or `[ipv6]:port`; the host percent-decoded, the port as
+/// written.
+fn split_host_port(host_port: &str) -> Result<(String, Option<&str>), Error> {
+    if let Some(bracketed) = host_port.strip_prefix('[') {
+        let (host, after) = bracketed.split_once(']').ok_or_else(|| {
+            Error::Config("unterminated IPv6 address ('[' without ']') in the URL".to_owned())
+        })?;
+        let port = match after {
+            "" => None,
+            _ => Some(after.strip_prefix(':').ok_or_else(|| {
+                Error::Config("unexpected text after the IPv6 address in the URL".to_owned())
+            })?),
+        };
+        return Ok((host.to_owned(), port));
+    }
+    Ok(match host_port.rsplit_once(':') {
+        Some((host, port)) => (percent_decode(host, "host")?, Some(port)),
+        None => (percent_decode(host_port, "host")?, None),
+    })
+}
+
+/// Splits `user:password@` off the rest of the URL. The user info ends at the last '@', so
+/// that a password with unencoded '@', '/', '?', '=' or ':' stays whole and never ends up in
+/// the host, port or database name, where errors and logs would show it. The one exception
+/// is an '@' inside a query string (`?application_name=me@host`): when the text before the
+/// last '@' has a '?', and reading that '?' as the start of the query (with the user info,
+/// if any, ending at an earlier '@') gives a well-formed URL whose query names only
+/// supported parameters, that reading wins.
 fn split_userinfo(rest: &str) -> (Option<&str>, &str) {
-    let Some(mut at) = rest.rfind('@') else {
+    let Some(last) = rest.rfind('@') else {
         return (None, rest);
     };
-    if let Some(question) = rest[..at].find('?') {
-        if rest[question..at].contains('=') {
-            match rest[..question].rfind('@') {
-                Some(earlier) => at = earlier,
-                None => return (None, rest),
-            }
+    if let Some(question) = rest[..last].find('?') {
+        let (userinfo, after) = match rest[..question].rfind('@') {
+            Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+            None => (None, rest),
+        };
+        if is_well_formed_after_userinfo(after) {
+            return (userinfo, after);
         }
     }
-    (Some(&rest[..at]), &rest[at + 1..])
+    (Some(&rest[..last]), &rest[last + 1..])
+}
+
+/// Whether `host[:port][/dbname]?query` has a numeric port (if any) and a query of
+/// supported `name=value` parameters only.
+fn is_well_formed_after_userinfo(text: &str) -> bool {
+    let Some((main, query)) = text.split_once('?') else {
+        return false;
+    };
+    let host_port = main
+        .split_once('/')
+        .map_or(main, |(host_port, _)| host_port);
+    let port_ok = match split_host_port(host_port) {
+        Ok((_, Some(port))) => port.bytes().all(|b| b.is_ascii_digit()),
+        Ok((_, None)) => true,
+        Err(_) => false,
+    };
+    port_ok
+        && query.split('&').filter(|p| !p.is_empty()).all(|param| {
+            param.split_once('=').is_some_and(|(key, _)| {
+                percent_decode(key, "query parameter name").is_ok_and(|key| {
+                    PARAMETERS.iter().any(|p| p.name == key) || NEUTRAL.iter().any(|n| n.0 == key)
+                })
+            })
+        })
 }
 
 /// Decodes `%XX` escapes (`+` stays a plus, as in libpq). Errors quote the text except for
@@ -501,7 +1201,7 @@ fn percent_decode(text: &str, what: &str) -> Result<String, Error> {
 }
 
 /// Encodes everything but the URL's unreserved characters.
-fn percent_encode(text: &str) -> String {
+pub fn percent_encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for byte in text.bytes() {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
@@ -514,9 +1214,10 @@ fn percent_encode(text: &str) -> String {
 }
 
 /// libpq's key=value notation. Errors never quote a value (it might be the password).
-fn parse_key_values(text: &str) -> Result<Vec<(String, String)>, Error> {
-    let mut pairs = Vec::new();
+fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
+    let mut pairs: Vec<Pair> = Vec::new();
     let mut chars = text.chars().peekable();
+    let mut after_bare_password = false;
     loop {
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         if chars.peek().is_none() {
@@ -535,9 +1236,15 @@ fn parse_key_values(text: &str) -> Result<Vec<(String, String)>, Error> {
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         let mut value = String::new();
-        if chars.next_if_eq(&'\'').is_some() {
+        let quoted = chars.next_if_eq(&'\'').is_some();
+        if quoted {
             loop {
                 match chars.next() {
+                    None if key == "password" || after_bare_password => {
+                        return Err(Error::Config(
+                            "unterminated quoted password in connection info string".to_owned(),
+                        ))
+                    }
                     None => {
                         return Err(Error::Config(format!(
                             "unterminated quoted value of {key:?} in connection info string"
@@ -570,7 +1277,13 @@ fn parse_key_values(text: &str) -> Result<Vec<(String, String)>, Error> {
                 }
             }
         }
-        pairs.push((key, value));
+        let bare_password = key == "password" && !quoted;
+        pairs.push(Pair {
+            key,
+            value,
+            follows_bare_password: after_bare_password,
+        });
+        after_bare_password = bare_password;
     }
 }
 
@@ -592,11 +1305,20 @@ mod tests {
             .to_string()
     }
 
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: BTreeMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| vars.get(name).cloned()
+    }
+
     #[test]
     fn url_with_everything() {
         let info = parse(
             "postgres://relay:s%40cr%2Ft@db.example.com:6543/app%20db?sslmode=verify-full\
-             &sslrootcert=%2Fetc%2Fca.crt&application_name=outbox+relay&connect_timeout=7",
+             &sslrootcert=%2Fetc%2Fca.crt&application_name=outbox+relay&connect_timeout=7\
+             &channel_binding=require&require_auth=scram-sha-256&sslcert=%2Fc.crt&sslkey=%2Fc.key",
         );
         assert_eq!(info.host(), "db.example.com");
         assert_eq!(info.port(), 6543);
@@ -604,10 +1326,19 @@ mod tests {
         assert_eq!(info.password().map(Secret::expose), Some("s@cr/t"));
         assert_eq!(info.dbname(), "app db");
         assert_eq!(info.sslmode(), SslMode::VerifyFull);
-        assert_eq!(info.sslrootcert(), Some(Path::new("/etc/ca.crt")));
+        assert_eq!(
+            info.root_certs(),
+            Some(&RootCerts::File(PathBuf::from("/etc/ca.crt")))
+        );
         assert_eq!(info.application_name(), Some("outbox+relay"));
         assert_eq!(info.connect_timeout(), Some(Duration::from_secs(7)));
+        assert_eq!(info.channel_binding(), ChannelBinding::Require);
+        let require = info.require_auth().unwrap();
+        assert!(require.allows(AuthMethod::ScramSha256) && !require.allows(AuthMethod::Md5));
+        assert_eq!(info.sslcert(), Some(Path::new("/c.crt")));
+        assert_eq!(info.sslkey(), Some(Path::new("/c.key")));
         assert!(!info.is_unix_socket());
+        assert_eq!(info.source("host"), &Source::ConnString);
     }
 
     #[test]
@@ -637,13 +1368,28 @@ mod tests {
         assert_eq!((info.host(), info.dbname()), ("h", "u"));
 
         // Passwords with unencoded delimiters stay whole: the user info ends at the last '@'.
-        for password in ["p@ss", "12/34", "pa?ss", "a:b", "x/y?z@w"] {
+        for password in [
+            "p@ss",
+            "12/34",
+            "pa?ss",
+            "a:b",
+            "x/y?z@w",
+            "pa?ss=word",
+            "a=b",
+            "q?x=y&z=w",
+            "p@ss?x=y",
+            "?=",
+            "h/d?sslmode=disable",
+        ] {
             let info = parse(&format!("postgres://u:{password}@h:7/d?sslmode=disable"));
             assert_eq!(info.password().map(Secret::expose), Some(password));
             assert_eq!((info.user(), info.host(), info.port()), ("u", "h", 7));
             assert_eq!((info.dbname(), info.sslmode()), ("d", SslMode::Disable));
+            let info = parse(&format!("postgres://u:{password}@h"));
+            assert_eq!(info.password().map(Secret::expose), Some(password));
+            assert_eq!((info.host(), info.dbname()), ("h", "u"));
         }
-        // ... but an '@' in the query string is not the end of the user info.
+        // ... but an '@' in a well-formed query string is not the end of the user info.
         let info = parse("postgres://h/d?application_name=me@host");
         assert_eq!((info.host(), info.dbname()), ("h", "d"));
         assert_eq!(info.application_name(), Some("me@host"));
@@ -682,24 +1428,17 @@ mod tests {
         assert_eq!(info.dbname(), "postgres");
         assert_eq!(info.password(), None);
         assert_eq!(info.sslmode(), SslMode::Prefer);
-        assert_eq!(info.connect_timeout(), None);
+        assert_eq!(info.channel_binding(), ChannelBinding::Prefer);
+        assert_eq!(info.connect_timeout(), Some(DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(info.source("connect_timeout"), &Source::Default);
+        assert_eq!(info.root_certs(), None);
+        assert_eq!(info.sslcert(), None);
 
-        let env = |name: &str| match name {
-            "PGUSER" => Some("pguser".to_owned()),
-            "USER" => Some("unix".to_owned()),
-            "PGPASSWORD" => Some("from-env".to_owned()),
-            _ => None,
-        };
-        let info = ConnInfo::parse_with_env("host=h", env).unwrap();
-        assert_eq!((info.user(), info.dbname()), ("pguser", "pguser"));
-        assert_eq!(info.password().map(Secret::expose), Some("from-env"));
         let info = ConnInfo::parse_with_env("postgres://h/d", |n| {
             (n == "USER").then(|| "unix".to_owned())
         })
         .unwrap();
         assert_eq!(info.user(), "unix");
-        let info = ConnInfo::parse_with_env("password=given", env).unwrap();
-        assert_eq!(info.password().map(Secret::expose), Some("given"));
 
         assert_eq!(
             parse("connect_timeout=1").connect_timeout(),
@@ -707,14 +1446,227 @@ mod tests {
         );
         assert_eq!(parse("connect_timeout=0").connect_timeout(), None);
         assert_eq!(parse("connect_timeout=-5").connect_timeout(), None);
+        assert!(parse("connect_timeout=0")
+            .redacted()
+            .contains("connect_timeout=0"));
+        assert!(!parse("").redacted().contains("connect_timeout"));
+    }
+
+    #[test]
+    fn pg_environment_fills_what_the_string_does_not_give() {
+        let env = env_of(&[
+            ("PGHOST", "envhost"),
+            ("PGPORT", "6000"),
+            ("PGUSER", "pguser"),
+            ("PGDATABASE", "envdb"),
+            ("PGPASSWORD", "from-env"),
+            ("PGSSLMODE", "require"),
+            ("PGSSLROOTCERT", "/env/ca.crt"),
+            ("PGSSLCERT", "/env/client.crt"),
+            ("PGSSLKEY", "/env/client.key"),
+            ("PGAPPNAME", "envapp"),
+            ("PGCONNECT_TIMEOUT", "30"),
+            ("PGCHANNELBINDING", "require"),
+            ("PGREQUIREAUTH", "!password,!md5"),
+            ("USER", "unix"),
+        ]);
+        let info = ConnInfo::parse_with_env("", &env).unwrap();
+        assert_eq!((info.host(), info.port()), ("envhost", 6000));
+        assert_eq!((info.user(), info.dbname()), ("pguser", "envdb"));
+        assert_eq!(info.password().map(Secret::expose), Some("from-env"));
+        assert_eq!(info.sslmode(), SslMode::Require);
+        assert_eq!(
+            info.root_certs(),
+            Some(&RootCerts::File("/env/ca.crt".into()))
+        );
+        assert_eq!(info.sslcert(), Some(Path::new("/env/client.crt")));
+        assert_eq!(info.sslkey(), Some(Path::new("/env/client.key")));
+        assert_eq!(info.application_name(), Some("envapp"));
+        assert_eq!(info.connect_timeout(), Some(Duration::from_secs(30)));
+        assert_eq!(info.channel_binding(), ChannelBinding::Require);
+        let require = info.require_auth().unwrap();
+        assert!(!require.allows(AuthMethod::Password) && !require.allows(AuthMethod::Md5));
+        assert!(require.allows(AuthMethod::ScramSha256) && require.allows(AuthMethod::None));
+        assert_eq!(info.source("host"), &Source::Env("PGHOST"));
+        assert_eq!(info.source("password"), &Source::Env("PGPASSWORD"));
+
+        // The connection string wins over the environment, parameter by parameter.
+        let info =
+            ConnInfo::parse_with_env("postgres://u:given@h/d?sslmode=verify-ca", &env).unwrap();
+        assert_eq!((info.host(), info.port()), ("h", 6000));
+        assert_eq!((info.user(), info.dbname()), ("u", "d"));
+        assert_eq!(info.password().map(Secret::expose), Some("given"));
+        assert_eq!(info.sslmode(), SslMode::VerifyCa);
+        assert_eq!(info.source("port"), &Source::Env("PGPORT"));
+        assert_eq!(info.source("user"), &Source::ConnString);
+
+        assert!(ConnInfo::env_has_parameters(&env));
+        assert!(!ConnInfo::env_has_parameters(env_of(&[("USER", "x")])));
+    }
+
+    #[test]
+    fn unsupported_libpq_features_are_named() {
+        for (variable, feature) in [
+            ("PGHOSTADDR", "hostaddr"),
+            ("PGSERVICE", "service"),
+            ("PGOPTIONS", "options"),
+            ("PGSSLCRL", "sslcrl"),
+        ] {
+            let error = ConnInfo::parse_with_env("host=h", env_of(&[(variable, "x")]))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(variable) && error.contains(feature) && error.contains("unset"),
+                "{error}"
+            );
+        }
+        // Neutral parameters: the value the relay behaves as is accepted, others refused.
+        let info = parse(
+            "host=h target_session_attrs=any gssencmode=disable client_encoding=utf8 sslsni=1",
+        );
+        assert_eq!(info.host(), "h");
+        let error = parse_err("host=h target_session_attrs=read-write");
+        assert!(
+            error.contains("target_session_attrs=\"read-write\" is not supported"),
+            "{error}"
+        );
+        let error = ConnInfo::parse_with_env("", env_of(&[("PGGSSENCMODE", "require")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("PGGSSENCMODE"), "{error}");
+        // The connection string's neutral value wins over the environment's.
+        ConnInfo::parse_with_env("gssencmode=disable", env_of(&[("PGGSSENCMODE", "require")]))
+            .unwrap();
+        // Pinned session defaults are ignored with a warning.
+        let info = ConnInfo::parse_with_env("", env_of(&[("PGTZ", "Europe/Berlin")])).unwrap();
+        assert!(
+            info.warnings()[0].contains("PGTZ is ignored"),
+            "{:?}",
+            info.warnings()
+        );
+    }
+
+    #[test]
+    fn sslrootcert_system_means_verify_full() {
+        let info = parse("host=h sslrootcert=system");
+        assert_eq!(info.root_certs(), Some(&RootCerts::System));
+        assert_eq!(info.sslmode(), SslMode::VerifyFull);
+        assert!(info.redacted().contains("sslrootcert=system"));
+        let info = parse("host=h sslrootcert=system sslmode=verify-full");
+        assert_eq!(info.sslmode(), SslMode::VerifyFull);
+        for weak in ["disable", "prefer", "require", "verify-ca"] {
+            let error = parse_err(&format!("host=h sslrootcert=system sslmode={weak}"));
+            assert!(
+                error.contains(&format!("weak sslmode \"{weak}\""))
+                    && error.contains("verify-full"),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn channel_binding_and_require_auth_values() {
+        assert_eq!(
+            parse("channel_binding=disable").channel_binding(),
+            ChannelBinding::Disable
+        );
+        let error = parse_err("channel_binding=yes");
+        assert!(error.contains("disable, prefer or require"), "{error}");
+        let error = parse_err("channel_binding=require sslmode=disable");
+        assert!(error.contains("needs TLS"), "{error}");
+        let error = parse_err("channel_binding=require host=/tmp");
+        assert!(error.contains("Unix socket"), "{error}");
+
+        let allowed = |text: &str| {
+            let require: RequireAuth = text.parse().unwrap();
+            AuthMethod::ALL
+                .into_iter()
+                .filter(|m| require.allows(*m))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            allowed("scram-sha-256,md5"),
+            [AuthMethod::Md5, AuthMethod::ScramSha256]
+        );
+        assert_eq!(
+            allowed("!password,!md5,!none"),
+            [AuthMethod::ScramSha256, AuthMethod::Gss, AuthMethod::Sspi]
+        );
+        let error = parse_err("require_auth=md5,!password");
+        assert!(error.contains("cannot mix"), "{error}");
+        let error = parse_err("require_auth=kerberos");
+        assert!(error.contains("\"kerberos\""), "{error}");
+    }
+
+    #[test]
+    fn password_file_supplies_the_password_with_libpq_rules() {
+        let scratch = testkit::scratch_dir("pgpass");
+        let dir = scratch.path();
+        let file = dir.join("pgpass");
+        testkit::write_file_mode(
+            &file,
+            "# comment\n\
+             other:5432:*:relay:wrong-host\n\
+             db\\:x:*:app:relay:escaped-host\n\
+             db:5432:app:relay:pa\\:ss\\\\word:ignored\r\n\
+             *:*:*:*:fallback\n",
+            0o600,
+        );
+        let passfile = file.display().to_string();
+        let env = env_of(&[("PGPASSFILE", &passfile)]);
+        let info = ConnInfo::parse_with_env("host=db user=relay dbname=app", &env).unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("pa:ss\\word"));
+        assert_eq!(info.source("password"), &Source::PassFile(file.clone()));
+        let info = ConnInfo::parse_with_env("host=db:x user=relay dbname=app", &env).unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("escaped-host"));
+        let info = ConnInfo::parse_with_env("host=elsewhere user=x", &env).unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("fallback"));
+        // A password given in the string or PGPASSWORD wins over the file.
+        let info =
+            ConnInfo::parse_with_env("host=db user=relay dbname=app password=given", &env).unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("given"));
+        // The passfile parameter, and ~/.pgpass by default.
+        let info = ConnInfo::parse_with_env(
+            &format!("host=db user=relay dbname=app passfile={passfile}"),
+            no_env,
+        )
+        .unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("pa:ss\\word"));
+        std::fs::copy(&file, dir.join(".pgpass")).unwrap();
+        let home = dir.display().to_string();
+        let info =
+            ConnInfo::parse_with_env("host=db user=relay dbname=app", env_of(&[("HOME", &home)]))
+                .unwrap();
+        assert_eq!(info.password().map(Secret::expose), Some("pa:ss\\word"));
+
+        // Group- or world-readable: ignored, with a warning that says how to fix it.
+        testkit::write_file_mode(&file, "*:*:*:*:exposed\n", 0o644);
+        let info = ConnInfo::parse_with_env("host=db", &env).unwrap();
+        assert_eq!(info.password(), None);
+        assert!(
+            info.warnings()[0].contains("group or world access")
+                && info.warnings()[0].contains("chmod 600"),
+            "{:?}",
+            info.warnings()
+        );
+        // A missing file: nothing, silently.
+        let info =
+            ConnInfo::parse_with_env("host=db passfile=/nonexistent/pgpass", no_env).unwrap();
+        assert_eq!((info.password(), info.warnings().len()), (None, 0));
     }
 
     #[test]
     fn errors_name_the_problem() {
-        let error = parse_err("host=h sslcert=/x");
-        assert!(error.contains("unknown parameter \"sslcert\""), "{error}");
+        let error = parse_err("host=h sslcrl=/x");
+        assert!(
+            error.contains("unsupported parameter \"sslcrl\""),
+            "{error}"
+        );
         let error = parse_err("postgres://h/d?options=-c%20x");
-        assert!(error.contains("unknown parameter \"options\""), "{error}");
+        assert!(
+            error.contains("unsupported parameter \"options\""),
+            "{error}"
+        );
         let error = parse_err("port=abc");
         assert!(error.contains("invalid port \"abc\""), "{error}");
         let error = parse_err("port=0");
@@ -730,6 +1682,8 @@ mod tests {
         assert!(error.contains("multiple hosts"), "{error}");
         let error = parse_err("postgres://[::1/db");
         assert!(error.contains("IPv6"), "{error}");
+        let error = parse_err("postgres://h:abc/db");
+        assert!(error.contains("invalid port in the URL"), "{error}");
     }
 
     #[test]
@@ -740,20 +1694,33 @@ mod tests {
             "user=relay password=hunter2-secret host=h".to_owned(),
         ] {
             let info = parse(&text);
-            for shown in [format!("{info:?}"), info.to_string(), info.redacted()] {
+            let described = format!("{:?}", info.describe());
+            for shown in [
+                format!("{info:?}"),
+                info.to_string(),
+                info.redacted(),
+                described,
+            ] {
                 assert!(!shown.contains("hunter2"), "{shown}");
             }
             assert!(format!("{info:?}").contains("password: Some(<redacted>)"));
         }
-        // Parse errors around a password do not quote it.
+        // Parse errors around a password do not quote it, or a part of it.
         for text in [
             format!("postgres://relay:{secret}@h/d"),
             format!("postgres://relay@h/d?password={secret}"),
             format!("user=relay password='{secret}"),
             format!("password={secret} bogus=1"),
+            // A password with a space, unquoted: its tail looks like a parameter.
+            "password=hunter2 hunter2x=1 host=h".to_owned(),
+            // A forgotten '@': the password is where the port would be.
+            "postgres://relay:hunter2/db".to_owned(),
+            "postgres://relay:hunter2%zz/db".to_owned(),
+            // '?' and '=' in the password, and a broken port after it.
+            "postgres://relay:hunter2?x=hunter2@h:bad/db".to_owned(),
         ] {
             let error = parse_err(&text);
-            assert!(!error.contains("hunter2"), "{error}");
+            assert!(!error.contains("hunter2"), "{text}: {error}");
         }
     }
 
@@ -767,6 +1734,28 @@ mod tests {
         let reparsed = parse(&info.redacted());
         assert_eq!(reparsed.dbname(), "my/db");
         assert_eq!(reparsed.password(), None);
+    }
+
+    #[test]
+    fn describe_lists_values_and_sources() {
+        let info = ConnInfo::parse_with_env(
+            "postgres://relay:pw@h/app",
+            env_of(&[("PGAPPNAME", "from-env")]),
+        )
+        .unwrap();
+        let described = info.describe();
+        let find = |name: &str| {
+            described
+                .iter()
+                .find(|(n, _, _)| *n == name)
+                .cloned()
+                .unwrap_or_else(|| panic!("{name} in {described:?}"))
+        };
+        assert_eq!(find("password").1, "<redacted>");
+        assert_eq!(find("password").2, Source::ConnString);
+        assert_eq!(find("application_name").2, Source::Env("PGAPPNAME"));
+        assert_eq!(find("port"), ("port", "5432".to_owned(), Source::Default));
+        assert_eq!(find("connect_timeout").1, "10s");
     }
 
     #[test]

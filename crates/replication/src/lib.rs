@@ -6,14 +6,16 @@
 //! MD5 and SCRAM), tokio and tokio-rustls (ring). Replication messages are decoded by the
 //! `pgoutput` crate.
 //!
-//! - [`ConnInfo`]: a libpq URL or key=value string, with libpq's defaults and quoting.
+//! - [`ConnInfo`]: a libpq URL or key=value string, with libpq's `PG*` environment,
+//!   password file, defaults and quoting, and where each value came from.
 //! - [`ReplicationConnection`]: a `replication=database` session; `IDENTIFY_SYSTEM`,
 //!   `SHOW`, plain SQL, then `START_REPLICATION ... LOGICAL`.
 //! - [`ReplicationStream`]: cancel-safe `recv` of `XLogData`/`PrimaryKeepalive`,
 //!   `send_status`, `finish`; [`Feedback`] decides when status updates go out and what they
 //!   say (see [`stream`] for the policy).
-//! - [`tls`]: libpq's `sslmode` semantics on rustls; [`connect_sql`] opens a control-plane
-//!   tokio-postgres connection under the same policy.
+//! - [`tls`]: libpq's `sslmode` semantics on rustls, client certificates; [`connect_sql`]
+//!   opens a control-plane tokio-postgres connection under the same policy (socket, TLS,
+//!   the authentication checks of the `auth` module, connect timeout).
 //! - [`Error`]: split by what the caller must do ([`Error::is_transient`]).
 //!
 //! ```ignore
@@ -47,10 +49,17 @@
 //! - R6 The end of a logical stream is always an error (transient): the server never ends
 //!   a healthy one on its own. So is, with [`ReplicationStream::set_idle_timeout`], a server
 //!   that stops answering heartbeats.
+//! - R7 Both connections authenticate under one policy (`channel_binding`, `require_auth`,
+//!   the `auth` module): a request the policy refuses is refused before anything is sent in
+//!   reply, and `channel_binding=require` never falls back to cleartext, md5, plain SCRAM
+//!   or no authentication. Connecting (TCP, TLS, authentication) is bounded by
+//!   `connect_timeout`, [`DEFAULT_CONNECT_TIMEOUT`] when not given.
 
+mod auth;
 pub mod connection;
 pub mod conninfo;
 pub mod error;
+mod sql;
 pub mod stream;
 pub mod tls;
 mod wire;
@@ -58,14 +67,17 @@ mod wire;
 pub use connection::{
     publication_names, quote_identifier, quote_literal, IdentifySystem, ReplicationConnection,
 };
-pub use conninfo::{ConnInfo, ParseSslModeError, Secret, SslMode};
+pub use conninfo::{
+    AuthMethod, ChannelBinding, ConnInfo, ParseSslModeError, RequireAuth, RootCerts, Secret,
+    Source, SslMode, DEFAULT_CONNECT_TIMEOUT,
+};
 pub use error::{sqlstate_is_transient, DbError, Error};
 pub use pgoutput::{Lsn, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData};
+pub use sql::connect_sql;
 pub use stream::{
     parse_wal_sender_timeout, pg_timestamp, reply_requested, status_interval, Feedback,
     ReplicationStream,
 };
-pub use tls::connect_sql;
 
 #[cfg(test)]
 mod tests {

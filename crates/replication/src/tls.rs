@@ -9,11 +9,19 @@
 //! | `verify-full` | error | chain to a trusted root and the host name |
 //!
 //! The trusted roots are the PEM file `sslrootcert`, else `~/.postgresql/root.crt` if that
-//! exists (libpq's default). `verify-ca` and `verify-full` without either are a
-//! configuration error. Unlike libpq, an explicitly given `sslrootcert` that cannot be read
-//! is an error in every mode: silently dropping verification the operator asked for is
-//! worse than failing. Also unlike libpq, `prefer` does not retry in plaintext after a
-//! failed TLS handshake.
+//! exists (libpq's default), or with `sslrootcert=system` the system's trust store
+//! (rustls-native-certs: the OS certificate bundle, or `SSL_CERT_FILE`/`SSL_CERT_DIR`).
+//! `verify-ca` and `verify-full` without roots are a configuration error. Unlike libpq, an
+//! explicitly given `sslrootcert` that cannot be read is an error in every mode: silently
+//! dropping verification the operator asked for is worse than failing. Also unlike libpq,
+//! `prefer` does not retry in plaintext after a failed TLS handshake.
+//!
+//! A client certificate (`sslcert`, a PEM chain, with its key `sslkey`: PKCS#8, PKCS#1 or
+//! SEC1 PEM, unencrypted) is presented when the server asks for one (`hostssl ... cert`, or
+//! `clientcert=verify-ca/verify-full` in pg_hba.conf). As in libpq, the key file must not be
+//! accessible by group or others (0600), except that a key owned by root may be
+//! group-readable (0640); an explicitly given `sslcert` that cannot be read is an error
+//! (libpq would silently connect without it).
 //!
 //! "Verify nothing" still verifies the handshake signatures, so the peer must hold the key
 //! of the certificate it presents; that is what makes `tls-server-end-point` channel binding
@@ -23,27 +31,24 @@
 //! (`ClientConfig::builder_with_provider`), never taken from a process-wide default, so the
 //! relay works whatever other crates install.
 //!
-//! [`connect_sql`] opens an ordinary (non-replication) SQL connection with tokio-postgres
-//! and the same TLS policy, for the relay's control plane (bootstrap SQL, slot checks).
+//! Both connections run their TLS through `connection::open`: the replication
+//! connection and [`crate::connect_sql`]'s control connection.
 
-use std::future::Future;
 use std::io;
-use std::path::PathBuf;
-use std::pin::Pin;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use sha2::Digest;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::conninfo::{ConnInfo, SslMode};
-use crate::error::DbError;
+use crate::conninfo::{ConnInfo, RootCerts, SslMode};
 use crate::Error;
 
 /// The ring provider, created per configuration rather than installed process-wide.
@@ -54,7 +59,8 @@ fn provider() -> Arc<CryptoProvider> {
 /// The rustls client configuration for `info`'s `sslmode` and root certificates.
 ///
 /// Errors (permanent): `verify-ca`/`verify-full` without a root certificate, an unreadable
-/// or empty `sslrootcert`.
+/// or empty `sslrootcert`, an empty system trust store, an unreadable client certificate or
+/// key, a key file others can read.
 pub fn client_config(info: &ConnInfo) -> Result<Arc<ClientConfig>, Error> {
     let provider = provider();
     let mode = info.sslmode();
@@ -80,12 +86,19 @@ pub fn client_config(info: &ConnInfo) -> Result<Arc<ClientConfig>, Error> {
             })
         }
     };
-    let config = ClientConfig::builder_with_provider(provider)
+    let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| Error::TlsConfig(format!("no usable TLS protocol version: {e}")))?
         .dangerous()
-        .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
+        .with_custom_certificate_verifier(verifier);
+    let config = match client_certificate(info)? {
+        Some((chain, key)) => builder.with_client_auth_cert(chain, key).map_err(|e| {
+            Error::TlsConfig(format!(
+                "the client certificate (sslcert) and key (sslkey) do not fit together: {e}"
+            ))
+        })?,
+        None => builder.with_no_client_auth(),
+    };
     Ok(Arc::new(config))
 }
 
@@ -98,17 +111,15 @@ fn webpki_verifier(
         .map_err(|e| Error::TlsConfig(format!("cannot build the certificate verifier: {e}")))
 }
 
-/// `sslrootcert`, else `~/.postgresql/root.crt` when it exists, else `None`.
+/// The trusted roots of [`ConnInfo::root_certs`], if any.
 fn load_roots(info: &ConnInfo) -> Result<Option<RootCertStore>, Error> {
-    let path = match info.sslrootcert() {
-        Some(path) => path.to_owned(),
-        None => match default_root_cert() {
-            Some(path) if path.is_file() => path,
-            _ => return Ok(None),
-        },
+    let path = match info.root_certs() {
+        None => return Ok(None),
+        Some(RootCerts::System) => return system_roots().map(Some),
+        Some(RootCerts::File(path)) => path,
     };
     let mut roots = RootCertStore::empty();
-    let certificates = CertificateDer::pem_file_iter(&path).map_err(|e| {
+    let certificates = CertificateDer::pem_file_iter(path).map_err(|e| {
         Error::TlsConfig(format!(
             "cannot read root certificate file {}: {e}",
             path.display()
@@ -137,9 +148,78 @@ fn load_roots(info: &ConnInfo) -> Result<Option<RootCertStore>, Error> {
     Ok(Some(roots))
 }
 
-fn default_root_cert() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    Some(PathBuf::from(home).join(".postgresql").join("root.crt"))
+/// `sslrootcert=system`: the platform's trusted roots.
+fn system_roots() -> Result<RootCertStore, Error> {
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+        return Err(Error::TlsConfig(format!(
+            "sslrootcert=system, but no trusted root certificate was found on this system{}; \
+             install the ca-certificates package, set SSL_CERT_FILE, or point sslrootcert at a \
+             CA file",
+            if errors.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", errors.join("; "))
+            }
+        )));
+    }
+    Ok(roots)
+}
+
+/// The client certificate chain and key, when there is a certificate.
+fn client_certificate(
+    info: &ConnInfo,
+) -> Result<Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>, Error> {
+    let Some(cert_path) = info.sslcert() else {
+        return Ok(None);
+    };
+    let unreadable = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
+        Error::TlsConfig(format!("cannot read {what} {}: {e}", path.display()))
+    };
+    let chain = CertificateDer::pem_file_iter(cert_path)
+        .map_err(|e| unreadable("client certificate file (sslcert)", cert_path, &e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| unreadable("client certificate file (sslcert)", cert_path, &e))?;
+    if chain.is_empty() {
+        return Err(Error::TlsConfig(format!(
+            "no certificate in client certificate file (sslcert) {}",
+            cert_path.display()
+        )));
+    }
+    let key_path = info.sslkey().ok_or_else(|| {
+        Error::TlsConfig(format!(
+            "client certificate {} has no key: set sslkey=/path/to/client.key",
+            cert_path.display()
+        ))
+    })?;
+    let metadata = std::fs::metadata(key_path)
+        .map_err(|e| unreadable("private key file (sslkey)", key_path, &e))?;
+    let mode = metadata.permissions().mode();
+    let too_open = if metadata.uid() == 0 {
+        mode & 0o037 != 0
+    } else {
+        mode & 0o077 != 0
+    };
+    if too_open {
+        return Err(Error::TlsConfig(format!(
+            "private key file {} has group or world access; file must have permissions u=rw \
+             (0600) or less if owned by the current user, or permissions u=rw,g=r (0640) or less \
+             if owned by root (chmod 600 {})",
+            key_path.display(),
+            key_path.display()
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| {
+        Error::TlsConfig(format!(
+            "no usable private key in {} ({e}); encrypted keys (sslpassword) are not supported: \
+             decrypt it with `openssl pkey -in key -out key.plain`",
+            key_path.display()
+        ))
+    })?;
+    Ok(Some((chain, key)))
 }
 
 /// The name the certificate must carry for `verify-full` (a DNS name or an IP address).
@@ -336,181 +416,6 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
-/// Opens an ordinary SQL connection (not a replication connection) with tokio-postgres,
-/// under the same TLS policy as [`crate::ReplicationConnection::connect`], and spawns its
-/// connection task on the current tokio runtime.
-///
-/// The session is pinned like the replication session: `TimeZone=UTC`, `DateStyle=ISO`,
-/// `standard_conforming_strings=on` (which [`crate::quote_literal`] relies on), and the
-/// `application_name` of `info` if it has one.
-pub async fn connect_sql(info: &ConnInfo) -> Result<tokio_postgres::Client, Error> {
-    use tokio_postgres::config::SslMode as PgSslMode;
-
-    let mut config = tokio_postgres::Config::new();
-    config
-        .user(info.user())
-        .dbname(info.dbname())
-        .port(info.port())
-        .options("-c TimeZone=UTC -c DateStyle=ISO -c standard_conforming_strings=on");
-    if let Some(password) = info.password() {
-        config.password(password.expose());
-    }
-    if let Some(name) = info.application_name() {
-        config.application_name(name);
-    }
-    if let Some(timeout) = info.connect_timeout() {
-        config.connect_timeout(timeout);
-    }
-    // As in libpq, TLS is not used over Unix sockets.
-    let sslmode = if info.is_unix_socket() {
-        config.host_path(info.host());
-        SslMode::Disable
-    } else {
-        config.host(info.host());
-        info.sslmode()
-    };
-    // tokio-postgres knows disable/prefer/require; the verification lives in the rustls
-    // configuration.
-    config.ssl_mode(match sslmode {
-        SslMode::Disable => PgSslMode::Disable,
-        SslMode::Prefer => PgSslMode::Prefer,
-        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => PgSslMode::Require,
-    });
-    let tls = MakeRustlsConnect {
-        config: match sslmode {
-            SslMode::Disable => None,
-            _ => Some(client_config(info)?),
-        },
-        target: info.redacted(),
-    };
-    let (client, connection) =
-        config
-            .connect(tls)
-            .await
-            .map_err(|error| match error.as_db_error() {
-                Some(db) => Error::from(DbError::from_tokio_postgres(db, info.user())),
-                None => Error::Sql {
-                    context: format!("could not connect to Postgres at {}", info.redacted()),
-                    source: error,
-                },
-            })?;
-    let target = info.redacted();
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::warn!(target = %target, error = %error, "sql connection failed");
-        }
-    });
-    Ok(client)
-}
-
-/// tokio-postgres' TLS hook over tokio-rustls.
-#[derive(Debug, Clone)]
-struct MakeRustlsConnect {
-    config: Option<Arc<ClientConfig>>,
-    target: String,
-}
-
-struct RustlsConnect {
-    config: Option<Arc<ClientConfig>>,
-    host: String,
-    target: String,
-}
-
-impl<S> tokio_postgres::tls::MakeTlsConnect<S> for MakeRustlsConnect
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    type Stream = RustlsStream<S>;
-    type TlsConnect = RustlsConnect;
-    type Error = Error;
-
-    fn make_tls_connect(&mut self, domain: &str) -> Result<RustlsConnect, Error> {
-        Ok(RustlsConnect {
-            config: self.config.clone(),
-            host: domain.to_owned(),
-            target: self.target.clone(),
-        })
-    }
-}
-
-type ConnectFuture<S> = Pin<Box<dyn Future<Output = Result<RustlsStream<S>, Error>> + Send>>;
-
-impl<S> tokio_postgres::tls::TlsConnect<S> for RustlsConnect
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    type Stream = RustlsStream<S>;
-    type Error = Error;
-    type Future = ConnectFuture<S>;
-
-    fn connect(self, stream: S) -> ConnectFuture<S> {
-        Box::pin(async move {
-            let config = self
-                .config
-                .ok_or_else(|| Error::TlsConfig("tls requested with sslmode=disable".to_owned()))?;
-            let stream = handshake(config, &self.host, stream, &self.target).await?;
-            Ok(RustlsStream(stream))
-        })
-    }
-}
-
-/// A TLS stream that reports its `tls-server-end-point` binding to tokio-postgres.
-struct RustlsStream<S>(tokio_rustls::client::TlsStream<S>);
-
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for RustlsStream<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for RustlsStream<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-}
-
-impl<S: AsyncRead + AsyncWrite + Unpin> tokio_postgres::tls::TlsStream for RustlsStream<S> {
-    fn channel_binding(&self) -> tokio_postgres::tls::ChannelBinding {
-        let (_, connection) = self.0.get_ref();
-        match connection
-            .peer_certificates()
-            .and_then(|certificates| certificates.first())
-            .and_then(|certificate| tls_server_end_point(certificate))
-        {
-            Some(hash) => tokio_postgres::tls::ChannelBinding::tls_server_end_point(hash),
-            None => tokio_postgres::tls::ChannelBinding::none(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,10 +426,7 @@ mod tests {
 
     #[test]
     fn verify_modes_need_a_root_certificate() {
-        // Keep ~/.postgresql/root.crt out of the picture only if it does not exist here.
-        if default_root_cert().is_some_and(|p| p.exists()) {
-            return;
-        }
+        // Parsed without HOME, so ~/.postgresql/root.crt is out of the picture.
         for mode in ["verify-ca", "verify-full"] {
             let error = client_config(&info(&format!("host=h sslmode={mode}"))).unwrap_err();
             assert_eq!(
@@ -551,6 +453,57 @@ mod tests {
             assert!(error.to_string().contains("/nonexistent/ca.crt"), "{error}");
             assert!(!error.is_transient());
         }
+    }
+
+    #[test]
+    fn system_roots_load_for_sslrootcert_system() {
+        let config = client_config(&info("host=h sslrootcert=system"));
+        assert!(config.is_ok(), "{:?}", config.err());
+    }
+
+    #[test]
+    fn client_certificate_files_are_checked() {
+        let scratch = testkit::scratch_dir("client-cert");
+        let dir = scratch.path();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["relay".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let (cert_path, key_path) = (dir.join("client.crt"), dir.join("client.key"));
+        testkit::write_file_mode(&cert_path, &cert.pem(), 0o644);
+        testkit::write_file_mode(&key_path, &key.serialize_pem(), 0o600);
+        let conninfo = format!(
+            "host=h sslmode=require sslcert={} sslkey={}",
+            cert_path.display(),
+            key_path.display()
+        );
+        let set_mode = |mode: u32| {
+            std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        set_mode(0o600);
+        client_config(&info(&conninfo)).unwrap();
+        set_mode(0o604);
+        let error = client_config(&info(&conninfo)).unwrap_err();
+        assert!(
+            error.to_string().contains("group or world access") && !error.is_transient(),
+            "{error}"
+        );
+        set_mode(0o600);
+        let error = client_config(&info(&format!(
+            "host=h sslcert={} sslkey=/nonexistent/client.key",
+            cert_path.display()
+        )))
+        .unwrap_err();
+        assert!(error.to_string().contains("sslkey"), "{error}");
+        let error = client_config(&info("host=h sslcert=/nonexistent/client.crt")).unwrap_err();
+        assert!(
+            error.to_string().contains("/nonexistent/client.crt") && !error.is_transient(),
+            "{error}"
+        );
+        let error =
+            client_config(&info(&format!("host=h sslcert={}", cert_path.display()))).unwrap_err();
+        assert!(error.to_string().contains("set sslkey="), "{error}");
     }
 
     #[test]

@@ -578,3 +578,357 @@ async fn trust_over_unix_socket_and_a_crash_is_transient() {
         "connection refused is transient: {error}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// libpq compatibility: PG* environment, password file, client certificates,
+// channel_binding, require_auth, connect_timeout. Each on both connections: the
+// replication connection and the control connection (connect_sql).
+// ---------------------------------------------------------------------------------------
+
+/// Connects both ways; returns the replication connection's SASL mechanism.
+async fn connect_both(info: &ConnInfo) -> Option<&'static str> {
+    let mut connection = ReplicationConnection::connect(info)
+        .await
+        .expect("replication connection");
+    connection.identify_system().await.expect("IDENTIFY_SYSTEM");
+    let mechanism = connection.sasl_mechanism();
+    let client = connect_sql(info).await.expect("control connection");
+    client.simple_query("SELECT 1").await.expect("query");
+    mechanism
+}
+
+/// Both connections fail; returns both errors.
+async fn fail_both(info: &ConnInfo) -> [Error; 2] {
+    let replication = ReplicationConnection::connect(info)
+        .await
+        .expect_err("the replication connection must fail");
+    let control = connect_sql(info)
+        .await
+        .expect_err("the control connection must fail");
+    [replication, control]
+}
+
+#[tokio::test]
+async fn pg_environment_variables_and_a_password_file_supply_the_password() {
+    let pg = scram_tls();
+    let dir = testkit::scratch_dir("pgpass");
+    let passfile = dir.path().join("pgpass");
+    // libpq's format: the escaped ':' and '\' of the password, a comment, a non-matching line.
+    let escaped = PASSWORD.replace('\\', "\\\\").replace(':', "\\:");
+    testkit::write_file_mode(
+        &passfile,
+        &format!(
+            "# relay\n127.0.0.1:1:*:*:wrong\n127.0.0.1:{}:*:postgres:{escaped}\n",
+            pg.port()
+        ),
+        0o600,
+    );
+    let port = pg.port().to_string();
+    let passfile_text = passfile.display().to_string();
+    let vars: Vec<(&str, &str)> = vec![
+        ("PGHOST", "127.0.0.1"),
+        ("PGPORT", &port),
+        ("PGUSER", "postgres"),
+        ("PGDATABASE", "postgres"),
+        ("PGSSLMODE", "require"),
+        ("PGPASSFILE", &passfile_text),
+    ];
+    let env = |vars: Vec<(&str, &str)>| {
+        let vars: std::collections::BTreeMap<String, String> = vars
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        move |name: &str| vars.get(name).cloned()
+    };
+
+    // Everything from PG* variables, the password from the file.
+    let info = ConnInfo::parse_with_env("", env(vars.clone())).expect("conninfo");
+    assert_eq!(
+        info.source("password"),
+        &replication::Source::PassFile(passfile.clone())
+    );
+    assert_eq!(connect_both(&info).await, Some("SCRAM-SHA-256-PLUS"));
+
+    // PGPASSWORD wins over the file (here: a wrong one, so the server says so).
+    let mut with_wrong = vars.clone();
+    with_wrong.push(("PGPASSWORD", WRONG_PASSWORD));
+    let info = ConnInfo::parse_with_env("", env(with_wrong)).expect("conninfo");
+    for error in fail_both(&info).await {
+        assert_eq!(error.sqlstate(), Some("28P01"), "{error}");
+        assert_no_password(&error);
+    }
+
+    // A connection string overrides the variables it names, and only those.
+    let info = ConnInfo::parse_with_env("dbname=template1", env(vars.clone())).expect("conninfo");
+    assert_eq!(info.dbname(), "template1");
+    connect_both(&info).await;
+
+    // A password file that others can read is ignored, with a warning; then there is no
+    // password, and the error says where to put one.
+    testkit::write_file_mode(
+        &passfile,
+        &std::fs::read_to_string(&passfile).unwrap(),
+        0o644,
+    );
+    let info = ConnInfo::parse_with_env("", env(vars)).expect("conninfo");
+    assert!(
+        info.warnings()
+            .iter()
+            .any(|w| w.contains("group or world access")),
+        "{:?}",
+        info.warnings()
+    );
+    for error in fail_both(&info).await {
+        assert!(error.to_string().contains("none was given"), "{error}");
+        assert!(error.to_string().contains("pgpass"), "{error}");
+        assert!(!error.is_transient());
+    }
+}
+
+/// A TLS server with a pg_hba.conf of per-user methods: `certuser` by client certificate
+/// (hostssl ... cert), `md5user` by md5, `plainuser` by cleartext password, everyone else by
+/// SCRAM. Returns the server and the client certificate and key files for `certuser`.
+struct HbaServer {
+    pg: Postgres,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+}
+
+fn hba_server() -> &'static HbaServer {
+    static SERVER: OnceLock<HbaServer> = OnceLock::new();
+    testkit::shared(&SERVER, || {
+        // Kept for the life of the test process, as the server is.
+        let dir = testkit::scratch_dir("hba").keep();
+        // A CA for client certificates, and certuser's certificate (CN = the role name).
+        let ca_key = rcgen::KeyPair::generate().expect("CA key");
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA");
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "relay test client CA");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca_params.self_signed(&ca_key).expect("self-sign CA");
+        let issuer = rcgen::Issuer::new(ca_params, ca_key);
+        let client_key = rcgen::KeyPair::generate().expect("client key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("client");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "certuser");
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let client_cert = params
+            .signed_by(&client_key, &issuer)
+            .expect("sign client certificate");
+        let ca_path = dir.join("client-ca.crt");
+        testkit::write_file_mode(&ca_path, &ca_cert.pem(), 0o644);
+        let client_cert_path = dir.join("client.crt");
+        testkit::write_file_mode(&client_cert_path, &client_cert.pem(), 0o644);
+        let client_key_path = dir.join("client.key");
+        testkit::write_file_mode(&client_key_path, &client_key.serialize_pem(), 0o600);
+
+        let mut hba = String::from("local all all trust\nlocal replication all trust\n");
+        for (kind, user, method) in [
+            ("hostssl", "certuser", "cert"),
+            ("host", "md5user", "md5"),
+            ("host", "plainuser", "password"),
+            ("host", "all", "scram-sha-256"),
+        ] {
+            for database in ["all", "replication"] {
+                hba.push_str(&format!("{kind} {database} {user} 127.0.0.1/32 {method}\n"));
+            }
+        }
+        let hba_path = dir.join("pg_hba.conf");
+        testkit::write_file_mode(&hba_path, &hba, 0o644);
+        let pg = Postgres::start_with(PgOptions {
+            auth: PgAuth::Scram,
+            password: Some(PASSWORD.to_owned()),
+            tls: true,
+            settings: vec![
+                ("hba_file".into(), hba_path.display().to_string()),
+                ("ssl_ca_file".into(), ca_path.display().to_string()),
+            ],
+        });
+        pg.psql(
+            "postgres",
+            &format!(
+                "CREATE ROLE certuser LOGIN REPLICATION;
+                 SET password_encryption = 'md5';
+                 CREATE ROLE md5user LOGIN REPLICATION PASSWORD {0};
+                 CREATE ROLE plainuser LOGIN REPLICATION PASSWORD {0};",
+                quote(PASSWORD).replace("\\'", "''")
+            ),
+        );
+        HbaServer {
+            pg,
+            client_cert: client_cert_path,
+            client_key: client_key_path,
+        }
+    })
+}
+
+fn as_user(server: &HbaServer, user: &str, password: &str, extra: &str) -> ConnInfo {
+    conninfo(&format!(
+        "host=localhost port={} user={user} password={} dbname=postgres sslrootcert={} \
+         connect_timeout=10 {extra}",
+        server.pg.port(),
+        quote(password),
+        ca(&server.pg)
+    ))
+}
+
+#[tokio::test]
+async fn client_certificate_authentication_with_hostssl_cert() {
+    let server = hba_server();
+    let files = format!(
+        "sslmode=verify-full sslcert={} sslkey={}",
+        quote(&server.client_cert.display().to_string()),
+        quote(&server.client_key.display().to_string())
+    );
+    let info = conninfo(&format!(
+        "host=localhost port={} user=certuser dbname=postgres sslrootcert={} {files}",
+        server.pg.port(),
+        ca(&server.pg)
+    ));
+    assert_eq!(
+        connect_both(&info).await,
+        None,
+        "no password: the certificate"
+    );
+
+    // Without the certificate the server refuses (and says which pg_hba line).
+    let info = conninfo(&format!(
+        "host=localhost port={} user=certuser dbname=postgres sslmode=verify-full sslrootcert={}",
+        server.pg.port(),
+        ca(&server.pg)
+    ));
+    for error in fail_both(&info).await {
+        assert_eq!(error.sqlstate(), Some("28000"), "{error}");
+        assert!(!error.is_transient());
+    }
+}
+
+#[tokio::test]
+async fn channel_binding_require_uses_scram_plus_and_refuses_md5_and_cleartext() {
+    // SCRAM-SHA-256-PLUS on both connections.
+    let pg = scram_tls();
+    let info = tcp(pg, "postgres", "sslmode=require channel_binding=require");
+    assert_eq!(connect_both(&info).await, Some("SCRAM-SHA-256-PLUS"));
+
+    // md5 and cleartext are refused before the password is sent: with a wrong password,
+    // the error is ours, not the server's "password authentication failed".
+    let server = hba_server();
+    for (user, what) in [
+        ("md5user", "an md5 password hash"),
+        ("plainuser", "a cleartext password"),
+    ] {
+        let info = as_user(
+            server,
+            user,
+            WRONG_PASSWORD,
+            "sslmode=verify-full channel_binding=require",
+        );
+        for error in fail_both(&info).await {
+            assert!(matches!(error, Error::Auth(_)), "{user}: {error:?}");
+            assert!(
+                error.to_string().contains(what) && error.to_string().contains("nothing was sent"),
+                "{user}: {error}"
+            );
+            assert_eq!(
+                error.sqlstate(),
+                None,
+                "the server never saw a password: {error}"
+            );
+            assert!(!error.is_transient());
+            assert_no_password(&error);
+        }
+        // Without channel_binding=require the same user connects (so it was the policy).
+        let info = as_user(server, user, PASSWORD, "sslmode=verify-full");
+        connect_both(&info).await;
+    }
+
+    // channel_binding=disable: plain SCRAM even where PLUS is offered.
+    let info = tcp(pg, "postgres", "sslmode=require channel_binding=disable");
+    assert_eq!(connect_both(&info).await, Some("SCRAM-SHA-256"));
+
+    // A server without TLS cannot bind: refused under sslmode=prefer too.
+    let md5 = md5();
+    let info = tcp(md5, "postgres", "channel_binding=require");
+    for error in fail_both(&info).await {
+        assert!(error.to_string().contains("does not use TLS"), "{error}");
+        assert!(!error.is_transient());
+    }
+}
+
+#[tokio::test]
+async fn require_auth_refuses_other_methods_on_both_connections() {
+    let server = hba_server();
+    let info = as_user(
+        server,
+        "md5user",
+        WRONG_PASSWORD,
+        "sslmode=verify-full require_auth=scram-sha-256",
+    );
+    for error in fail_both(&info).await {
+        assert!(
+            error.to_string().contains("md5 password authentication")
+                && error.to_string().contains("require_auth=scram-sha-256"),
+            "{error}"
+        );
+        assert_eq!(error.sqlstate(), None, "nothing was sent: {error}");
+    }
+    let info = as_user(
+        server,
+        "postgres",
+        PASSWORD,
+        "sslmode=verify-full require_auth=!password,!md5",
+    );
+    connect_both(&info).await;
+}
+
+#[tokio::test]
+async fn connect_timeout_bounds_a_server_that_never_answers() {
+    // Accepts connections and never says a word.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let _accepting = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    let info = conninfo(&format!(
+        "host=127.0.0.1 port={port} user=postgres password=pw connect_timeout=2"
+    ));
+    for (which, result) in [
+        (
+            "replication",
+            timeout(
+                Duration::from_secs(10),
+                ReplicationConnection::connect(&info),
+            )
+            .await
+            .map(|r| r.err()),
+        ),
+        (
+            "control",
+            timeout(Duration::from_secs(10), connect_sql(&info))
+                .await
+                .map(|r| r.err()),
+        ),
+    ] {
+        let error = result
+            .unwrap_or_else(|_| panic!("{which}: connect_timeout=2 did not bound the connect"))
+            .unwrap_or_else(|| panic!("{which}: connected to a silent server"));
+        assert!(matches!(error, Error::Timeout { .. }), "{which}: {error}");
+        assert!(error.to_string().contains("connect_timeout"), "{error}");
+        assert!(error.is_transient());
+    }
+    // Without connect_timeout, the default bounds it.
+    let info = conninfo(&format!("host=127.0.0.1 port={port} user=postgres"));
+    assert_eq!(
+        info.connect_timeout(),
+        Some(replication::DEFAULT_CONNECT_TIMEOUT)
+    );
+}

@@ -121,6 +121,28 @@ pub fn shared<T>(cell: &'static OnceLock<T>, init: impl FnOnce() -> T) -> &'stat
     cell.get_or_init(init)
 }
 
+/// A fresh directory for a test's own files (certificates, password files, configs),
+/// readable by the servers; removed when the handle is dropped, and at the latest when the
+/// test process exits (also after `TempDir::keep`, for a directory a shared server uses).
+pub fn scratch_dir(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("testkit-{name}-"))
+        .tempdir_in(temp_base())
+        .expect("testkit: create a scratch directory");
+    cleanup::register_dir(dir.path());
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("testkit: chmod a scratch directory");
+    dir
+}
+
+/// Writes `text` to `path` with permissions `mode` (e.g. 0o600 for a password file or a
+/// private key, 0o644 for what a server must read).
+pub fn write_file_mode(path: &Path, text: &str, mode: u32) {
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("testkit: write {}: {e}", path.display()));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .unwrap_or_else(|e| panic!("testkit: chmod {}: {e}", path.display()));
+}
+
 /// uid/gid the servers must run as: `Some(postgres)` when we are root,
 /// `None` (= the current user) otherwise.
 pub(crate) fn server_owner() -> Option<(u32, u32)> {
