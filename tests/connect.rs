@@ -174,9 +174,11 @@ async fn secrets_never_reach_any_output() {
     assert!(relay.terminate(DEADLINE).success());
     let output = relay.output();
     assert_no_secret("the debug log", &output);
+    // async-nats logs its server URL at debug level: the relay hands it the URL without the
+    // user information (relay::nats N1), so there is nothing to scrub there.
     assert!(
-        output.contains("<redacted>"),
-        "a library printed a credential, which was scrubbed:\n{output}"
+        output.contains("password: None"),
+        "async-nats logged its server URL without the credentials:\n{output}"
     );
 
     // A wrong password: the error names the problem, not the password.
