@@ -43,7 +43,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use outbox::Position;
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
@@ -68,6 +67,20 @@ const CHANNEL_BATCHES: usize = 4;
 /// How long a session waits for its sink after the reader stopped cleanly.
 const SINK_GRACE: Duration = Duration::from_secs(1);
 
+/// How a session ended.
+#[derive(Debug)]
+enum SessionEnd {
+    /// Shutdown before the session streamed: nothing was published, nothing to drain.
+    ShutdownDuringSetUp,
+    /// Shutdown while streaming: every in-flight ack arrived and was confirmed (I10).
+    Drained,
+    /// Shutdown while streaming: the drain deadline passed first; what was not acknowledged
+    /// was not confirmed and will be replayed.
+    DrainDeadlinePassed,
+    /// The session failed; the error says whether another may be tried.
+    Failed(RelayError),
+}
+
 /// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     let stats = Arc::new(SinkStats::default());
@@ -76,35 +89,37 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     loop {
         let started = Instant::now();
         let acked_before = stats.acked();
-        let result = async {
-            let lease = tokio::select! {
-                // A SIGTERM while the lease's connect hangs ends the process at once.
-                () = shutdown.cancelled() => return Ok(()),
-                lease = Lease::acquire(&config, &shutdown) => lease?,
-            };
-            let Some(lease) = lease else { return Ok(()) };
-            session(&config, &shutdown, &mut bootstrapped, &stats, &lease).await
-        }
-        .await;
-        match result {
-            Ok(()) => return Ok(()),
-            Err(error) if !error.is_transient() => return Err(error),
-            Err(error) => {
-                if shutdown.is_cancelled() {
-                    return Ok(());
-                }
-                // A session that got acknowledgements through, or ran a while, was healthy:
-                // the next failure starts the backoff over.
-                if stats.acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
-                    backoff.reset();
-                }
-                let delay = backoff.next_delay();
-                warn!(error = %error, retry_in = ?delay, "relay session ended; resuming from the slot's confirmed position");
-                tokio::select! {
-                    _ = tokio::time::sleep(delay) => {}
-                    _ = shutdown.cancelled() => return Ok(()),
-                }
+        let end = tokio::select! {
+            // A SIGTERM while the lease's connect hangs ends the process at once.
+            () = shutdown.cancelled() => SessionEnd::ShutdownDuringSetUp,
+            lease = Lease::acquire(&config, &shutdown) => match lease {
+                Ok(Some(lease)) => session(&config, &shutdown, &mut bootstrapped, &stats, &lease).await,
+                Ok(None) => SessionEnd::ShutdownDuringSetUp,
+                Err(error) => SessionEnd::Failed(error),
+            },
+        };
+        let error = match end {
+            SessionEnd::ShutdownDuringSetUp => {
+                info!("shut down before streaming; nothing to drain");
+                return Ok(());
             }
+            SessionEnd::Drained | SessionEnd::DrainDeadlinePassed => return Ok(()),
+            SessionEnd::Failed(error) if !error.is_transient() => return Err(error),
+            SessionEnd::Failed(error) => error,
+        };
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
+        // A session that got acknowledgements through, or ran a while, was healthy: the next
+        // failure starts the backoff over.
+        if stats.acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        warn!(error = %error, retry_in = ?delay, "relay session ended; resuming from the slot's confirmed position");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.cancelled() => return Ok(()),
         }
     }
 }
@@ -175,8 +190,8 @@ async fn ensure(
     guard_history: bool,
 ) -> Result<bootstrap::SlotState> {
     if guard_history && config.create && !bootstrap::slot_exists(client, &config.slot).await? {
-        if let Ok(tail) = read_tail(jetstream, config, None).await {
-            if let Some(position) = tail.position {
+        if let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await {
+            if let Some(position) = tail.last_position() {
                 return Err(RelayError::permanent(anyhow::anyhow!(
                     "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
                      the slot was dropped or invalidated, so events committed since may be missing from the stream. \
@@ -199,30 +214,33 @@ struct Prepared {
     slot: bootstrap::SlotState,
     stream: ReplicationStream,
     status_interval: Duration,
-    tail: Tail,
+    tail: sink::resume::Tail,
+    resume: sink::resume::Resume,
     source: String,
     max_message_bytes: usize,
 }
 
-/// One session: set up (every step racing the lease and shutdown), then stream. `Ok(())`
-/// means shutdown.
+/// One session, step by step: set up (racing the lease and shutdown), then stream.
 async fn session(
     config: &Config,
     shutdown: &CancellationToken,
     bootstrapped: &mut bool,
     stats: &Arc<SinkStats>,
     lease: &Lease,
-) -> Result<()> {
+) -> SessionEnd {
     let prepared = tokio::select! {
         biased;
         // A SIGTERM while a connect or a check hangs ends the process at once: nothing has
         // been published yet, so there is nothing to drain.
-        () = shutdown.cancelled() => return Ok(()),
+        () = shutdown.cancelled() => return SessionEnd::ShutdownDuringSetUp,
         // L1: no session without the lease.
-        () = lease.lost() => return Err(lease_lost(config)),
-        prepared = prepare(config, bootstrapped, stats, lease) => prepared?,
+        () = lease.lost() => return SessionEnd::Failed(lease_lost(config)),
+        prepared = prepare(config, bootstrapped, stats, lease) => prepared,
     };
-    stream_events(config, shutdown, stats, lease, prepared).await
+    match prepared {
+        Ok(prepared) => stream_events(config, shutdown, stats, lease, prepared).await,
+        Err(error) => SessionEnd::Failed(error),
+    }
 }
 
 fn lease_lost(config: &Config) -> RelayError {
@@ -260,8 +278,22 @@ async fn prepare(
         system.dbname.as_deref().unwrap_or(config.database.dbname()),
         &config.slot,
     );
-    let mut tail = read_tail(&jetstream, config, Some(&source)).await?;
-    tail.position = trusted_position(tail.position, system.xlogpos, "the stream's last message");
+    let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
+        .await
+        .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
+    // P6, I7: what is stored already, by positions of this session's own history only.
+    let resume = sink::resume::plan(
+        &tail,
+        &sink::resume::Session {
+            source: &source,
+            wal_end: system.xlogpos,
+            acknowledged: stats.stored_through(&source),
+            strict: !config.shared_stream,
+        },
+    );
+    for why in &resume.distrust {
+        report_distrust(why, tail.last_sequence, &source);
+    }
     let max_message_bytes = match tail.max_msg_size {
         Some(limit) => limit.min(max_payload),
         None => max_payload,
@@ -290,43 +322,52 @@ async fn prepare(
         // A server that vanishes without closing the connection becomes a transient error.
         stream.set_idle_timeout(Some(timeout));
     }
-    // P6: skip what the tail shows stored, or what an earlier session of this process saw
-    // acknowledged from the same source, whichever is further.
-    if !config.shared_stream {
-        let seen = trusted_position(
-            stats.stored_through(&source),
-            system.xlogpos,
-            "what an earlier session acknowledged",
-        );
-        tail.position = tail.position.max(seen);
-    }
     Ok(Prepared {
         jetstream,
         slot,
         stream,
         status_interval,
         tail,
+        resume,
         source,
         max_message_bytes,
     })
 }
 
-/// I6: a stored position at or beyond the server's WAL end cannot be this server's history
-/// (a restored-older database, a forged tail): skipping by it could skip new events that
-/// reuse its LSNs. Such a position is dropped, said and counted.
-fn trusted_position(position: Option<Position>, wal_end: Lsn, what: &str) -> Option<Position> {
-    let position = position?;
-    if position.commit_lsn < wal_end {
-        return Some(position);
+/// Says why a stored position is not used to skip, and counts it (I7): the session then
+/// relies on `Nats-Msg-Id` de-duplication, within the duplicate window, for what it replays.
+fn report_distrust(why: &sink::resume::Distrust, last_sequence: u64, source: &str) {
+    use sink::resume::{Distrust, Stored};
+    const FALLBACK: &str =
+        "replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window";
+    let unreadable = || metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
+    match why {
+        Distrust::Unreadable { error } => {
+            unreadable();
+            warn!(last_sequence, error = %error, metric = metrics::TAIL_UNREADABLE_NAME,
+                "cannot read the stream's last message (purged or aged out?); {FALLBACK}");
+        }
+        Distrust::NoPosition => {
+            unreadable();
+            warn!(last_sequence, metric = metrics::TAIL_UNREADABLE_NAME,
+                "the stream's last message carries no outbox position (another writer? then set OUTBOX_RELAY_SHARED_STREAM=true); {FALLBACK}");
+        }
+        Distrust::OtherSource { theirs } => {
+            unreadable();
+            warn!(last_sequence, tail_source = theirs.as_deref().unwrap_or("none"), source,
+                metric = metrics::TAIL_UNREADABLE_NAME,
+                "the stream's last message was published from another source: another timeline of this database (after a fail-over or a point-in-time restore, LSNs are reused), or another database or slot writing to this stream (give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position: {FALLBACK}");
+        }
+        Distrust::BeyondWalEnd { stored, commit_lsn } => {
+            metrics::TAIL_REJECTED.fetch_add(1, Ordering::Relaxed);
+            let what = match stored {
+                Stored::Tail => "the stream's last message",
+                Stored::Acknowledged => "what an earlier session acknowledged",
+            };
+            warn!(commit_lsn = %commit_lsn, metric = metrics::TAIL_REJECTED_NAME,
+                "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
+        }
     }
-    metrics::TAIL_REJECTED.fetch_add(1, Ordering::Relaxed);
-    warn!(
-        commit_lsn = %position.commit_lsn,
-        wal_end = %wal_end,
-        metric = metrics::TAIL_REJECTED_NAME,
-        "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
-    );
-    None
 }
 
 /// Aborts `task` and waits until it is gone: nothing it does happens after this returns.
@@ -342,19 +383,14 @@ async fn stream_events(
     stats: &Arc<SinkStats>,
     lease: &Lease,
     prepared: Prepared,
-) -> Result<()> {
-    let resume_after = if config.shared_stream {
-        None
-    } else {
-        prepared.tail.position
-    };
+) -> SessionEnd {
     info!(
         slot = %config.slot,
         confirmed_flush_lsn = %prepared.slot.confirmed_flush_lsn,
         stream = %config.stream,
         mode = if config.shared_stream { "shared" } else { "strict" },
         last_sequence = prepared.tail.last_sequence,
-        resume_after = ?resume_after,
+        skip_through = ?prepared.resume.skip_through,
         "streaming outbox events"
     );
 
@@ -367,8 +403,8 @@ async fn stream_events(
     );
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
-        fence: (!config.shared_stream).then_some(prepared.tail.last_sequence),
-        resume_after,
+        fence: prepared.resume.fence,
+        resume_after: prepared.resume.skip_through,
         limits: sink::Limits {
             max_message_bytes: prepared.max_message_bytes,
             max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
@@ -396,149 +432,73 @@ async fn stream_events(
         feedback: Feedback::new(prepared.status_interval),
         dedupe_guard: guard,
     };
-    let read_result = tokio::select! {
+    let reader_end = tokio::select! {
         biased;
         // L1: the lease is gone: stop the sink before anything else is published.
         () = lease.lost() => {
             stop(sink).await;
-            return Err(lease_lost(config));
+            return SessionEnd::Failed(lease_lost(config));
         }
-        result = reader.run(shutdown.clone(), config.shutdown_timeout) => result,
+        end = reader.run(shutdown.clone(), config.shutdown_timeout) => end,
     };
-    if let Err(error) = read_result {
-        // The replication stream is gone, so nothing the sink still awaits could be
-        // confirmed: drop the window now (I4) rather than drain it.
-        stop(sink).await;
-        return Err(error);
-    }
-    // The reader returns Ok once the sink has ended (drained, or failed), or when the drain
-    // deadline passed: a short grace, then the window is dropped.
-    let sink_result = match tokio::time::timeout(SINK_GRACE, &mut sink).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(join)) => {
-            return Err(RelayError::permanent(anyhow::anyhow!(
-                "the sink task failed: {join}"
-            )))
+    let intake_open = match reader_end {
+        Err(error) => {
+            // The replication stream is gone, so nothing the sink still awaits could be
+            // confirmed: drop the window now (I4) rather than drain it.
+            stop(sink).await;
+            return SessionEnd::Failed(error);
         }
+        Ok(ReaderEnd::DrainDeadlinePassed) => {
+            stop(sink).await;
+            return SessionEnd::DrainDeadlinePassed;
+        }
+        Ok(ReaderEnd::SinkEnded { intake_open }) => intake_open,
+    };
+    // The sink's watermark closed: its task is ending; its result says how.
+    match tokio::time::timeout(SINK_GRACE, &mut sink).await {
+        Ok(Ok(Ok(()))) if !intake_open => SessionEnd::Drained,
+        Ok(Ok(Ok(()))) => SessionEnd::Failed(RelayError::transient(anyhow::anyhow!(
+            "the sink stopped while events were still flowing"
+        ))),
+        Ok(Ok(Err(error))) => SessionEnd::Failed(classify_sink_error(error)),
+        Ok(Err(join)) => SessionEnd::Failed(RelayError::permanent(anyhow::anyhow!(
+            "the sink task failed: {join}"
+        ))),
         Err(_) => {
             stop(sink).await;
-            Ok(())
+            SessionEnd::Failed(RelayError::transient(anyhow::anyhow!(
+                "the sink did not end within {SINK_GRACE:?} of closing its watermark"
+            )))
         }
-    };
-    if let Err(error) = sink_result {
-        let poison = error.poison_id().is_some();
-        let fenced = sink::is_fence_refusal(&error);
-        let advice = error.advice();
-        let error = anyhow::Error::new(error);
-        return Err(if poison {
-            RelayError::permanent(error.context(advice))
-        } else if fenced {
-            RelayError::transient(error.context(
-                "the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail",
-            ))
-        } else {
-            RelayError::transient(error)
-        });
     }
-    read_result
 }
 
-/// What a session learns about the stream before publishing.
-#[derive(Debug)]
-struct Tail {
-    /// The stream's last sequence: strict mode's fence starts here.
-    last_sequence: u64,
-    /// The position of the stream's last message, if it carries one.
-    position: Option<Position>,
-    /// The stream's `max_msg_size`, if limited.
-    max_msg_size: Option<usize>,
-    /// The stream's duplicate window.
-    duplicate_window: Duration,
-}
-
-/// Reads the stream's state and its last message's position (resume from the tail). With
-/// `source`, a tail published from another source (another database or slot) gives no
-/// position: skipping by it could skip events this source never stored.
-async fn read_tail(
-    jetstream: &jetstream::Context,
-    config: &Config,
-    source: Option<&str>,
-) -> Result<Tail> {
-    let transient = |what: &str, e: &dyn std::fmt::Display| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot read {what} of stream {}: {e}",
-            config.stream
+/// What the operator is told when the sink stops: poison is permanent (with the fix), a
+/// fence refusal re-syncs, everything else is retried.
+fn classify_sink_error(error: sink::SinkError) -> RelayError {
+    let poison = error.poison_id().is_some();
+    let fenced = sink::is_fence_refusal(&error);
+    let advice = error.advice();
+    let error = anyhow::Error::new(error);
+    if poison {
+        RelayError::permanent(error.context(advice))
+    } else if fenced {
+        RelayError::transient(error.context(
+            "the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail",
         ))
-    };
-    let mut stream = jetstream
-        .get_stream(&config.stream)
-        .await
-        .map_err(|e| transient("the state", &e))?;
-    let info = stream
-        .info()
-        .await
-        .map_err(|e| transient("the state", &e))?;
-    let last_sequence = info.state.last_sequence;
-    let max_msg_size = usize::try_from(info.config.max_message_size)
-        .ok()
-        .filter(|&n| n > 0);
-    let duplicate_window = info.config.duplicate_window;
-    let mut tail = Tail {
-        last_sequence,
-        position: None,
-        max_msg_size,
-        duplicate_window,
-    };
-    if config.shared_stream || last_sequence == 0 {
-        return Ok(tail);
+    } else {
+        RelayError::transient(error)
     }
-    let message = match stream.get_raw_message(last_sequence).await {
-        Ok(message) => message,
-        Err(error) => {
-            metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
-            warn!(
-                last_sequence,
-                error = %error,
-                metric = metrics::TAIL_UNREADABLE_NAME,
-                "cannot read the stream's last message (purged or aged out?); replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
-            );
-            return Ok(tail);
-        }
-    };
-    let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
-    tail.position = match (
-        header(outbox::headers::OUTBOX_COMMIT_LSN),
-        header(outbox::headers::OUTBOX_TX_INDEX),
-    ) {
-        (Some(lsn), Some(index)) => Position::from_headers(&lsn, &index),
-        _ => None,
-    };
-    let tail_source = header(outbox::headers::OUTBOX_SOURCE);
-    if let (Some(ours), Some(position)) = (source, tail.position) {
-        if tail_source.as_deref() != Some(ours) {
-            tail.position = None;
-            metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
-            warn!(
-                last_sequence,
-                ?position,
-                tail_source = tail_source.as_deref().unwrap_or("none"),
-                source = ours,
-                metric = metrics::TAIL_UNREADABLE_NAME,
-                "the stream's last message was published from another source: another timeline of this database (after a fail-over or a point-in-time restore, LSNs are reused), or another database or slot writing to this stream (give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position: replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window"
-            );
-            return Ok(tail);
-        }
-    }
-    if tail.position.is_none() {
-        metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
-        warn!(
-            last_sequence,
-            subject = %message.subject,
-            metric = metrics::TAIL_UNREADABLE_NAME,
-            "the stream's last message carries no outbox position (another writer? then set OUTBOX_RELAY_SHARED_STREAM=true); replayed events are de-duplicated by Nats-Msg-Id only"
-        );
-    }
-    Ok(tail)
+}
+
+/// How the reader stopped (`Err`: the replication stream failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReaderEnd {
+    /// The sink closed its watermark: drained after a shutdown (`intake_open: false`), or
+    /// failed while events were flowing.
+    SinkEnded { intake_open: bool },
+    /// Shutdown, and the drain deadline passed before every in-flight ack arrived.
+    DrainDeadlinePassed,
 }
 
 /// What one turn of the reader's loop saw.
@@ -563,7 +523,11 @@ struct Reader {
 
 impl Reader {
     /// Reads until shutdown (then drains) or an error. See I2, I3, I5.
-    async fn run(mut self, shutdown: CancellationToken, drain_deadline: Duration) -> Result<()> {
+    async fn run(
+        mut self,
+        shutdown: CancellationToken,
+        drain_deadline: Duration,
+    ) -> Result<ReaderEnd> {
         self.feedback.update(*self.confirmed.borrow_and_update());
         let mut pending: Vec<SinkItem<Lsn>> = Vec::with_capacity(MAX_BATCH);
         let mut drain_until: Option<TokioInstant> = None;
@@ -622,22 +586,20 @@ impl Reader {
                     // The sink is gone: report its final watermark and stop.
                     self.feedback.update(*self.confirmed.borrow());
                     self.send_status().await?;
-                    if intake_open {
-                        // The sink failed; its error is the session's result.
-                        return Ok(());
+                    if !intake_open {
+                        info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
+                        if let Err(error) = self.stream.finish().await {
+                            debug!(error = %error, "closing the replication stream");
+                        }
                     }
-                    info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
-                    if let Err(error) = self.stream.finish().await {
-                        debug!(error = %error, "closing the replication stream");
-                    }
-                    return Ok(());
+                    return Ok(ReaderEnd::SinkEnded { intake_open });
                 }
                 Step::Tick => {
                     let now = TokioInstant::now();
                     if drain_until.is_some_and(|deadline| now >= deadline) {
                         warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
                         self.send_status().await?;
-                        return Ok(());
+                        return Ok(ReaderEnd::DrainDeadlinePassed);
                     }
                     if self.feedback.due(now) {
                         self.send_status().await?;

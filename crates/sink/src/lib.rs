@@ -7,6 +7,8 @@
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
 //! - P1–P8 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
 //!   drains it, strict mode fences, nothing is dropped silently.
+//! - S1–S3 ([`resume`]): a stored position is skipped through only if it is of the session's
+//!   own history; the fence never depends on it.
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
 //!
@@ -17,6 +19,7 @@
 
 pub mod message;
 pub mod publisher;
+pub mod resume;
 pub mod tracker;
 
 pub use message::{

@@ -52,7 +52,7 @@ use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::Subject;
-use outbox::{encoding, headers, OutboxEvent, Position};
+use outbox::{encoding, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
@@ -581,14 +581,7 @@ impl Duplicates {
             }
             Err(source) => return Err(SinkError::Verify { id, source }),
         };
-        let header = |name: &str| original.headers.get(name).map(|v| v.as_str().to_owned());
-        let theirs = match (
-            header(headers::OUTBOX_COMMIT_LSN),
-            header(headers::OUTBOX_TX_INDEX),
-        ) {
-            (Some(lsn), Some(index)) => Position::from_headers(&lsn, &index),
-            _ => None,
-        };
+        let theirs = crate::resume::Mark::of(&original).position;
         let Some(theirs) = theirs.filter(|&theirs| theirs != position) else {
             // The same event (a replay), or a message without a position (another writer,
             // e.g. a polling publisher during a migration): a legitimate duplicate.
