@@ -65,6 +65,24 @@ impl From<replication::Error> for RelayError {
     }
 }
 
+impl From<sink::SinkError> for RelayError {
+    /// Poison is permanent, everything else is retried; the sink's advice (the fix for
+    /// poison, what a fence refusal means) goes with it.
+    fn from(error: sink::SinkError) -> Self {
+        let transient = error.is_transient();
+        let advice = error.advice();
+        let mut error = anyhow::Error::new(error);
+        if let Some(advice) = advice {
+            error = error.context(advice);
+        }
+        if transient {
+            Self::transient(error)
+        } else {
+            Self::permanent(error)
+        }
+    }
+}
+
 /// Shorthand.
 pub type Result<T, E = RelayError> = std::result::Result<T, E>;
 

@@ -460,7 +460,7 @@ async fn stream_events(
         Ok(Ok(Ok(()))) => SessionEnd::Failed(RelayError::transient(anyhow::anyhow!(
             "the sink stopped while events were still flowing"
         ))),
-        Ok(Ok(Err(error))) => SessionEnd::Failed(classify_sink_error(error)),
+        Ok(Ok(Err(error))) => SessionEnd::Failed(error.into()),
         Ok(Err(join)) => SessionEnd::Failed(RelayError::permanent(anyhow::anyhow!(
             "the sink task failed: {join}"
         ))),
@@ -470,24 +470,6 @@ async fn stream_events(
                 "the sink did not end within {SINK_GRACE:?} of closing its watermark"
             )))
         }
-    }
-}
-
-/// What the operator is told when the sink stops: poison is permanent (with the fix), a
-/// fence refusal re-syncs, everything else is retried.
-fn classify_sink_error(error: sink::SinkError) -> RelayError {
-    let poison = error.poison_id().is_some();
-    let fenced = sink::is_fence_refusal(&error);
-    let advice = error.advice();
-    let error = anyhow::Error::new(error);
-    if poison {
-        RelayError::permanent(error.context(advice))
-    } else if fenced {
-        RelayError::transient(error.context(
-            "the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail",
-        ))
-    } else {
-        RelayError::transient(error)
     }
 }
 

@@ -41,16 +41,8 @@ use tokio::net::{TcpStream, UnixStream};
 use crate::auth::{self, AuthCheck, Transport};
 use crate::conninfo::{ChannelBinding, ConnInfo, SslMode};
 use crate::stream::{parse_wal_sender_timeout, ReplicationStream};
-use crate::wire::{self, Authentication, FrameReader, FrameWriter};
+use crate::wire::{self, Authentication, BoxSocket, FrameReader, FrameWriter};
 use crate::{tls, Error};
-
-/// Any byte stream a connection can run over: TCP, Unix socket, TLS, or (in tests) a pipe.
-pub(crate) trait Socket:
-    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin
-{
-}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Socket for T {}
-pub(crate) type BoxSocket = Box<dyn Socket>;
 
 /// The reply to `IDENTIFY_SYSTEM`.
 #[derive(Debug, Clone, PartialEq, Eq)]

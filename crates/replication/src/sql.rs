@@ -22,9 +22,10 @@ use tokio_postgres::config::{
 };
 
 use crate::auth::{AuthCheck, AuthGuard, Transport};
-use crate::connection::{open, with_connect_timeout, BoxSocket};
+use crate::connection::{open, with_connect_timeout};
 use crate::conninfo::{ChannelBinding, ConnInfo};
 use crate::error::DbError;
+use crate::wire::BoxSocket;
 use crate::Error;
 
 /// Opens an ordinary SQL connection (not a replication connection) under the same

@@ -77,8 +77,7 @@ use postgres_protocol::message::frontend;
 use tokio::io::{ReadHalf, WriteHalf};
 use tokio::time::Instant;
 
-use crate::connection::BoxSocket;
-use crate::wire::{self, FrameReader, FrameWriter};
+use crate::wire::{self, BoxSocket, FrameReader, FrameWriter};
 use crate::Error;
 
 /// How long [`ReplicationStream::finish`] waits for the server to end the stream.

@@ -19,6 +19,15 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use crate::error::DbError;
 use crate::Error;
 
+/// Any byte stream a connection can run over: TCP, Unix socket, TLS, or (in tests) a pipe.
+pub(crate) trait Socket:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin
+{
+}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Socket for T {}
+/// The socket every connection of this crate frames its messages over.
+pub(crate) type BoxSocket = Box<dyn Socket>;
+
 /// How much the reader asks the socket for at a time (at least): the walsender gets
 /// cheaper when its client takes data in large batches.
 pub(crate) const READ_CAPACITY: usize = 256 * 1024;

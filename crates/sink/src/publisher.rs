@@ -248,10 +248,20 @@ impl From<Excess> for PoisonKind {
 }
 
 impl SinkError {
-    /// For an error that stops the relay ([`Self::poison_id`]): what it means and what the
-    /// operator can do.
-    pub fn advice(&self) -> &'static str {
-        match self {
+    /// Whether a new session may get further: everything but poison ([`Self::poison_id`]),
+    /// an event JetStream will never accept, is retried from the confirmed position.
+    pub fn is_transient(&self) -> bool {
+        self.poison_id().is_none()
+    }
+
+    /// What the error means and what the operator can do, where there is more to say than
+    /// the error itself: for poison, and for strict mode's fence refusing a publish.
+    pub fn advice(&self) -> Option<&'static str> {
+        if self.is_fence_refusal() {
+            return Some("the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail");
+        }
+        self.poison_id()?;
+        Some(match self {
             SinkError::Poison { kind: PoisonKind::ControlLine, .. } => {
                 "NATS cannot carry this event's subject; nothing after it is confirmed (the subject holds the escaped event type, and the server refuses a publish line longer than its max_control_line, 4096 bytes by default: run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
             }
@@ -264,7 +274,12 @@ impl SinkError {
             _ => {
                 "JetStream refuses this event for good; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload, or run with OUTBOX_RELAY_ON_POISON=dead-letter; see docs/guarantees.md)"
             }
-        }
+        })
+    }
+
+    /// Whether this is strict mode's fence refusing a publish out of sequence.
+    pub fn is_fence_refusal(&self) -> bool {
+        matches!(self, SinkError::Ack { source, .. } if source.kind() == PublishErrorKind::WrongLastSequence)
     }
 
     /// The outbox id of an event JetStream will never accept, whatever we retry (an
@@ -290,11 +305,6 @@ fn is_size_refusal(error: &async_nats::jetstream::context::PublishError) -> bool
         .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
         .map(|e| e.error_code());
     code == Some(async_nats::jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
-}
-
-/// Whether the ack error is strict mode's fence refusing a publish out of sequence.
-pub fn is_fence_refusal(error: &SinkError) -> bool {
-    matches!(error, SinkError::Ack { source, .. } if source.kind() == PublishErrorKind::WrongLastSequence)
 }
 
 enum AckItem<P> {
