@@ -184,3 +184,64 @@ async fn a_backpressured_relay_is_not_timed_out_by_the_walsender() {
     );
     eprintln!("backpressure: acks held 8 s (4 × wal_sender_timeout) with 20 000 events behind a window of 64; no timeout, no restart; {} status updates, at most {widest:?} apart", sent.len());
 }
+
+/// I7, bounded memory: with the acks held back and a backlog far larger than the relay's
+/// buffers (100 000 events of 2 KiB: 200 MiB of payload), the relay stops reading instead of
+/// buffering; its peak resident memory over the whole run, the drain included, stays far
+/// below the backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_bounded_under_a_backlog_larger_than_the_buffers() {
+    const ROWS: i32 = 100_000;
+    /// Far above what the relay needs (about 30 MiB, docs/performance.md), far below the
+    /// backlog it would hold if intake were not bounded.
+    const LIMIT: u64 = 128 * 1024 * 1024;
+    let _serial = SERIAL.lock().await;
+    let pg = Postgres::start();
+    let nats = Nats::start();
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
+    let mut case = Case::new(&pg, &nats, "memory");
+    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
+    let relay = case.start_relay();
+    let sql = case.sql().await;
+    let js = support::jetstream_at(&nats.url()).await;
+
+    proxy.set_blackhole(true);
+    sql.execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+         select 'entity-' || (i % 97), 'Bulk', 'tmp-' || i, 'tmp', 'tmp', \
+                jsonb_build_object('pad', repeat('x', 2048)) \
+           from generate_series(1, $1::int) as i",
+        &[&ROWS],
+    )
+    .await
+    .unwrap();
+    // The relay is stalled on its window with the backlog committed behind it.
+    support::eventually(
+        "the relay to stall with the backlog pending",
+        DEADLINE,
+        || async {
+            let before = case.stream_count(&js).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let after = case.stream_count(&js).await;
+            (after == before && after < ROWS as u64).then_some(())
+        },
+    )
+    .await;
+    let stalled = relay.peak_rss_bytes().unwrap();
+    proxy.set_blackhole(false);
+    case.wait_for_count(&js, ROWS as u64, DEADLINE).await;
+    let peak = relay.peak_rss_bytes().unwrap();
+    assert!(
+        peak < LIMIT,
+        "the relay's peak RSS was {} MiB with a 200 MiB backlog (limit {} MiB)",
+        peak >> 20,
+        LIMIT >> 20
+    );
+    eprintln!(
+        "memory: 100 000 events of 2 KiB behind held acks; relay peak RSS {} MiB while stalled, {} MiB after draining all",
+        stalled >> 20,
+        peak >> 20
+    );
+}

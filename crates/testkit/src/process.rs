@@ -107,6 +107,21 @@ impl Process {
         self.pid
     }
 
+    /// The child's peak resident set size so far (`VmHWM` of `/proc/{pid}/status`), in
+    /// bytes; `None` once it has exited.
+    pub fn peak_rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: u64 = line
+            .trim_start_matches("VmHWM:")
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    }
+
     /// Everything captured so far (stdout and stderr interleaved by line).
     pub fn output(&self) -> String {
         self.capture.lock().text.clone()
