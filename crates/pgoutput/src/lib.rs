@@ -7,11 +7,11 @@
 //!   (<https://www.postgresql.org/docs/15/protocol-logicalrep-message-formats.html>).
 //!
 //! # Invariants
-//! - I1 Total: every function here returns a value or a [`DecodeError`] for any input; none
+//! - G1 Total: every function here returns a value or a [`DecodeError`] for any input; none
 //!   panics, and none allocates from a length read off the wire before checking that the
 //!   bytes are there.
-//! - I2 Zero-copy: column values and XLogData payloads are `Bytes` slices of the received buffer.
-//! - I3 Positions are [`Lsn`]s, never bare integers.
+//! - G2 Zero-copy: column values and XLogData payloads are `Bytes` slices of the received buffer.
+//! - G3 Positions are [`Lsn`]s, never bare integers.
 
 pub mod copy_data;
 mod error;

@@ -8,35 +8,37 @@
 //!        └──────────── flush = watermark ◄──────── watch<Lsn> ◄─────── AckTracker (sink)
 //! ```
 //!
-//! # Invariants (numbered as in docs/architecture.md)
+//! # Invariants
+//! The architecture's invariants this module keeps, by their numbers in
+//! docs/architecture.md (the code cites them the same way):
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
-//!   the newest transaction whose events, and all earlier ones', JetStream acknowledged.
-//! - I2 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
+//!   the newest transaction whose events, and all earlier ones', JetStream acknowledged. On
+//!   any transient failure the whole session (replication stream, sink, in-flight window)
+//!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
+//! - I3 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
 //!   pipeline's backpressure: the reader waits for channel capacity inside the same `select!`
 //!   as its status timer, never blocking on the sink. A keepalive that asks for a reply is
 //!   answered the moment it is read; while backpressured the reader takes no new data (memory
 //!   stays bounded), so such a keepalive may wait behind data, but the scheduled status keeps
 //!   the walsender's timer fresh (the walsender reads replies while its send is blocked), so
-//!   the server never times the relay out (tested: `outages.rs`, 4 × `wal_sender_timeout` of
-//!   held acks). The status timer is one sleep, always reset to the next due time: a fixed
-//!   ticker beside a "due?" check once skipped every other period.
-//! - I3 Memory is bounded: at most one batch waits in the reader, a few batches in the
-//!   channel, and `max_in_flight` publishes in the sink.
-//! - I4 On any transient failure the whole session (replication stream, sink, in-flight
-//!   window) is dropped and a new one starts from the slot's `confirmed_flush_lsn`;
-//!   replayed events carry the same `Nats-Msg-Id`, which JetStream de-duplicates.
-//! - L1 (see [`crate::lease`]) Set-up races the lease and shutdown; streaming races the
-//!   lease, and on its loss the sink task is aborted and awaited before the session returns,
-//!   so nothing is published after the loss is noticed. The sink task is aborted whenever
-//!   its session ends, however it ends.
-//! - I5 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up to
-//!   the deadline, and the final status carries the watermark only.
-//! - I6 Shutdown during a session's set-up (lease, connections, bootstrap, tail) is
-//!   immediate: the set-up races the shutdown token and is dropped (nothing was published,
-//!   nothing confirmed); every connect is bounded besides (Postgres `connect_timeout`,
-//!   10 s by default; NATS 5 s).
-//! - I7 Replayed events are skipped only by a position of the session's own `Outbox-Source`
-//!   (cluster, timeline, database, slot) that lies below the server's WAL end.
+//!   the server never times the relay out. The status timer is one sleep, always reset to the
+//!   next due time: a fixed ticker beside a "due?" check once skipped every other period.
+//!   Tested: `outages.rs` (4 × `wal_sender_timeout` of held acks, update spacing).
+//! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
+//!   (cluster, timeline, database, slot) that lies below the server's WAL end
+//!   ([`sink::resume`] S1–S3). Tested: `history.rs`.
+//! - I7 Memory is bounded: at most one batch waits in the reader, [`CHANNEL_BATCHES`] batches
+//!   in the channel, and `max_in_flight` publishes in the sink. Tested: `outages.rs`
+//!   (a 200 MiB backlog behind held acks).
+//! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
+//!   sink task is aborted and awaited before the session returns, so nothing is published
+//!   after the loss is noticed ([`crate::lease`] L1). The sink task is aborted whenever its
+//!   session ends, however it ends. Tested: `standby.rs`.
+//! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
+//!   to the deadline, and the final status carries the watermark only. A shutdown during a
+//!   session's set-up (lease, connections, bootstrap, tail) is immediate: nothing was
+//!   published; every connect is bounded besides (Postgres `connect_timeout`, 10 s by
+//!   default; NATS 5 s). Tested: `relay.rs` (SIGTERM), `connect.rs` (hanging connects).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -270,7 +272,7 @@ async fn prepare(
     *bootstrapped = true;
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
-    // P6/I6: positions are comparable only within one timeline of one cluster's database
+    // P6, I6: positions are comparable only within one timeline of one cluster's database
     // and slot; the source names all four.
     let source = outbox::source::source_id(
         &system.systemid,
@@ -281,7 +283,7 @@ async fn prepare(
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
-    // P6, I7: what is stored already, by positions of this session's own history only.
+    // P6, I6: what is stored already, by positions of this session's own history only.
     let resume = sink::resume::plan(
         &tail,
         &sink::resume::Session {
@@ -334,7 +336,7 @@ async fn prepare(
     })
 }
 
-/// Says why a stored position is not used to skip, and counts it (I7): the session then
+/// Says why a stored position is not used to skip, and counts it (I6): the session then
 /// relies on `Nats-Msg-Id` de-duplication, within the duplicate window, for what it replays.
 fn report_distrust(why: &sink::resume::Distrust, last_sequence: u64, source: &str) {
     use sink::resume::{Distrust, Stored};
@@ -444,7 +446,7 @@ async fn stream_events(
     let intake_open = match reader_end {
         Err(error) => {
             // The replication stream is gone, so nothing the sink still awaits could be
-            // confirmed: drop the window now (I4) rather than drain it.
+            // confirmed: drop the window now (I1) rather than drain it.
             stop(sink).await;
             return SessionEnd::Failed(error);
         }
@@ -504,7 +506,7 @@ struct Reader {
 }
 
 impl Reader {
-    /// Reads until shutdown (then drains) or an error. See I2, I3, I5.
+    /// Reads until shutdown (then drains) or an error. See I3, I7, I10.
     async fn run(
         mut self,
         shutdown: CancellationToken,
@@ -513,7 +515,7 @@ impl Reader {
         self.feedback.update(*self.confirmed.borrow_and_update());
         let mut pending: Vec<SinkItem<Lsn>> = Vec::with_capacity(MAX_BATCH);
         let mut drain_until: Option<TokioInstant> = None;
-        // I2: one timer, always set to the moment the next status is due (or the drain
+        // I3: one timer, always set to the moment the next status is due (or the drain
         // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
         // hair before the due time skips a whole period, and the updates end up spaced
         // 2 × interval = wal_sender_timeout apart (the walsender timed out a backpressured
