@@ -137,7 +137,7 @@ fn main() -> ExitCode {
         Err(e) => {
             error!(error = %e, "outbox-relay stopped");
             eprintln!("outbox-relay: {e}");
-            ExitCode::FAILURE
+            ExitCode::from(e.exit_code())
         }
     }
 }
