@@ -281,7 +281,8 @@ async fn session(
         config.table.clone(),
         config.subject_prefix.clone(),
         config.partitions,
-    );
+    )
+    .with_relations(slot.relations);
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
         fence: (!config.shared_stream).then_some(tail.last_sequence),
