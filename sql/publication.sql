@@ -4,8 +4,15 @@
 --
 -- Requires wal_level = logical (ALTER SYSTEM SET wal_level = logical; then restart).
 -- Only INSERTs are published: the relay publishes nothing for UPDATE, DELETE or TRUNCATE.
+-- publish_via_partition_root (Postgres 13+) publishes the inserts into a partitioned
+-- outbox table's partitions as inserts into the table, which is how the relay reads them;
+-- it changes nothing for an unpartitioned table (drop it from the statement before 13).
+-- The relay checks the publication at every start and refuses one that would hide an
+-- insert from it (no inserts, a row filter, a column list without a column it reads,
+-- partitions only, or no publish_via_partition_root for a partitioned table), naming the fix.
 
-create publication outbox_relay for table public.outbox_events with (publish = 'insert');
+create publication outbox_relay for table public.outbox_events
+  with (publish = 'insert', publish_via_partition_root = true);
 
 -- Events committed before the slot exists are not relayed: create it before the first
 -- event you want in the stream (see docs/operations.md on migrating from a polling publisher).

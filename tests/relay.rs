@@ -269,7 +269,7 @@ fn bad_config_value_fails_at_startup_naming_the_key() {
     );
 }
 
-/// (h) A table missing a column fails at start-up with a message naming the column.
+/// (h) A table missing a column fails at start-up (a setup error: exit status 2) with a message naming the column.
 #[test]
 fn table_missing_a_column_fails_at_startup_naming_it() {
     let case = new_case("bad_table");
@@ -279,7 +279,7 @@ fn table_missing_a_column_fails_at_startup_naming_it() {
     );
     let output = case.relay_command("run").output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("missing column(s) event_type"), "{stderr}");
 
     let no_table = new_case("no_table");
@@ -288,7 +288,7 @@ fn table_missing_a_column_fails_at_startup_naming_it() {
         .psql(&no_table.database, "drop table outbox_events");
     let output = no_table.relay_command("run").output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.contains("table public.outbox_events does not exist"),
         "{stderr}"

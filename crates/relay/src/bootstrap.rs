@@ -1,36 +1,57 @@
 //! Start-up checks and setup: everything that must hold before streaming can be correct.
 //!
-//! Checked every start: `wal_level = logical`; the outbox table exists with the columns the
-//! relay reads in usable types; the publication publishes the table's inserts; the slot is a
-//! pgoutput slot of this database; the stream's subjects cover `{prefix}.>`.
+//! Checked at every session start: `wal_level = logical`; the outbox table exists with the
+//! columns the relay reads in usable types; the publication publishes every insert into the
+//! table, whoever created it (B3); the slot is a pgoutput slot of this database; the
+//! stream's subjects cover `{prefix}.>`.
 //! Created when missing, unless `--no-create`: the publication (`FOR TABLE … WITH (publish =
-//! 'insert')`), the slot, and the stream (file storage, the configured duplicate window).
+//! 'insert', publish_via_partition_root = true)`), the slot, and the stream (file storage,
+//! the configured duplicate window).
 //!
 //! # Invariants
 //! - B1 Nothing is created when a check fails: a wrong setup is reported, not patched over.
 //! - B2 Every failure is permanent and its message names the setting, object or column and
-//!   how to fix it; connection failures stay transient.
+//!   how to fix it; connection failures stay transient. A failed check is a setup error
+//!   (exit status 2); an error Postgres returns is permanent or transient by its SQLSTATE.
+//! - B3 A publication that would hide an outbox insert from the relay is refused, naming
+//!   the publication, each problem and the exact SQL that fixes it: one that does not
+//!   publish inserts, does not cover the table (or covers only some of its partitions),
+//!   publishes a partitioned table's inserts under its partitions' names (no
+//!   `publish_via_partition_root`) or the table's as an ancestor's, filters its rows, or
+//!   leaves out a column the relay reads. Anything else it publishes is accepted (and costs
+//!   the walsender decoding work, which the log says). `FOR ALL TABLES` and `FOR TABLES IN
+//!   SCHEMA` cover the table like `FOR TABLE`. The check runs on every session start, so a
+//!   publication changed under a running relay is refused at its next session.
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
+use outbox::event::REQUIRED_COLUMNS;
 use outbox::OutboxColumns;
 use pgoutput::Lsn;
 use replication::{quote_identifier, quote_literal};
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
-use crate::config::Config;
+use crate::config::{Config, TableName};
+use crate::decode::KnownRelations;
 use crate::error::{RelayError, Result};
 
-/// What start-up learned about the slot.
-#[derive(Debug, Clone, Copy)]
+/// What start-up learned about the slot and the publication.
+#[derive(Debug, Clone)]
 pub struct SlotState {
     /// The slot's `confirmed_flush_lsn`: where streaming resumes.
     pub confirmed_flush_lsn: Lsn,
+    /// The relations whose inserts may arrive, for the decoder (D5, D6).
+    pub relations: KnownRelations,
 }
 
 fn permanent(message: String) -> RelayError {
     RelayError::permanent(anyhow::anyhow!(message))
+}
+
+/// A check failed (B2): exit status 2.
+fn setup(message: String) -> RelayError {
+    RelayError::setup(anyhow::anyhow!(message))
 }
 
 fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
@@ -90,8 +111,12 @@ pub async fn slot_exists(client: &Client, slot: &str) -> Result<bool> {
 pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
     check_wal_level(client).await?;
     check_table(client, config).await?;
-    ensure_publication(client, config).await?;
-    ensure_slot(client, config).await
+    let relations = ensure_publication(client, config).await?;
+    let confirmed_flush_lsn = ensure_slot(client, config).await?;
+    Ok(SlotState {
+        confirmed_flush_lsn,
+        relations,
+    })
 }
 
 async fn check_wal_level(client: &Client) -> Result<()> {
@@ -101,7 +126,7 @@ async fn check_wal_level(client: &Client) -> Result<()> {
         .map_err(|e| sql_error("cannot read wal_level", e))?;
     let level: String = row.get(0);
     if level != "logical" {
-        return Err(permanent(format!(
+        return Err(setup(format!(
             "wal_level is {level:?}, but logical replication needs wal_level = logical: run \
              ALTER SYSTEM SET wal_level = logical; and restart Postgres (on managed services, \
              enable logical replication in the instance's parameters)"
@@ -126,7 +151,7 @@ pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColum
         .await
         .map_err(|e| sql_error("cannot read the outbox table's columns", e))?;
     if rows.is_empty() {
-        return Err(permanent(format!(
+        return Err(setup(format!(
             "table {} does not exist (or has no columns, or this role cannot see it): create it \
              with sql/schema.sql, or point OUTBOX_RELAY_TABLE at your outbox table",
             config.table
@@ -140,66 +165,424 @@ pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColum
         &config.table.to_string(),
         columns.iter().map(|(n, t)| (n.as_str(), *t)),
     )
-    .map_err(|e| permanent(e.to_string()))
+    .map_err(|e| setup(e.to_string()))
 }
 
-async fn ensure_publication(client: &Client, config: &Config) -> Result<()> {
-    let publication = client
-        .query_opt(
-            "SELECT pubinsert FROM pg_catalog.pg_publication WHERE pubname = $1",
-            &[&config.publication],
-        )
+/// The publication the relay creates: the table's inserts, partitions published as the
+/// table (Postgres 13+; before that a partitioned table cannot be published at all).
+fn create_publication_sql(
+    publication: &str,
+    table: &TableName,
+    via_root_supported: bool,
+) -> String {
+    let options = if via_root_supported {
+        "publish = 'insert', publish_via_partition_root = true"
+    } else {
+        "publish = 'insert'"
+    };
+    format!(
+        "CREATE PUBLICATION {} FOR TABLE {} WITH ({options})",
+        quote_identifier(publication),
+        table.to_sql()
+    )
+}
+
+/// The first Postgres version with `publish_via_partition_root` (and published partitioned
+/// tables).
+const VIA_ROOT_VERSION: i32 = 130_000;
+/// The first Postgres version with row filters, column lists and `TABLES IN SCHEMA`.
+const PG15: i32 = 150_000;
+
+async fn server_version(client: &Client) -> Result<i32> {
+    let version: String = client
+        .query_one("SHOW server_version_num", &[])
+        .await
+        .map_err(|e| sql_error("cannot read the server version", e))?
+        .get(0);
+    version.parse().map_err(|e| {
+        permanent(format!(
+            "server_version_num {version:?} is not a number: {e}"
+        ))
+    })
+}
+
+/// Checks the publication (creating it when missing and allowed) on every session start,
+/// and returns what the decoder must know about the relations it publishes.
+async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRelations> {
+    let version = server_version(client).await?;
+    let via_root_supported = version >= VIA_ROOT_VERSION;
+    let select = format!(
+        "SELECT p.oid, p.puballtables, p.pubinsert, p.pubupdate, p.pubdelete, {}, {} \
+           FROM pg_catalog.pg_publication p WHERE p.pubname = $1",
+        if version >= 110_000 {
+            "p.pubtruncate"
+        } else {
+            "false"
+        },
+        if via_root_supported {
+            "p.pubviaroot"
+        } else {
+            "NULL::bool"
+        },
+    );
+    let mut row = client
+        .query_opt(&select, &[&config.publication])
         .await
         .map_err(|e| sql_error("cannot read publications", e))?;
-    let table_sql = format!(
-        "{}.{}",
-        quote_identifier(&config.table.schema),
-        quote_identifier(&config.table.name)
-    );
-    let Some(publication) = publication else {
+    if row.is_none() {
+        let create = create_publication_sql(&config.publication, &config.table, via_root_supported);
         if !config.create {
-            return Err(permanent(format!(
+            return Err(setup(format!(
                 "publication {:?} does not exist and --no-create forbids creating it: run \
-                 CREATE PUBLICATION {} FOR TABLE {table_sql} WITH (publish = 'insert'); (see sql/publication.sql)",
+                 {create}; (see sql/publication.sql)",
                 config.publication,
-                quote_identifier(&config.publication)
             )));
         }
-        let sql = format!(
-            "CREATE PUBLICATION {} FOR TABLE {table_sql} WITH (publish = 'insert')",
-            quote_identifier(&config.publication)
-        );
         client
-            .batch_execute(&sql)
+            .batch_execute(&create)
             .await
             .map_err(|e| sql_error("cannot create the publication", e))?;
         info!(publication = %config.publication, table = %config.table, "created publication");
-        return Ok(());
+        row = client
+            .query_opt(&select, &[&config.publication])
+            .await
+            .map_err(|e| sql_error("cannot read the new publication", e))?;
+    }
+    let Some(row) = row else {
+        return Err(RelayError::transient(anyhow::anyhow!(
+            "publication {:?} vanished right after it was created",
+            config.publication
+        )));
     };
-    let publishes_inserts: bool = publication.get(0);
-    let includes_table = client
+    let publication_oid: u32 = row.get(0);
+    let mut facts = PublicationFacts {
+        all_tables: row.get(1),
+        insert: row.get(2),
+        update: row.get(3),
+        delete: row.get(4),
+        truncate: row.get(5),
+        via_root: row.get(6),
+        ..PublicationFacts::default()
+    };
+
+    let pg15 = version >= PG15;
+    let table_query = format!(
+        "SELECT c.oid, c.relkind = 'p', c.relispartition, pr.prrelid IS NOT NULL, {}, {}, {} \
+           FROM pg_catalog.pg_class c \
+           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+           LEFT JOIN pg_catalog.pg_publication_rel pr ON pr.prrelid = c.oid AND pr.prpubid = $1 \
+          WHERE n.nspname = $2 AND c.relname = $3 AND c.relkind IN ('r', 'p')",
+        if pg15 {
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_publication_namespace pn \
+                      WHERE pn.pnpubid = $1 AND pn.pnnspid = c.relnamespace)"
+        } else {
+            "false"
+        },
+        if pg15 {
+            "pg_catalog.pg_get_expr(pr.prqual, pr.prrelid)"
+        } else {
+            "NULL::text"
+        },
+        if pg15 {
+            "(SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_catalog.pg_attribute a \
+               WHERE a.attrelid = c.oid AND a.attnum = ANY (pr.prattrs))"
+        } else {
+            "NULL::text[]"
+        },
+    );
+    let table = client
         .query_opt(
-            "SELECT 1 FROM pg_catalog.pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-            &[&config.publication, &config.table.schema, &config.table.name],
+            &table_query,
+            &[&publication_oid, &config.table.schema, &config.table.name],
         )
         .await
         .map_err(|e| sql_error("cannot read the publication's tables", e))?
-        .is_some();
-    if !includes_table || !publishes_inserts {
-        return Err(permanent(format!(
-            "publication {:?} exists but does not publish inserts of {}: run ALTER PUBLICATION {} \
-             ADD TABLE {table_sql}; and ALTER PUBLICATION {} SET (publish = 'insert');, or choose \
-             another OUTBOX_RELAY_PUBLICATION",
-            config.publication,
-            config.table,
-            quote_identifier(&config.publication),
-            quote_identifier(&config.publication)
-        )));
+        .ok_or_else(|| {
+            RelayError::transient(anyhow::anyhow!(
+                "table {} vanished while the relay checked it",
+                config.table
+            ))
+        })?;
+    let table_oid: u32 = table.get(0);
+    facts.partitioned = table.get(1);
+    let is_partition: bool = table.get(2);
+    facts.listed = table.get(3);
+    facts.schema_listed = table.get(4);
+    facts.row_filter = table.get(5);
+    facts.columns = table.get(6);
+
+    // The table's partitions at any level, and whether the publication lists each.
+    let partitions = client
+        .query(
+            "WITH RECURSIVE parts(oid) AS ( \
+                 SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = $2 \
+                 UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN parts ON i.inhparent = parts.oid) \
+             SELECT c.oid, pg_catalog.format('%I.%I', n.nspname, c.relname), \
+                    EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel pr \
+                             WHERE pr.prpubid = $1 AND pr.prrelid = c.oid) \
+               FROM parts JOIN pg_catalog.pg_class c ON c.oid = parts.oid \
+               JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+              WHERE c.relispartition ORDER BY 2",
+            &[&publication_oid, &table_oid],
+        )
+        .await
+        .map_err(|e| sql_error("cannot read the outbox table's partitions", e))?;
+    let mut known = KnownRelations {
+        publication: config.publication.clone(),
+        ..KnownRelations::default()
+    };
+    for partition in &partitions {
+        known.partitions.insert(partition.get(0));
+        if partition.get::<_, bool>(2) {
+            facts.listed_partitions.push(partition.get(1));
+        }
     }
-    Ok(())
+
+    if is_partition {
+        // The table is itself a partition: an ancestor the publication publishes would
+        // publish the table's inserts as its own (with publish_via_partition_root).
+        let ancestor = client
+            .query_opt(
+                &format!(
+                    "WITH RECURSIVE up(oid, child) AS ( \
+                         SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhrelid = $2 \
+                         UNION SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.oid) \
+                     SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) \
+                       FROM up JOIN pg_catalog.pg_class c ON c.oid = up.oid \
+                       JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                      WHERE $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel pr \
+                                           WHERE pr.prpubid = $1 AND pr.prrelid = c.oid) {} \
+                      LIMIT 1",
+                    if pg15 {
+                        "OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_namespace pn \
+                                     WHERE pn.pnpubid = $1 AND pn.pnnspid = c.relnamespace)"
+                    } else {
+                        ""
+                    }
+                ),
+                &[&publication_oid, &table_oid, &facts.all_tables],
+            )
+            .await
+            .map_err(|e| sql_error("cannot read the outbox table's ancestors", e))?;
+        facts.published_ancestor = ancestor.map(|row| row.get(0));
+    }
+
+    if let Some(refusal) = facts.refusal(&config.publication, &config.table) {
+        return Err(setup(refusal));
+    }
+
+    // What else the publication publishes (with their partitions): the decoder ignores
+    // their inserts (D2, D6), but the walsender decodes their changes all the same.
+    let published = client
+        .query(
+            "WITH RECURSIVE pub(oid) AS ( \
+                 SELECT c.oid FROM pg_catalog.pg_publication_tables pt \
+                   JOIN pg_catalog.pg_namespace n ON n.nspname = pt.schemaname \
+                   JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename \
+                  WHERE pt.pubname = $1 \
+                 UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN pub ON i.inhparent = pub.oid) \
+             SELECT oid FROM pub",
+            &[&config.publication],
+        )
+        .await
+        .map_err(|e| sql_error("cannot read the publication's tables", e))?;
+    known.others = published
+        .iter()
+        .map(|row| row.get::<_, u32>(0))
+        .filter(|oid| *oid != table_oid && !known.partitions.contains(oid))
+        .collect();
+    if facts.all_tables {
+        info!(publication = %config.publication, "the publication publishes all tables: the walsender decodes every table's changes for the relay, which costs decoding work; the relay relays only the outbox table's inserts");
+    } else if !known.others.is_empty() {
+        info!(publication = %config.publication, other_tables = known.others.len(), "the publication also publishes other tables: the walsender decodes their changes for the relay too, which costs decoding work; the relay ignores them");
+    }
+    Ok(known)
 }
 
-async fn ensure_slot(client: &Client, config: &Config) -> Result<SlotState> {
+/// What the catalog says about a publication and the outbox table, for [`Self::refusal`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublicationFacts {
+    /// `publish` includes `insert`.
+    pub insert: bool,
+    /// `publish` includes `update`.
+    pub update: bool,
+    /// `publish` includes `delete`.
+    pub delete: bool,
+    /// `publish` includes `truncate`.
+    pub truncate: bool,
+    /// `FOR ALL TABLES`.
+    pub all_tables: bool,
+    /// `publish_via_partition_root`; `None` before Postgres 13, which lacks it.
+    pub via_root: Option<bool>,
+    /// The outbox table is partitioned.
+    pub partitioned: bool,
+    /// The publication lists the table itself (`FOR TABLE`).
+    pub listed: bool,
+    /// The publication lists the table's schema (`FOR TABLES IN SCHEMA`).
+    pub schema_listed: bool,
+    /// The table's row filter in the publication.
+    pub row_filter: Option<String>,
+    /// The table's column list in the publication (`None`: every column).
+    pub columns: Option<Vec<String>>,
+    /// Partitions of the table the publication lists, as SQL names.
+    pub listed_partitions: Vec<String>,
+    /// An ancestor the publication publishes, when the table is itself a partition.
+    pub published_ancestor: Option<String>,
+}
+
+/// How to fix one problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Fix {
+    /// SQL statements, each ending in `;`.
+    Sql(String),
+    /// Something else to do.
+    Do(String),
+}
+
+impl PublicationFacts {
+    /// Why the publication would hide an outbox insert from the relay, with the exact fix;
+    /// `None` when it hides none (whatever else it publishes).
+    pub fn refusal(&self, publication: &str, table: &TableName) -> Option<String> {
+        let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
+        let table_sql = table.to_sql();
+        let mut problems: Vec<String> = Vec::new();
+        let mut fixes: Vec<Fix> = Vec::new();
+        let mut hid_rows = false;
+        if !self.insert {
+            let actions: Vec<&str> = [
+                (true, "insert"),
+                (self.update, "update"),
+                (self.delete, "delete"),
+                (self.truncate, "truncate"),
+            ]
+            .iter()
+            .filter_map(|(on, action)| on.then_some(*action))
+            .collect();
+            problems.push(format!(
+                "does not publish inserts (publish = '{}')",
+                actions[1..].join(", ")
+            ));
+            fixes.push(Fix::Sql(format!(
+                "{alter} SET (publish = '{}');",
+                actions.join(", ")
+            )));
+            hid_rows = true;
+        }
+        if !(self.all_tables || self.listed || self.schema_listed) {
+            if self.listed_partitions.is_empty() {
+                problems.push(format!("does not publish {table}"));
+            } else {
+                problems.push(format!(
+                    "publishes only partitions of {table} ({}), not the table itself, so their \
+                     inserts arrive under the partitions' names and partitions added later are \
+                     not published",
+                    self.listed_partitions.join(", ")
+                ));
+            }
+            fixes.push(Fix::Sql(format!("{alter} ADD TABLE {table_sql};")));
+        }
+        if self.partitioned && self.via_root != Some(true) {
+            match self.via_root {
+                None => {
+                    problems.push(format!(
+                        "cannot publish the partitioned table {table} before Postgres 13"
+                    ));
+                    fixes.push(Fix::Do(
+                        "upgrade Postgres to 13 or later, or use an unpartitioned outbox table"
+                            .to_owned(),
+                    ));
+                }
+                Some(_) => {
+                    problems.push(format!(
+                        "publishes the inserts into {table}'s partitions under each partition's \
+                         name, not the table's (publish_via_partition_root is off)"
+                    ));
+                    fixes.push(Fix::Sql(format!(
+                        "{alter} SET (publish_via_partition_root = true);"
+                    )));
+                }
+            }
+        }
+        let mut relist = false;
+        if let Some(filter) = &self.row_filter {
+            problems.push(format!(
+                "publishes only the rows of {table} that match the row filter WHERE {filter}"
+            ));
+            relist = true;
+            hid_rows = true;
+        }
+        if let Some(columns) = &self.columns {
+            let missing: Vec<&str> = REQUIRED_COLUMNS
+                .iter()
+                .map(|(name, _)| *name)
+                .filter(|name| !columns.iter().any(|c| c == name))
+                .collect();
+            if !missing.is_empty() {
+                problems.push(format!(
+                    "publishes only the columns {} of {table}, without {}, which the relay reads",
+                    columns.join(", "),
+                    missing.join(", ")
+                ));
+                relist = true;
+            }
+        }
+        if relist {
+            // Re-adding the table drops its row filter and column list, in one transaction
+            // so that no insert slips between the two.
+            fixes.push(Fix::Sql(format!(
+                "BEGIN; {alter} DROP TABLE {table_sql}; {alter} ADD TABLE {table_sql}; COMMIT;"
+            )));
+        }
+        if let (Some(ancestor), Some(true)) = (&self.published_ancestor, self.via_root) {
+            problems.push(format!(
+                "publishes the inserts into {table} as those of its ancestor {ancestor} \
+                 (publish_via_partition_root)"
+            ));
+            fixes.push(Fix::Do(format!(
+                "set OUTBOX_RELAY_TABLE to {ancestor}, or use a publication that does not \
+                 publish {ancestor}"
+            )));
+        }
+        if problems.is_empty() {
+            return None;
+        }
+        let sql: Vec<&str> = fixes
+            .iter()
+            .filter_map(|fix| match fix {
+                Fix::Sql(sql) => Some(sql.as_str()),
+                Fix::Do(_) => None,
+            })
+            .collect();
+        let other: Vec<&str> = fixes
+            .iter()
+            .filter_map(|fix| match fix {
+                Fix::Do(text) => Some(text.as_str()),
+                Fix::Sql(_) => None,
+            })
+            .collect();
+        let mut todo = Vec::new();
+        if !sql.is_empty() {
+            todo.push(format!("run {}", sql.join(" ")));
+        }
+        todo.extend(other.iter().map(|text| (*text).to_owned()));
+        let mut message = format!(
+            "publication {publication:?} would hide inserts into {table} from the relay: it {}. \
+             To fix it, {} (or choose another OUTBOX_RELAY_PUBLICATION)",
+            problems.join("; it "),
+            todo.join(", and ")
+        );
+        if hid_rows {
+            message.push_str(
+                ". Postgres decodes each transaction with the publication as it was at the \
+                 commit, so inserts it hid before the fix stay hidden: compare the table with \
+                 the stream for rows committed meanwhile (docs/operations.md)",
+            );
+        }
+        Some(message)
+    }
+}
+
+async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
     let query = "SELECT plugin::text, slot_type::text, database::text, confirmed_flush_lsn::text \
                    FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
     let row = client
@@ -209,7 +592,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<SlotState> {
     let row = match row {
         Some(row) => row,
         None if !config.create => {
-            return Err(permanent(format!(
+            return Err(setup(format!(
                 "replication slot {:?} does not exist and --no-create forbids creating it: run \
                  SELECT pg_create_logical_replication_slot({}, 'pgoutput'); (events committed \
                  before the slot exists are not relayed)",
@@ -247,7 +630,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<SlotState> {
         .map_err(|e| sql_error("cannot read the current database", e))?
         .get(0);
     if slot_type.as_deref() != Some("logical") || plugin.as_deref() != Some("pgoutput") {
-        return Err(permanent(format!(
+        return Err(setup(format!(
             "replication slot {:?} is a {} slot with plugin {}, not a logical pgoutput slot: drop \
              it or choose another OUTBOX_RELAY_SLOT",
             config.slot,
@@ -256,20 +639,17 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<SlotState> {
         )));
     }
     if database.as_deref() != Some(current_db.as_str()) {
-        return Err(permanent(format!(
+        return Err(setup(format!(
             "replication slot {:?} belongs to database {:?}, not {current_db:?}: choose another OUTBOX_RELAY_SLOT",
             config.slot,
             database.unwrap_or_default()
         )));
     }
-    let confirmed_flush_lsn = confirmed
+    confirmed
         .as_deref()
         .unwrap_or("0/0")
         .parse::<Lsn>()
-        .map_err(|e| permanent(format!("slot {:?}: {e}", config.slot)))?;
-    Ok(SlotState {
-        confirmed_flush_lsn,
-    })
+        .map_err(|e| permanent(format!("slot {:?}: {e}", config.slot)))
 }
 
 /// Checks the stream, or creates it when missing (and allowed).
@@ -286,7 +666,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
                 .iter()
                 .any(|filter| subject_filter_covers(filter, &ours));
             if !covered {
-                return Err(permanent(format!(
+                return Err(setup(format!(
                     "stream {} exists but its subjects {:?} do not cover {ours}: add {ours} to the \
                      stream's subjects, or choose another OUTBOX_RELAY_STREAM or OUTBOX_RELAY_SUBJECT_PREFIX",
                     config.stream, info.config.subjects
@@ -309,7 +689,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
             ) =>
         {
             if !config.create {
-                return Err(permanent(format!(
+                return Err(setup(format!(
                     "stream {} does not exist and --no-create forbids creating it ({error})",
                     config.stream
                 )));
@@ -364,6 +744,231 @@ pub fn subject_filter_covers(filter: &str, pattern: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::subject_filter_covers as covers;
+    use super::{create_publication_sql, PublicationFacts};
+    use crate::config::TableName;
+
+    fn outbox() -> TableName {
+        TableName {
+            schema: "public".into(),
+            name: "outbox_events".into(),
+        }
+    }
+
+    /// A publication `FOR TABLE public.outbox_events WITH (publish = 'insert')`.
+    fn good() -> PublicationFacts {
+        PublicationFacts {
+            insert: true,
+            listed: true,
+            via_root: Some(false),
+            ..PublicationFacts::default()
+        }
+    }
+
+    fn refusal(facts: &PublicationFacts) -> String {
+        facts
+            .refusal("p", &outbox())
+            .expect("the publication is refused")
+    }
+
+    const RELIST: &str = "run BEGIN; ALTER PUBLICATION \"p\" DROP TABLE \"public\".\"outbox_events\"; \
+                          ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox_events\"; COMMIT; (or";
+
+    #[test]
+    fn the_relay_creates_a_publication_of_inserts_that_publishes_partitions_as_the_table() {
+        assert_eq!(
+            create_publication_sql("outbox_relay", &outbox(), true),
+            "CREATE PUBLICATION \"outbox_relay\" FOR TABLE \"public\".\"outbox_events\" \
+             WITH (publish = 'insert', publish_via_partition_root = true)"
+        );
+        assert_eq!(
+            create_publication_sql("we\"ird", &outbox(), false),
+            "CREATE PUBLICATION \"we\"\"ird\" FOR TABLE \"public\".\"outbox_events\" WITH (publish = 'insert')"
+        );
+    }
+
+    #[test]
+    fn publications_that_hide_no_insert_are_accepted() {
+        let accepted = [
+            good(),
+            PublicationFacts {
+                partitioned: true,
+                via_root: Some(true),
+                listed_partitions: vec!["\"public\".\"outbox_events_a\"".into()],
+                ..good()
+            },
+            PublicationFacts {
+                listed: false,
+                all_tables: true,
+                update: true,
+                ..good()
+            },
+            PublicationFacts {
+                listed: false,
+                schema_listed: true,
+                ..good()
+            },
+            PublicationFacts {
+                columns: Some(
+                    ["id", "entity_id", "event_type", "payload", "created_at"]
+                        .map(String::from)
+                        .to_vec(),
+                ),
+                ..good()
+            },
+            // Before Postgres 13, without the option, an unpartitioned table is fine.
+            PublicationFacts {
+                via_root: None,
+                ..good()
+            },
+            // An ancestor published without publish_via_partition_root publishes the
+            // table's inserts under the table's (or its partitions') names.
+            PublicationFacts {
+                published_ancestor: Some("\"public\".\"all_events\"".into()),
+                ..good()
+            },
+        ];
+        for facts in accepted {
+            assert_eq!(facts.refusal("p", &outbox()), None, "{facts:?}");
+        }
+    }
+
+    #[test]
+    fn a_publication_without_inserts_is_refused_keeping_its_other_actions() {
+        let message = refusal(&PublicationFacts {
+            insert: false,
+            update: true,
+            delete: true,
+            ..good()
+        });
+        assert!(
+            message.starts_with(
+                "publication \"p\" would hide inserts into public.outbox_events from the relay: \
+                 it does not publish inserts (publish = 'update, delete'). To fix it, run \
+                 ALTER PUBLICATION \"p\" SET (publish = 'insert, update, delete'); (or choose \
+                 another OUTBOX_RELAY_PUBLICATION). Postgres decodes each transaction"
+            ),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_partitioned_table_without_publish_via_partition_root_is_refused() {
+        let message = refusal(&PublicationFacts {
+            partitioned: true,
+            ..good()
+        });
+        assert!(
+            message.contains("under each partition's name")
+                && message.contains(
+                    "To fix it, run ALTER PUBLICATION \"p\" SET (publish_via_partition_root = true); (or"
+                ),
+            "{message}"
+        );
+        let message = refusal(&PublicationFacts {
+            partitioned: true,
+            via_root: None,
+            ..good()
+        });
+        assert!(message.contains("upgrade Postgres to 13"), "{message}");
+    }
+
+    #[test]
+    fn a_publication_of_partitions_only_is_refused_naming_them() {
+        let message = refusal(&PublicationFacts {
+            partitioned: true,
+            listed: false,
+            via_root: Some(true),
+            listed_partitions: vec![
+                "\"public\".\"outbox_events_a\"".into(),
+                "\"public\".\"outbox_events_b\"".into(),
+            ],
+            ..good()
+        });
+        assert!(
+            message.contains(
+                "it publishes only partitions of public.outbox_events (\"public\".\"outbox_events_a\", \
+                 \"public\".\"outbox_events_b\"), not the table itself"
+            ) && message.contains(
+                "To fix it, run ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox_events\"; (or"
+            ),
+            "{message}"
+        );
+        // Without the option as well: both fixes, in an order that works.
+        let message = refusal(&PublicationFacts {
+            partitioned: true,
+            listed: false,
+            listed_partitions: vec!["\"public\".\"outbox_events_a\"".into()],
+            ..good()
+        });
+        assert!(
+            message.contains(
+                "run ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox_events\"; \
+                 ALTER PUBLICATION \"p\" SET (publish_via_partition_root = true); (or"
+            ),
+            "{message}"
+        );
+        let message = refusal(&PublicationFacts {
+            listed: false,
+            ..good()
+        });
+        assert!(
+            message.contains("it does not publish public.outbox_events."),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn row_filters_and_column_lists_that_hide_a_read_column_are_refused_with_one_relist() {
+        let message = refusal(&PublicationFacts {
+            row_filter: Some("(event_type <> 'Hidden'::text)".into()),
+            ..good()
+        });
+        assert!(
+            message.contains("row filter WHERE (event_type <> 'Hidden'::text)")
+                && message.contains(RELIST)
+                && message.contains("stay hidden"),
+            "{message}"
+        );
+        let message = refusal(&PublicationFacts {
+            columns: Some(
+                ["id", "entity_id", "event_type", "created_at", "status"]
+                    .map(String::from)
+                    .to_vec(),
+            ),
+            ..good()
+        });
+        assert!(
+            message.contains(
+                "only the columns id, entity_id, event_type, created_at, status of \
+                 public.outbox_events, without payload, which the relay reads"
+            ) && message.contains(RELIST),
+            "{message}"
+        );
+        let message = refusal(&PublicationFacts {
+            row_filter: Some("(true)".into()),
+            columns: Some(vec!["id".into()]),
+            ..good()
+        });
+        assert_eq!(message.matches("BEGIN;").count(), 1, "{message}");
+        assert!(
+            message.contains("without entity_id, event_type, payload, created_at"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_table_published_as_its_ancestor_is_refused() {
+        let message = refusal(&PublicationFacts {
+            via_root: Some(true),
+            published_ancestor: Some("\"public\".\"all_events\"".into()),
+            ..good()
+        });
+        assert!(
+            message.contains("as those of its ancestor \"public\".\"all_events\"")
+                && message.contains("set OUTBOX_RELAY_TABLE to \"public\".\"all_events\""),
+            "{message}"
+        );
+    }
 
     #[test]
     fn subject_coverage() {

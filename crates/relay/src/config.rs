@@ -400,6 +400,17 @@ impl fmt::Display for TableName {
     }
 }
 
+impl TableName {
+    /// The name as SQL: both parts quoted.
+    pub fn to_sql(&self) -> String {
+        format!(
+            "{}.{}",
+            replication::quote_identifier(&self.schema),
+            replication::quote_identifier(&self.name)
+        )
+    }
+}
+
 /// How to log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {

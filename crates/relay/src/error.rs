@@ -1,6 +1,8 @@
 //! The relay's errors, split by what happens next: a transient error restarts the pipeline
 //! from the slot's confirmed position after a backoff; a permanent one stops the process
-//! with a non-zero exit and a message that names the problem and the fix.
+//! with a non-zero exit and a message that names the problem and the fix: exit status 2
+//! for a setup error (a check at start found the database or stream set up wrongly, like
+//! invalid configuration), 1 for any other.
 
 use std::fmt;
 
@@ -20,6 +22,8 @@ pub enum ErrorKind {
     Transient,
     /// Stop for an operator.
     Permanent,
+    /// Stop for an operator: a check at start found the setup wrong (exit status 2).
+    Setup,
 }
 
 impl RelayError {
@@ -39,9 +43,25 @@ impl RelayError {
         }
     }
 
+    /// A setup error: permanent, and the process exits with status 2.
+    pub fn setup(error: impl Into<anyhow::Error>) -> Self {
+        Self {
+            kind: ErrorKind::Setup,
+            error: error.into(),
+        }
+    }
+
     /// Whether retrying can help.
     pub fn is_transient(&self) -> bool {
         self.kind == ErrorKind::Transient
+    }
+
+    /// The process's exit status when this error stops it: 2 for a setup error, else 1.
+    pub fn exit_code(&self) -> u8 {
+        match self.kind {
+            ErrorKind::Setup => 2,
+            ErrorKind::Transient | ErrorKind::Permanent => 1,
+        }
     }
 }
 

@@ -148,7 +148,7 @@ fn main() -> ExitCode {
         Err(e) => {
             error!(error = %e, "outbox-relay stopped");
             eprintln!("outbox-relay: {}", logging::scrub(&e.to_string()));
-            ExitCode::FAILURE
+            ExitCode::from(e.exit_code())
         }
     }
 }

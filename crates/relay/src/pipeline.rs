@@ -402,7 +402,8 @@ async fn stream_events(
         config.table.clone(),
         config.subject_prefix.clone(),
         config.partitions,
-    );
+    )
+    .with_relations(prepared.slot.relations);
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
         fence: prepared.resume.fence,
