@@ -10,6 +10,8 @@
 //! - S1–S2 ([`subject`]): the subject token escaping is injective and NATS-safe.
 //! - SRC1–SRC2 ([`source`]): the `Outbox-Source` value names the WAL history (cluster,
 //!   timeline, database, slot) and is header-safe.
+//! - D1–D7 ([`framer`]): replication messages become events and transaction boundaries in
+//!   replication order; nothing the relay cannot place is skipped.
 //! - E1–E3 ([`event`]): only the row is trusted, the payload is passed through unchanged,
 //!   and a row that cannot be represented faithfully is an error, never altered.
 //! - H1–H4 ([`encoding`]): header values no row can subvert; a hostile row's values are
@@ -17,6 +19,7 @@
 
 pub mod encoding;
 pub mod event;
+pub mod framer;
 pub mod headers;
 pub mod keys;
 mod percent;
@@ -27,6 +30,7 @@ pub mod timestamp;
 pub use event::{
     EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, Position, SchemaError,
 };
+pub use framer::{FrameError, Framer, Item, KnownRelations, Notice, TableName};
 pub use keys::{compute_keys, shard_for_key, Keys};
 /// The LSN type of [`Position::commit_lsn`], so users of positions need not know the decoder.
 pub use pgoutput::Lsn;

@@ -32,9 +32,9 @@ use replication::{quote_identifier, quote_literal};
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
-use crate::config::{Config, TableName};
-use crate::decode::KnownRelations;
+use crate::config::{table_sql, Config, TableName};
 use crate::error::{RelayError, Result};
+use outbox::KnownRelations;
 
 /// What start-up learned about the slot and the publication.
 #[derive(Debug, Clone)]
@@ -183,7 +183,7 @@ fn create_publication_sql(
     format!(
         "CREATE PUBLICATION {} FOR TABLE {} WITH ({options})",
         quote_identifier(publication),
-        table.to_sql()
+        table_sql(table)
     )
 }
 
@@ -444,7 +444,7 @@ impl PublicationFacts {
     /// `None` when it hides none (whatever else it publishes).
     pub fn refusal(&self, publication: &str, table: &TableName) -> Option<String> {
         let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
-        let table_sql = table.to_sql();
+        let table_sql = table_sql(table);
         let mut problems: Vec<String> = Vec::new();
         let mut fixes: Vec<Fix> = Vec::new();
         let mut hid_rows = false;

@@ -385,30 +385,15 @@ fn toml_error(path: &Path, text: &str, error: &toml::de::Error) -> ConfigError {
     ))
 }
 
-/// `schema.table`, both parts verbatim (quoted when used in SQL).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TableName {
-    /// The schema.
-    pub schema: String,
-    /// The table.
-    pub name: String,
-}
+pub use outbox::TableName;
 
-impl fmt::Display for TableName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.schema, self.name)
-    }
-}
-
-impl TableName {
-    /// The name as SQL: both parts quoted.
-    pub fn to_sql(&self) -> String {
-        format!(
-            "{}.{}",
-            replication::quote_identifier(&self.schema),
-            replication::quote_identifier(&self.name)
-        )
-    }
+/// `schema.table` as SQL: both parts quoted.
+pub fn table_sql(table: &TableName) -> String {
+    format!(
+        "{}.{}",
+        replication::quote_identifier(&table.schema),
+        replication::quote_identifier(&table.name)
+    )
 }
 
 /// How to log.

@@ -103,6 +103,41 @@ impl From<sink::SinkError> for RelayError {
     }
 }
 
+impl From<outbox::FrameError> for RelayError {
+    /// A protocol violation is retried (D7); everything else stops for an operator, with the
+    /// ways forward for an insert the relay cannot place (D6).
+    fn from(error: outbox::FrameError) -> Self {
+        if error.is_transient() {
+            return Self::transient(error);
+        }
+        let advice = match &error {
+            outbox::FrameError::UnknownRelation(unplaced) => Some(format!(
+                "it may be a partition of {table} detached or dropped since (its inserts committed \
+                 before the publication had publish_via_partition_root = true), or one attached \
+                 after the session started. The relay stops rather than skip it: if {relation} is a \
+                 partition of {table} now, restart the relay; if it was one, attach it again \
+                 (ALTER TABLE {table_sql} ATTACH PARTITION {relation_sql} FOR VALUES …) and \
+                 restart; if it never was, publish it too (ALTER PUBLICATION {publication_sql} ADD \
+                 TABLE {relation_sql};) and restart; if it was dropped, its events can only be \
+                 skipped deliberately, with the rest of its transaction, by advancing the slot past \
+                 {commit_lsn} (pg_replication_slot_advance)",
+                table = unplaced.table,
+                relation = unplaced.relation,
+                commit_lsn = unplaced.commit_lsn,
+                table_sql = crate::config::table_sql(&unplaced.table),
+                relation_sql = crate::config::table_sql(&unplaced.relation),
+                publication_sql = replication::quote_identifier(&unplaced.publication),
+            )),
+            _ => None,
+        };
+        let error = anyhow::Error::new(error);
+        Self::permanent(match advice {
+            Some(advice) => error.context(advice),
+            None => error,
+        })
+    }
+}
+
 /// Shorthand.
 pub type Result<T, E = RelayError> = std::result::Result<T, E>;
 

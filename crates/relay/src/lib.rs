@@ -4,16 +4,18 @@
 //! This crate wires the others and holds no domain logic of its own: [`config`] turns
 //! flags, environment and file into a validated [`Config`]; [`logging`] sets up the logs
 //! (colour only on a terminal) and scrubs secrets from them; [`bootstrap`] checks and
-//! creates the publication, slot and stream; [`decode`] frames replication messages into
-//! sink items; [`pipeline`] runs the reader and the sink and restarts them on failure; [`nats`]
-//! connects to NATS with the configured credential and TLS files.
+//! creates the publication, slot and stream; [`pipeline`] runs a session as a list of steps
+//! (lease, connections, checks, resume plan, reader and sink) and restarts it on failure;
+//! [`nats`] connects to NATS with the configured credential and TLS files. Framing
+//! replication messages into events is `outbox::framer`'s; the resume policy is
+//! `sink::resume`'s.
 //!
 //! # Invariants
-//! The numbered invariants I1–I5 are stated in [`pipeline`] and in docs/architecture.md.
+//! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
+//! the ones it keeps under those numbers.
 
 pub mod bootstrap;
 pub mod config;
-pub mod decode;
 pub mod error;
 pub mod lease;
 pub mod logging;

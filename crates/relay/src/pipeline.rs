@@ -2,7 +2,7 @@
 //! from the slot's confirmed position after any transient failure.
 //!
 //! ```text
-//!  Postgres walsender ══ CopyBoth ══► reader task ──Vec<SinkItem>──► publisher ──► acker
+//!  Postgres walsender ══ CopyBoth ══► reader task ──Vec<Item>──► publisher ──► acker
 //!        ▲                          (decode, batch,   bounded mpsc       │ window     │
 //!        │ StandbyStatusUpdate       backpressure)                       │ semaphore  ▼
 //!        └──────────── flush = watermark ◄──────── watch<Lsn> ◄─────── AckTracker (sink)
@@ -45,19 +45,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use outbox::{Framer, Item, Notice};
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
-use sink::{SinkItem, SinkOptions, SinkStats};
+use sink::{SinkOptions, SinkStats};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
 use crate::bootstrap;
 use crate::config::Config;
-use crate::decode::Decoder;
 use crate::error::{RelayError, Result};
 use crate::lease::Lease;
 use crate::metrics;
@@ -398,7 +398,7 @@ async fn stream_events(
 
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
-    let decoder = Decoder::new(
+    let framer = Framer::new(
         config.table.clone(),
         config.subject_prefix.clone(),
         config.partitions,
@@ -429,7 +429,7 @@ async fn stream_events(
     )));
     let reader = Reader {
         stream: prepared.stream,
-        decoder,
+        framer,
         items: Some(items_tx),
         confirmed: watermark_rx,
         feedback: Feedback::new(prepared.status_interval),
@@ -497,8 +497,8 @@ enum Step {
 
 struct Reader {
     stream: ReplicationStream,
-    decoder: Decoder,
-    items: Option<mpsc::Sender<Vec<SinkItem<Lsn>>>>,
+    framer: Framer,
+    items: Option<mpsc::Sender<Vec<Item<Lsn>>>>,
     confirmed: watch::Receiver<Lsn>,
     feedback: Feedback,
     /// Shared mode: the stream's duplicate window, until the first replayed transaction was
@@ -514,7 +514,7 @@ impl Reader {
         drain_deadline: Duration,
     ) -> Result<ReaderEnd> {
         self.feedback.update(*self.confirmed.borrow_and_update());
-        let mut pending: Vec<SinkItem<Lsn>> = Vec::with_capacity(MAX_BATCH);
+        let mut pending: Vec<Item<Lsn>> = Vec::with_capacity(MAX_BATCH);
         let mut drain_until: Option<TokioInstant> = None;
         // I3: one timer, always set to the moment the next status is due (or the drain
         // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
@@ -614,20 +614,28 @@ impl Reader {
     async fn on_message(
         &mut self,
         message: ReplicationMessage,
-        pending: &mut Vec<SinkItem<Lsn>>,
+        pending: &mut Vec<Item<Lsn>>,
     ) -> Result<()> {
         if let ReplicationMessage::PrimaryKeepalive(keepalive) = &message {
             if keepalive.reply_requested {
                 self.send_status().await?;
             }
         }
-        self.decoder.on_message(message, pending).inspect_err(|e| {
-            if !e.is_transient() {
-                error!(error = %e, "cannot relay");
-            }
-        })?;
+        // A permanent error is printed once, by the binary, when the relay stops.
+        self.framer.on_message(message, pending)?;
+        for notice in self.framer.take_notices() {
+            let Notice::PartitionInsert {
+                partition,
+                commit_lsn,
+            } = notice;
+            warn!(
+                partition = %partition,
+                commit_lsn = %commit_lsn,
+                "inserts into a partition arrive under the partition's own name (committed while the publication lacked publish_via_partition_root); relaying them as inserts into the table"
+            );
+        }
         if let (Some(window), Some(commit_time)) =
-            (self.dedupe_guard, self.decoder.first_commit_time)
+            (self.dedupe_guard, self.framer.first_commit_time)
         {
             self.dedupe_guard = None;
             check_dedupe_window(window, commit_time);

@@ -27,6 +27,6 @@ pub use message::{
     REPLY_SUBJECT_LEN,
 };
 pub use publisher::{
-    run, PoisonKind, PoisonPolicy, SinkError, SinkItem, SinkOptions, SinkStats, REUSED_ID_METRIC,
+    run, PoisonKind, PoisonPolicy, SinkError, SinkOptions, SinkStats, REUSED_ID_METRIC,
 };
 pub use tracker::{AckTracker, Ticket, TrackerError};

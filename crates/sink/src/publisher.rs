@@ -52,7 +52,7 @@ use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::Subject;
-use outbox::{encoding, OutboxEvent, Position};
+use outbox::{encoding, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
@@ -62,22 +62,6 @@ use crate::tracker::{AckTracker, Ticket, TrackerError};
 
 /// The metric counting events acknowledged as duplicates of another event (P8).
 pub const REUSED_ID_METRIC: &str = "outbox_relay_reused_id_total";
-
-/// What the sink consumes, in replication order.
-// Events dominate the stream and travel in batches (`Vec<SinkItem>`); boxing them would add
-// an allocation per event on the hot path to shrink the rare marker variants.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub enum SinkItem<P> {
-    /// A transaction starts.
-    Begin,
-    /// An outbox row of the open transaction.
-    Event(OutboxEvent),
-    /// The open transaction committed; `P` is its end position.
-    Commit(P),
-    /// A position reached with no transaction open (a keepalive's WAL end).
-    Idle(P),
-}
 
 /// What to do with an event JetStream can never accept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -326,7 +310,7 @@ enum AckItem<P> {
 pub async fn run<P>(
     jetstream: Context,
     options: SinkOptions,
-    mut input: mpsc::Receiver<Vec<SinkItem<P>>>,
+    mut input: mpsc::Receiver<Vec<Item<P>>>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
 ) -> Result<(), SinkError>
@@ -359,10 +343,10 @@ where
         while let Some(batch) = input.recv().await {
             for item in batch {
                 let item = match item {
-                    SinkItem::Begin => AckItem::Begin,
-                    SinkItem::Commit(p) => AckItem::Commit(p),
-                    SinkItem::Idle(p) => AckItem::Idle(p),
-                    SinkItem::Event(event) => {
+                    Item::Begin => AckItem::Begin,
+                    Item::Commit(p) => AckItem::Commit(p),
+                    Item::Idle(p) => AckItem::Idle(p),
+                    Item::Event(event) => {
                         if options
                             .resume_after
                             .is_some_and(|tail| event.position <= tail)
