@@ -27,7 +27,7 @@
 //! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
 //!   (cluster, timeline, database, slot) that lies below the server's WAL end
 //!   ([`sink::resume`] S1–S3). Tested: `history.rs`.
-//! - I7 Memory is bounded: at most one batch waits in the reader, [`CHANNEL_BATCHES`] batches
+//! - I7 Memory is bounded: at most one batch waits in the reader, `CHANNEL_BATCHES` batches
 //!   in the channel, and `max_in_flight` publishes in the sink. Tested: `outages.rs`
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
