@@ -7,10 +7,10 @@
 //!   values are percent-encoded and the message says `Outbox-Encoding: percent`
 //!   ([`outbox::encoding`]); every other row's values are written verbatim. This holds for
 //!   dead-letter records too.
-//! - M2 [`event_wire_size`] is exactly [`wire_size`] of what [`into_message`] builds (plus
+//! - M2 `event_wire_size` is exactly [`wire_size`] of what `into_message` builds (plus
 //!   the fence header), computed from lengths alone (a proptest locks it, hostile rows
 //!   included); [`control_line_len`] is at least the `HPUB` line async-nats writes for it.
-//! - M3 A dead-letter record is cut to what fits ([`fit_dead_letter`]): its long text
+//! - M3 A dead-letter record is cut to what fits (`fit_dead_letter`): its long text
 //!   fields are truncated, then dropped, and the record says `"truncated": true`; if even
 //!   the smallest record does not fit, the caller gets an error, never a record the server
 //!   would refuse. Its `Nats-Msg-Id` depends on the event alone (not on the cut), so every
@@ -139,7 +139,7 @@ pub fn publish_message(event: &OutboxEvent) -> async_nats::jetstream::message::P
         .payload(payload)
 }
 
-/// [`wire_size`] of the message [`into_message`] builds, with the fence header, from the
+/// [`wire_size`] of the message `into_message` builds, with the fence header, from the
 /// lengths alone (M2). `hostile` is [`encoding::row_is_hostile`] of the event.
 pub(crate) fn event_wire_size(
     event: &OutboxEvent,
