@@ -235,7 +235,7 @@ async fn session(
         // A SIGTERM while a connect or a check hangs ends the process at once: nothing has
         // been published yet, so there is nothing to drain.
         () = shutdown.cancelled() => return SessionEnd::ShutdownDuringSetUp,
-        // L1: no session without the lease.
+        // I9: no session without the lease.
         () = lease.lost() => return SessionEnd::Failed(lease_lost(config)),
         prepared = prepare(config, bootstrapped, stats, lease) => prepared,
     };
@@ -395,15 +395,26 @@ async fn stream_events(
         skip_through = ?prepared.resume.skip_through,
         "streaming outbox events"
     );
+    let (reader, sink) = start(config, stats, prepared);
+    let reader_end = tokio::select! {
+        biased;
+        // I9: the lease is gone: stop the sink before anything else is published.
+        () = lease.lost() => {
+            stop(sink).await;
+            return SessionEnd::Failed(lease_lost(config));
+        }
+        end = reader.run(shutdown.clone(), config.shutdown_timeout) => end,
+    };
+    finish(reader_end, sink).await
+}
 
+/// The session's sink task.
+type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
+
+/// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
+fn start(config: &Config, stats: &Arc<SinkStats>, prepared: Prepared) -> (Reader, SinkTask) {
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
-    let framer = Framer::new(
-        config.table.clone(),
-        config.subject_prefix.clone(),
-        config.partitions,
-    )
-    .with_relations(prepared.slot.relations);
     let options = SinkOptions {
         max_in_flight: config.max_in_flight,
         fence: prepared.resume.fence,
@@ -416,34 +427,37 @@ async fn stream_events(
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source: prepared.source,
     };
-    let guard = config
-        .shared_stream
-        .then_some(prepared.tail.duplicate_window);
-    // L1: the sink task ends with the session, however the session ends (aborted on drop).
-    let mut sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
+    // I9: the sink task ends with the session, however the session ends (aborted on drop).
+    let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,
         options,
         items_rx,
         watermark_tx,
         stats.clone(),
     )));
+    let framer = Framer::new(
+        config.table.clone(),
+        config.subject_prefix.clone(),
+        config.partitions,
+    )
+    .with_relations(prepared.slot.relations);
     let reader = Reader {
         stream: prepared.stream,
         framer,
         items: Some(items_tx),
         confirmed: watermark_rx,
         feedback: Feedback::new(prepared.status_interval),
-        dedupe_guard: guard,
+        pending: Vec::with_capacity(MAX_BATCH),
+        drain_until: None,
+        dedupe_guard: config
+            .shared_stream
+            .then_some(prepared.tail.duplicate_window),
     };
-    let reader_end = tokio::select! {
-        biased;
-        // L1: the lease is gone: stop the sink before anything else is published.
-        () = lease.lost() => {
-            stop(sink).await;
-            return SessionEnd::Failed(lease_lost(config));
-        }
-        end = reader.run(shutdown.clone(), config.shutdown_timeout) => end,
-    };
+    (reader, sink)
+}
+
+/// How the session ended, from how the reader stopped and what the sink says.
+async fn finish(reader_end: Result<ReaderEnd>, mut sink: SinkTask) -> SessionEnd {
     let intake_open = match reader_end {
         Err(error) => {
             // The replication stream is gone, so nothing the sink still awaits could be
@@ -501,6 +515,10 @@ struct Reader {
     items: Option<mpsc::Sender<Vec<Item<Lsn>>>>,
     confirmed: watch::Receiver<Lsn>,
     feedback: Feedback,
+    /// Items decoded but not yet handed to the sink: at most one batch (I7).
+    pending: Vec<Item<Lsn>>,
+    /// After a shutdown: when the drain gives up.
+    drain_until: Option<TokioInstant>,
     /// Shared mode: the stream's duplicate window, until the first replayed transaction was
     /// checked against it.
     dedupe_guard: Option<Duration>,
@@ -514,23 +532,22 @@ impl Reader {
         drain_deadline: Duration,
     ) -> Result<ReaderEnd> {
         self.feedback.update(*self.confirmed.borrow_and_update());
-        let mut pending: Vec<Item<Lsn>> = Vec::with_capacity(MAX_BATCH);
-        let mut drain_until: Option<TokioInstant> = None;
         // I3: one timer, always set to the moment the next status is due (or the drain
         // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
         // hair before the due time skips a whole period, and the updates end up spaced
         // 2 × interval = wal_sender_timeout apart (the walsender timed out a backpressured
         // relay that way).
-        let timer = tokio::time::sleep_until(self.wake_at(drain_until));
+        let timer = tokio::time::sleep_until(self.wake_at());
         tokio::pin!(timer);
         loop {
-            let wake = self.wake_at(drain_until);
+            let wake = self.wake_at();
             if timer.deadline() != wake {
                 timer.as_mut().reset(wake);
             }
             let intake_open = self.items.is_some();
-            // Each branch only yields a step; the steps are handled below, once the branch
-            // futures (which borrow parts of `self`) are dropped.
+            let has_pending = !self.pending.is_empty();
+            // Each branch only yields a step; the steps are handled by `on_step`, once the
+            // branch futures (which borrow parts of `self`) are dropped.
             let step = tokio::select! {
                 biased;
                 // PRIORITY 1: shutdown stops intake (cancel-safe: a token wait).
@@ -540,75 +557,93 @@ impl Reader {
                 // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
                 () = &mut timer => Step::Tick,
                 // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
-                permit = reserve(&self.items), if intake_open && !pending.is_empty() => match permit {
+                permit = reserve(&self.items), if intake_open && has_pending => match permit {
                     Some(permit) => {
                         // Size the next batch like this one: a live trickle should not
                         // allocate a 512-item vector per event.
-                        let capacity = pending.len().clamp(16, MAX_BATCH);
-                        permit.send(std::mem::replace(&mut pending, Vec::with_capacity(capacity)));
+                        let capacity = self.pending.len().clamp(16, MAX_BATCH);
+                        permit.send(std::mem::replace(&mut self.pending, Vec::with_capacity(capacity)));
                         Step::Handed
                     }
                     // The sink ended; PRIORITY 2 reports why.
                     None => Step::Handed,
                 },
                 // PRIORITY 5: new WAL, only while nothing is pending (cancel-safe: recv).
-                message = self.stream.recv(), if intake_open && pending.is_empty() => Step::Message(message),
+                message = self.stream.recv(), if intake_open && !has_pending => Step::Message(message),
             };
-            match step {
-                Step::Shutdown => {
-                    // What is pending was never published: dropping it leaves it unconfirmed.
-                    info!("shutting down: waiting for in-flight acks");
-                    self.items = None;
-                    pending.clear();
-                    drain_until = Some(TokioInstant::now() + drain_deadline);
-                }
-                Step::Watermark { sink_running: true } => {
-                    self.feedback.update(*self.confirmed.borrow_and_update());
-                }
-                Step::Watermark {
-                    sink_running: false,
-                } => {
-                    // The sink is gone: report its final watermark and stop.
-                    self.feedback.update(*self.confirmed.borrow());
-                    self.send_status().await?;
-                    if !intake_open {
-                        info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
-                        if let Err(error) = self.stream.finish().await {
-                            debug!(error = %error, "closing the replication stream");
-                        }
-                    }
-                    return Ok(ReaderEnd::SinkEnded { intake_open });
-                }
-                Step::Tick => {
-                    let now = TokioInstant::now();
-                    if drain_until.is_some_and(|deadline| now >= deadline) {
-                        warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
-                        self.send_status().await?;
-                        return Ok(ReaderEnd::DrainDeadlinePassed);
-                    }
-                    if self.feedback.due(now) {
-                        self.send_status().await?;
+            if let Some(end) = self.on_step(step, intake_open, drain_deadline).await? {
+                if end == (ReaderEnd::SinkEnded { intake_open: false }) {
+                    // Drained: end the stream politely.
+                    if let Err(error) = self.stream.finish().await {
+                        debug!(error = %error, "closing the replication stream");
                     }
                 }
-                Step::Handed => {}
-                Step::Message(message) => {
-                    self.on_message(message?, &mut pending).await?;
-                    while pending.len() < MAX_BATCH {
-                        match self.stream.try_recv_buffered() {
-                            Some(message) => self.on_message(message?, &mut pending).await?,
-                            None => break,
-                        }
-                    }
-                }
+                return Ok(end);
             }
         }
     }
 
+    /// Handles one step of [`Reader::run`]'s loop; `Some` ends the reader.
+    async fn on_step(
+        &mut self,
+        step: Step,
+        intake_open: bool,
+        drain_deadline: Duration,
+    ) -> Result<Option<ReaderEnd>> {
+        match step {
+            Step::Shutdown => {
+                // What is pending was never published: dropping it leaves it unconfirmed.
+                info!("shutting down: waiting for in-flight acks");
+                self.items = None;
+                self.pending.clear();
+                self.drain_until = Some(TokioInstant::now() + drain_deadline);
+            }
+            Step::Watermark { sink_running: true } => {
+                self.feedback.update(*self.confirmed.borrow_and_update());
+            }
+            Step::Watermark {
+                sink_running: false,
+            } => {
+                // The sink is gone: report its final watermark and stop.
+                self.feedback.update(*self.confirmed.borrow());
+                self.send_status().await?;
+                if !intake_open {
+                    info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
+                }
+                return Ok(Some(ReaderEnd::SinkEnded { intake_open }));
+            }
+            Step::Tick => {
+                let now = TokioInstant::now();
+                if self.drain_until.is_some_and(|deadline| now >= deadline) {
+                    warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
+                    self.send_status().await?;
+                    return Ok(Some(ReaderEnd::DrainDeadlinePassed));
+                }
+                if self.feedback.due(now) {
+                    self.send_status().await?;
+                }
+            }
+            Step::Handed => {}
+            Step::Message(message) => {
+                let mut pending = std::mem::take(&mut self.pending);
+                self.on_message(message?, &mut pending).await?;
+                while pending.len() < MAX_BATCH {
+                    match self.stream.try_recv_buffered() {
+                        Some(message) => self.on_message(message?, &mut pending).await?,
+                        None => break,
+                    }
+                }
+                self.pending = pending;
+            }
+        }
+        Ok(None)
+    }
+
     /// When the reader's timer must fire next: the status due time (now, if none was sent
     /// yet), or the drain deadline if sooner.
-    fn wake_at(&self, drain_until: Option<TokioInstant>) -> TokioInstant {
+    fn wake_at(&self) -> TokioInstant {
         let due = self.feedback.next_due().unwrap_or_else(TokioInstant::now);
-        drain_until.map_or(due, |deadline| due.min(deadline))
+        self.drain_until.map_or(due, |deadline| due.min(deadline))
     }
 
     async fn on_message(
