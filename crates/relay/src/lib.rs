@@ -6,7 +6,8 @@
 //! (colour only on a terminal) and scrubs secrets from them; [`bootstrap`] checks and
 //! creates the publication, slot and stream; [`decode`] frames replication messages into
 //! sink items; [`pipeline`] runs the reader and the sink and restarts them on failure; [`nats`]
-//! connects to NATS with the configured credential and TLS files.
+//! connects to NATS with the configured credential and TLS files; [`status`] reads and judges
+//! the slot, publication, lease and stream for `outbox-relay status`.
 //!
 //! # Invariants
 //! The numbered invariants I1–I5 are stated in [`pipeline`] and in docs/architecture.md.
@@ -20,6 +21,7 @@ pub mod logging;
 pub mod metrics;
 pub mod nats;
 pub mod pipeline;
+pub mod status;
 
 pub use config::Config;
 pub use error::RelayError;
