@@ -8,7 +8,8 @@
 //! (lease, connections, checks, resume plan, reader and sink) and restarts it on failure;
 //! [`nats`] connects to NATS with the configured credential and TLS files. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
-//! `sink::resume`'s.
+//! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
+//! `outbox-relay status`.
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
@@ -22,6 +23,7 @@ pub mod logging;
 pub mod metrics;
 pub mod nats;
 pub mod pipeline;
+pub mod status;
 
 pub use config::Config;
 pub use error::RelayError;

@@ -2,6 +2,9 @@
 //! library. Exit status: 0 after a clean shutdown, 1 on a runtime error that needs an
 //! operator, 2 on invalid configuration. `outbox-relay config` prints the effective
 //! configuration and where each value came from, secrets redacted, and exits.
+//! `outbox-relay status` prints the state of the slot, publication, lease and stream
+//! (`outbox_relay::status`) and exits 0 healthy, 3 lagging, 4 broken, or 1 when it cannot
+//! read the state (1 and 2 keep their meaning for every command).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,6 +20,19 @@ use tracing::{error, info, warn};
 /// maps); the profile showed glibc malloc at 29 % of the relay's instructions.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `outbox-relay status --help`: what each exit status means.
+const STATUS_EXIT_CODES: &str = "\
+Exit status:
+  0  healthy (warnings may be listed)
+  3  lagging: slot lag above --max-lag-bytes, the slot's WAL beyond max_wal_size (wal_status
+     extended or unreserved), no relay holds the lease, or the relay holding it is not streaming
+  4  broken: slot, publication or stream missing; slot lost; the start-up checks refuse the
+     table, publication, slot or stream; a discard-new stream that is full; the slot read by a
+     program that holds no lease
+  1  the state could not be read (Postgres or NATS unreachable, a query failed) and nothing
+     read is broken
+  2  invalid configuration";
 
 fn cli() -> Command {
     let mut command = Command::new("outbox-relay")
@@ -40,6 +56,17 @@ fn cli() -> Command {
             ),
         )
         .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream, then exit"))
+        .subcommand(
+            Command::new("status")
+                .about("Print the state of the slot, publication, lease, stream and its last event, and what is wrong; exit 0 healthy, 3 lagging, 4 broken, 1 cannot read the state")
+                .after_help(STATUS_EXIT_CODES)
+                .arg(
+                    Arg::new("json")
+                        .long("json")
+                        .action(ArgAction::SetTrue)
+                        .help("Print JSON for scripts instead of the table"),
+                ),
+        )
         .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"));
     for spec in opt::ALL {
         let flag: &'static str = Box::leak(spec.long().into_boxed_str());
@@ -101,7 +128,13 @@ fn main() -> ExitCode {
     if subcommand == "run" && sub_matches.get_flag("no-create") {
         config.create = false;
     }
-    logging::init(config.log_format);
+    // `status` prints its report on stdout; its log (stderr) says only what went wrong.
+    let default_filter = if subcommand == "status" {
+        "warn"
+    } else {
+        "info"
+    };
+    logging::init(config.log_format, default_filter);
     for warning in config.database.warnings() {
         warn!("{warning}");
     }
@@ -127,6 +160,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if subcommand == "status" {
+        let status = runtime.block_on(outbox_relay::status::gather(&config));
+        let text = if sub_matches.get_flag("json") {
+            match serde_json::to_string_pretty(&status) {
+                Ok(json) => json + "\n",
+                Err(e) => {
+                    eprintln!("outbox-relay: cannot write the status as JSON: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        } else {
+            outbox_relay::status::render(&status)
+        };
+        print!("{}", logging::scrub(&text));
+        return ExitCode::from(status.exit_code);
+    }
     let result = runtime.block_on(async move {
         match subcommand {
             "init" => outbox_relay::pipeline::init(&config, false).await.map(|slot| {
