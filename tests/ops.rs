@@ -153,7 +153,7 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
     assert_eq!(publication["exists"], true);
     assert_eq!(publication["all_tables"], false);
     assert_eq!(publication["operations"], serde_json::json!(["insert"]));
-    assert_eq!(publication["publish_via_partition_root"], false);
+    assert_eq!(publication["publish_via_partition_root"], true);
     assert_eq!(publication["includes_outbox_table"], true);
     assert_eq!(
         publication["tables"],
@@ -221,7 +221,7 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
         "outbox-relay status: healthy\n".to_owned(),
         format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (127.0.0.1:", case.slot, case.database),
         "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
-        format!("publication  {}: insert; publish_via_partition_root false\n", case.publication),
+        format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
         "  tables     public.outbox_events\n".to_owned(),
         format!("lease        held by pid {holder} (127.0.0.1:"),
         format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
