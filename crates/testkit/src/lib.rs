@@ -55,6 +55,7 @@ mod nats;
 mod postgres;
 mod process;
 mod proxy;
+mod server;
 mod tls;
 
 use std::collections::HashSet;
@@ -221,27 +222,4 @@ pub(crate) fn read_from(path: &Path, offset: u64) -> String {
         .unwrap_or(usize::MAX)
         .min(bytes.len());
     String::from_utf8_lossy(&bytes[start..]).into_owned()
-}
-
-/// Stops a server child: `signal`, then waits up to `timeout`; if it has not exited, kills it
-/// and panics with the tail of its log (`log`), naming `server` and `what` was attempted.
-pub(crate) fn stop_child(
-    child: &mut Option<cleanup::Managed>,
-    signal: i32,
-    server: &str,
-    what: &str,
-    timeout: Duration,
-    log: impl FnOnce() -> String,
-) {
-    let Some(child) = child.as_mut() else {
-        return;
-    };
-    child.signal(signal);
-    if child.wait_timeout(timeout).is_none() {
-        child.kill();
-        panic!(
-            "testkit: {server} did not exit within {timeout:?} after {what}; killed it. log tail:\n{}",
-            tail(&log(), 40)
-        );
-    }
 }
