@@ -25,6 +25,7 @@ pub mod subject;
 pub mod timestamp;
 
 pub use event::{
-    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, Position, SchemaError,
+    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, OutboxRow, Position,
+    SchemaError,
 };
 pub use keys::{compute_keys, shard_for_key, Keys};
