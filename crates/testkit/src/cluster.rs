@@ -309,7 +309,7 @@ impl NatsCluster {
                             "--- {} /healthz: {:?}; log tail:\n{}",
                             self.nodes[i].name,
                             self.monitor_get(i, "/healthz"),
-                            crate::tail(&self.log(i), 20)
+                            crate::harness::last_lines(&self.log(i), 20)
                         )
                     })
                     .collect();

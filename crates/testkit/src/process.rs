@@ -54,9 +54,20 @@ impl fmt::Debug for Process {
 }
 
 impl Process {
-    /// Spawn `command` (stdin null, stdout/stderr captured). Panics if it
-    /// cannot be spawned.
-    pub fn spawn(name: &str, mut command: Command) -> Process {
+    /// Spawn `command` (stdin null, stdout/stderr captured, echoed when
+    /// `TESTKIT_ECHO=1`). Panics if it cannot be spawned.
+    pub fn spawn(name: &str, command: Command) -> Process {
+        let echo = std::env::var("TESTKIT_ECHO").is_ok_and(|v| v == "1");
+        Process::start(name, command, echo)
+    }
+
+    /// Like [`Process::spawn`], and always echoes the output to stderr,
+    /// prefixed with `[name]` (for tools that show what the child does).
+    pub fn spawn_echoing(name: &str, command: Command) -> Process {
+        Process::start(name, command, true)
+    }
+
+    fn start(name: &str, mut command: Command, echo: bool) -> Process {
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -64,7 +75,6 @@ impl Process {
         let mut managed = Managed::spawn(&mut command, None)
             .unwrap_or_else(|e| panic!("testkit: failed to spawn {name} ({command:?}): {e}"));
         let pid = managed.pid();
-        let echo = std::env::var("TESTKIT_ECHO").is_ok_and(|v| v == "1");
         let capture = Arc::new(Capture::default());
         let stdout = managed.take_stdout();
         let stderr = managed.take_stderr();
