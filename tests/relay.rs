@@ -135,12 +135,7 @@ async fn stream_order_is_commit_order_not_id_order() {
     let js = case.jetstream().await;
     case.wait_for_count(&js, expected.len() as u64, DEADLINE)
         .await;
-    let ids: Vec<i64> = case
-        .messages(&js)
-        .await
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
+    let ids: Vec<i64> = case.outbox_ids(&js).await;
     assert_eq!(
         ids, expected,
         "the later id committed first and must come first"
@@ -196,12 +191,7 @@ async fn updates_deletes_truncates_and_other_tables_publish_nothing() {
     let marker = insert_transaction(&mut sql, 1, 1, "marker").await;
     let js = case.jetstream().await;
     case.wait_for_count(&js, 4, DEADLINE).await;
-    let ids: Vec<i64> = case
-        .messages(&js)
-        .await
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
+    let ids: Vec<i64> = case.outbox_ids(&js).await;
     let mut expected = inserted;
     expected.extend(marker);
     assert_eq!(ids, expected, "only the four inserts");

@@ -29,6 +29,18 @@ impl Capture {
     fn lock(&self) -> MutexGuard<'_, Captured> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Waits up to `timeout` for more output or the end of a stream.
+    fn wait<'a>(
+        &'a self,
+        state: MutexGuard<'a, Captured>,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Captured> {
+        self.changed
+            .wait_timeout(state, timeout)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+    }
 }
 
 /// A child process (the relay binary, a benchmark tool, ...) whose stdout and
@@ -159,12 +171,7 @@ impl Process {
                     self.name
                 );
             }
-            state = self
-                .capture
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = self.capture.wait(state, deadline - now);
         }
     }
 
@@ -233,12 +240,7 @@ impl Process {
             if now >= deadline {
                 return;
             }
-            state = self
-                .capture
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = self.capture.wait(state, deadline - now);
         }
     }
 }
