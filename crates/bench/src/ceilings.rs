@@ -45,7 +45,7 @@ pub async fn decode(bench: &Bench, case: &Case, slot: &str, endpos: Lsn) -> Resu
     let clients_before = procfs::reaped_children_cpu_seconds(me)?;
     let start = Instant::now();
     let output = tokio::process::Command::new(bench.pg_bin("pg_recvlogical"))
-        .args(["-d", &case.url, "--slot", slot, "--start", "--no-loop"])
+        .args(["-d", &case.pg_url, "--slot", slot, "--start", "--no-loop"])
         .args(["-o", "proto_version=1"])
         .args(["-o", &format!("publication_names={}", case.publication)])
         .args(["-f", "/dev/null", "--endpos", &endpos.to_string()])

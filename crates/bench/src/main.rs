@@ -320,7 +320,7 @@ async fn backlog(bench: &mut Bench, results: &mut Results, events: u64, per_tx: 
     let decode_rate = n / decode.seconds;
     results.record(&label, DECODE, Unit::Rate, decode_rate);
 
-    let broker_prefix = case.prefix.replacen('r', "c", 1);
+    let broker_prefix = case.prefix.replacen('t', "c", 1);
     let broker_stream = format!("CEIL_{}", case.database.to_uppercase());
     let messages = load::read_events(&case.sql, &broker_prefix, per_tx, endpos).await?;
     let broker = ceilings::broker(bench, &messages, &broker_stream, &broker_prefix).await?;
@@ -481,7 +481,7 @@ async fn polling_baseline(
     ] {
         let case = bench.case("polling").await?;
         load::write_batched(&case.sql, events, TX_ROWS).await?;
-        let prefix = case.prefix.replacen('r', "p", 1);
+        let prefix = case.prefix.replacen('t', "p", 1);
         let stream = format!("POLL_{}", case.database.to_uppercase());
         let seconds = polling::drain(bench, &case, variant, events, &stream, &prefix).await?;
         let rate = events as f64 / seconds;
