@@ -246,7 +246,25 @@ struct Worker<H> {
     order: EntityOrder,
 }
 
-/// How one delivery ended.
+/// The answer to a delivery: an ack after commit (or for a duplicate), a nak with the retry
+/// delay after a handler failure.
+struct Reply {
+    message: jetstream::Message,
+    kind: AckKind,
+    outbox_id: i64,
+}
+
+impl Reply {
+    fn ack(message: jetstream::Message, event: &Event) -> Reply {
+        Reply {
+            message,
+            kind: AckKind::Ack,
+            outbox_id: event.id,
+        }
+    }
+}
+
+/// How one delivery's transaction ended.
 enum Outcome {
     /// The dedupe key was already recorded: nothing ran.
     Duplicate,
@@ -290,8 +308,12 @@ impl<H: Handler> Worker<H> {
         loop {
             let next = tokio::select! {
                 biased;
-                _ = self.stop.wait_for(|stop| *stop) => return Ok(()),
-                next = messages.next() => next,
+                _ = self.stop.wait_for(|stop| *stop) => None,
+                next = messages.next() => Some(next),
+            };
+            let Some(next) = next else {
+                self.hand_back(messages).await;
+                return Ok(());
             };
             let message = match next {
                 None => {
@@ -302,8 +324,33 @@ impl<H: Handler> Worker<H> {
                 Some(Err(error)) => return Err(Unavailable::nats("pull messages", error).into()),
                 Some(Ok(message)) => message,
             };
-            self.handle(message).await?;
+            let reply = self.handle(message).await?;
             *backoff = Duration::from_millis(100);
+            if *self.stop.borrow() {
+                // Unsubscribe before the ack, so that JetStream has nowhere to deliver the
+                // shard's next message once it sees the ack.
+                self.hand_back(messages).await;
+                self.reply(reply).await;
+                return Ok(());
+            }
+            self.reply(reply).await;
+        }
+    }
+
+    /// On stop: ends the pull subscription, then releases the messages already delivered but
+    /// not handled for immediate redelivery (to the next consumer of the shard) rather than
+    /// leaving them to wait for `ack_wait`. Best effort: a message still on the wire waits
+    /// for `ack_wait`.
+    async fn hand_back(&self, mut messages: pull::Stream) {
+        let mut unhandled = Vec::new();
+        while let Some(Some(Ok(message))) = messages.next().now_or_never() {
+            unhandled.push(message);
+        }
+        drop(messages);
+        for message in unhandled {
+            if let Err(error) = message.ack_with(AckKind::Nak(None)).await {
+                debug!(shard = self.shard, %error, "could not release an unhandled message; it is redelivered after ack_wait");
+            }
         }
     }
 
@@ -387,8 +434,8 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// One delivery (C1–C6).
-    async fn handle(&mut self, message: jetstream::Message) -> Result<(), Error> {
+    /// One delivery (C1–C6): what to answer JetStream, once the transaction is over.
+    async fn handle(&mut self, message: jetstream::Message) -> Result<Reply, Error> {
         let (stream_sequence, delivered) = match message.info() {
             Ok(info) => (
                 info.stream_sequence,
@@ -436,14 +483,12 @@ impl<H: Handler> Worker<H> {
                     delivered,
                     "already processed; acknowledging"
                 );
-                self.ack(&message, &event).await;
-                Ok(())
+                Ok(Reply::ack(message, &event))
             }
             Ok(Outcome::Committed) => {
                 if let Some(hook) = &self.after_commit {
                     hook(&event);
                 }
-                self.ack(&message, &event).await;
                 bump(&self.stats.processed);
                 let order = event.order();
                 if let Some(mark) = self.order.regression(&event.entity_id, order) {
@@ -458,7 +503,7 @@ impl<H: Handler> Worker<H> {
                     );
                 }
                 self.order.record(&event.entity_id, order);
-                Ok(())
+                Ok(Reply::ack(message, &event))
             }
             Ok(Outcome::HandlerFailed(error)) => {
                 bump(&self.stats.handler_failures);
@@ -471,8 +516,11 @@ impl<H: Handler> Worker<H> {
                     retry_in = ?retry_delay,
                     "handler failed; rolled back, the message will be redelivered"
                 );
-                self.nak(&message).await;
-                Ok(())
+                Ok(Reply {
+                    message,
+                    kind: AckKind::Nak(Some(retry_delay)),
+                    outbox_id: event.id,
+                })
             }
             Err(error) => {
                 // The transaction did not commit, or its commit's outcome is unknown: the
@@ -510,10 +558,10 @@ impl<H: Handler> Worker<H> {
         Ok(Outcome::Committed)
     }
 
-    async fn ack(&self, message: &jetstream::Message, event: &Event) {
-        if let Err(error) = message.ack().await {
-            // C1 holds either way: the redelivery will find the dedupe key.
-            warn!(shard = self.shard, outbox_id = event.id, %error, "ack failed; the redelivery will be recognised as a duplicate");
+    async fn reply(&self, reply: Reply) {
+        if let Err(error) = reply.message.ack_with(reply.kind).await {
+            // C1 holds either way: a redelivery finds out through the dedupe key.
+            warn!(shard = self.shard, outbox_id = reply.outbox_id, %error, "could not answer JetStream; the message will be redelivered after ack_wait");
         }
     }
 

@@ -57,8 +57,11 @@
 //! - C6 Per entity, the ordering key of each processed event must increase (O1–O2 in
 //!   [`order`]); one that does not is counted ([`Stats::out_of_order`]) and logged with its
 //!   outbox id and both ordering keys, never its payload, and is still processed.
-//! - C7 On shutdown each shard finishes the message in hand (commit and ack, or roll back and
-//!   nak), then the acks are flushed: a restarted consumer continues where it stopped.
+//! - C7 On shutdown each shard finishes the message in hand (commit, or roll back), ends its
+//!   pull subscription, then answers it (ack or nak) and releases any message delivered but
+//!   not handled; the acks are flushed before [`Consumer::run`] returns. A restarted consumer
+//!   continues where this one stopped, without waiting for `ack_wait` (except for a message
+//!   that was on the wire at that instant).
 
 mod config;
 mod consumer;

@@ -74,6 +74,7 @@ impl std::io::Write for Tee {
 /// One test's database, stream, subject prefix and consumer name.
 struct Case {
     pg_url: String,
+    nats_url: String,
     stream: String,
     prefix: String,
     name: String,
@@ -97,6 +98,11 @@ impl Case {
     }
 
     async fn with_schema(name: &str, processed_table: bool) -> Case {
+        Case::on(&servers().nats, name, processed_table).await
+    }
+
+    /// A case on the shared Postgres and the nats-server `nats`.
+    async fn on(nats: &Nats, name: &str, processed_table: bool) -> Case {
         logs();
         let servers = servers();
         let database = format!("consumer_{name}");
@@ -111,7 +117,8 @@ impl Case {
         sql.batch_execute(EFFECTS_SQL).await.unwrap();
         let stream = format!("OUTBOX_{}", name.to_uppercase());
         let prefix = format!("c_{name}");
-        let js = jetstream::new(async_nats::connect(servers.nats.url()).await.unwrap());
+        let nats_url = nats.url();
+        let js = jetstream::new(async_nats::connect(&nats_url).await.unwrap());
         js.create_stream(jetstream::stream::Config {
             name: stream.clone(),
             subjects: vec![format!("{prefix}.>")],
@@ -123,6 +130,7 @@ impl Case {
         .unwrap();
         Case {
             pg_url,
+            nats_url,
             stream,
             prefix,
             name: name.replace('_', "-"),
@@ -141,7 +149,7 @@ impl Case {
     }
 
     async fn consumer(&self, config: Config) -> Consumer {
-        let nats = async_nats::connect(servers().nats.url()).await.unwrap();
+        let nats = async_nats::connect(&self.nats_url).await.unwrap();
         Consumer::new(
             config,
             nats,
@@ -234,6 +242,37 @@ impl Case {
             let _ = stream
                 .delete_consumer(&format!("{}-{shard}", self.name))
                 .await;
+        }
+    }
+
+    /// Whether every shard's consumer has acknowledged everything of its shard.
+    async fn all_acked(&self) -> bool {
+        for shard in 0..PARTITIONS {
+            let stream = self.js.get_stream(&self.stream).await.unwrap();
+            match stream.consumer_info(format!("{}-{shard}", self.name)).await {
+                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Asserts that, per entity, side effects committed in outbox id order.
+    async fn assert_entity_order(&self) {
+        let rows = self
+            .sql
+            .query("select entity_id, outbox_id from effects order by seq", &[])
+            .await
+            .unwrap();
+        let mut last: HashMap<String, i64> = HashMap::new();
+        for row in rows {
+            let (entity, id): (String, i64) = (row.get(0), row.get(1));
+            if let Some(previous) = last.insert(entity.clone(), id) {
+                assert!(
+                    previous < id,
+                    "entity {entity}: event {id} applied after {previous}"
+                );
+            }
         }
     }
 
@@ -419,7 +458,7 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
         command
             .env("DATABASE_URL", &case.pg_url)
-            .env("NATS_URL", servers().nats.url())
+            .env("NATS_URL", &case.nats_url)
             .env("OUTBOX_RELAY_STREAM", &case.stream)
             .env("OUTBOX_RELAY_SUBJECT_PREFIX", &case.prefix)
             .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
@@ -513,9 +552,7 @@ async fn a_restarted_shard_consumer_continues_where_it_left_off() {
     let case = Case::new("restarted").await;
     let all = events(&case, 1, 300, 40);
     case.publish(&all, None).await;
-    let mut config = case.config();
-    // A message delivered to the stopping consumer but not handled comes back after ack_wait.
-    config.ack_wait = Duration::from_secs(1);
+    let config = case.config();
     let first = Arc::new(Recorder {
         pause: Duration::from_millis(20),
         ..Default::default()
@@ -568,21 +605,7 @@ async fn shards_run_in_parallel_and_keep_each_entitys_order() {
     let shards: HashSet<u64> = all.iter().map(|e| e.shard).collect();
     assert_eq!(shards.len() as u64, PARTITIONS, "every shard had events");
     // Per entity, side effects committed in outbox id order (the stream's order).
-    let rows = case
-        .sql
-        .query("select entity_id, outbox_id from effects order by seq", &[])
-        .await
-        .unwrap();
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for row in rows {
-        let (entity, id): (String, i64) = (row.get(0), row.get(1));
-        if let Some(previous) = last.insert(entity.clone(), id) {
-            assert!(
-                previous < id,
-                "entity {entity}: event {id} applied after {previous}"
-            );
-        }
-    }
+    case.assert_entity_order().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -781,4 +804,65 @@ async fn a_missing_table_or_stream_is_a_setup_error_naming_the_fix() {
         SetupError::StreamMissing("NO_SUCH_STREAM".into()).to_string()
     );
     assert!(error.to_string().contains("outbox-relay init"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_postgres_connections_are_reopened_and_no_side_effect_repeats() {
+    let case = Case::new("pg_lost").await;
+    let all = events(&case, 1, 200, 20);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    for processed in [20, 80, 140] {
+        running.wait_processed(processed).await;
+        // Every connection of the consumer, in whatever state (idle, in a transaction,
+        // committing).
+        case.sql
+            .execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity \
+                  where datname = current_database() and pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap();
+    }
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 200 && case.all_acked().await
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(stats.retries() >= 1, "the sessions were restarted");
+    case.assert_effects_once(1..=200).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_restart_mid_stream_repeats_no_side_effect() {
+    let mut nats = tokio::task::block_in_place(Nats::start);
+    let case = Case::on(&nats, "nats_restart", true).await;
+    let all = events(&case, 1, 200, 20);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    // The message in hand when the server died is redelivered after ack_wait.
+    let mut config = case.config();
+    config.ack_wait = Duration::from_secs(2);
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(40).await;
+    tokio::task::block_in_place(|| {
+        nats.kill();
+        nats.start_again();
+    });
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 200 && case.all_acked().await
+    })
+    .await;
+    running.stop().await;
+    case.assert_effects_once(1..=200).await;
+    case.assert_entity_order().await;
 }
