@@ -2,29 +2,33 @@
 //! and in entity order, however often JetStream delivers the event.
 //!
 //! ```no_run
-//! use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres};
-//! use tokio_postgres::Transaction;
+//! use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
 //!
 //! struct Ledger;
 //!
 //! impl Handler for Ledger {
 //!     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
 //!         tx.execute(
-//!             "insert into ledger (outbox_id, entity_id, payload) values ($1, $2, $3::text::jsonb)",
-//!             &[&event.id, &event.entity_id, &event.payload_str()?],
+//!             "insert into ledger (outbox_id, entity_id, event_type, payload) \
+//!              values ($1, $2, $3, $4::text::jsonb)",
+//!             &[&event.id, &event.entity_id, &event.event_type, &event.payload_str()?],
 //!         )
 //!         .await?;
 //!         Ok(())
 //!     }
 //! }
 //!
-//! # async fn main_() -> Result<(), BoxError> {
-//! let nats = async_nats::connect("nats://127.0.0.1:4222").await?;
-//! let postgres = Postgres::new("host=127.0.0.1 dbname=app".parse()?, tokio_postgres::NoTls);
-//! let consumer = Consumer::new(Config::new("ledger"), nats, postgres);
-//! consumer.run(Ledger, async { let _ = tokio::signal::ctrl_c().await; }).await?;
-//! # Ok(()) }
+//! #[tokio::main]
+//! async fn main() -> Result<(), BoxError> {
+//!     let nats = async_nats::connect("nats://127.0.0.1:4222").await?;
+//!     let postgres = Postgres::new("host=127.0.0.1 dbname=app".parse()?, tokio_postgres::NoTls);
+//!     let consumer = Consumer::new(Config::new("ledger"), nats, postgres);
+//!     consumer.run(Ledger, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//!     Ok(())
+//! }
 //! ```
+//!
+//! (The README's example; this copy is compiled by `cargo test --doc`.)
 //!
 //! Each shard `n` of the relay's stream (subjects `{prefix}.{n}.>`) is consumed through its
 //! own durable JetStream pull consumer `{name}-{n}`, by its own task with its own Postgres
@@ -108,5 +112,37 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         event: &Event,
     ) -> impl Future<Output = Result<(), BoxError>> + Send {
         H::handle(self, tx, event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The first code block of `text` fenced with `fence`.
+    fn first_block<'a>(text: &'a str, fence: &str) -> Vec<&'a str> {
+        text.lines()
+            .skip_while(|line| line.trim_end() != fence)
+            .skip(1)
+            .take_while(|line| line.trim_end() != "```")
+            .collect()
+    }
+
+    #[test]
+    fn the_readmes_example_is_the_compiled_one() {
+        let readme = include_str!("../../../README.md");
+        let consuming = &readme[readme.find("## Consuming").unwrap_or(0)..];
+        let docs: String = include_str!("lib.rs")
+            .lines()
+            .filter_map(|line| {
+                line.strip_prefix("//!")
+                    .map(|l| l.strip_prefix(' ').unwrap_or(l))
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let in_readme = first_block(consuming, "```rust");
+        assert!(
+            !in_readme.is_empty(),
+            "README.md has a rust block under ## Consuming"
+        );
+        assert_eq!(in_readme, first_block(&docs, "```no_run"));
     }
 }
