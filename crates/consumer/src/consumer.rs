@@ -295,15 +295,15 @@ impl<H: Handler> Worker<H> {
 
     /// Consumes until stopped or an error.
     async fn session(&mut self, backoff: &mut Duration) -> Result<(), Error> {
-        self.connect_postgres().await?;
-        let consumer = self.consumer().await?;
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(64)
-            .heartbeat(Duration::from_secs(5))
-            .messages()
-            .await
-            .map_err(|e| Unavailable::nats("pull messages", e))?;
+        let mut stop = self.stop.clone();
+        let started = tokio::select! {
+            started = self.start_session() => Some(started?),
+            _ = stop.wait_for(|stop| *stop) => None,
+        };
+        let Some(mut messages) = started else {
+            // Stopped while connecting: nothing was delivered yet.
+            return Ok(());
+        };
         debug!(shard = self.shard, "shard session started");
         loop {
             let next = tokio::select! {
@@ -335,6 +335,19 @@ impl<H: Handler> Worker<H> {
             }
             self.reply(reply).await;
         }
+    }
+
+    /// Connects to Postgres if needed, creates the durable consumer and starts pulling.
+    async fn start_session(&mut self) -> Result<pull::Stream, Error> {
+        self.connect_postgres().await?;
+        let consumer = self.consumer().await?;
+        Ok(consumer
+            .stream()
+            .max_messages_per_batch(64)
+            .heartbeat(Duration::from_secs(5))
+            .messages()
+            .await
+            .map_err(|e| Unavailable::nats("pull messages", e))?)
     }
 
     /// On stop: ends the pull subscription, then releases the messages already delivered but

@@ -866,3 +866,23 @@ async fn a_nats_server_restart_mid_stream_repeats_no_side_effect() {
     case.assert_effects_once(1..=200).await;
     case.assert_entity_order().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_postgres_is_retried_and_stopping_still_works() {
+    let case = Case::new("pg_unreachable").await;
+    case.publish(&events(&case, 1, 3, 1), None).await;
+    let nowhere = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=x",
+        testkit::free_port()
+    );
+    let consumer = Consumer::new(
+        case.config(),
+        async_nats::connect(&case.nats_url).await.unwrap(),
+        Postgres::new(nowhere.parse().unwrap(), tokio_postgres::NoTls),
+    );
+    let running = Running::start(consumer, Arc::new(Recorder::default()));
+    wait_for("a few retries", async || running.stats.retries() >= 24).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 0);
+    assert!(case.effects().await.is_empty());
+}
