@@ -754,7 +754,7 @@ async fn relay_down_15s_after_publishing_with_a_5s_duplicate_window_adds_no_dupl
     let output = strip_ansi(&result.output);
     assert!(
         output.contains(&format!("last_sequence={}", result.stored_at_kill))
-            && output.contains("resume_after=Some("),
+            && output.contains("skip_through=Some("),
         "the restarted relay resumed from the stream's tail:\n{output}"
     );
     let _ = result.case;

@@ -206,6 +206,9 @@ pub enum Outcome {
 pub struct Attempt {
     /// The rows' ids, in insert order.
     pub ids: Vec<i64>,
+    /// The tag in the rows' payloads: with the ids, what identifies them (a server that
+    /// crashed may hand out the ids of a transaction in doubt again).
+    pub tag: String,
     pub outcome: Outcome,
     /// `pg_current_wal_insert_lsn()` inside the transaction right before COMMIT: its commit
     /// record starts at or after this.
@@ -226,6 +229,7 @@ pub async fn attempt(
     let ids = insert_rows(&tx, plan, tag).await.map_err(|_| None)?;
     let mut attempt = Attempt {
         ids,
+        tag: tag.to_owned(),
         outcome: Outcome::RolledBack,
         before_commit: None,
         after_commit: None,
@@ -268,6 +272,8 @@ pub struct TxRecord {
     pub seq: usize,
     /// The rows' ids, in insert order.
     pub ids: Vec<i64>,
+    /// The tag in the rows' payloads.
+    pub tag: String,
     pub outcome: Outcome,
     pub before_commit: Option<Lsn>,
     pub after_commit: Option<Lsn>,
@@ -279,6 +285,7 @@ impl TxRecord {
             writer,
             seq,
             ids: attempt.ids,
+            tag: attempt.tag,
             outcome: attempt.outcome,
             before_commit: attempt.before_commit,
             after_commit: attempt.after_commit,
@@ -311,8 +318,10 @@ impl Ledger {
         committed.map(|r| r.ids.len() as u64).sum()
     }
 
-    /// Takes the records and resolves each transaction in doubt by looking for its rows (all
-    /// there: committed; none: not).
+    /// Takes the records and resolves each transaction in doubt by looking for its rows, by
+    /// id and tag (all there: committed; none: not). The tag matters: after a crash (the
+    /// test servers run with `fsync = off`) the sequence may hand a transaction in doubt's
+    /// ids to a later one.
     pub async fn settle(&self, sql: &tokio_postgres::Client) -> WriterLog {
         let mut transactions = std::mem::take(&mut *self.lock());
         let mut settled_in_doubt = (0, 0);
@@ -322,8 +331,8 @@ impl Ledger {
         {
             let present: i64 = sql
                 .query_one(
-                    "select count(*) from outbox_events where id = any($1)",
-                    &[&record.ids],
+                    "select count(*) from outbox_events where id = any($1) and payload->>'tag' = $2",
+                    &[&record.ids, &record.tag],
                 )
                 .await
                 .expect("count a transaction's rows")
