@@ -1,7 +1,9 @@
 //! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `bootstrap::ensure_slot`):
 //! on Postgres 15 (the default test server) `outbox-relay init` refuses, says why and what to
-//! set up, and creates nothing; on Postgres 17 (Debian's `postgresql-17`, when installed) it
-//! creates the slot with `pg_replication_slots.failover = true`. Without the PG 17 binaries
+//! set up, and creates nothing; on Postgres 17 (Debian's `postgresql-17` when installed, or
+//! `TESTKIT_PG17_BIN_DIR`) it
+//! creates the slot with `pg_replication_slots.failover = true`, and warns (with the fix) about
+//! an existing slot without it. Without the PG 17 binaries
 //! that test is skipped, printing why.
 
 #![allow(clippy::unwrap_used)]
@@ -54,11 +56,16 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
 }
 
 #[test]
-fn failover_slot_on_postgres_17_creates_the_slot_with_failover() {
-    let Some(bin_dir) = installed_bin_dir(17) else {
+fn failover_slot_on_postgres_17_creates_the_slot_with_failover_and_warns_about_one_without() {
+    // Debian's postgresql-17, or any server of 17 or newer named by TESTKIT_PG17_BIN_DIR.
+    let bin_dir = std::env::var_os("TESTKIT_PG17_BIN_DIR")
+        .map(std::path::PathBuf::from)
+        .or_else(|| installed_bin_dir(17));
+    let Some(bin_dir) = bin_dir else {
         println!(
             "SKIPPED: PostgreSQL 17 is not installed (/usr/lib/postgresql/17/bin): \
-             `apt-get install postgresql-17` (.ci/run tries it) to run this test"
+             `apt-get install postgresql-17` (.ci/run tries it), or point TESTKIT_PG17_BIN_DIR \
+             at the bin directory of a server of 17 or newer, to run this test"
         );
         return;
     };
@@ -81,4 +88,51 @@ fn failover_slot_on_postgres_17_creates_the_slot_with_failover() {
         ),
     );
     assert_eq!(failover.trim(), "t", "the slot is not a fail-over slot");
+
+    // An existing slot without failover: the relay says so and how to fix it.
+    let plain = Case::new(&pg, &servers().nats, "failover17plain");
+    pg.psql(
+        &plain.database,
+        &format!(
+            "SELECT pg_create_logical_replication_slot('{}', 'pgoutput')",
+            plain.slot
+        ),
+    );
+    let output = init_with_failover(&plain);
+    let log = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "init failed:\n{log}");
+    for needle in [
+        "the existing slot is not a fail-over slot",
+        "(FAILOVER true)",
+    ] {
+        assert!(log.contains(needle), "{needle:?} missing from:\n{log}");
+    }
+    // The fix it names works.
+    let alter = std::process::Command::new(pg.bin_dir().join("psql"))
+        .arg(format!("{}?replication=database", pg.url(&plain.database)))
+        .args(["-v", "ON_ERROR_STOP=1", "-c"])
+        .arg(format!(
+            "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+            plain.slot
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        alter.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alter.stderr)
+    );
+    let failover = pg.psql(
+        &plain.database,
+        &format!(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = '{}'",
+            plain.slot
+        ),
+    );
+    assert_eq!(
+        failover.trim(),
+        "t",
+        "ALTER_REPLICATION_SLOT did not make it a fail-over slot"
+    );
 }
