@@ -10,7 +10,8 @@
 //! keepalives, which the relay confirms (framer D3). So on Postgres 15 the relay does not
 //! need heartbeats for this; they are kept for a walsender that has nothing to decode (then
 //! the test shows the slot with heartbeats confirming new positions while nothing else
-//! writes: the heartbeat is written, decoded and confirmed).
+//! writes, and a test_decoding slot shows the heartbeat messages in that database and none
+//! in the other).
 
 #![allow(clippy::unwrap_used)]
 
@@ -57,6 +58,14 @@ async fn a_quiet_outbox_databases_slot_stays_bounded_while_other_databases_write
         .push(("OUTBOX_RELAY_HEARTBEAT_INTERVAL".into(), "1s".into()));
     pg.create_database("busy");
     pg.psql("busy", "CREATE TABLE filler (payload text)");
+
+    // A test_decoding slot in each outbox database shows the heartbeat messages written there.
+    for case in [&quiet, &beating] {
+        pg.psql(
+            &case.database,
+            "SELECT pg_create_logical_replication_slot('watch_' || current_database(), 'test_decoding')",
+        );
+    }
 
     let _quiet_relay = quiet.start_relay();
     let _beating_relay = beating.start_relay();
@@ -128,6 +137,34 @@ async fn a_quiet_outbox_databases_slot_stays_bounded_while_other_databases_write
     )
     .await;
     println!("idle cluster: WAL end was {now}, the slot with heartbeats confirmed {confirmed}");
+
+    // The heartbeats were written in the database whose relay has them on, and only there.
+    let beats = heartbeats(&beating).await;
+    let stray = heartbeats(&quiet).await;
+    println!("heartbeat messages: {beats} in the beating database, {stray} in the quiet one");
+    assert!(
+        beats >= 2,
+        "only {beats} heartbeats in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        stray, 0,
+        "heartbeats written by the relay that has them off"
+    );
+}
+
+/// The heartbeat messages written in `case`'s database, from its test_decoding slot.
+async fn heartbeats(case: &Case) -> i64 {
+    case.sql()
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_logical_slot_peek_changes('watch_' || current_database(), NULL, NULL) \
+              WHERE data LIKE 'message: transactional: 0 prefix: outbox-relay-heartbeat%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 async fn pg_sql(pg: &Postgres) -> tokio_postgres::Client {
