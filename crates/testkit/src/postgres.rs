@@ -1,4 +1,5 @@
-//! A throwaway PostgreSQL 15 server.
+//! A throwaway PostgreSQL server: 15 by default, another installed major version through
+//! [`PgOptions::bin_dir`] ([`installed_bin_dir`]).
 
 use std::collections::HashMap;
 use std::ffi::OsString;
