@@ -9,6 +9,10 @@
 //! duplicate window and `stream_*` settings: replicas, storage, `max_age`, `max_bytes`,
 //! `max_msg_size`, discard policy).
 //!
+//! With `--failover-slot` the slot is created with `failover = true` (Postgres 17 or newer;
+//! an older server is a setup error that says what 17 and the standby need), and an existing
+//! slot without it is a warning that gives the fix.
+//!
 //! # Invariants
 //! - B1 Nothing is created when a check fails: a wrong setup is reported, not patched over.
 //! - B2 Every failure is permanent and its message names the setting, object or column and
@@ -590,9 +594,37 @@ impl PublicationFacts {
     }
 }
 
+/// The first `server_version_num` with fail-over slots (`--failover-slot`).
+const FAILOVER_VERSION: i32 = 170_000;
+
 async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
-    let query = "SELECT plugin::text, slot_type::text, database::text, confirmed_flush_lsn::text \
-                   FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| sql_error("cannot read the server version", e))?
+        .get(0);
+    // B1: refused before anything is created.
+    if config.failover_slot && version < FAILOVER_VERSION {
+        return Err(setup(format!(
+            "--failover-slot needs Postgres 17 or newer, and this server is {}.{}: fail-over \
+             slots (synchronized to a standby) came with 17. Upgrade, then set \
+             synchronized_standby_slots on the primary and sync_replication_slots = on (with \
+             hot_standby_feedback = on and primary_slot_name) on the standby; or run without \
+             --failover-slot (after a fail-over the slot is then missing on the new primary)",
+            version / 10000,
+            version % 10000
+        )));
+    }
+    let failover_column = if version >= FAILOVER_VERSION {
+        "failover"
+    } else {
+        "false"
+    };
+    let query = format!(
+        "SELECT plugin::text, slot_type::text, database::text, confirmed_flush_lsn::text, \
+                {failover_column} FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+    );
+    let query = query.as_str();
     let row = client
         .query_opt(query, &[&config.slot])
         .await
@@ -609,11 +641,14 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
             )))
         }
         None => {
+            // PG 17: (name, plugin, temporary, twophase, failover).
+            let create = if config.failover_slot {
+                "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+            } else {
+                "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')"
+            };
             client
-                .query_one(
-                    "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&config.slot],
-                )
+                .query_one(create, &[&config.slot])
                 .await
                 .map_err(|e| {
                     sql_error(
@@ -621,7 +656,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
                         e,
                     )
                 })?;
-            info!(slot = %config.slot, "created logical replication slot");
+            info!(slot = %config.slot, failover = config.failover_slot, "created logical replication slot");
             client
                 .query_one(query, &[&config.slot])
                 .await
@@ -632,6 +667,18 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
     let slot_type: Option<String> = row.get(1);
     let database: Option<String> = row.get(2);
     let confirmed: Option<String> = row.get(3);
+    let failover: Option<bool> = row.get(4);
+    if config.failover_slot && failover != Some(true) {
+        warn!(
+            slot = %config.slot,
+            "--failover-slot is on but the existing slot is not a fail-over slot, so a standby \
+             does not keep it: run ALTER_REPLICATION_SLOT {} (FAILOVER true) on a replication \
+             connection (psql \"dbname=... replication=database\"), or drop the slot and let the \
+             relay recreate it (events committed meanwhile are not relayed: see \
+             docs/operations.md)",
+            quote_identifier(&config.slot)
+        );
+    }
     let current_db: String = client
         .query_one("SELECT current_database()::text", &[])
         .await

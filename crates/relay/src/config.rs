@@ -159,6 +159,12 @@ pub mod opt {
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
             "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging (e.g. 512MiB)");
+        // Operations: heartbeats for a quiet outbox database (crate::heartbeat) and PG 17
+        // fail-over slots (crate::bootstrap::ensure_slot).
+        HEARTBEAT_INTERVAL = ("heartbeat_interval", "OUTBOX_RELAY_HEARTBEAT_INTERVAL", Some("off"),
+            "While streaming, write a tiny WAL message (pg_logical_emit_message) in the outbox database this often (e.g. 30s), or off: lets the slot advance when only other databases of the cluster write");
+        FAILOVER_SLOT = ("failover_slot", "OUTBOX_RELAY_FAILOVER_SLOT", Some("false"),
+            "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
     }
@@ -554,6 +560,10 @@ pub struct Config {
     pub max_lag_bytes: u64,
     /// Log format.
     pub log_format: LogFormat,
+    /// How often the session writes a heartbeat message into the WAL; `None`: never.
+    pub heartbeat_interval: Option<Duration>,
+    /// Whether the slot is (to be) a PG 17 fail-over slot.
+    pub failover_slot: bool,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
 }
@@ -691,6 +701,9 @@ impl Config {
             "json" => Ok(LogFormat::Json),
             _ => Err("expected text or json".into()),
         })?;
+        let heartbeat_interval =
+            raw.parse(&HEARTBEAT_INTERVAL, |v| word_or("off", v, parse_duration))?;
+        let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
         Ok(Config {
             database,
             nats_url,
@@ -711,6 +724,8 @@ impl Config {
             worker_threads,
             max_lag_bytes,
             log_format,
+            heartbeat_interval,
+            failover_slot,
             create: true,
         })
     }
@@ -882,12 +897,21 @@ fn unlimited_or<T>(
     text: &str,
     parse: impl FnOnce(&str) -> Result<T, String>,
 ) -> Result<Option<T>, String> {
-    if text.trim() == "unlimited" {
+    word_or("unlimited", text, parse)
+}
+
+/// `None` for `word` (`unlimited`, `off`), else what `parse` makes of `text`.
+fn word_or<T>(
+    word: &str,
+    text: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<Option<T>, String> {
+    if text.trim() == word {
         Ok(None)
     } else {
         parse(text)
             .map(Some)
-            .map_err(|why| format!("{why}, or unlimited"))
+            .map_err(|why| format!("{why}, or {word}"))
     }
 }
 
@@ -1428,5 +1452,31 @@ pub(crate) mod tests {
         assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(604_800)));
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("1.5s").is_err());
+    }
+
+    #[test]
+    fn heartbeats_are_off_unless_an_interval_is_given_and_failover_slots_are_opt_in() {
+        let config = load(&[], &[DB], None).unwrap();
+        assert_eq!(config.heartbeat_interval, None);
+        assert!(!config.failover_slot);
+        let config = load(
+            &[("heartbeat_interval", "30s")],
+            &[DB, ("OUTBOX_RELAY_FAILOVER_SLOT", "true")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.heartbeat_interval, Some(Duration::from_secs(30)));
+        assert!(config.failover_slot);
+        let e = load(
+            &[],
+            &[DB, ("OUTBOX_RELAY_HEARTBEAT_INTERVAL", "often")],
+            None,
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("OUTBOX_RELAY_HEARTBEAT_INTERVAL") && text.contains("or off"),
+            "{text}"
+        );
     }
 }

@@ -15,6 +15,7 @@
 //! - L2 The holder may end a walsender that still holds the slot (a dead relay's
 //!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::Client;
@@ -68,7 +69,7 @@ pub async fn holder(client: &Client, slot: &str) -> Result<Option<i32>> {
 /// A held lease.
 #[derive(Debug)]
 pub struct Lease {
-    client: Client,
+    client: Arc<Client>,
 }
 
 impl Lease {
@@ -91,7 +92,9 @@ impl Lease {
                 .get(0);
             if held {
                 info!(slot = %config.slot, "holding the lease: this relay is active");
-                return Ok(Some(Lease { client }));
+                return Ok(Some(Lease {
+                    client: Arc::new(client),
+                }));
             }
             if !announced {
                 info!(slot = %config.slot, "another relay holds the lease for this slot; waiting as a standby");
@@ -107,6 +110,11 @@ impl Lease {
     /// The lease's control connection, for the session's other control-plane queries.
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The control connection, for a task of the session's (the heartbeat) that must own it.
+    pub fn shared_client(&self) -> Arc<Client> {
+        Arc::clone(&self.client)
     }
 
     /// Completes when the lease is lost (L1): the session closed or stopped answering.

@@ -9,7 +9,8 @@
 //! [`nats`] connects to NATS with the configured credential and TLS files. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
-//! `outbox-relay status`.
+//! `outbox-relay status`; [`heartbeat`] writes the optional WAL heartbeats of a streaming
+//! session.
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
@@ -18,6 +19,7 @@
 pub mod bootstrap;
 pub mod config;
 pub mod error;
+pub mod heartbeat;
 pub mod lease;
 pub mod logging;
 pub mod metrics;

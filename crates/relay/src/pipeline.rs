@@ -59,6 +59,7 @@ use tracing::{debug, info, warn};
 use crate::bootstrap;
 use crate::config::Config;
 use crate::error::{RelayError, Result};
+use crate::heartbeat;
 use crate::lease::Lease;
 use crate::metrics;
 
@@ -396,6 +397,8 @@ async fn stream_events(
         "streaming outbox events"
     );
     let (reader, sink) = start(config, stats, prepared);
+    // H1: the session's heartbeat task, aborted when the session ends (dropped here).
+    let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
     let reader_end = tokio::select! {
         biased;
         // I9: the lease is gone: stop the sink before anything else is published.

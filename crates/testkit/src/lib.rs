@@ -74,7 +74,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use nats::Nats;
-pub use postgres::{Backup, PgAuth, PgOptions, Postgres};
+pub use postgres::{installed_bin_dir, Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
 pub use proxy::Proxy;
 pub use tls::Ca;

@@ -1,5 +1,7 @@
-//! A throwaway PostgreSQL 15 server.
+//! A throwaway PostgreSQL server: 15 by default, another installed major version through
+//! [`PgOptions::bin_dir`] ([`installed_bin_dir`]).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -7,7 +9,7 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::Duration;
 
@@ -58,6 +60,18 @@ pub struct PgOptions {
     /// Extra `-c name=value` server settings (applied last, so they override
     /// the testkit defaults).
     pub settings: Vec<(String, String)>,
+    /// The server's bin directory (`initdb`, `postgres`, `psql`), for another major version
+    /// ([`installed_bin_dir`]); default: `TESTKIT_PG_BIN_DIR`, else PostgreSQL 15's.
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// The bin directory of Debian's PostgreSQL `major` (`postgresql-{major}`), if installed.
+pub fn installed_bin_dir(major: u32) -> Option<PathBuf> {
+    let dir = PathBuf::from(format!("/usr/lib/postgresql/{major}/bin"));
+    ["initdb", "postgres", "psql"]
+        .iter()
+        .all(|bin| dir.join(bin).is_file())
+        .then_some(dir)
 }
 
 /// A PostgreSQL 15 server on a free loopback port, in its own temporary
@@ -93,7 +107,7 @@ impl Postgres {
     /// server gets a copy of that template, which is much faster than an
     /// `initdb` per server.
     pub fn start_with(options: PgOptions) -> Postgres {
-        let bin_dir = pg_bin_dir();
+        let bin_dir = options.bin_dir.unwrap_or_else(pg_bin_dir);
         let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres");
         crate::chown_to_server(dir.path());
         let root = dir.path().to_path_buf();
@@ -434,11 +448,16 @@ fn as_server_user(command: &mut Command) {
     }
 }
 
-/// The per-process template data directory (initdb runs once).
+/// The per-process template data directory of the server in `bin_dir` (initdb runs once per
+/// version).
 fn template_data_dir(bin_dir: &Path) -> &'static Path {
-    static TEMPLATE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, data_dir) = TEMPLATE.get_or_init(|| {
-        // Never dropped (static): the atexit handler removes it.
+    type Templates = Mutex<HashMap<PathBuf, &'static (tempfile::TempDir, PathBuf)>>;
+    static TEMPLATES: OnceLock<Templates> = OnceLock::new();
+    let mut templates = TEMPLATES
+        .get_or_init(Templates::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (_, data_dir) = *templates.entry(bin_dir.to_path_buf()).or_insert_with(|| {
         let dir = cleanup::temp_dir(
             "testkit-pgtemplate-",
             &crate::temp_base(),
@@ -447,7 +466,8 @@ fn template_data_dir(bin_dir: &Path) -> &'static Path {
         crate::chown_to_server(dir.path());
         let data_dir = dir.path().join("data");
         initdb(bin_dir, dir.path(), &data_dir);
-        (dir, data_dir)
+        // Never dropped: the atexit handler removes it.
+        Box::leak(Box::new((dir, data_dir)))
     });
     data_dir
 }
