@@ -219,11 +219,11 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
     let table = &run.stdout;
     for line in [
         "outbox-relay status: healthy\n".to_owned(),
-        format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (127.0.0.1:", case.slot, case.database),
+        format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (outbox-relay, 127.0.0.1:", case.slot, case.database),
         "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
         format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
         "  tables     public.outbox_events\n".to_owned(),
-        format!("lease        held by pid {holder} (127.0.0.1:"),
+        format!("lease        held by pid {holder} (outbox-relay, 127.0.0.1:"),
         format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
         "  messages   8 (".to_owned(),
         "  settings   file storage, 1 replica, duplicate window 2m, limits retention, discard old\n".to_owned(),

@@ -428,6 +428,10 @@ pub enum LogFormat {
     Json,
 }
 
+/// The `application_name` of the relay's Postgres sessions when the connection string and
+/// `PGAPPNAME` give none.
+pub const FALLBACK_APPLICATION_NAME: &str = "outbox-relay";
+
 /// A NATS URL list whose credentials never print.
 #[derive(Clone, PartialEq, Eq)]
 pub struct NatsUrl(String);
@@ -587,6 +591,13 @@ impl Config {
                      valid connection: {e}"
                 ))
             })?
+        };
+        // libpq's fallback_application_name: without one of its own, the relay's sessions
+        // say who they are in pg_stat_activity (and in `outbox-relay status`).
+        let database = if database.application_name().is_none() {
+            database.with_application_name(FALLBACK_APPLICATION_NAME)
+        } else {
+            database
         };
         let nats_url = raw.parse(&NATS_URL, |v| {
             for (i, url) in v.split(',').enumerate() {
