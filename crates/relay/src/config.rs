@@ -161,6 +161,9 @@ pub mod opt {
             "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging (e.g. 512MiB)");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
+        // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
+        BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
+            "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
     }
 }
 
@@ -556,6 +559,8 @@ pub struct Config {
     pub log_format: LogFormat,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
+    /// Which rows already in the table are published when the slot is created.
+    pub backfill: crate::backfill::Mode,
 }
 
 impl Config {
@@ -712,6 +717,7 @@ impl Config {
             max_lag_bytes,
             log_format,
             create: true,
+            backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
         })
     }
 }
