@@ -79,7 +79,7 @@ async fn assert_exactly_once_in_order(
     case: &Case,
     messages: &[Stored],
     expected: &HashSet<i64>,
-    log: &WriterLog,
+    log: Option<&WriterLog>,
 ) {
     let mut seen = HashMap::new();
     for message in messages {
@@ -118,8 +118,8 @@ async fn assert_exactly_once_in_order(
     // Each writer commits its transactions one after the other.
     let mut last_of_writer: HashMap<usize, usize> = HashMap::new();
     let mut committed: Vec<_> = log
-        .transactions
         .iter()
+        .flat_map(|log| log.transactions.iter())
         .filter(|t| t.outcome == support::Outcome::Committed)
         .collect();
     committed.sort_by_key(|t| (t.writer, t.seq));
@@ -247,7 +247,7 @@ async fn backfill_mode_publishes_its_rows_exactly_once(mode: &str) {
     let mut case = Case::new(&s.pg, &s.nats, &format!("backfill_{mode}"));
     let run = backfill_with_writers(&mut case, mode).await;
     assert_writers_straddle_the_boundary(&run.log, &run.output);
-    assert_exactly_once_in_order(&case, &run.messages, &run.expected, &run.log).await;
+    assert_exactly_once_in_order(&case, &run.messages, &run.expected, Some(&run.log)).await;
     assert!(run.output.contains("backfill done"), "{}", run.output);
     let backfilled = run
         .messages
@@ -288,7 +288,7 @@ async fn backfill_none_and_a_table_without_status_publish_only_what_commits_afte
         run.messages.iter().all(|m| m.commit_lsn() > Lsn::ZERO),
         "nothing backfilled"
     );
-    assert_exactly_once_in_order(&case, &run.messages, &run.expected, &run.log).await;
+    assert_exactly_once_in_order(&case, &run.messages, &run.expected, Some(&run.log)).await;
 
     let case = Case::new(&s.pg, &s.nats, "backfill_nostatus");
     case.sql()
@@ -365,7 +365,7 @@ async fn a_backfill_killed_midway_resumes_and_publishes_every_row_exactly_once()
     assert!(output.contains("a backfill was interrupted"), "{output}");
     assert!(output.contains("backfill done"), "{output}");
     let messages = case.messages(&js).await;
-    assert_exactly_once_in_order(&case, &messages, &expected, &log).await;
+    assert_exactly_once_in_order(&case, &messages, &expected, Some(&log)).await;
 }
 
 /// The seed's polling publisher (`publisher.py`'s `publish_batch`), in Rust: claim pending
@@ -541,4 +541,105 @@ async fn a_polling_publisher_beside_the_relay_leaves_each_event_once_in_the_stre
             .any(|m| m.headers.contains_key("Outbox-Commit-Lsn")),
         "the relay stored no event first"
     );
+}
+
+/// The seed's table partitioned by id range, history in both partitions.
+const PARTITIONED: &str = "
+    drop table outbox_events;
+    create table outbox_events (
+      id bigserial,
+      entity_id text not null,
+      event_type text not null,
+      dedupe_key text not null,
+      partition_key text not null,
+      ordering_key text not null,
+      payload jsonb not null,
+      status text not null default 'pending',
+      attempts integer not null default 0,
+      last_error text,
+      created_at timestamptz not null default now(),
+      published_at timestamptz,
+      primary key (id),
+      unique (dedupe_key, id)
+    ) partition by range (id);
+    create table outbox_events_low partition of outbox_events for values from (1) to (1001);
+    create table outbox_events_high partition of outbox_events for values from (1001) to (maxvalue);";
+
+/// A partitioned outbox table is backfilled through its root: the rows of every partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_table_is_backfilled_from_every_partition() {
+    let s = servers();
+    let mut case = Case::new(&s.pg, &s.nats, "backfill_partitioned");
+    s.pg.psql(&case.database, PARTITIONED);
+    let (pending, published) = insert_history(&case, 3_000).await;
+    case.extra_env
+        .push(("OUTBOX_RELAY_BACKFILL".into(), "all".into()));
+    let js = case.jetstream().await;
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let streamed = support::insert_transaction(&mut sql, 20, 3, "after").await;
+    let mut expected: HashSet<i64> = pending.union(&published).copied().collect();
+    expected.extend(streamed);
+    case.wait_for_count(&js, expected.len() as u64, DEADLINE)
+        .await;
+    relay.terminate(DEADLINE);
+    let messages = case.messages(&js).await;
+    assert_exactly_once_in_order(&case, &messages, &expected, None).await;
+    assert!(
+        messages.iter().any(|m| m.outbox_id() <= 1000)
+            && messages
+                .iter()
+                .any(|m| m.outbox_id() > 1000 && m.commit_lsn() == Lsn::ZERO)
+    );
+}
+
+/// `outbox-relay backfill` on an existing slot: refused into a strict stream without
+/// --force, naming the fix; in shared mode (or forced) it publishes the range with the keys
+/// the relay gave those rows, so JetStream drops every row it already holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backfill_command_publishes_a_range_that_jetstream_dedupes_and_refuses_a_strict_stream()
+{
+    let s = servers();
+    let case = Case::new(&s.pg, &s.nats, "backfill_range");
+    let js = case.jetstream().await;
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let ids = support::insert_transaction(&mut sql, 50, 5, "relayed").await;
+    case.wait_for_count(&js, 50, DEADLINE).await;
+    let (from, to) = (ids[10].to_string(), ids[20].to_string());
+    let backfill = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut command = case.relay_command("backfill");
+        command
+            .args(["--from-id", from.as_str(), "--to-id", to.as_str()])
+            .args(extra);
+        command.envs(env.iter().copied());
+        command.output().unwrap()
+    };
+
+    let refused = backfill(&[], &[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("is in strict mode") && stderr.contains("--force"),
+        "{stderr}"
+    );
+
+    for (extra, env) in [
+        (&[][..], &[("OUTBOX_RELAY_SHARED_STREAM", "true")][..]),
+        (&["--force"][..], &[][..]),
+    ] {
+        let done = backfill(extra, env);
+        let stdout = String::from_utf8_lossy(&done.stdout);
+        assert!(
+            done.status.success(),
+            "{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+        assert!(
+            stdout.contains("11 rows read, 0 published, 11 dropped by JetStream as duplicates"),
+            "{stdout}"
+        );
+    }
+    relay.terminate(DEADLINE);
+    assert_eq!(case.stream_count(&js).await, 50);
 }
