@@ -157,6 +157,18 @@ async fn assert_exactly_once_in_order(
     }
 }
 
+/// Stops `writers` once they committed `rows` more rows (after the relay started streaming).
+async fn stop_after(writers: Writers, rows: u64) -> WriterLog {
+    let at_start = writers.committed_rows();
+    eventually(
+        "writers to commit after the relay streams",
+        DEADLINE,
+        || async { (writers.committed_rows() > at_start + rows).then_some(()) },
+    )
+    .await;
+    writers.stop().await
+}
+
 /// Writers that commit a transaction every few milliseconds while the relay starts.
 async fn writers(case: &Case) -> Writers {
     Writers::start(case, 2, Duration::from_millis(5)).await
@@ -197,14 +209,7 @@ async fn backfill_with_writers(case: &mut Case, mode: &str) -> Run {
         Some(writers) => writers,
         None => writers(case).await,
     };
-    let at_start = writers.committed_rows();
-    eventually(
-        "writers to commit after the relay streams",
-        DEADLINE,
-        || async { (writers.committed_rows() > at_start + 200).then_some(()) },
-    )
-    .await;
-    let log = writers.stop().await;
+    let log = stop_after(writers, 200).await;
     let mut expected: HashSet<i64> = log.committed_ids();
     if mode != "none" {
         expected.extend(&pending);
@@ -348,14 +353,7 @@ async fn a_backfill_killed_midway_resumes_and_publishes_every_row_exactly_once()
     );
 
     let mut relay = case.start_relay();
-    let at_start = writers.committed_rows();
-    eventually(
-        "writers to commit after the relay streams",
-        DEADLINE,
-        || async { (writers.committed_rows() > at_start + 100).then_some(()) },
-    )
-    .await;
-    let log = writers.stop().await;
+    let log = stop_after(writers, 100).await;
     let mut expected = log.committed_ids();
     expected.extend(&pending);
     case.wait_for_count(&js, expected.len() as u64, DEADLINE * 2)
@@ -474,14 +472,7 @@ async fn a_polling_publisher_beside_the_relay_leaves_each_event_once_in_the_stre
     })
     .await;
     let mut relay = case.start_relay();
-    let at_start = writers.committed_rows();
-    eventually(
-        "writers to commit after the relay streams",
-        DEADLINE,
-        || async { (writers.committed_rows() > at_start + 200).then_some(()) },
-    )
-    .await;
-    let log = writers.stop().await;
+    let log = stop_after(writers, 200).await;
     // Every row the poller has not yet claimed is published by it too, eventually.
     let sql = case.sql().await;
     eventually(
@@ -543,25 +534,12 @@ async fn a_polling_publisher_beside_the_relay_leaves_each_event_once_in_the_stre
     );
 }
 
-/// The seed's table partitioned by id range, history in both partitions.
+/// The seed's table partitioned by id range (the original kept aside, its id sequence reused),
+/// so that the history lies in both partitions.
 const PARTITIONED: &str = "
-    drop table outbox_events;
-    create table outbox_events (
-      id bigserial,
-      entity_id text not null,
-      event_type text not null,
-      dedupe_key text not null,
-      partition_key text not null,
-      ordering_key text not null,
-      payload jsonb not null,
-      status text not null default 'pending',
-      attempts integer not null default 0,
-      last_error text,
-      created_at timestamptz not null default now(),
-      published_at timestamptz,
-      primary key (id),
-      unique (dedupe_key, id)
-    ) partition by range (id);
+    alter table outbox_events rename to outbox_events_seed;
+    create table outbox_events (like outbox_events_seed including defaults) partition by range (id);
+    alter table outbox_events add primary key (id);
     create table outbox_events_low partition of outbox_events for values from (1) to (1001);
     create table outbox_events_high partition of outbox_events for values from (1001) to (maxvalue);";
 

@@ -267,12 +267,7 @@ pub async fn at_slot_creation(
     // F5: the exporting connection stays open and idle until the backfill is done.
     let mut replication = ReplicationConnection::connect(&config.database).await?;
     let system = replication.identify_system().await?;
-    let source = outbox::source::source_id(
-        &system.systemid,
-        system.timeline,
-        system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        &config.slot,
-    );
+    let source = crate::pipeline::source(&system, config);
     let exported = replication
         .create_logical_slot_exporting_snapshot(&config.slot)
         .await?;

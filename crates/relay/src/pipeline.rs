@@ -231,6 +231,18 @@ async fn backfill_interrupted(
     Ok(backfill && crate::backfill::interrupted(client, config).await?)
 }
 
+/// The `Outbox-Source` of what this connection's server publishes through the slot. P6, I6:
+/// positions are comparable only within one timeline of one cluster's database and slot;
+/// the source names all four.
+pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> String {
+    outbox::source::source_id(
+        &system.systemid,
+        system.timeline,
+        system.dbname.as_deref().unwrap_or(config.database.dbname()),
+        &config.slot,
+    )
+}
+
 /// The largest message the server and the stream accept.
 pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
     match tail.max_msg_size {
@@ -323,14 +335,7 @@ async fn prepare(
     *bootstrapped = true;
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
-    // P6, I6: positions are comparable only within one timeline of one cluster's database
-    // and slot; the source names all four.
-    let source = outbox::source::source_id(
-        &system.systemid,
-        system.timeline,
-        system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        &config.slot,
-    );
+    let source = source(&system, config);
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
