@@ -40,6 +40,10 @@
 //!   backfill grows with the table.
 //! - F5 The exporting replication connection stays open and idle until the backfill is
 //!   done; the snapshot's transaction is read-only.
+//! - F6 A slot created over a stream whose last message is a relayed event (one with an
+//!   outbox position: the slot was dropped and is created again, `outbox-relay init`) gets
+//!   no backfill: the table's rows are presumably in the stream, and a strict stream would
+//!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;
@@ -56,7 +60,7 @@ use sink::SinkStats;
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::bootstrap;
 use crate::config::{table_sql, Config};
@@ -184,14 +188,32 @@ pub async fn interrupted(client: &Client, config: &Config) -> Result<bool> {
 }
 
 /// Whether the relay should backfill before it streams: an interrupted backfill, or a slot
-/// about to be created with a backfill mode other than `none`.
-pub async fn needed(client: &Client, config: &Config) -> Result<bool> {
+/// about to be created with a backfill mode other than `none` over a stream that holds no
+/// relayed event yet (F6).
+pub async fn needed(
+    client: &Client,
+    jetstream: &jetstream::Context,
+    config: &Config,
+) -> Result<bool> {
     if interrupted(client, config).await? {
         return Ok(true);
     }
-    Ok(config.create
-        && config.backfill != Mode::None
-        && !bootstrap::slot_exists(client, &config.slot).await?)
+    if !config.create
+        || config.backfill == Mode::None
+        || bootstrap::slot_exists(client, &config.slot).await?
+    {
+        return Ok(false);
+    }
+    // A stream that does not exist yet holds nothing.
+    let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await else {
+        return Ok(true);
+    };
+    if let Some(position) = tail.last_position() {
+        warn!(slot = %config.slot, stream = %config.stream, last_commit_lsn = %position.commit_lsn,
+            "not backfilling: the stream already holds relayed events, so the table's rows are presumably in it (a slot created again after it was dropped); load a range deliberately with `outbox-relay backfill` if some are missing");
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// The mode that applies to this table: `pending` on a table without `status` is `none`.

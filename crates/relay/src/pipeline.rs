@@ -8,6 +8,9 @@
 //!        └──────────── flush = watermark ◄──────── watch<Lsn> ◄─────── AckTracker (sink)
 //! ```
 //!
+//! The first session of a process creates what is missing ([`init`]); a slot it creates is
+//! backfilled first ([`crate::backfill`], F1–F5) under the lease, before streaming starts.
+//!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
 //! docs/architecture.md (the code cites them the same way):
@@ -192,7 +195,7 @@ async fn ensure(
     guard_history: bool,
 ) -> Result<bootstrap::SlotState> {
     // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
-    let backfill = crate::backfill::needed(client, config).await?;
+    let backfill = crate::backfill::needed(client, jetstream, config).await?;
     if guard_history
         && !backfill_interrupted(client, config, backfill).await?
         && config.create
