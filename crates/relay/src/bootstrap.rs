@@ -121,14 +121,20 @@ pub async fn slot_exists(client: &Client, slot: &str) -> Result<bool> {
 
 /// Checks Postgres and creates what is missing (when allowed). Returns the slot's state.
 pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
-    check_wal_level(client).await?;
-    check_table(client, config).await?;
-    let relations = ensure_publication(client, config).await?;
+    let relations = publication(client, config).await?;
     let confirmed_flush_lsn = ensure_slot(client, config).await?;
     Ok(SlotState {
         confirmed_flush_lsn,
         relations,
     })
+}
+
+/// Every check before the slot, and the publication (created when missing and allowed):
+/// what must hold before a slot is created.
+pub async fn publication(client: &Client, config: &Config) -> Result<KnownRelations> {
+    check_wal_level(client).await?;
+    check_table(client, config).await?;
+    ensure_publication(client, config).await
 }
 
 async fn check_wal_level(client: &Client) -> Result<()> {

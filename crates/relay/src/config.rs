@@ -167,6 +167,9 @@ pub mod opt {
             "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
+        // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
+        BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
+            "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
     }
 }
 
@@ -570,6 +573,8 @@ pub struct Config {
     pub failover_slot: bool,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
+    /// Which rows already in the table are published when the slot is created.
+    pub backfill: crate::backfill::Mode,
 }
 
 impl Config {
@@ -738,6 +743,7 @@ impl Config {
             heartbeat_interval,
             failover_slot,
             create: true,
+            backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
         })
     }
 }

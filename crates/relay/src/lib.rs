@@ -16,6 +16,7 @@
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
 //! the ones it keeps under those numbers.
 
+pub mod backfill;
 pub mod bootstrap;
 pub mod config;
 pub mod error;

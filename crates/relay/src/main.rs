@@ -55,7 +55,16 @@ fn cli() -> Command {
                     .help("Do not create the publication, slot or stream: fail if one is missing"),
             ),
         )
-        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream, then exit"))
+        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream (with --backfill, publishing the rows already in the table), then exit"))
+        .subcommand(
+            Command::new("backfill")
+                .about("Publish the rows of the current table in an id or time range, with the same keys as streamed events, on an existing slot and stream; JetStream drops a row it holds within the duplicate window; refused into a strict stream without --force (docs/migration.md)")
+                .arg(Arg::new("from-id").long("from-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id >= ID"))
+                .arg(Arg::new("to-id").long("to-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id <= ID"))
+                .arg(Arg::new("since").long("since").value_name("TIME").help("Rows with created_at >= TIME (e.g. 2026-01-31T00:00:00Z)"))
+                .arg(Arg::new("until").long("until").value_name("TIME").help("Rows with created_at < TIME"))
+                .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help("Publish into a strict stream too (appends old rows after newer events)")),
+        )
         .subcommand(
             Command::new("status")
                 .about("Print the state of the slot, publication, lease, stream and its last event, and what is wrong; exit 0 healthy, 3 lagging, 4 broken, 1 cannot read the state")
@@ -181,6 +190,23 @@ fn main() -> ExitCode {
             "init" => outbox_relay::pipeline::init(&config, false).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
+            "backfill" => {
+                let filter = outbox_relay::backfill::Filter {
+                    pending_only: false,
+                    from_id: sub_matches.get_one::<i64>("from-id").copied(),
+                    to_id: sub_matches.get_one::<i64>("to-id").copied(),
+                    since: sub_matches.get_one::<String>("since").cloned(),
+                    until: sub_matches.get_one::<String>("until").cloned(),
+                };
+                let force = sub_matches.get_flag("force");
+                outbox_relay::backfill::range(&config, &filter, force).await.map(|report| {
+                    info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
+                    println!(
+                        "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",
+                        report.read, report.published, report.duplicates
+                    );
+                })
+            }
             _ => {
                 let shutdown = CancellationToken::new();
                 let trigger = shutdown.clone();
