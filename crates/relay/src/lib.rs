@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod nats;
 pub mod pipeline;
 pub mod status;
+pub mod verify;
 
 pub use config::Config;
 pub use error::RelayError;

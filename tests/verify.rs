@@ -1,0 +1,204 @@
+//! End-to-end tests of `outbox-relay verify` against real Postgres 15 and nats-server
+//! processes (testkit): zero problems after a healthy run (exit 0); a message deleted from
+//! the stream, a message published twice and a message with a wrong key, each found by its
+//! outbox id (exit 5); and the range flags.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use support::{insert_transaction, servers, Case, Stored, DEADLINE};
+
+fn new_case(name: &str) -> Case {
+    let s = servers();
+    Case::new(&s.pg, &s.nats, name)
+}
+
+/// What one `outbox-relay verify` run printed.
+struct VerifyRun {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn verify(case: &Case, args: &[&str]) -> VerifyRun {
+    let output = case.relay_command("verify").args(args).output().unwrap();
+    VerifyRun {
+        code: output.status.code().unwrap(),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+impl VerifyRun {
+    fn lines(&self, prefix: &str) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .collect()
+    }
+}
+
+/// Relays 3 transactions of 10 rows over 4 entities, then stops the relay (so tampering
+/// with the stream does not meet its fence); returns the stored messages.
+async fn relayed(case: &Case) -> Vec<Stored> {
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    for tag in ["a", "b", "c"] {
+        insert_transaction(&mut sql, 10, 4, tag).await;
+    }
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 30, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    case.messages(&js).await
+}
+
+/// The headers of a stored message, without the relay's strict-mode fence.
+fn header_map(stored: &Stored) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in &stored.headers {
+        if name == "Nats-Expected-Last-Sequence" {
+            continue;
+        }
+        map.insert(name.as_str(), value.as_str());
+    }
+    map
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reports_no_problem_after_a_healthy_run() {
+    let case = new_case("verify_healthy");
+    relayed(&case).await;
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    let summary = run.lines("verify: OK: 30 rows");
+    assert_eq!(summary.len(), 1, "{}", run.stdout);
+    assert!(
+        summary[0].contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(run.stdout.lines().count(), 1, "{}", run.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() {
+    let case = new_case("verify_tampered");
+    let messages = relayed(&case).await;
+    let js = case.jetstream().await;
+    let stream = js.get_stream(&case.stream).await.unwrap();
+    let (deleted, doubled, doctored) = (&messages[3], &messages[12], &messages[25]);
+
+    // Deleted from the stream.
+    stream.delete_message(deleted.sequence).await.unwrap();
+    // Published twice: a copy under another Nats-Msg-Id.
+    let mut copy = header_map(doubled);
+    copy.insert("Nats-Msg-Id", "a-copy");
+    js.publish_with_headers(
+        doubled.subject.clone(),
+        copy,
+        doubled.payload.clone().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    // A wrong key: deleted and republished with another ordering key.
+    stream.delete_message(doctored.sequence).await.unwrap();
+    let mut wrong = header_map(doctored);
+    wrong.insert("Nats-Msg-Id", "doctored");
+    wrong.insert("Outbox-Ordering-Key", "0000000000000:00000000000000000000");
+    js.publish_with_headers(
+        doctored.subject.clone(),
+        wrong,
+        doctored.payload.clone().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    let missing = run.lines("missing: ");
+    assert_eq!(
+        missing,
+        [format!(
+            "missing: id={} no message on the stream",
+            deleted.outbox_id()
+        )],
+        "{}",
+        run.stdout
+    );
+    let duplicated = run.lines("duplicated: ");
+    assert_eq!(duplicated.len(), 1, "{}", run.stdout);
+    assert!(
+        duplicated[0].starts_with(&format!(
+            "duplicated: id={} 2 messages on the stream: sequences {}, ",
+            doubled.outbox_id(),
+            doubled.sequence
+        )),
+        "{}",
+        run.stdout
+    );
+    let mismatched = run.lines("mismatched: ");
+    assert_eq!(mismatched.len(), 1, "{}", run.stdout);
+    assert!(
+        mismatched[0].starts_with(&format!("mismatched: id={} ", doctored.outbox_id()))
+            && mismatched[0].contains(&format!(
+                "Outbox-Ordering-Key is \"0000000000000:00000000000000000000\", the row gives \"{}\"",
+                doctored.header("Outbox-Ordering-Key")
+            )),
+        "{}",
+        run.stdout
+    );
+    // The republished copy sits at the tail, after events of its entity committed later.
+    let out_of_order = run.lines("out of order: ");
+    assert_eq!(out_of_order.len(), 1, "{}", run.stdout);
+    assert!(
+        out_of_order[0].starts_with(&format!(
+            "out of order: id={} at sequence {}: entity {:?} ",
+            doctored.outbox_id(),
+            messages.last().unwrap().sequence + 2,
+            doctored.header("Outbox-Entity-Id")
+        )),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("DISCREPANCIES (exit 5): 30 rows")
+            && run.stdout.contains("1 missing, 1 duplicated, 1 mismatched"),
+        "{}",
+        run.stdout
+    );
+
+    // A range that leaves the damaged ids out is consistent.
+    let first = messages[0].outbox_id();
+    let run = verify(
+        &case,
+        &[
+            "--from-id",
+            &first.to_string(),
+            "--to-id",
+            &(deleted.outbox_id() - 1).to_string(),
+        ],
+    );
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("verify: OK: 3 rows"), "{}", run.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_refuses_an_invalid_time_with_exit_2() {
+    let case = new_case("verify_bad_time");
+    let run = verify(&case, &["--since", "yesterday-ish"]);
+    assert_eq!(run.code, 2, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stderr
+            .contains("--since \"yesterday-ish\" is neither a timestamp nor a duration"),
+        "{}",
+        run.stderr
+    );
+}
