@@ -202,3 +202,85 @@ async fn verify_refuses_an_invalid_time_with_exit_2() {
         run.stderr
     );
 }
+
+/// Throughput of `verify` on `VERIFY_ROWS` rows (default 100 000): the rows are inserted with
+/// one `INSERT … SELECT`, read back and published directly with the relay's own message
+/// builder (`sink::publish_message`, positions in id order) instead of through the relay, to
+/// save time. Prints the summary line (rows/s). Not run by default:
+/// `VERIFY_ROWS=1000000 cargo test --release -p outbox-relay --test verify verify_throughput -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it on a quiet machine"]
+async fn verify_throughput() {
+    use futures::{StreamExt as _, TryStreamExt as _};
+    use std::future::IntoFuture as _;
+    let rows: i64 = std::env::var("VERIFY_ROWS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000);
+    let mut case = new_case("verify_throughput");
+    if let Ok(threads) = std::env::var("VERIFY_WORKER_THREADS") {
+        case.extra_env
+            .push(("OUTBOX_RELAY_WORKER_THREADS".into(), threads));
+    }
+    let js = case.jetstream().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: case.stream.clone(),
+        subjects: vec![format!("{}.>", case.prefix)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sql = case.sql().await;
+    sql.execute(
+        "INSERT INTO outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+         SELECT 'entity-' || (n % 1000), 'OrderPaid', 'k' || n, 'p', 'o', \
+                jsonb_build_object('n', n, 'note', repeat('x', 60)) \
+           FROM generate_series(1, $1::int8) AS n",
+        &[&rows],
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let query = format!(
+        "SELECT {}, true FROM outbox_events ORDER BY id",
+        outbox_relay::verify::row_columns()
+    );
+    let stream = sql
+        .query_raw(&query, std::iter::empty::<i64>())
+        .await
+        .unwrap();
+    let prefix = case.prefix.clone();
+    let partitions = std::num::NonZeroU64::new(12).unwrap();
+    // Sent one after the other (stream order = id order = position order); acks awaited
+    // 4096 at a time: the send yields the ack's future on purpose.
+    #[allow(clippy::async_yields_async)]
+    stream
+        .then(|row| {
+            let row = outbox_relay::verify::row_from(&row.unwrap()).unwrap();
+            let position = outbox::Position {
+                commit_lsn: outbox::Lsn(u64::try_from(row.id).unwrap()),
+                index: 0,
+            };
+            let event = row.into_event(&prefix, partitions, position);
+            let js = js.clone();
+            async move {
+                js.send_publish(event.subject.clone(), sink::publish_message(&event))
+                    .await
+                    .unwrap()
+                    .into_future()
+            }
+        })
+        .buffer_unordered(4096)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    eprintln!("published {rows} rows in {:?}", started.elapsed());
+    let run = verify(&case, &[]);
+    eprintln!("{}{}", run.stderr, run.stdout);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains(&format!("verify: OK: {rows} rows")),
+        "{}",
+        run.stdout
+    );
+}

@@ -23,6 +23,7 @@ pub mod logging;
 pub mod metrics;
 pub mod nats;
 pub mod pipeline;
+pub mod replay;
 pub mod status;
 pub mod verify;
 

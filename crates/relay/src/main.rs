@@ -58,6 +58,37 @@ fn time_arg(name: &'static str, help: &'static str) -> Arg {
     Arg::new(name).long(name).value_name("TIME").help(help)
 }
 
+/// The range flags of `verify` and `replay`.
+fn range_args(command: Command) -> Command {
+    command
+        .arg(id_arg("from-id", "Rows with id >= ID"))
+        .arg(id_arg("to-id", "Rows with id <= ID"))
+        .arg(time_arg(
+            "since",
+            "Rows with created_at >= TIME (a timestamp, or a duration ago: 6h)",
+        ))
+        .arg(time_arg(
+            "until",
+            "Rows with created_at < TIME (a timestamp, or a duration ago)",
+        ))
+        .arg(
+            Arg::new("entity")
+                .long("entity")
+                .value_name("ENTITY_ID")
+                .help("Rows of this entity_id only"),
+        )
+}
+
+fn range_of(matches: &clap::ArgMatches) -> outbox_relay::verify::Range {
+    outbox_relay::verify::Range {
+        from_id: matches.get_one::<i64>("from-id").copied(),
+        to_id: matches.get_one::<i64>("to-id").copied(),
+        since: matches.get_one::<String>("since").cloned(),
+        until: matches.get_one::<String>("until").cloned(),
+        entity: matches.get_one::<String>("entity").cloned(),
+    }
+}
+
 fn cli() -> Command {
     let mut command = Command::new("outbox-relay")
         .version(env!("CARGO_PKG_VERSION"))
@@ -92,13 +123,9 @@ fn cli() -> Command {
                 ),
         )
         .subcommand(
-            Command::new("verify")
+            range_args(Command::new("verify")
                 .about("Reconcile the outbox table with the stream: list missing, duplicated, mismatched and out-of-order events by outbox id; exit 0 consistent, 5 discrepancies, 1 cannot read")
-                .after_help(VERIFY_EXIT_CODES)
-                .arg(id_arg("from-id", "Check rows with id >= ID"))
-                .arg(id_arg("to-id", "Check rows with id <= ID"))
-                .arg(time_arg("since", "Check rows with created_at >= TIME (a timestamp, or a duration ago: 6h)"))
-                .arg(time_arg("until", "Check rows with created_at < TIME (a timestamp, or a duration ago)"))
+                .after_help(VERIFY_EXIT_CODES))
                 .arg(
                     Arg::new("max-listed")
                         .long("max-listed")
@@ -107,6 +134,17 @@ fn cli() -> Command {
                         .default_value("100")
                         .help("List at most N problems of each kind (the summary counts them all)"),
                 ),
+        )
+        .subcommand(
+            range_args(Command::new("replay").about(
+                "Re-publish a range of outbox rows with the relay's subjects, keys and headers, and say what the stream stored (copies inside its duplicate window are not stored again); refuses a strict-mode stream without --force",
+            ))
+            .arg(
+                Arg::new("force")
+                    .long("force")
+                    .action(ArgAction::SetTrue)
+                    .help("Replay into a strict-mode stream: copies past the duplicate window are stored again, out of commit order, and a running relay re-syncs"),
+            ),
         )
         .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"));
     for spec in opt::ALL {
@@ -170,7 +208,7 @@ fn main() -> ExitCode {
         config.create = false;
     }
     // `status` prints its report on stdout; its log (stderr) says only what went wrong.
-    let default_filter = if subcommand == "status" || subcommand == "verify" {
+    let default_filter = if matches!(subcommand, "status" | "verify" | "replay") {
         "warn"
     } else {
         "info"
@@ -218,12 +256,7 @@ fn main() -> ExitCode {
         return ExitCode::from(status.exit_code);
     }
     if subcommand == "verify" {
-        let range = outbox_relay::verify::Range {
-            from_id: sub_matches.get_one::<i64>("from-id").copied(),
-            to_id: sub_matches.get_one::<i64>("to-id").copied(),
-            since: sub_matches.get_one::<String>("since").cloned(),
-            until: sub_matches.get_one::<String>("until").cloned(),
-        };
+        let range = range_of(sub_matches);
         let max_listed = sub_matches
             .get_one::<usize>("max-listed")
             .copied()
@@ -235,6 +268,23 @@ fn main() -> ExitCode {
             }
             Err(e) => {
                 eprintln!("outbox-relay verify: {}", logging::scrub(&e.to_string()));
+                ExitCode::from(e.exit_code())
+            }
+        };
+    }
+    if subcommand == "replay" {
+        let force = sub_matches.get_flag("force");
+        return match runtime.block_on(outbox_relay::replay::run(
+            &config,
+            range_of(sub_matches),
+            force,
+        )) {
+            Ok(report) => {
+                print!("{}", report.render());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("outbox-relay replay: {}", logging::scrub(&e.to_string()));
                 ExitCode::from(e.exit_code())
             }
         };

@@ -33,6 +33,7 @@
 //! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -69,6 +70,8 @@ pub struct Range {
     pub since: Option<String>,
     /// `created_at < until`.
     pub until: Option<String>,
+    /// `entity_id = entity`.
+    pub entity: Option<String>,
 }
 
 impl Range {
@@ -89,6 +92,10 @@ impl Range {
                 params.push(Param::Time(time.clone()));
                 parts.push(format!("created_at {op} ${}", params.len()));
             }
+        }
+        if let Some(entity) = &self.entity {
+            params.push(Param::Text(entity.clone()));
+            parts.push(format!("entity_id::text = ${}", params.len()));
         }
         if parts.is_empty() {
             ("true".to_owned(), params)
@@ -136,13 +143,15 @@ pub enum Param {
     Int(i64),
     /// A timestamp, as text Postgres casts.
     Time(String),
+    /// A text value.
+    Text(String),
 }
 
 impl Param {
-    fn sql(&self) -> &(dyn ToSql + Sync) {
+    pub(crate) fn sql(&self) -> &(dyn ToSql + Sync) {
         match self {
             Param::Int(v) => v,
-            Param::Time(v) => v,
+            Param::Time(v) | Param::Text(v) => v,
         }
     }
 }
@@ -294,24 +303,17 @@ impl Fields {
     /// The stream's values, percent-decoded when the message says so (V2); `None` for a
     /// value that does not decode.
     fn of_message(subject: &str, headers: &HeaderMap) -> Fields {
-        let get = |name: &str| headers.get(name).map(|v| v.as_str()).unwrap_or("");
+        let get = |name: &str| headers.get(name).map_or("", |v| v.as_str()).to_owned();
         let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
-        let row_value = |name: &str| {
-            let v = get(name);
-            if encoded {
-                encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>"))
-            } else {
-                v.to_owned()
-            }
-        };
+        let row = |name: &str| row_value(headers, name, encoded).into_owned();
         Fields {
             subject: subject.to_owned(),
-            dedupe_key: row_value(h::NATS_MSG_ID),
-            entity_id: row_value(h::OUTBOX_ENTITY_ID),
-            event_type: row_value(h::OUTBOX_EVENT_TYPE),
-            partition_key: row_value(h::OUTBOX_PARTITION_KEY),
-            ordering_key: get(h::OUTBOX_ORDERING_KEY).to_owned(),
-            shard: get(h::OUTBOX_SHARD).to_owned(),
+            dedupe_key: row(h::NATS_MSG_ID),
+            entity_id: row(h::OUTBOX_ENTITY_ID),
+            event_type: row(h::OUTBOX_EVENT_TYPE),
+            partition_key: row(h::OUTBOX_PARTITION_KEY),
+            ordering_key: get(h::OUTBOX_ORDERING_KEY),
+            shard: get(h::OUTBOX_SHARD),
         }
     }
 
@@ -328,14 +330,61 @@ impl Fields {
     }
 }
 
-/// A digest of the compared fields and the payload.
-fn digest(fields: &Fields, payload: &[u8]) -> u64 {
+/// A digest of the compared fields (in [`Fields::named`]'s order) and the payload.
+fn digest(fields: [&str; 7], payload: &[u8]) -> u64 {
     let mut hasher = DefaultHasher::new();
-    for (_, value) in fields.named() {
+    for value in fields {
         value.hash(&mut hasher);
     }
     payload.hash(&mut hasher);
     hasher.finish()
+}
+
+/// [`digest`] of an event, without copying its strings.
+fn event_digest(event: &OutboxEvent) -> u64 {
+    let shard = event.shard.to_string();
+    digest(
+        [
+            &event.subject,
+            &event.keys.dedupe_key,
+            &event.entity_id,
+            &event.event_type,
+            &event.keys.partition_key,
+            &event.keys.ordering_key,
+            &shard,
+        ],
+        &event.payload,
+    )
+}
+
+/// A header value as the row had it: percent-decoded when the message is `encoded` (V2).
+fn row_value<'a>(headers: &'a HeaderMap, name: &str, encoded: bool) -> Cow<'a, str> {
+    let v = headers.get(name).map_or("", |v| v.as_str());
+    if encoded {
+        Cow::Owned(encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>")))
+    } else {
+        Cow::Borrowed(v)
+    }
+}
+
+/// [`digest`] of a stored message and its entity id, without copying what needs no decoding.
+fn message_digest(subject: &str, headers: &HeaderMap, payload: &[u8]) -> (u64, u64) {
+    let get = |name: &str| headers.get(name).map_or("", |v| v.as_str());
+    let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
+    let entity_id = row_value(headers, h::OUTBOX_ENTITY_ID, encoded);
+    let digest = digest(
+        [
+            subject,
+            &row_value(headers, h::NATS_MSG_ID, encoded),
+            &entity_id,
+            &row_value(headers, h::OUTBOX_EVENT_TYPE, encoded),
+            &row_value(headers, h::OUTBOX_PARTITION_KEY, encoded),
+            get(h::OUTBOX_ORDERING_KEY),
+            get(h::OUTBOX_SHARD),
+        ],
+        payload,
+    );
+    (digest, entity_hash(&entity_id))
 }
 
 fn entity_hash(entity_id: &str) -> u64 {
@@ -455,8 +504,24 @@ fn nats_error(what: &str) -> impl Fn(Box<dyn std::fmt::Display>) -> RelayError +
 }
 
 /// Reconciles the rows in `range` with the stream (see the module docs).
-pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
-    let started = Instant::now();
+/// The connections and the rows of a range: what verify and replay start from.
+pub(crate) struct Opened {
+    /// The control connection.
+    pub client: tokio_postgres::Client,
+    /// A JetStream context.
+    pub js: jetstream::Context,
+    /// The stream.
+    pub stream: jetstream::stream::Stream,
+    /// The range's SQL condition on the table, and its parameters.
+    pub condition: String,
+    /// The parameters of `condition`.
+    pub params: Vec<Param>,
+    /// The lowest and highest id in range and how many rows, if any.
+    pub bounds: Option<(i64, i64, u64)>,
+}
+
+/// Connects to both sides, checks the table and reads the range's id bounds.
+pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     let client = replication::connect_sql(&config.database)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
@@ -472,26 +537,17 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         )
         .await
         .map_err(read_error("cannot read the outbox table's id range"))?;
-    let (Some(low), Some(high)) = (
+    let bounds = match (
         bounds.get::<_, Option<i64>>(0),
         bounds.get::<_, Option<i64>>(1),
-    ) else {
-        return Ok(Report {
-            elapsed: started.elapsed(),
-            ..Report::default()
-        });
+    ) {
+        (Some(low), Some(high)) => Some((
+            low,
+            high,
+            u64::try_from(bounds.get::<_, i64>(2)).unwrap_or(0),
+        )),
+        _ => None,
     };
-    let rows_in_range = u64::try_from(bounds.get::<_, i64>(2)).unwrap_or(0);
-    let mut index = Index::new(low, high, rows_in_range);
-    let mut report = Report {
-        ids: Some((low, high)),
-        ..Report::default()
-    };
-    let strict = !config.shared_stream;
-    let mut out_of_order: Vec<(i64, String)> = vec![];
-    let mut duplicates: Vec<(i64, u64)> = vec![];
-
-    // 2. The stream.
     let client_nats = crate::nats::connect(&config.nats)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
@@ -500,12 +556,30 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         .get_stream(&config.stream)
         .await
         .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-    let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
+    Ok(Opened {
+        client,
+        js,
+        stream,
+        condition,
+        params,
+        bounds,
+    })
+}
+
+/// Reads every message of the outbox subjects (`{prefix}.>`, dead-letter records included)
+/// once, in stream order, through an ephemeral pull consumer that acknowledges nothing, in
+/// large batches; stops at the last message stored when the read caught up. Returns how
+/// many messages were read.
+pub(crate) async fn scan_stream(
+    stream: &jetstream::stream::Stream,
+    prefix: &str,
+    mut each: impl FnMut(u64, &jetstream::Message),
+) -> Result<u64> {
     let mut consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
             ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: format!("{}.>", config.subject_prefix),
+            filter_subject: format!("{prefix}.>"),
             inactive_threshold: Duration::from_secs(60),
             memory_storage: true,
             ..Default::default()
@@ -517,6 +591,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         .await
         .map_err(|e| nats_error("cannot read the consumer")(Box::new(e)))?
         .num_pending;
+    let mut read = 0;
     if pending > 0 {
         let mut messages = consumer
             .stream()
@@ -524,8 +599,6 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             .messages()
             .await
             .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        let mut last_global: Option<(Position, i64)> = None;
-        let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
         loop {
             let message = match tokio::time::timeout(STREAM_IDLE_TIMEOUT, messages.next()).await {
                 Err(_) => {
@@ -540,11 +613,54 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
                     message.map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?
                 }
             };
-            report.messages += 1;
+            read += 1;
             let info = message
                 .info()
                 .map_err(|e| nats_error("a message without JetStream metadata")(e))?;
             let (seq, left) = (info.stream_sequence, info.pending);
+            each(seq, &message);
+            if left == 0 {
+                break;
+            }
+        }
+    }
+    let name = consumer.cached_info().name.clone();
+    let _ = stream.delete_consumer(&name).await;
+    Ok(read)
+}
+
+/// Reconciles the rows in `range` with the stream (see the module docs).
+pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
+    let started = Instant::now();
+    let Opened {
+        client,
+        stream,
+        condition,
+        params,
+        bounds,
+        ..
+    } = open(config, &mut range).await?;
+    let table = &config.table;
+    let Some((low, high, rows_in_range)) = bounds else {
+        return Ok(Report {
+            elapsed: started.elapsed(),
+            ..Report::default()
+        });
+    };
+    let mut index = Index::new(low, high, rows_in_range);
+    let mut report = Report {
+        ids: Some((low, high)),
+        ..Report::default()
+    };
+    let strict = !config.shared_stream;
+    let mut out_of_order: Vec<(i64, String)> = vec![];
+    let mut duplicates: Vec<(i64, u64)> = vec![];
+
+    // 2. The stream.
+    let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
+    let mut last_global: Option<(Position, i64)> = None;
+    let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
+    report.messages = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             if let Some(headers) = &message.headers {
                 let id = headers
                     .get(h::OUTBOX_ID)
@@ -561,9 +677,13 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
                         if entry.count > 1 {
                             duplicates.push((id, seq));
                         } else {
-                            let fields = Fields::of_message(message.subject.as_str(), headers);
+                            let (digest, entity) = message_digest(
+                                message.subject.as_str(),
+                                headers,
+                                &message.payload,
+                            );
                             entry.seq = seq;
-                            entry.digest = digest(&fields, &message.payload);
+                            entry.digest = digest;
                             let position = Position::from_headers(
                                 headers.get(h::OUTBOX_COMMIT_LSN).map_or("", |v| v.as_str()),
                                 headers.get(h::OUTBOX_TX_INDEX).map_or("", |v| v.as_str()),
@@ -572,14 +692,14 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
                                 let at = |p: Position| {
                                     format!("(commit {}, index {})", p.commit_lsn, p.index)
                                 };
-                                let key = entity_hash(&fields.entity_id);
+                                let key = entity;
                                 let mut problem = None;
                                 match per_entity.get_mut(&key) {
                                     Some((previous, previous_id)) if position < *previous => {
                                         problem = Some(format!(
                                             "at sequence {seq}: entity {:?} {} comes after id {previous_id} {}, \
                                              committed later",
-                                            fields.entity_id,
+                                            Fields::of_message("", headers).entity_id,
                                             at(position),
                                             at(*previous)
                                         ));
@@ -608,12 +728,13 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
                     }
                 }
             }
-            if left == 0 {
-                break;
-            }
-        }
-    }
-    let _ = stream.delete_consumer(&consumer_name(&mut consumer)).await;
+    })
+    .await?;
+    tracing::info!(
+        messages = report.messages,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "read the stream"
+    );
 
     // 3. The table, in id order, streamed.
     let sql = format!(
@@ -686,12 +807,17 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             }
             continue;
         }
-        let expected = digest(&Fields::of_event(&event), &event.payload);
+        let expected = event_digest(&event);
         if expected != entry.digest {
             mismatched.push((id, entry.seq, event));
         }
     }
 
+    tracing::info!(
+        rows = report.rows,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "read the table"
+    );
     // Duplicates, order and ids on the stream without a row, for the rows in range.
     let mut duplicated: HashMap<i64, Vec<u64>> = HashMap::new();
     for (id, seq) in duplicates {
@@ -763,10 +889,6 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     report.problems = problems;
     report.elapsed = started.elapsed();
     Ok(report)
-}
-
-fn consumer_name(consumer: &mut jetstream::consumer::Consumer<pull::Config>) -> String {
-    consumer.cached_info().name.clone()
 }
 
 /// Which fields of a stored message differ from the row's event (payloads are not printed).
