@@ -190,6 +190,72 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
     assert!(run.stdout.contains("verify: OK: 3 rows"), "{}", run.stdout);
 }
 
+/// Header-hostile rows are percent-encoded by the relay (`Outbox-Encoding: percent`): verify
+/// decodes them and finds them consistent. A row too large for the stream, dead-lettered, is
+/// reported as such by id, and is not a discrepancy (exit 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_failing() {
+    let mut case = new_case("verify_dlq");
+    case.extra_env.extend([
+        (
+            "OUTBOX_RELAY_ON_POISON".to_owned(),
+            "dead-letter".to_owned(),
+        ),
+        (
+            "OUTBOX_RELAY_STREAM_MAX_MSG_SIZE".to_owned(),
+            "4KiB".to_owned(),
+        ),
+    ]);
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 5, 2, "a").await;
+    let hostile: i64 = sql
+        .query_one(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values (E'order\r\nNats-Msg-Id: x', E'Paid Nats-Expected-Last-Sequence: 0 %', 'tmp-h', 'tmp', 'tmp', '{}') \
+             returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let poison: i64 = sql
+        .query_one(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values ('order-poison', 'OrderPaid', 'tmp-p', 'tmp', 'tmp', jsonb_build_object('blob', repeat('x', 10000))) \
+             returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 7, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let messages = case.messages(&js).await;
+    let stored_hostile = messages.iter().find(|m| m.outbox_id() == hostile).unwrap();
+    assert_eq!(stored_hostile.header("Outbox-Encoding"), "percent");
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    let dlq = messages.iter().find(|m| m.outbox_id() == poison).unwrap();
+    assert_eq!(
+        run.lines("dead-lettered: "),
+        [format!(
+            "dead-lettered: id={poison} a dead-letter record at sequence {} in its place",
+            dlq.sequence
+        )],
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("verify: OK: 7 rows")
+            && run.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable, 1 dead-lettered"),
+        "{}",
+        run.stdout
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_refuses_an_invalid_time_with_exit_2() {
     let case = new_case("verify_bad_time");
