@@ -11,12 +11,13 @@
 //!    1 000 000 ids take 24 MB. The commit order is checked on the way: per entity (a hash of
 //!    the entity id and the last position), and globally in strict mode (each event's
 //!    `Outbox-Commit-Lsn`/`Outbox-Tx-Index` position after the previous one).
-//! 3. Postgres: the rows in id order through one streaming query (`query_raw`, never the
-//!    whole result in memory). Each row's event is built by `outbox::OutboxRow::into_event`
-//!    (the seed's keys, shard and subject, exactly as the relay builds them) and its
-//!    [`digest`] compared with the stream's first copy.
-//! 4. Mismatches only: the stored message is fetched by sequence and compared field by field,
-//!    so the report says which field differs.
+//! 3. Postgres, at the same time as 2: the rows in id order through one streaming query
+//!    (`query_raw`, never the whole result in memory). Each row's event is built by
+//!    `outbox::OutboxRow::into_event` (the seed's keys, shard and subject, exactly as the
+//!    relay builds them) and only its [`digest`] kept (24 bytes per row), then compared with
+//!    the stream's first copy.
+//! 4. Mismatches only: the row and the stored message (by sequence) are read again and
+//!    compared field by field, so the report says which field differs.
 //!
 //! # Invariants
 //! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
@@ -28,8 +29,8 @@
 //!   dead-lettered, not missing, and is not a discrepancy (the operator chose
 //!   `--on-poison dead-letter`).
 //! - V4 Memory is bounded by the id span of the range (a dense `Vec` of [`Entry`]), or by
-//!   the ids present when the ids are sparse (a map), never by payloads: payloads are
-//!   compared through a digest.
+//!   the ids present when the ids are sparse (a map), plus 24 bytes per row, never by
+//!   payloads: payloads are compared through a digest.
 //! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
 
@@ -213,6 +214,30 @@ struct Entry {
     /// [`ROW`], [`IN_RANGE`].
     flags: u8,
 }
+
+/// A row as verify expects its message: its digest, or why there is none.
+#[derive(Debug, Clone, Copy)]
+struct Expected {
+    id: i64,
+    /// [`event_digest`] of the row's event.
+    digest: u64,
+    state: u8,
+}
+
+impl Expected {
+    /// The row is outside the range (`--since`/`--until`/`--entity`): not checked.
+    const OUT_OF_RANGE: u8 = 0;
+    /// The row's event is `digest`.
+    const PUBLISHABLE: u8 = 1;
+    /// The relay cannot publish the row.
+    const UNPUBLISHABLE: u8 = 2;
+}
+
+/// The position given to events built for comparison: positions are not compared.
+const NO_POSITION: Position = Position {
+    commit_lsn: outbox::Lsn::ZERO,
+    index: 0,
+};
 
 /// The table has a row with this id.
 const ROW: u8 = 1;
@@ -660,7 +685,8 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
     let mut last_global: Option<(Position, i64)> = None;
     let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
-    report.messages = scan_stream(&stream, &config.subject_prefix, |seq, message| {
+    let stream_side = async {
+        let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             if let Some(headers) = &message.headers {
                 let id = headers
                     .get(h::OUTBOX_ID)
@@ -730,64 +756,103 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             }
     })
     .await?;
-    tracing::info!(
-        messages = report.messages,
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "read the stream"
-    );
+        tracing::info!(
+            messages = read,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "read the stream"
+        );
+        Ok::<u64, RelayError>(read)
+    };
 
-    // 3. The table, in id order, streamed.
-    let sql = format!(
-        "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
-        row_columns()
-    );
-    let rows = client
-        .query_raw(&sql, params.iter().map(Param::sql))
-        .await
-        .map_err(read_error("cannot read the outbox table"))?;
-    futures::pin_mut!(rows);
-    let mut mismatched: Vec<(i64, u64, OutboxEvent)> = vec![];
+    // 3. The table, in id order, streamed, at the same time: what each row's message must be.
+    let table_side = async {
+        let sql = format!(
+            "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
+            row_columns()
+        );
+        let rows = client
+            .query_raw(&sql, params.iter().map(Param::sql))
+            .await
+            .map_err(read_error("cannot read the outbox table"))?;
+        futures::pin_mut!(rows);
+        let mut expected: Vec<Expected> =
+            Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
+        let mut unpublishable: Vec<(i64, String)> = vec![];
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(read_error("cannot read the outbox table"))?;
+            let id: i64 = row.get(0);
+            if !row.get::<_, bool>(5) {
+                expected.push(Expected {
+                    id,
+                    digest: 0,
+                    state: Expected::OUT_OF_RANGE,
+                });
+                continue;
+            }
+            match row_from(&row) {
+                Ok(row) => {
+                    let event =
+                        row.into_event(&config.subject_prefix, config.partitions, NO_POSITION);
+                    expected.push(Expected {
+                        id,
+                        digest: event_digest(&event),
+                        state: Expected::PUBLISHABLE,
+                    });
+                }
+                Err((id, why)) => {
+                    expected.push(Expected {
+                        id,
+                        digest: 0,
+                        state: Expected::UNPUBLISHABLE,
+                    });
+                    unpublishable.push((id, why));
+                }
+            }
+        }
+        tracing::info!(
+            rows = expected.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "read the table"
+        );
+        Ok::<_, RelayError>((expected, unpublishable))
+    };
+    let (read, table_read) = tokio::join!(stream_side, table_side);
+    report.messages = read?;
+    let (expected, unpublishable) = table_read?;
+
+    // The rows against the stream.
+    let mut unpublishable = unpublishable.into_iter().collect::<HashMap<_, _>>();
+    let mut mismatched: Vec<(i64, u64)> = vec![];
     let mut problems = vec![];
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(read_error("cannot read the outbox table"))?;
-        let in_range: bool = row.get(5);
-        let id: i64 = row.get(0);
+    for row in expected {
+        let id = row.id;
         let entry = index.get(id);
         entry.flags |= ROW;
-        if !in_range {
+        if row.state == Expected::OUT_OF_RANGE {
             continue;
         }
         entry.flags |= IN_RANGE;
         report.rows += 1;
         let entry = *entry;
-        let event = match row_from(&row) {
-            Ok(row) => row.into_event(
-                &config.subject_prefix,
-                config.partitions,
-                Position {
-                    commit_lsn: outbox::Lsn::from(0u64),
-                    index: 0,
-                },
-            ),
-            Err((id, why)) => {
-                if entry.count > 0 {
-                    problems.push(Problem {
-                        kind: "unpublishable",
-                        id,
-                        detail: format!("{why}, yet the stream holds it at sequence {}", entry.seq),
-                    });
-                } else if entry.dead_letters == 0 {
-                    problems.push(Problem {
-                        kind: "unpublishable",
-                        id,
-                        detail: format!(
-                            "{why}: the relay cannot publish it (it halts or dead-letters it)"
-                        ),
-                    });
-                }
-                continue;
+        if row.state == Expected::UNPUBLISHABLE {
+            let why = unpublishable.remove(&id).unwrap_or_default();
+            if entry.count > 0 {
+                problems.push(Problem {
+                    kind: "unpublishable",
+                    id,
+                    detail: format!("{why}, yet the stream holds it at sequence {}", entry.seq),
+                });
+            } else if entry.dead_letters == 0 {
+                problems.push(Problem {
+                    kind: "unpublishable",
+                    id,
+                    detail: format!(
+                        "{why}: the relay cannot publish it (it halts or dead-letters it)"
+                    ),
+                });
             }
-        };
+            continue;
+        }
         if entry.count == 0 {
             if entry.dead_letters > 0 {
                 problems.push(Problem {
@@ -807,17 +872,11 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             }
             continue;
         }
-        let expected = event_digest(&event);
-        if expected != entry.digest {
-            mismatched.push((id, entry.seq, event));
+        if row.digest != entry.digest {
+            mismatched.push((id, entry.seq));
         }
     }
 
-    tracing::info!(
-        rows = report.rows,
-        elapsed_ms = started.elapsed().as_millis() as u64,
-        "read the table"
-    );
     // Duplicates, order and ids on the stream without a row, for the rows in range.
     let mut duplicated: HashMap<i64, Vec<u64>> = HashMap::new();
     for (id, seq) in duplicates {
@@ -865,17 +924,25 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         });
     }
 
-    // 4. Which field differs, for the mismatches.
-    for (id, seq, event) in mismatched {
-        let detail = match stream.get_raw_message(seq).await {
-            Ok(stored) => describe_mismatch(
-                &event,
+    // 4. Which field differs, for the mismatches: the row and the message read again.
+    let one_row = format!("SELECT {} FROM {table} WHERE id = $1", row_columns());
+    for (id, seq) in mismatched {
+        let row = client
+            .query_one(&one_row, &[&id])
+            .await
+            .map_err(read_error("cannot read the outbox table"))?;
+        let detail = match (row_from(&row), stream.get_raw_message(seq).await) {
+            (Ok(row), Ok(stored)) => describe_mismatch(
+                &row.into_event(&config.subject_prefix, config.partitions, NO_POSITION),
                 stored.subject.as_str(),
                 &stored.headers,
                 &stored.payload,
                 seq,
             ),
-            Err(e) => {
+            (Err((_, why)), _) => {
+                format!("at sequence {seq}: the row changed while verify ran ({why})")
+            }
+            (_, Err(e)) => {
                 format!("at sequence {seq}: differs from the row (cannot fetch it again: {e})")
             }
         };
