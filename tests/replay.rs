@@ -205,3 +205,43 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
         );
     }
 }
+
+/// Known bug, found while testing replay (not fixed here: it is the sink's fence, outside
+/// replay): another writer stores k messages in a strict-mode stream while the relay is idle;
+/// the relay then pipelines a transaction of more than k events with predicted
+/// `Nats-Expected-Last-Sequence` values; the first k are refused, the rest line up with the
+/// shifted sequence again and are stored behind the gap; the next session trusts the tail (its
+/// own source) and skips the k refused events. Run it with `--ignored` to see it fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known bug: a strict-mode relay beside another writer can skip events (see the doc comment)"]
+async fn a_strict_relay_beside_another_writer_skips_no_event() {
+    let case = new_case("fence_gap", &[]);
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    for i in 0..5 {
+        js.publish(format!("{}.other", case.prefix), format!("{i}").into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let second = insert_transaction(&mut sql, 10, 2, "b").await;
+    eventually(
+        "every event of the second transaction is stored",
+        DEADLINE,
+        || async {
+            let ids: Vec<i64> = case
+                .messages(&js)
+                .await
+                .iter()
+                .filter_map(|m| m.headers.get("Outbox-Id").and_then(|id| id.parse().ok()))
+                .collect();
+            second.iter().all(|id| ids.contains(id)).then_some(())
+        },
+    )
+    .await;
+    drop(relay);
+}

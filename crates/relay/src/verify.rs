@@ -987,3 +987,142 @@ fn describe_mismatch(
     }
     format!("at sequence {seq}: {}", differences.join("; "))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::num::NonZeroU64;
+
+    use super::*;
+
+    #[test]
+    fn the_range_is_one_sql_condition_with_numbered_parameters() {
+        assert_eq!(Range::default().condition().0, "true");
+        let range = Range {
+            from_id: Some(5),
+            to_id: Some(9),
+            since: Some("2026-01-01T00:00:00Z".into()),
+            until: None,
+            entity: Some("order:A-1".into()),
+        };
+        let (condition, params) = range.condition();
+        assert_eq!(
+            condition,
+            "id >= $1 AND id <= $2 AND created_at >= $3 AND entity_id::text = $4"
+        );
+        assert_eq!(params.len(), 4);
+        assert_eq!(
+            cast_times(&condition, &params),
+            "id >= $1 AND id <= $2 AND created_at >= $3::text::timestamptz AND entity_id::text = $4"
+        );
+    }
+
+    fn event(entity_id: &str, event_type: &str) -> OutboxEvent {
+        OutboxRow {
+            id: 7,
+            entity_id: entity_id.into(),
+            event_type: event_type.into(),
+            payload: Bytes::from_static(b"{\"a\": 1}"),
+            created_at_ms: 1_700_000_000_000,
+        }
+        .into_event("outbox", NonZeroU64::new(12).unwrap(), NO_POSITION)
+    }
+
+    /// The compared headers of the message the relay stores for an event (M1: the row's
+    /// values percent-encoded for a hostile row). `sink::publish_message`'s own headers are
+    /// not readable outside async-nats; tests/verify.rs checks verify against the real relay's
+    /// messages, hostile rows included.
+    fn stored(event: &OutboxEvent) -> (String, HeaderMap, Bytes) {
+        let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+        let value = |v: &str| {
+            if hostile {
+                encoding::encode(v)
+            } else {
+                v.to_owned()
+            }
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(h::NATS_MSG_ID, value(&event.keys.dedupe_key).as_str());
+        headers.insert(h::OUTBOX_ENTITY_ID, value(&event.entity_id).as_str());
+        headers.insert(h::OUTBOX_EVENT_TYPE, value(&event.event_type).as_str());
+        headers.insert(
+            h::OUTBOX_PARTITION_KEY,
+            value(&event.keys.partition_key).as_str(),
+        );
+        headers.insert(h::OUTBOX_ORDERING_KEY, event.keys.ordering_key.as_str());
+        headers.insert(h::OUTBOX_SHARD, event.shard.to_string().as_str());
+        if hostile {
+            headers.insert(h::OUTBOX_ENCODING, encoding::PERCENT);
+        }
+        (event.subject.clone(), headers, event.payload.clone())
+    }
+
+    #[test]
+    fn a_stored_message_and_its_row_have_the_same_digest_hostile_or_not() {
+        for event in [
+            event("order:A-1", "OrderPaid"),
+            event("a\r\nNats-Msg-Id: x", "Paid %"),
+        ] {
+            let (subject, headers, payload) = stored(&event);
+            assert_eq!(
+                message_digest(&subject, &headers, &payload).0,
+                event_digest(&event)
+            );
+            assert_eq!(
+                describe_mismatch(&event, &subject, &headers, &payload, 3),
+                "at sequence 3: differs from the row"
+            );
+        }
+    }
+
+    #[test]
+    fn a_mismatch_names_the_field_and_never_prints_the_payload() {
+        let event = event("order:A-1", "OrderPaid");
+        let (subject, mut headers, _) = stored(&event);
+        headers.insert(h::OUTBOX_SHARD, "99");
+        let (digest, _) = message_digest(&subject, &headers, b"{\"secret\": 2}");
+        assert_ne!(digest, event_digest(&event));
+        let text = describe_mismatch(&event, &subject, &headers, b"{\"secret\": 2}", 4);
+        assert!(
+            text.contains(&format!(
+                "Outbox-Shard is \"99\", the row gives \"{}\"",
+                event.shard
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains("the payload differs (13 bytes stored, 8 in the row)"),
+            "{text}"
+        );
+        assert!(!text.contains("secret"), "{text}");
+    }
+
+    #[test]
+    fn dead_letters_alone_exit_0_and_anything_else_exits_5() {
+        let mut report = Report {
+            rows: 2,
+            ids: Some((1, 2)),
+            ..Report::default()
+        };
+        report.problems.push(Problem {
+            kind: "dead-lettered",
+            id: 1,
+            detail: "a dead-letter record at sequence 1 in its place".into(),
+        });
+        assert_eq!(report.exit_code(), 0);
+        assert!(report.render(10).contains("verify: OK: 2 rows (ids 1..=2)"));
+        report.problems.push(Problem {
+            kind: "missing",
+            id: 2,
+            detail: "no message on the stream".into(),
+        });
+        assert_eq!(report.exit_code(), DISCREPANCIES_EXIT);
+        let text = report.render(0);
+        assert!(text.contains("missing: ... and 1 more"), "{text}");
+        assert!(
+            text.contains("DISCREPANCIES (exit 5)") && text.contains("1 missing"),
+            "{text}"
+        );
+    }
+}
