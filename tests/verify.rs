@@ -272,7 +272,8 @@ async fn verify_refuses_an_invalid_time_with_exit_2() {
 /// Throughput of `verify` on `VERIFY_ROWS` rows (default 100 000): the rows are inserted with
 /// one `INSERT … SELECT`, read back and published directly with the relay's own message
 /// builder (`sink::publish_message`, positions in id order) instead of through the relay, to
-/// save time. Prints the summary line (rows/s). Not run by default:
+/// save time. Prints the summary line (rows/s); `VERIFY_WORKER_THREADS` sets verify's
+/// `--worker-threads`. Not run by default:
 /// `VERIFY_ROWS=1000000 cargo test --release -p outbox-relay --test verify verify_throughput -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement: run it on a quiet machine"]
