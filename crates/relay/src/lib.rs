@@ -9,7 +9,8 @@
 //! [`nats`] connects to NATS with the configured credential and TLS files. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
-//! `outbox-relay status`.
+//! `outbox-relay status`; [`verify`] reconciles the table with the stream
+//! (`outbox-relay verify`) and [`replay`] re-publishes a range of rows (`outbox-relay replay`).
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
