@@ -6,7 +6,7 @@
 //! 1. Postgres: the id bounds of the rows in range (`--from-id`, `--to-id`, `--since`,
 //!    `--until`), read once before anything else. Rows committed after that are not expected.
 //! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
-//!    large batches), read to the end. Per outbox id in the bounds, a compact [`Entry`]
+//!    large batches), read to the end. Per outbox id in the bounds, a compact `Entry`
 //!    (24 bytes: first sequence, digest of the first copy, copies, dead-letter records) —
 //!    1 000 000 ids take 24 MB. The commit order is checked on the way: per entity (a hash of
 //!    the entity id and the last position), and globally in strict mode (each event's
@@ -14,7 +14,7 @@
 //! 3. Postgres, at the same time as 2: the rows in id order through one streaming query
 //!    (`query_raw`, never the whole result in memory). Each row's event is built by
 //!    `outbox::OutboxRow::into_event` (the seed's keys, shard and subject, exactly as the
-//!    relay builds them) and only its [`digest`] kept (24 bytes per row), then compared with
+//!    relay builds them) and only its digest kept (24 bytes per row), then compared with
 //!    the stream's first copy.
 //! 4. Mismatches only: the row and the stored message (by sequence) are read again and
 //!    compared field by field, so the report says which field differs.
@@ -28,7 +28,7 @@
 //! - V3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
 //!   dead-lettered, not missing, and is not a discrepancy (the operator chose
 //!   `--on-poison dead-letter`).
-//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of [`Entry`]), or by
+//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`), or by
 //!   the ids present when the ids are sparse (a map), plus 24 bytes per row, never by
 //!   payloads: payloads are compared through a digest.
 //! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
