@@ -66,6 +66,15 @@ pub async fn holder(client: &Client, slot: &str) -> Result<Option<i32>> {
     Ok(row.map(|row| row.get(0)))
 }
 
+/// Tries the lease of `slot` once on `client`'s session: whether it holds it now.
+pub async fn try_take(client: &Client, slot: &str) -> Result<bool> {
+    Ok(client
+        .query_one(LOCK_SQL, &[&slot])
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot take the lease: {e}")))?
+        .get(0))
+}
+
 /// A held lease.
 #[derive(Debug)]
 pub struct Lease {
@@ -85,12 +94,7 @@ impl Lease {
             .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot configure the lease session: {e}")))?;
         let mut announced = false;
         loop {
-            let held: bool = client
-                .query_one(LOCK_SQL, &[&config.slot])
-                .await
-                .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot take the lease: {e}")))?
-                .get(0);
-            if held {
+            if try_take(&client, &config.slot).await? {
                 info!(slot = %config.slot, "holding the lease: this relay is active");
                 return Ok(Some(Lease {
                     client: Arc::new(client),

@@ -10,7 +10,8 @@
 //! replication messages into events is `outbox::framer`'s; the resume policy is
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
 //! `outbox-relay status`; [`heartbeat`] writes the optional WAL heartbeats of a streaming
-//! session.
+//! session; [`verify`] reconciles the table with the stream (`outbox-relay verify`) and
+//! [`replay`] re-publishes a range of rows (`outbox-relay replay`).
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
@@ -26,7 +27,9 @@ pub mod logging;
 pub mod metrics;
 pub mod nats;
 pub mod pipeline;
+pub mod replay;
 pub mod status;
+pub mod verify;
 
 pub use config::Config;
 pub use error::RelayError;

@@ -4,7 +4,9 @@
 //! configuration and where each value came from, secrets redacted, and exits.
 //! `outbox-relay status` prints the state of the slot, publication, lease and stream
 //! (`outbox_relay::status`) and exits 0 healthy, 3 lagging, 4 broken, or 1 when it cannot
-//! read the state (1 and 2 keep their meaning for every command).
+//! read the state (1 and 2 keep their meaning for every command). `outbox-relay verify`
+//! reconciles the table with the stream (`outbox_relay::verify`) and exits 0 when they
+//! agree, 5 when it found discrepancies, 1 when it cannot read either side.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -33,6 +35,59 @@ Exit status:
   1  the state could not be read (Postgres or NATS unreachable, a query failed) and nothing
      read is broken
   2  invalid configuration";
+
+/// `outbox-relay verify --help`: what each exit status means.
+const VERIFY_EXIT_CODES: &str = "\
+Exit status:
+  0  every row in range has exactly one matching message, in commit order (dead-lettered rows,
+     listed, do not count as discrepancies)
+  5  discrepancies: missing, duplicated, mismatched, out-of-order, unexpected or unpublishable
+     events, each listed by outbox id
+  1  the table or the stream could not be read
+  2  invalid arguments or configuration";
+
+fn id_arg(name: &'static str, help: &'static str) -> Arg {
+    Arg::new(name)
+        .long(name)
+        .value_name("ID")
+        .value_parser(clap::value_parser!(i64))
+        .help(help)
+}
+
+fn time_arg(name: &'static str, help: &'static str) -> Arg {
+    Arg::new(name).long(name).value_name("TIME").help(help)
+}
+
+/// The range flags of `verify` and `replay`.
+fn range_args(command: Command) -> Command {
+    command
+        .arg(id_arg("from-id", "Rows with id >= ID"))
+        .arg(id_arg("to-id", "Rows with id <= ID"))
+        .arg(time_arg(
+            "since",
+            "Rows with created_at >= TIME (a timestamp, or a duration ago: 6h)",
+        ))
+        .arg(time_arg(
+            "until",
+            "Rows with created_at < TIME (a timestamp, or a duration ago)",
+        ))
+        .arg(
+            Arg::new("entity")
+                .long("entity")
+                .value_name("ENTITY_ID")
+                .help("Rows of this entity_id only"),
+        )
+}
+
+fn range_of(matches: &clap::ArgMatches) -> outbox_relay::verify::Range {
+    outbox_relay::verify::Range {
+        from_id: matches.get_one::<i64>("from-id").copied(),
+        to_id: matches.get_one::<i64>("to-id").copied(),
+        since: matches.get_one::<String>("since").cloned(),
+        until: matches.get_one::<String>("until").cloned(),
+        entity: matches.get_one::<String>("entity").cloned(),
+    }
+}
 
 fn cli() -> Command {
     let mut command = Command::new("outbox-relay")
@@ -75,6 +130,30 @@ fn cli() -> Command {
                         .action(ArgAction::SetTrue)
                         .help("Print JSON for scripts instead of the table"),
                 ),
+        )
+        .subcommand(
+            range_args(Command::new("verify")
+                .about("Reconcile the outbox table with the stream: list missing, duplicated, mismatched and out-of-order events by outbox id; exit 0 consistent, 5 discrepancies, 1 cannot read")
+                .after_help(VERIFY_EXIT_CODES))
+                .arg(
+                    Arg::new("max-listed")
+                        .long("max-listed")
+                        .value_name("N")
+                        .value_parser(clap::value_parser!(usize))
+                        .default_value("100")
+                        .help("List at most N problems of each kind (the summary counts them all)"),
+                ),
+        )
+        .subcommand(
+            range_args(Command::new("replay").about(
+                "Re-publish a range of outbox rows with the relay's subjects, keys and headers, and say what the stream stored (copies inside its duplicate window are not stored again); refuses a strict-mode stream without --force",
+            ))
+            .arg(
+                Arg::new("force")
+                    .long("force")
+                    .action(ArgAction::SetTrue)
+                    .help("Replay into a strict-mode stream: copies past the duplicate window are stored again, out of commit order, and a running relay re-syncs"),
+            ),
         )
         .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"));
     for spec in opt::ALL {
@@ -138,7 +217,7 @@ fn main() -> ExitCode {
         config.create = false;
     }
     // `status` prints its report on stdout; its log (stderr) says only what went wrong.
-    let default_filter = if subcommand == "status" {
+    let default_filter = if matches!(subcommand, "status" | "verify" | "replay") {
         "warn"
     } else {
         "info"
@@ -184,6 +263,40 @@ fn main() -> ExitCode {
         };
         print!("{}", logging::scrub(&text));
         return ExitCode::from(status.exit_code);
+    }
+    if subcommand == "verify" {
+        let range = range_of(sub_matches);
+        let max_listed = sub_matches
+            .get_one::<usize>("max-listed")
+            .copied()
+            .unwrap_or(100);
+        return match runtime.block_on(outbox_relay::verify::run(&config, range)) {
+            Ok(report) => {
+                print!("{}", report.render(max_listed));
+                ExitCode::from(report.exit_code())
+            }
+            Err(e) => {
+                eprintln!("outbox-relay verify: {}", logging::scrub(&e.to_string()));
+                ExitCode::from(e.exit_code())
+            }
+        };
+    }
+    if subcommand == "replay" {
+        let force = sub_matches.get_flag("force");
+        return match runtime.block_on(outbox_relay::replay::run(
+            &config,
+            range_of(sub_matches),
+            force,
+        )) {
+            Ok(report) => {
+                print!("{}", report.render());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("outbox-relay replay: {}", logging::scrub(&e.to_string()));
+                ExitCode::from(e.exit_code())
+            }
+        };
     }
     let result = runtime.block_on(async move {
         match subcommand {

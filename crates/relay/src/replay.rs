@@ -1,0 +1,252 @@
+//! `outbox-relay replay`: re-publishes a range of outbox rows (`--entity`, `--from-id`,
+//! `--to-id`, `--since`, `--until`) for consumers that need them again, and says what it
+//! sent and what the stream did with it.
+//!
+//! How ([`run`]): the range's rows are read in id order through one streaming query; each
+//! becomes its event through `outbox::OutboxRow::into_event` and its message through
+//! `sink::publish_message`, exactly as the relay builds them: same subject, keys,
+//! `Nats-Msg-Id` and headers. The table does not know an event's commit position, so the
+//! stream is read first (`crate::verify::scan_stream`) for the position of each original;
+//! a row without an original on the stream is published with position `0/0`, index 0, and
+//! counted. The messages carry no `Outbox-Source`: a relay never takes a replayed message
+//! for its own history (`sink::resume` S1).
+//!
+//! What the stream does with a replay:
+//! - inside the stream's duplicate window (from the original's publication), JetStream
+//!   acknowledges it as a duplicate and stores nothing;
+//! - past it, the copy is stored again, at the stream's end: out of commit order, a second
+//!   message for the event (`outbox-relay verify` reports it as duplicated).
+//!
+//! # Invariants
+//! - R1 Keys and headers are never re-derived: `OutboxRow::into_event`, then
+//!   `sink::publish_message`.
+//! - R2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
+//!   is refused (exit 2) unless `--force`; with `--force`, replay holds the relay's lease
+//!   (`crate::lease`) for its whole run, and is refused while a relay holds it: a running
+//!   strict-mode relay must not publish while another writer does (its pipelined publishes
+//!   can line up with the fence again after the other writer's messages and be stored
+//!   behind a gap, which its next session then skips: tests/replay.rs reproduced that
+//!   loss). A relay started during the replay waits as a standby. Its next session does
+//!   not trust the replayed tail (no `Outbox-Source`): it resumes from the slot's confirmed
+//!   position and what it publishes again is de-duplicated; nothing is lost (tests/replay.rs).
+//! - R3 At most `max_in_flight` publishes await their ack; any publish error stops the replay
+//!   and names the row; the report counts only what JetStream acknowledged.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use outbox::{headers as h, Lsn, Position};
+
+use crate::config::{format_duration, Config};
+use crate::error::{RelayError, Result};
+use crate::verify::{self, Opened, Param, Range};
+
+/// What a replay sent.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The lowest and highest id sent.
+    pub ids: Option<(i64, i64)>,
+    /// Events published and acknowledged.
+    pub published: u64,
+    /// Of those, stored again.
+    pub stored: u64,
+    /// Of those, acknowledged as duplicates (inside the duplicate window): not stored.
+    pub duplicates: u64,
+    /// Rows without an original on the stream (published with position 0/0).
+    pub without_original: u64,
+    /// Rows the relay cannot publish either (a NULL key column, an infinite `created_at`),
+    /// by id, with why: not sent.
+    pub skipped: Vec<(i64, String)>,
+    /// The stream's duplicate window.
+    pub duplicate_window: Duration,
+    /// How long it took.
+    pub elapsed: Duration,
+}
+
+impl Report {
+    /// What was sent and what the stream did with it.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for (id, why) in &self.skipped {
+            out.push_str(&format!("skipped: id={id} {why}\n"));
+        }
+        let ids = self
+            .ids
+            .map_or_else(|| "none".to_owned(), |(lo, hi)| format!("{lo}..={hi}"));
+        out.push_str(&format!(
+            "replay: published {} events (ids {ids}) in {:.1} s: {} stored again, {} acknowledged \
+             as duplicates and not stored (their originals are inside the stream's duplicate \
+             window of {}), {} without an original on the stream (position 0/0), {} skipped\n",
+            self.published,
+            self.elapsed.as_secs_f64(),
+            self.stored,
+            self.duplicates,
+            format_duration(self.duplicate_window),
+            self.without_original,
+            self.skipped.len(),
+        ));
+        out
+    }
+}
+
+/// Re-publishes the rows of `range` (module docs). `force` allows a strict-mode stream (R2).
+pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Report> {
+    if !config.shared_stream && !force {
+        return Err(RelayError::setup(anyhow::anyhow!(
+            "stream {} is in strict mode (the relay is its only writer: every event once, in \
+             commit order): a replay past the duplicate window stores a second copy at the \
+             stream's end, and a running relay's next publish is fenced (it re-syncs; nothing \
+             is lost); pass --force to replay anyway, or run the relay and the replay with \
+             --shared-stream true",
+            config.stream
+        )));
+    }
+    let started = Instant::now();
+    // R2: no relay publishes into a strict-mode stream while the replay does.
+    let _lease = if config.shared_stream {
+        None
+    } else {
+        let lease = replication::connect_sql(&config.database)
+            .await
+            .map_err(|e| {
+                RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}"))
+            })?;
+        if !crate::lease::try_take(&lease, &config.slot).await? {
+            let holder = crate::lease::holder(&lease, &config.slot)
+                .await
+                .ok()
+                .flatten();
+            return Err(RelayError::setup(anyhow::anyhow!(
+                "a relay holds the lease of slot {}{}: stop it before a forced replay into the \
+                 strict-mode stream {} (a strict-mode relay publishing beside another writer \
+                 can skip events), then start it again once the replay is done",
+                config.slot,
+                holder.map_or_else(String::new, |pid| format!(" (backend pid {pid})")),
+                config.stream
+            )));
+        }
+        Some(lease)
+    };
+    let Opened {
+        client,
+        js,
+        mut stream,
+        condition,
+        params,
+        bounds,
+    } = verify::open(config, &mut range).await?;
+    let duplicate_window = stream
+        .info()
+        .await
+        .map(|info| info.config.duplicate_window)
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the stream: {e}")))?;
+    let mut report = Report {
+        duplicate_window,
+        ..Report::default()
+    };
+    let Some((low, high, _)) = bounds else {
+        report.elapsed = started.elapsed();
+        return Ok(report);
+    };
+
+    // The originals' positions.
+    let dead_letters = format!("{}.dlq", config.subject_prefix);
+    let mut positions: HashMap<i64, Position> = HashMap::new();
+    verify::scan_stream(&stream, &config.subject_prefix, |_, message| {
+        let Some(headers) = &message.headers else {
+            return;
+        };
+        if message.subject.as_str() == dead_letters {
+            return;
+        }
+        let get = |name: &str| headers.get(name).map_or("", |v| v.as_str());
+        let Some(id) = get(h::OUTBOX_ID).parse::<i64>().ok() else {
+            return;
+        };
+        if (low..=high).contains(&id) {
+            if let Some(position) =
+                Position::from_headers(get(h::OUTBOX_COMMIT_LSN), get(h::OUTBOX_TX_INDEX))
+            {
+                positions.entry(id).or_insert(position);
+            }
+        }
+    })
+    .await?;
+
+    // The rows, in id order, published with a bounded window (R3).
+    let sql = format!(
+        "SELECT {} FROM {} WHERE {condition} ORDER BY id",
+        verify::row_columns(),
+        config.table
+    );
+    let rows = client
+        .query_raw(&sql, params.iter().map(Param::sql))
+        .await
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}")))?;
+    futures::pin_mut!(rows);
+    let mut in_flight = VecDeque::new();
+    let window = config.max_in_flight.max(1);
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(|e| {
+            RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}"))
+        })?;
+        let row = match verify::row_from(&row) {
+            Ok(row) => row,
+            Err((id, why)) => {
+                report.skipped.push((id, why));
+                continue;
+            }
+        };
+        let id = row.id;
+        let position = positions.get(&id).copied().unwrap_or_else(|| {
+            report.without_original += 1;
+            Position {
+                commit_lsn: Lsn::ZERO,
+                index: 0,
+            }
+        });
+        let event = row.into_event(&config.subject_prefix, config.partitions, position);
+        let ack = js
+            .send_publish(event.subject.clone(), sink::publish_message(&event))
+            .await
+            .map_err(|e| publish_error(id, e))?;
+        in_flight.push_back((id, ack));
+        report.ids = Some(report.ids.map_or((id, id), |(lo, _)| (lo, id)));
+        if in_flight.len() >= window {
+            if let Some((id, ack)) = in_flight.pop_front() {
+                count(&mut report, id, ack.await)?;
+            }
+        }
+    }
+    while let Some((id, ack)) = in_flight.pop_front() {
+        count(&mut report, id, ack.await)?;
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+fn publish_error(id: i64, error: impl std::fmt::Display) -> RelayError {
+    RelayError::permanent(anyhow::anyhow!(
+        "cannot publish outbox row id={id}: {error}; the rows before it were sent, rerun the \
+         replay from --from-id {id}"
+    ))
+}
+
+fn count(
+    report: &mut Report,
+    id: i64,
+    ack: std::result::Result<
+        async_nats::jetstream::publish::PublishAck,
+        async_nats::jetstream::context::PublishError,
+    >,
+) -> Result<()> {
+    let ack = ack.map_err(|e| publish_error(id, e))?;
+    report.published += 1;
+    if ack.duplicate {
+        report.duplicates += 1;
+    } else {
+        report.stored += 1;
+    }
+    Ok(())
+}

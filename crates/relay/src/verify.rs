@@ -1,0 +1,1128 @@
+//! `outbox-relay verify`: reconciles the outbox table with the stream and reports, by outbox
+//! id, every event that is missing, duplicated, mismatched, out of order or on the stream
+//! without a row.
+//!
+//! How ([`run`]):
+//! 1. Postgres: the id bounds of the rows in range (`--from-id`, `--to-id`, `--since`,
+//!    `--until`), read once before anything else. Rows committed after that are not expected.
+//! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
+//!    large batches), read to the end. Per outbox id in the bounds, a compact `Entry`
+//!    (24 bytes: first sequence, digest of the first copy, copies, dead-letter records) —
+//!    1 000 000 ids take 24 MB. The commit order is checked on the way: per entity (a hash of
+//!    the entity id and the last position), and globally in strict mode (each event's
+//!    `Outbox-Commit-Lsn`/`Outbox-Tx-Index` position after the previous one).
+//! 3. Postgres, at the same time as 2: the rows in id order through one streaming query
+//!    (`query_raw`, never the whole result in memory). Each row's event is built by
+//!    `outbox::OutboxRow::into_event` (the seed's keys, shard and subject, exactly as the
+//!    relay builds them) and only its digest kept (24 bytes per row), then compared with
+//!    the stream's first copy.
+//! 4. Mismatches only: the row and the stored message (by sequence) are read again and
+//!    compared field by field, so the report says which field differs.
+//!
+//! # Invariants
+//! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
+//!   and is deleted by the server when idle; it publishes, changes and locks nothing.
+//! - V2 Keys are never re-derived: the expected message is `OutboxRow::into_event`'s; the
+//!   stream's header values are decoded with `outbox::encoding::decode` when the message says
+//!   `Outbox-Encoding: percent` before they are compared.
+//! - V3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
+//!   dead-lettered, not missing, and is not a discrepancy (the operator chose
+//!   `--on-poison dead-letter`).
+//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`), or by
+//!   the ids present when the ids are sparse (a map), plus 24 bytes per row, never by
+//!   payloads: payloads are compared through a digest.
+//! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
+//!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::pull};
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use futures::StreamExt as _;
+use outbox::{encoding, headers as h, OutboxEvent, OutboxRow, Position};
+use tokio_postgres::types::ToSql;
+
+use crate::config::Config;
+use crate::error::{RelayError, Result};
+
+/// The exit status when verify found discrepancies (V5).
+pub const DISCREPANCIES_EXIT: u8 = 5;
+
+/// How long the stream may stay silent before verify gives up reading it.
+const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Messages per pull request.
+const BATCH: usize = 20_000;
+
+/// What to check: the rows whose id and `created_at` fall in these bounds (all inclusive but
+/// `until`).
+#[derive(Debug, Clone, Default)]
+pub struct Range {
+    /// Lowest id.
+    pub from_id: Option<i64>,
+    /// Highest id.
+    pub to_id: Option<i64>,
+    /// `created_at >= since` (a timestamp Postgres reads, or a duration ago: `1h`).
+    pub since: Option<String>,
+    /// `created_at < until`.
+    pub until: Option<String>,
+    /// `entity_id = entity`.
+    pub entity: Option<String>,
+}
+
+impl Range {
+    /// The SQL condition on `id` and `created_at` with its parameters, numbered from `$1`.
+    pub fn condition(&self) -> (String, Vec<Param>) {
+        let mut parts = vec![];
+        let mut params = vec![];
+        if let Some(from) = self.from_id {
+            params.push(Param::Int(from));
+            parts.push(format!("id >= ${}", params.len()));
+        }
+        if let Some(to) = self.to_id {
+            params.push(Param::Int(to));
+            parts.push(format!("id <= ${}", params.len()));
+        }
+        for (bound, op) in [(&self.since, ">="), (&self.until, "<")] {
+            if let Some(time) = bound {
+                params.push(Param::Time(time.clone()));
+                parts.push(format!("created_at {op} ${}", params.len()));
+            }
+        }
+        if let Some(entity) = &self.entity {
+            params.push(Param::Text(entity.clone()));
+            parts.push(format!("entity_id::text = ${}", params.len()));
+        }
+        if parts.is_empty() {
+            ("true".to_owned(), params)
+        } else {
+            (parts.join(" AND "), params)
+        }
+    }
+
+    /// Turns durations (`--since 1h`) into timestamps Postgres reads; checks the others with
+    /// Postgres. An invalid value is an argument error (exit 2).
+    pub async fn resolve(&mut self, client: &tokio_postgres::Client) -> Result<()> {
+        for (flag, bound) in [("--since", &mut self.since), ("--until", &mut self.until)] {
+            let Some(text) = bound.as_mut() else { continue };
+            if let Ok(ago) = crate::config::parse_duration(text) {
+                let row = client
+                    .query_one(
+                        "SELECT (now() - $1::text::interval)::text",
+                        &[&format!("{} seconds", ago.as_secs_f64())],
+                    )
+                    .await
+                    .map_err(read_error("cannot read the time"))?;
+                *text = row.get(0);
+                continue;
+            }
+            if let Err(e) = client
+                .query_one("SELECT $1::text::timestamptz", &[&*text])
+                .await
+            {
+                return Err(RelayError::setup(anyhow::anyhow!(
+                    "{flag} {text:?} is neither a timestamp nor a duration ({}): give e.g. \
+                     2026-01-31T12:00:00Z or 6h",
+                    e.as_db_error()
+                        .map_or_else(|| e.to_string(), |db| db.message().to_owned())
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A query parameter of [`Range::condition`].
+#[derive(Debug, Clone)]
+pub enum Param {
+    /// An id.
+    Int(i64),
+    /// A timestamp, as text Postgres casts.
+    Time(String),
+    /// A text value.
+    Text(String),
+}
+
+impl Param {
+    pub(crate) fn sql(&self) -> &(dyn ToSql + Sync) {
+        match self {
+            Param::Int(v) => v,
+            Param::Time(v) | Param::Text(v) => v,
+        }
+    }
+}
+
+/// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
+/// casts keep time parameters text.
+pub fn row_columns() -> &'static str {
+    "id::int8, entity_id::text, event_type::text, payload::text, \
+     CASE WHEN isfinite(created_at) \
+          THEN (extract(epoch FROM created_at) * 1000000)::numeric(30,0)::text END"
+}
+
+/// Rewrites `created_at {op} $n` into a cast of the text parameter.
+fn cast_times(condition: &str, params: &[Param]) -> String {
+    let mut out = condition.to_owned();
+    for (i, param) in params.iter().enumerate().rev() {
+        if let Param::Time(_) = param {
+            let n = i + 1;
+            out = out.replace(&format!("${n}"), &format!("${n}::text::timestamptz"));
+        }
+    }
+    out
+}
+
+/// An outbox row read back from the table, or why the relay could not have published it.
+pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i64, String)> {
+    let id: i64 = row.get(0);
+    let entity_id: Option<String> = row.get(1);
+    let event_type: Option<String> = row.get(2);
+    let payload: Option<String> = row.get(3);
+    let micros: Option<String> = row.get(4);
+    let (Some(entity_id), Some(event_type), Some(payload)) = (entity_id, event_type, payload)
+    else {
+        return Err((id, "a column the keys need is NULL".into()));
+    };
+    let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
+        return Err((id, "created_at is NULL or infinite".into()));
+    };
+    Ok(OutboxRow {
+        id,
+        entity_id,
+        event_type,
+        payload: Bytes::from(payload),
+        created_at_ms: outbox::timestamp::epoch_millis(micros),
+    })
+}
+
+/// What verify keeps per outbox id (V4).
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    /// Stream sequence of the first event message.
+    seq: u64,
+    /// [`digest`] of the first event message.
+    digest: u64,
+    /// Event messages.
+    count: u32,
+    /// Dead-letter records.
+    dead_letters: u16,
+    /// [`ROW`], [`IN_RANGE`].
+    flags: u8,
+}
+
+/// A row as verify expects its message: its digest, or why there is none.
+#[derive(Debug, Clone, Copy)]
+struct Expected {
+    id: i64,
+    /// [`event_digest`] of the row's event.
+    digest: u64,
+    state: u8,
+}
+
+impl Expected {
+    /// The row is outside the range (`--since`/`--until`/`--entity`): not checked.
+    const OUT_OF_RANGE: u8 = 0;
+    /// The row's event is `digest`.
+    const PUBLISHABLE: u8 = 1;
+    /// The relay cannot publish the row.
+    const UNPUBLISHABLE: u8 = 2;
+}
+
+/// The position given to events built for comparison: positions are not compared.
+const NO_POSITION: Position = Position {
+    commit_lsn: outbox::Lsn::ZERO,
+    index: 0,
+};
+
+/// The table has a row with this id.
+const ROW: u8 = 1;
+/// The row is in the range checked.
+const IN_RANGE: u8 = 2;
+
+/// Entries by id: dense over the id span, or a map when the ids are sparse (V4).
+enum Index {
+    Dense { low: i64, entries: Vec<Entry> },
+    Sparse(HashMap<i64, Entry>),
+}
+
+impl Index {
+    fn new(low: i64, high: i64, rows: u64) -> Index {
+        let span = u64::try_from(high.saturating_sub(low)).unwrap_or(0) + 1;
+        if span <= rows.saturating_mul(4).max(1 << 20) {
+            Index::Dense {
+                low,
+                entries: vec![Entry::default(); usize::try_from(span).unwrap_or(0)],
+            }
+        } else {
+            Index::Sparse(HashMap::with_capacity(usize::try_from(rows).unwrap_or(0)))
+        }
+    }
+
+    fn get(&mut self, id: i64) -> &mut Entry {
+        match self {
+            Index::Dense { low, entries } => {
+                &mut entries[usize::try_from(id - *low).expect("id within the bounds")]
+            }
+            Index::Sparse(map) => map.entry(id).or_default(),
+        }
+    }
+
+    fn peek(&self, id: i64) -> Entry {
+        match self {
+            Index::Dense { low, entries } => usize::try_from(id - *low)
+                .ok()
+                .and_then(|i| entries.get(i).copied())
+                .unwrap_or_default(),
+            Index::Sparse(map) => map.get(&id).copied().unwrap_or_default(),
+        }
+    }
+
+    fn for_each(&self, mut f: impl FnMut(i64, &Entry)) {
+        match self {
+            Index::Dense { low, entries } => {
+                for (i, entry) in entries.iter().enumerate() {
+                    f(*low + i as i64, entry);
+                }
+            }
+            Index::Sparse(map) => {
+                let mut ids: Vec<&i64> = map.keys().collect();
+                ids.sort_unstable();
+                for id in ids {
+                    f(*id, &map[id]);
+                }
+            }
+        }
+    }
+}
+
+/// The fields verify compares, as the consumer reads them (decoded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fields {
+    subject: String,
+    dedupe_key: String,
+    entity_id: String,
+    event_type: String,
+    partition_key: String,
+    ordering_key: String,
+    shard: String,
+}
+
+impl Fields {
+    fn of_event(event: &OutboxEvent) -> Fields {
+        Fields {
+            subject: event.subject.clone(),
+            dedupe_key: event.keys.dedupe_key.clone(),
+            entity_id: event.entity_id.clone(),
+            event_type: event.event_type.clone(),
+            partition_key: event.keys.partition_key.clone(),
+            ordering_key: event.keys.ordering_key.clone(),
+            shard: event.shard.to_string(),
+        }
+    }
+
+    /// The stream's values, percent-decoded when the message says so (V2); `None` for a
+    /// value that does not decode.
+    fn of_message(subject: &str, headers: &HeaderMap) -> Fields {
+        let get = |name: &str| headers.get(name).map_or("", |v| v.as_str()).to_owned();
+        let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
+        let row = |name: &str| row_value(headers, name, encoded).into_owned();
+        Fields {
+            subject: subject.to_owned(),
+            dedupe_key: row(h::NATS_MSG_ID),
+            entity_id: row(h::OUTBOX_ENTITY_ID),
+            event_type: row(h::OUTBOX_EVENT_TYPE),
+            partition_key: row(h::OUTBOX_PARTITION_KEY),
+            ordering_key: get(h::OUTBOX_ORDERING_KEY),
+            shard: get(h::OUTBOX_SHARD),
+        }
+    }
+
+    fn named(&self) -> [(&'static str, &str); 7] {
+        [
+            ("subject", &self.subject),
+            (h::NATS_MSG_ID, &self.dedupe_key),
+            (h::OUTBOX_ENTITY_ID, &self.entity_id),
+            (h::OUTBOX_EVENT_TYPE, &self.event_type),
+            (h::OUTBOX_PARTITION_KEY, &self.partition_key),
+            (h::OUTBOX_ORDERING_KEY, &self.ordering_key),
+            (h::OUTBOX_SHARD, &self.shard),
+        ]
+    }
+}
+
+/// A digest of the compared fields (in [`Fields::named`]'s order) and the payload.
+fn digest(fields: [&str; 7], payload: &[u8]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    for value in fields {
+        value.hash(&mut hasher);
+    }
+    payload.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// [`digest`] of an event, without copying its strings.
+fn event_digest(event: &OutboxEvent) -> u64 {
+    let shard = event.shard.to_string();
+    digest(
+        [
+            &event.subject,
+            &event.keys.dedupe_key,
+            &event.entity_id,
+            &event.event_type,
+            &event.keys.partition_key,
+            &event.keys.ordering_key,
+            &shard,
+        ],
+        &event.payload,
+    )
+}
+
+/// A header value as the row had it: percent-decoded when the message is `encoded` (V2).
+fn row_value<'a>(headers: &'a HeaderMap, name: &str, encoded: bool) -> Cow<'a, str> {
+    let v = headers.get(name).map_or("", |v| v.as_str());
+    if encoded {
+        Cow::Owned(encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>")))
+    } else {
+        Cow::Borrowed(v)
+    }
+}
+
+/// [`digest`] of a stored message and its entity id, without copying what needs no decoding.
+fn message_digest(subject: &str, headers: &HeaderMap, payload: &[u8]) -> (u64, u64) {
+    let get = |name: &str| headers.get(name).map_or("", |v| v.as_str());
+    let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
+    let entity_id = row_value(headers, h::OUTBOX_ENTITY_ID, encoded);
+    let digest = digest(
+        [
+            subject,
+            &row_value(headers, h::NATS_MSG_ID, encoded),
+            &entity_id,
+            &row_value(headers, h::OUTBOX_EVENT_TYPE, encoded),
+            &row_value(headers, h::OUTBOX_PARTITION_KEY, encoded),
+            get(h::OUTBOX_ORDERING_KEY),
+            get(h::OUTBOX_SHARD),
+        ],
+        payload,
+    );
+    (digest, entity_hash(&entity_id))
+}
+
+fn entity_hash(entity_id: &str) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    entity_id.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// One problem found, by outbox id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// `missing`, `duplicated`, `mismatched`, `out of order`, `unexpected`, `unpublishable`
+    /// or `dead-lettered` (not a discrepancy, V3).
+    pub kind: &'static str,
+    /// The outbox id.
+    pub id: i64,
+    /// What is wrong, with stream sequences.
+    pub detail: String,
+}
+
+/// What verify found.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Rows checked.
+    pub rows: u64,
+    /// Messages read from the stream.
+    pub messages: u64,
+    /// The lowest and highest id checked.
+    pub ids: Option<(i64, i64)>,
+    /// Every problem, by kind then id.
+    pub problems: Vec<Problem>,
+    /// How long it took.
+    pub elapsed: Duration,
+}
+
+impl Report {
+    /// Problems of `kind`.
+    pub fn count(&self, kind: &str) -> usize {
+        self.problems.iter().filter(|p| p.kind == kind).count()
+    }
+
+    /// 0 consistent, [`DISCREPANCIES_EXIT`] otherwise (V5).
+    pub fn exit_code(&self) -> u8 {
+        if self.problems.iter().any(|p| p.kind != "dead-lettered") {
+            DISCREPANCIES_EXIT
+        } else {
+            0
+        }
+    }
+
+    /// The problems (at most `max_listed` per kind) and the summary line.
+    pub fn render(&self, max_listed: usize) -> String {
+        let mut out = String::new();
+        let mut listed: HashMap<&str, usize> = HashMap::new();
+        for problem in &self.problems {
+            let n = listed.entry(problem.kind).or_default();
+            *n += 1;
+            if *n <= max_listed {
+                let _ = writeln!(
+                    out,
+                    "{}: id={} {}",
+                    problem.kind, problem.id, problem.detail
+                );
+            }
+        }
+        for (kind, n) in &listed {
+            if *n > max_listed {
+                let _ = writeln!(out, "{kind}: ... and {} more", n - max_listed);
+            }
+        }
+        let seconds = self.elapsed.as_secs_f64();
+        let rate = if seconds > 0.0 {
+            self.rows as f64 / seconds
+        } else {
+            0.0
+        };
+        let ids = self
+            .ids
+            .map_or_else(|| "none".to_owned(), |(lo, hi)| format!("{lo}..={hi}"));
+        let verdict = if self.exit_code() == 0 {
+            "OK".to_owned()
+        } else {
+            format!("DISCREPANCIES (exit {DISCREPANCIES_EXIT})")
+        };
+        let _ = writeln!(
+            out,
+            "verify: {verdict}: {} rows (ids {ids}), {} stream messages, {:.1} s ({:.0} rows/s): \
+             {} missing, {} duplicated, {} mismatched, {} out of order, {} unexpected, \
+             {} unpublishable, {} dead-lettered",
+            self.rows,
+            self.messages,
+            seconds,
+            rate,
+            self.count("missing"),
+            self.count("duplicated"),
+            self.count("mismatched"),
+            self.count("out of order"),
+            self.count("unexpected"),
+            self.count("unpublishable"),
+            self.count("dead-lettered"),
+        );
+        out
+    }
+}
+
+fn read_error(what: &str) -> impl Fn(tokio_postgres::Error) -> RelayError + '_ {
+    move |e| {
+        let text = e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+        RelayError::permanent(anyhow::anyhow!("{what}: {text}"))
+    }
+}
+
+fn nats_error(what: &str) -> impl Fn(Box<dyn std::fmt::Display>) -> RelayError + '_ {
+    move |e| RelayError::permanent(anyhow::anyhow!("{what}: {e}"))
+}
+
+/// Reconciles the rows in `range` with the stream (see the module docs).
+/// The connections and the rows of a range: what verify and replay start from.
+pub(crate) struct Opened {
+    /// The control connection.
+    pub client: tokio_postgres::Client,
+    /// A JetStream context.
+    pub js: jetstream::Context,
+    /// The stream.
+    pub stream: jetstream::stream::Stream,
+    /// The range's SQL condition on the table, and its parameters.
+    pub condition: String,
+    /// The parameters of `condition`.
+    pub params: Vec<Param>,
+    /// The lowest and highest id in range and how many rows, if any.
+    pub bounds: Option<(i64, i64, u64)>,
+}
+
+/// Connects to both sides, checks the table and reads the range's id bounds.
+pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
+    let client = replication::connect_sql(&config.database)
+        .await
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
+    range.resolve(&client).await?;
+    crate::bootstrap::check_table(&client, config).await?;
+    let (condition, params) = range.condition();
+    let condition = cast_times(&condition, &params);
+    let table = &config.table;
+    let bounds = client
+        .query_one(
+            &format!("SELECT min(id)::int8, max(id)::int8, count(*)::int8 FROM {table} WHERE {condition}"),
+            &params.iter().map(Param::sql).collect::<Vec<_>>(),
+        )
+        .await
+        .map_err(read_error("cannot read the outbox table's id range"))?;
+    let bounds = match (
+        bounds.get::<_, Option<i64>>(0),
+        bounds.get::<_, Option<i64>>(1),
+    ) {
+        (Some(low), Some(high)) => Some((
+            low,
+            high,
+            u64::try_from(bounds.get::<_, i64>(2)).unwrap_or(0),
+        )),
+        _ => None,
+    };
+    let client_nats = crate::nats::connect(&config.nats)
+        .await
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
+    let js = jetstream::new(client_nats);
+    let stream = js
+        .get_stream(&config.stream)
+        .await
+        .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
+    Ok(Opened {
+        client,
+        js,
+        stream,
+        condition,
+        params,
+        bounds,
+    })
+}
+
+/// Reads every message of the outbox subjects (`{prefix}.>`, dead-letter records included)
+/// once, in stream order, through an ephemeral pull consumer that acknowledges nothing, in
+/// large batches; stops at the last message stored when the read caught up. Returns how
+/// many messages were read.
+pub(crate) async fn scan_stream(
+    stream: &jetstream::stream::Stream,
+    prefix: &str,
+    mut each: impl FnMut(u64, &jetstream::Message),
+) -> Result<u64> {
+    let mut consumer = stream
+        .create_consumer(pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            filter_subject: format!("{prefix}.>"),
+            inactive_threshold: Duration::from_secs(60),
+            memory_storage: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))?;
+    let pending = consumer
+        .info()
+        .await
+        .map_err(|e| nats_error("cannot read the consumer")(Box::new(e)))?
+        .num_pending;
+    let mut read = 0;
+    if pending > 0 {
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(BATCH)
+            .messages()
+            .await
+            .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
+        loop {
+            let message = match tokio::time::timeout(STREAM_IDLE_TIMEOUT, messages.next()).await {
+                Err(_) => {
+                    return Err(RelayError::permanent(anyhow::anyhow!(
+                        "the stream sent nothing for {} s while messages were pending: check \
+                         the NATS server and retry",
+                        STREAM_IDLE_TIMEOUT.as_secs()
+                    )))
+                }
+                Ok(None) => break,
+                Ok(Some(message)) => {
+                    message.map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?
+                }
+            };
+            read += 1;
+            let info = message
+                .info()
+                .map_err(|e| nats_error("a message without JetStream metadata")(e))?;
+            let (seq, left) = (info.stream_sequence, info.pending);
+            each(seq, &message);
+            if left == 0 {
+                break;
+            }
+        }
+    }
+    let name = consumer.cached_info().name.clone();
+    let _ = stream.delete_consumer(&name).await;
+    Ok(read)
+}
+
+/// Reconciles the rows in `range` with the stream (see the module docs).
+pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
+    let started = Instant::now();
+    let Opened {
+        client,
+        stream,
+        condition,
+        params,
+        bounds,
+        ..
+    } = open(config, &mut range).await?;
+    let table = &config.table;
+    let Some((low, high, rows_in_range)) = bounds else {
+        return Ok(Report {
+            elapsed: started.elapsed(),
+            ..Report::default()
+        });
+    };
+    let mut index = Index::new(low, high, rows_in_range);
+    let mut report = Report {
+        ids: Some((low, high)),
+        ..Report::default()
+    };
+    let strict = !config.shared_stream;
+    let mut out_of_order: Vec<(i64, String)> = vec![];
+    let mut duplicates: Vec<(i64, u64)> = vec![];
+
+    // 2. The stream.
+    let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
+    let mut last_global: Option<(Position, i64)> = None;
+    let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
+    let stream_side = async {
+        let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
+            if let Some(headers) = &message.headers {
+                let id = headers
+                    .get(h::OUTBOX_ID)
+                    .and_then(|v| v.as_str().parse::<i64>().ok());
+                if let Some(id) = id.filter(|id| (low..=high).contains(id)) {
+                    let entry = index.get(id);
+                    if message.subject.as_str() == dead_letter_subject {
+                        entry.dead_letters = entry.dead_letters.saturating_add(1);
+                        if entry.count == 0 {
+                            entry.seq = seq;
+                        }
+                    } else {
+                        entry.count = entry.count.saturating_add(1);
+                        if entry.count > 1 {
+                            duplicates.push((id, seq));
+                        } else {
+                            let (digest, entity) = message_digest(
+                                message.subject.as_str(),
+                                headers,
+                                &message.payload,
+                            );
+                            entry.seq = seq;
+                            entry.digest = digest;
+                            let position = Position::from_headers(
+                                headers.get(h::OUTBOX_COMMIT_LSN).map_or("", |v| v.as_str()),
+                                headers.get(h::OUTBOX_TX_INDEX).map_or("", |v| v.as_str()),
+                            );
+                            if let Some(position) = position {
+                                let at = |p: Position| {
+                                    format!("(commit {}, index {})", p.commit_lsn, p.index)
+                                };
+                                let key = entity;
+                                let mut problem = None;
+                                match per_entity.get_mut(&key) {
+                                    Some((previous, previous_id)) if position < *previous => {
+                                        problem = Some(format!(
+                                            "at sequence {seq}: entity {:?} {} comes after id {previous_id} {}, \
+                                             committed later",
+                                            Fields::of_message("", headers).entity_id,
+                                            at(position),
+                                            at(*previous)
+                                        ));
+                                    }
+                                    Some(last) => *last = (position, id),
+                                    None => {
+                                        per_entity.insert(key, (position, id));
+                                    }
+                                }
+                                if let Some((previous, previous_id)) = last_global {
+                                    if strict && position <= previous && problem.is_none() {
+                                        problem = Some(format!(
+                                            "at sequence {seq}: {} is not after the message before it \
+                                             (id {previous_id} {}): the stream's order is not the commit order",
+                                            at(position),
+                                            at(previous)
+                                        ));
+                                    }
+                                }
+                                if last_global.is_none_or(|(p, _)| position > p) {
+                                    last_global = Some((position, id));
+                                }
+                                out_of_order.extend(problem.map(|p| (id, p)));
+                            }
+                        }
+                    }
+                }
+            }
+    })
+    .await?;
+        tracing::info!(
+            messages = read,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "read the stream"
+        );
+        Ok::<u64, RelayError>(read)
+    };
+
+    // 3. The table, in id order, streamed, at the same time: what each row's message must be.
+    let table_side = async {
+        let sql = format!(
+            "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
+            row_columns()
+        );
+        let rows = client
+            .query_raw(&sql, params.iter().map(Param::sql))
+            .await
+            .map_err(read_error("cannot read the outbox table"))?;
+        futures::pin_mut!(rows);
+        let mut expected: Vec<Expected> =
+            Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
+        let mut unpublishable: Vec<(i64, String)> = vec![];
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(read_error("cannot read the outbox table"))?;
+            let id: i64 = row.get(0);
+            if !row.get::<_, bool>(5) {
+                expected.push(Expected {
+                    id,
+                    digest: 0,
+                    state: Expected::OUT_OF_RANGE,
+                });
+                continue;
+            }
+            match row_from(&row) {
+                Ok(row) => {
+                    let event =
+                        row.into_event(&config.subject_prefix, config.partitions, NO_POSITION);
+                    expected.push(Expected {
+                        id,
+                        digest: event_digest(&event),
+                        state: Expected::PUBLISHABLE,
+                    });
+                }
+                Err((id, why)) => {
+                    expected.push(Expected {
+                        id,
+                        digest: 0,
+                        state: Expected::UNPUBLISHABLE,
+                    });
+                    unpublishable.push((id, why));
+                }
+            }
+        }
+        tracing::info!(
+            rows = expected.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "read the table"
+        );
+        Ok::<_, RelayError>((expected, unpublishable))
+    };
+    let (read, table_read) = tokio::join!(stream_side, table_side);
+    report.messages = read?;
+    let (expected, unpublishable) = table_read?;
+
+    // The rows against the stream.
+    let mut unpublishable = unpublishable.into_iter().collect::<HashMap<_, _>>();
+    let mut mismatched: Vec<(i64, u64)> = vec![];
+    let mut problems = vec![];
+    for row in expected {
+        let id = row.id;
+        let entry = index.get(id);
+        entry.flags |= ROW;
+        if row.state == Expected::OUT_OF_RANGE {
+            continue;
+        }
+        entry.flags |= IN_RANGE;
+        report.rows += 1;
+        let entry = *entry;
+        if row.state == Expected::UNPUBLISHABLE {
+            let why = unpublishable.remove(&id).unwrap_or_default();
+            if entry.count > 0 {
+                problems.push(Problem {
+                    kind: "unpublishable",
+                    id,
+                    detail: format!("{why}, yet the stream holds it at sequence {}", entry.seq),
+                });
+            } else if entry.dead_letters == 0 {
+                problems.push(Problem {
+                    kind: "unpublishable",
+                    id,
+                    detail: format!(
+                        "{why}: the relay cannot publish it (it halts or dead-letters it)"
+                    ),
+                });
+            }
+            continue;
+        }
+        if entry.count == 0 {
+            if entry.dead_letters > 0 {
+                problems.push(Problem {
+                    kind: "dead-lettered",
+                    id,
+                    detail: format!(
+                        "a dead-letter record at sequence {} in its place",
+                        entry.seq
+                    ),
+                });
+            } else {
+                problems.push(Problem {
+                    kind: "missing",
+                    id,
+                    detail: "no message on the stream".into(),
+                });
+            }
+            continue;
+        }
+        if row.digest != entry.digest {
+            mismatched.push((id, entry.seq));
+        }
+    }
+
+    // Duplicates, order and ids on the stream without a row, for the rows in range.
+    let mut duplicated: HashMap<i64, Vec<u64>> = HashMap::new();
+    for (id, seq) in duplicates {
+        if index.peek(id).flags & IN_RANGE != 0 {
+            duplicated.entry(id).or_default().push(seq);
+        }
+    }
+    for (id, seqs) in duplicated {
+        let entry = index.peek(id);
+        problems.push(Problem {
+            kind: "duplicated",
+            id,
+            detail: format!(
+                "{} messages on the stream: sequences {}",
+                entry.count,
+                std::iter::once(entry.seq)
+                    .chain(seqs)
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+    for (id, detail) in out_of_order {
+        if index.peek(id).flags & IN_RANGE != 0 {
+            problems.push(Problem {
+                kind: "out of order",
+                id,
+                detail,
+            });
+        }
+    }
+    if range.since.is_none() && range.until.is_none() {
+        index.for_each(|id, entry| {
+            if entry.flags & ROW == 0 && (entry.count > 0 || entry.dead_letters > 0) {
+                problems.push(Problem {
+                    kind: "unexpected",
+                    id,
+                    detail: format!(
+                        "at sequence {}: no row has this id (rolled back, or deleted from the table)",
+                        entry.seq
+                    ),
+                });
+            }
+        });
+    }
+
+    // 4. Which field differs, for the mismatches: the row and the message read again.
+    let one_row = format!("SELECT {} FROM {table} WHERE id = $1", row_columns());
+    for (id, seq) in mismatched {
+        let row = client
+            .query_one(&one_row, &[&id])
+            .await
+            .map_err(read_error("cannot read the outbox table"))?;
+        let detail = match (row_from(&row), stream.get_raw_message(seq).await) {
+            (Ok(row), Ok(stored)) => describe_mismatch(
+                &row.into_event(&config.subject_prefix, config.partitions, NO_POSITION),
+                stored.subject.as_str(),
+                &stored.headers,
+                &stored.payload,
+                seq,
+            ),
+            (Err((_, why)), _) => {
+                format!("at sequence {seq}: the row changed while verify ran ({why})")
+            }
+            (_, Err(e)) => {
+                format!("at sequence {seq}: differs from the row (cannot fetch it again: {e})")
+            }
+        };
+        problems.push(Problem {
+            kind: "mismatched",
+            id,
+            detail,
+        });
+    }
+    problems.sort_by(|a, b| a.kind.cmp(b.kind).then(a.id.cmp(&b.id)));
+    report.problems = problems;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// Which fields of a stored message differ from the row's event (payloads are not printed).
+fn describe_mismatch(
+    event: &OutboxEvent,
+    subject: &str,
+    headers: &HeaderMap,
+    payload: &[u8],
+    seq: u64,
+) -> String {
+    let stored = Fields::of_message(subject, headers);
+    let expected = Fields::of_event(event);
+    let mut differences: Vec<String> = stored
+        .named()
+        .iter()
+        .zip(expected.named())
+        .filter(|((_, a), (_, b))| a != b)
+        .map(|((name, a), (_, b))| format!("{name} is {a:?}, the row gives {b:?}"))
+        .collect();
+    if payload != event.payload.as_ref() {
+        differences.push(format!(
+            "the payload differs ({} bytes stored, {} in the row)",
+            payload.len(),
+            event.payload.len()
+        ));
+    }
+    if differences.is_empty() {
+        differences.push("differs from the row".into());
+    }
+    format!("at sequence {seq}: {}", differences.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::num::NonZeroU64;
+
+    use super::*;
+
+    #[test]
+    fn the_range_is_one_sql_condition_with_numbered_parameters() {
+        assert_eq!(Range::default().condition().0, "true");
+        let range = Range {
+            from_id: Some(5),
+            to_id: Some(9),
+            since: Some("2026-01-01T00:00:00Z".into()),
+            until: None,
+            entity: Some("order:A-1".into()),
+        };
+        let (condition, params) = range.condition();
+        assert_eq!(
+            condition,
+            "id >= $1 AND id <= $2 AND created_at >= $3 AND entity_id::text = $4"
+        );
+        assert_eq!(params.len(), 4);
+        assert_eq!(
+            cast_times(&condition, &params),
+            "id >= $1 AND id <= $2 AND created_at >= $3::text::timestamptz AND entity_id::text = $4"
+        );
+    }
+
+    fn event(entity_id: &str, event_type: &str) -> OutboxEvent {
+        OutboxRow {
+            id: 7,
+            entity_id: entity_id.into(),
+            event_type: event_type.into(),
+            payload: Bytes::from_static(b"{\"a\": 1}"),
+            created_at_ms: 1_700_000_000_000,
+        }
+        .into_event("outbox", NonZeroU64::new(12).unwrap(), NO_POSITION)
+    }
+
+    /// The compared headers of the message the relay stores for an event (M1: the row's
+    /// values percent-encoded for a hostile row). `sink::publish_message`'s own headers are
+    /// not readable outside async-nats; tests/verify.rs checks verify against the real relay's
+    /// messages, hostile rows included.
+    fn stored(event: &OutboxEvent) -> (String, HeaderMap, Bytes) {
+        let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+        let value = |v: &str| {
+            if hostile {
+                encoding::encode(v)
+            } else {
+                v.to_owned()
+            }
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(h::NATS_MSG_ID, value(&event.keys.dedupe_key).as_str());
+        headers.insert(h::OUTBOX_ENTITY_ID, value(&event.entity_id).as_str());
+        headers.insert(h::OUTBOX_EVENT_TYPE, value(&event.event_type).as_str());
+        headers.insert(
+            h::OUTBOX_PARTITION_KEY,
+            value(&event.keys.partition_key).as_str(),
+        );
+        headers.insert(h::OUTBOX_ORDERING_KEY, event.keys.ordering_key.as_str());
+        headers.insert(h::OUTBOX_SHARD, event.shard.to_string().as_str());
+        if hostile {
+            headers.insert(h::OUTBOX_ENCODING, encoding::PERCENT);
+        }
+        (event.subject.clone(), headers, event.payload.clone())
+    }
+
+    #[test]
+    fn a_stored_message_and_its_row_have_the_same_digest_hostile_or_not() {
+        for event in [
+            event("order:A-1", "OrderPaid"),
+            event("a\r\nNats-Msg-Id: x", "Paid %"),
+        ] {
+            let (subject, headers, payload) = stored(&event);
+            assert_eq!(
+                message_digest(&subject, &headers, &payload).0,
+                event_digest(&event)
+            );
+            assert_eq!(
+                describe_mismatch(&event, &subject, &headers, &payload, 3),
+                "at sequence 3: differs from the row"
+            );
+        }
+    }
+
+    #[test]
+    fn a_mismatch_names_the_field_and_never_prints_the_payload() {
+        let event = event("order:A-1", "OrderPaid");
+        let (subject, mut headers, _) = stored(&event);
+        headers.insert(h::OUTBOX_SHARD, "99");
+        let (digest, _) = message_digest(&subject, &headers, b"{\"secret\": 2}");
+        assert_ne!(digest, event_digest(&event));
+        let text = describe_mismatch(&event, &subject, &headers, b"{\"secret\": 2}", 4);
+        assert!(
+            text.contains(&format!(
+                "Outbox-Shard is \"99\", the row gives \"{}\"",
+                event.shard
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains("the payload differs (13 bytes stored, 8 in the row)"),
+            "{text}"
+        );
+        assert!(!text.contains("secret"), "{text}");
+    }
+
+    #[test]
+    fn dead_letters_alone_exit_0_and_anything_else_exits_5() {
+        let mut report = Report {
+            rows: 2,
+            ids: Some((1, 2)),
+            ..Report::default()
+        };
+        report.problems.push(Problem {
+            kind: "dead-lettered",
+            id: 1,
+            detail: "a dead-letter record at sequence 1 in its place".into(),
+        });
+        assert_eq!(report.exit_code(), 0);
+        assert!(report.render(10).contains("verify: OK: 2 rows (ids 1..=2)"));
+        report.problems.push(Problem {
+            kind: "missing",
+            id: 2,
+            detail: "no message on the stream".into(),
+        });
+        assert_eq!(report.exit_code(), DISCREPANCIES_EXIT);
+        let text = report.render(0);
+        assert!(text.contains("missing: ... and 1 more"), "{text}");
+        assert!(
+            text.contains("DISCREPANCIES (exit 5)") && text.contains("1 missing"),
+            "{text}"
+        );
+    }
+}

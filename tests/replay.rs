@@ -1,0 +1,247 @@
+//! End-to-end tests of `outbox-relay replay` against real Postgres 15 and nats-server
+//! processes (testkit): a strict-mode stream is refused without `--force` (exit 2); inside
+//! the duplicate window a replay is acknowledged as duplicates and stores nothing; a forced
+//! replay past the window into a running strict-mode relay stores second copies (verify
+//! names them as duplicated) and loses nothing: the relay re-syncs and relays what follows.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::{eventually, insert_transaction, servers, Case, DEADLINE};
+
+fn new_case(name: &str, env: &[(&str, &str)]) -> Case {
+    let s = servers();
+    let mut case = Case::new(&s.pg, &s.nats, name);
+    case.extra_env
+        .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    case
+}
+
+/// What one run of a subcommand printed.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(case: &Case, subcommand: &str, args: &[&str]) -> Run {
+    let output = case.relay_command(subcommand).args(args).output().unwrap();
+    Run {
+        code: output.status.code().unwrap(),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+/// The number in the replay summary before `what` (`stored again`, …).
+fn counted(stdout: &str, what: &str) -> u64 {
+    let at = stdout
+        .find(what)
+        .unwrap_or_else(|| panic!("no {what:?} in {stdout}"));
+    stdout[..at]
+        .trim_end()
+        .rsplit([' ', ','])
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no count before {what:?} in {stdout}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_refuses_a_strict_mode_stream_without_force() {
+    let case = new_case("replay_strict", &[]);
+    let init = run(&case, "init", &[]);
+    assert_eq!(init.code, 0, "{}", init.stderr);
+    let replay = run(&case, "replay", &["--entity", "entity-0"]);
+    assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
+    assert!(
+        replay.stderr.contains("is in strict mode")
+            && replay.stderr.contains("pass --force to replay anyway"),
+        "{}",
+        replay.stderr
+    );
+    assert_eq!(replay.stdout, "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_stores_nothing() {
+    let case = new_case("replay_window", &[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+
+    let replay = run(&case, "replay", &["--entity", "entity-1"]);
+    assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+    assert!(
+        replay.stdout.starts_with("replay: published 5 events"),
+        "{}",
+        replay.stdout
+    );
+    assert_eq!(counted(&replay.stdout, "stored again"), 0);
+    assert_eq!(counted(&replay.stdout, "acknowledged as duplicates"), 5);
+    assert_eq!(counted(&replay.stdout, "without an original"), 0);
+    assert!(
+        replay.stdout.contains("duplicate window of 2m"),
+        "{}",
+        replay.stdout
+    );
+    assert_eq!(case.stream_count(&js).await, 10);
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_replay_is_refused_while_a_relay_holds_the_lease() {
+    let case = new_case("replay_leased", &[]);
+    let mut relay = case.start_relay();
+    let replay = run(&case, "replay", &["--force"]);
+    assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
+    assert!(
+        replay.stderr.contains(&format!(
+            "a relay holds the lease of slot {} (backend pid ",
+            case.slot
+        )) && replay.stderr.contains("stop it before a forced replay"),
+        "{}",
+        replay.stderr
+    );
+    assert!(relay.try_status().is_none(), "{}", relay.output());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
+    let case = new_case("replay_forced", &[("OUTBOX_RELAY_DUPLICATE_WINDOW", "1s")]);
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let first = insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    // Postgres ends the stopped relay's lease session a moment after it exits.
+    eventually("the stopped relay's lease is released", DEADLINE, || async {
+        let held: i64 = sql
+            .query_one(
+                "select count(*) from pg_locks where locktype = 'advisory' and granted \
+                    and database = (select oid from pg_database where datname = current_database())",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (held == 0).then_some(())
+    })
+    .await;
+
+    // Until the originals leave the 1 s duplicate window, each replay is acknowledged as
+    // duplicates and stores nothing; then one stores its copies.
+    let stored = eventually("a replay stores copies", DEADLINE, || async {
+        let replay = run(&case, "replay", &["--entity", "entity-0", "--force"]);
+        assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+        let stored = counted(&replay.stdout, "stored again");
+        (stored > 0).then_some(stored)
+    })
+    .await;
+
+    // The relay, started again, does not trust the replayed tail, and relays what follows.
+    let relay = case.start_relay();
+    let second = insert_transaction(&mut sql, 10, 2, "b").await;
+    eventually("the relay relays after the replay", DEADLINE, || async {
+        let ids = case.outbox_ids(&js).await;
+        second.iter().all(|id| ids.contains(id)).then_some(())
+    })
+    .await;
+    assert!(
+        relay
+            .output()
+            .contains("the stream's last message was published from another source"),
+        "{}",
+        relay.output()
+    );
+
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify.stdout.contains(&format!(
+            "20 rows (ids {}..={}), {} stream messages",
+            first[0],
+            second[9],
+            20 + stored
+        )) && verify.stdout.contains("0 missing, ")
+            && verify
+                .stdout
+                .contains("0 mismatched, 0 out of order, 0 unexpected"),
+        "{}",
+        verify.stdout
+    );
+    let duplicated: Vec<&str> = verify
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("duplicated: "))
+        .collect();
+    assert_eq!(duplicated.len() as u64, stored, "{}", verify.stdout);
+    // Only entity-0's rows were replayed.
+    let entity_0: Vec<i64> = sql
+        .query(
+            "select id from outbox_events where entity_id = 'entity-0' and id <= $1",
+            &[&first[9]],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(entity_0.len(), 5);
+    for line in duplicated {
+        assert!(
+            entity_0
+                .iter()
+                .any(|id| line.starts_with(&format!("duplicated: id={id} 2 messages"))),
+            "{line}: not a replayed row of entity-0 ({entity_0:?})"
+        );
+    }
+}
+
+/// Known bug, found while testing replay (not fixed here: it is the sink's fence, outside
+/// replay): another writer stores k messages in a strict-mode stream while the relay is idle;
+/// the relay then pipelines a transaction of more than k events with predicted
+/// `Nats-Expected-Last-Sequence` values; the first k are refused, the rest line up with the
+/// shifted sequence again and are stored behind the gap; the next session trusts the tail (its
+/// own source) and skips the k refused events. Run it with `--ignored` to see it fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "known bug: a strict-mode relay beside another writer can skip events (see the doc comment)"]
+async fn a_strict_relay_beside_another_writer_skips_no_event() {
+    let case = new_case("fence_gap", &[]);
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    for i in 0..5 {
+        js.publish(format!("{}.other", case.prefix), format!("{i}").into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let second = insert_transaction(&mut sql, 10, 2, "b").await;
+    eventually(
+        "every event of the second transaction is stored",
+        DEADLINE,
+        || async {
+            let ids: Vec<i64> = case
+                .messages(&js)
+                .await
+                .iter()
+                .filter_map(|m| m.headers.get("Outbox-Id").and_then(|id| id.parse().ok()))
+                .collect();
+            second.iter().all(|id| ids.contains(id)).then_some(())
+        },
+    )
+    .await;
+    drop(relay);
+}

@@ -1,0 +1,353 @@
+//! End-to-end tests of `outbox-relay verify` against real Postgres 15 and nats-server
+//! processes (testkit): zero problems after a healthy run (exit 0); a message deleted from
+//! the stream, a message published twice and a message with a wrong key, each found by its
+//! outbox id (exit 5); and the range flags.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use support::{insert_transaction, servers, Case, Stored, DEADLINE};
+
+fn new_case(name: &str) -> Case {
+    let s = servers();
+    Case::new(&s.pg, &s.nats, name)
+}
+
+/// What one `outbox-relay verify` run printed.
+struct VerifyRun {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn verify(case: &Case, args: &[&str]) -> VerifyRun {
+    let output = case.relay_command("verify").args(args).output().unwrap();
+    VerifyRun {
+        code: output.status.code().unwrap(),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+impl VerifyRun {
+    fn lines(&self, prefix: &str) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .collect()
+    }
+}
+
+/// Relays 3 transactions of 10 rows over 4 entities, then stops the relay (so tampering
+/// with the stream does not meet its fence); returns the stored messages.
+async fn relayed(case: &Case) -> Vec<Stored> {
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    for tag in ["a", "b", "c"] {
+        insert_transaction(&mut sql, 10, 4, tag).await;
+    }
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 30, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    case.messages(&js).await
+}
+
+/// The headers of a stored message, without the relay's strict-mode fence.
+fn header_map(stored: &Stored) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in &stored.headers {
+        if name == "Nats-Expected-Last-Sequence" {
+            continue;
+        }
+        map.insert(name.as_str(), value.as_str());
+    }
+    map
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reports_no_problem_after_a_healthy_run() {
+    let case = new_case("verify_healthy");
+    relayed(&case).await;
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    let summary = run.lines("verify: OK: 30 rows");
+    assert_eq!(summary.len(), 1, "{}", run.stdout);
+    assert!(
+        summary[0].contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(run.stdout.lines().count(), 1, "{}", run.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() {
+    let case = new_case("verify_tampered");
+    let messages = relayed(&case).await;
+    let js = case.jetstream().await;
+    let stream = js.get_stream(&case.stream).await.unwrap();
+    let (deleted, doubled, doctored) = (&messages[3], &messages[12], &messages[25]);
+
+    // Deleted from the stream.
+    stream.delete_message(deleted.sequence).await.unwrap();
+    // Published twice: a copy under another Nats-Msg-Id.
+    let mut copy = header_map(doubled);
+    copy.insert("Nats-Msg-Id", "a-copy");
+    js.publish_with_headers(
+        doubled.subject.clone(),
+        copy,
+        doubled.payload.clone().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    // A wrong key: deleted and republished with another ordering key.
+    stream.delete_message(doctored.sequence).await.unwrap();
+    let mut wrong = header_map(doctored);
+    wrong.insert("Nats-Msg-Id", "doctored");
+    wrong.insert("Outbox-Ordering-Key", "0000000000000:00000000000000000000");
+    js.publish_with_headers(
+        doctored.subject.clone(),
+        wrong,
+        doctored.payload.clone().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    let missing = run.lines("missing: ");
+    assert_eq!(
+        missing,
+        [format!(
+            "missing: id={} no message on the stream",
+            deleted.outbox_id()
+        )],
+        "{}",
+        run.stdout
+    );
+    let duplicated = run.lines("duplicated: ");
+    assert_eq!(duplicated.len(), 1, "{}", run.stdout);
+    assert!(
+        duplicated[0].starts_with(&format!(
+            "duplicated: id={} 2 messages on the stream: sequences {}, ",
+            doubled.outbox_id(),
+            doubled.sequence
+        )),
+        "{}",
+        run.stdout
+    );
+    let mismatched = run.lines("mismatched: ");
+    assert_eq!(mismatched.len(), 1, "{}", run.stdout);
+    assert!(
+        mismatched[0].starts_with(&format!("mismatched: id={} ", doctored.outbox_id()))
+            && mismatched[0].contains(&format!(
+                "Outbox-Ordering-Key is \"0000000000000:00000000000000000000\", the row gives \"{}\"",
+                doctored.header("Outbox-Ordering-Key")
+            )),
+        "{}",
+        run.stdout
+    );
+    // The republished copy sits at the tail, after events of its entity committed later.
+    let out_of_order = run.lines("out of order: ");
+    assert_eq!(out_of_order.len(), 1, "{}", run.stdout);
+    assert!(
+        out_of_order[0].starts_with(&format!(
+            "out of order: id={} at sequence {}: entity {:?} ",
+            doctored.outbox_id(),
+            messages.last().unwrap().sequence + 2,
+            doctored.header("Outbox-Entity-Id")
+        )),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("DISCREPANCIES (exit 5): 30 rows")
+            && run.stdout.contains("1 missing, 1 duplicated, 1 mismatched"),
+        "{}",
+        run.stdout
+    );
+
+    // A range that leaves the damaged ids out is consistent.
+    let first = messages[0].outbox_id();
+    let run = verify(
+        &case,
+        &[
+            "--from-id",
+            &first.to_string(),
+            "--to-id",
+            &(deleted.outbox_id() - 1).to_string(),
+        ],
+    );
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("verify: OK: 3 rows"), "{}", run.stdout);
+}
+
+/// Header-hostile rows are percent-encoded by the relay (`Outbox-Encoding: percent`): verify
+/// decodes them and finds them consistent. A row too large for the stream, dead-lettered, is
+/// reported as such by id, and is not a discrepancy (exit 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_failing() {
+    let mut case = new_case("verify_dlq");
+    case.extra_env.extend([
+        (
+            "OUTBOX_RELAY_ON_POISON".to_owned(),
+            "dead-letter".to_owned(),
+        ),
+        (
+            "OUTBOX_RELAY_STREAM_MAX_MSG_SIZE".to_owned(),
+            "4KiB".to_owned(),
+        ),
+    ]);
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 5, 2, "a").await;
+    let hostile: i64 = sql
+        .query_one(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values (E'order\r\nNats-Msg-Id: x', E'Paid Nats-Expected-Last-Sequence: 0 %', 'tmp-h', 'tmp', 'tmp', '{}') \
+             returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let poison: i64 = sql
+        .query_one(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values ('order-poison', 'OrderPaid', 'tmp-p', 'tmp', 'tmp', jsonb_build_object('blob', repeat('x', 10000))) \
+             returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 7, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let messages = case.messages(&js).await;
+    let stored_hostile = messages.iter().find(|m| m.outbox_id() == hostile).unwrap();
+    assert_eq!(stored_hostile.header("Outbox-Encoding"), "percent");
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    let dlq = messages.iter().find(|m| m.outbox_id() == poison).unwrap();
+    assert_eq!(
+        run.lines("dead-lettered: "),
+        [format!(
+            "dead-lettered: id={poison} a dead-letter record at sequence {} in its place",
+            dlq.sequence
+        )],
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("verify: OK: 7 rows")
+            && run.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable, 1 dead-lettered"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_refuses_an_invalid_time_with_exit_2() {
+    let case = new_case("verify_bad_time");
+    let run = verify(&case, &["--since", "yesterday-ish"]);
+    assert_eq!(run.code, 2, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stderr
+            .contains("--since \"yesterday-ish\" is neither a timestamp nor a duration"),
+        "{}",
+        run.stderr
+    );
+}
+
+/// Throughput of `verify` on `VERIFY_ROWS` rows (default 100 000): the rows are inserted with
+/// one `INSERT … SELECT`, read back and published directly with the relay's own message
+/// builder (`sink::publish_message`, positions in id order) instead of through the relay, to
+/// save time. Prints the summary line (rows/s); `VERIFY_WORKER_THREADS` sets verify's
+/// `--worker-threads`. Not run by default:
+/// `VERIFY_ROWS=1000000 cargo test --release -p outbox-relay --test verify verify_throughput -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run it on a quiet machine"]
+async fn verify_throughput() {
+    use futures::{StreamExt as _, TryStreamExt as _};
+    use std::future::IntoFuture as _;
+    let rows: i64 = std::env::var("VERIFY_ROWS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000);
+    let mut case = new_case("verify_throughput");
+    if let Ok(threads) = std::env::var("VERIFY_WORKER_THREADS") {
+        case.extra_env
+            .push(("OUTBOX_RELAY_WORKER_THREADS".into(), threads));
+    }
+    let js = case.jetstream().await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: case.stream.clone(),
+        subjects: vec![format!("{}.>", case.prefix)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sql = case.sql().await;
+    sql.execute(
+        "INSERT INTO outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+         SELECT 'entity-' || (n % 1000), 'OrderPaid', 'k' || n, 'p', 'o', \
+                jsonb_build_object('n', n, 'note', repeat('x', 60)) \
+           FROM generate_series(1, $1::int8) AS n",
+        &[&rows],
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let query = format!(
+        "SELECT {}, true FROM outbox_events ORDER BY id",
+        outbox_relay::verify::row_columns()
+    );
+    let stream = sql
+        .query_raw(&query, std::iter::empty::<i64>())
+        .await
+        .unwrap();
+    let prefix = case.prefix.clone();
+    let partitions = std::num::NonZeroU64::new(12).unwrap();
+    // Sent one after the other (stream order = id order = position order); acks awaited
+    // 4096 at a time: the send yields the ack's future on purpose.
+    #[allow(clippy::async_yields_async)]
+    stream
+        .then(|row| {
+            let row = outbox_relay::verify::row_from(&row.unwrap()).unwrap();
+            let position = outbox::Position {
+                commit_lsn: outbox::Lsn(u64::try_from(row.id).unwrap()),
+                index: 0,
+            };
+            let event = row.into_event(&prefix, partitions, position);
+            let js = js.clone();
+            async move {
+                js.send_publish(event.subject.clone(), sink::publish_message(&event))
+                    .await
+                    .unwrap()
+                    .into_future()
+            }
+        })
+        .buffer_unordered(4096)
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    eprintln!("published {rows} rows in {:?}", started.elapsed());
+    let run = verify(&case, &[]);
+    eprintln!("{}{}", run.stderr, run.stdout);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains(&format!("verify: OK: {rows} rows")),
+        "{}",
+        run.stdout
+    );
+}
