@@ -206,14 +206,14 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
     }
 }
 
-/// Known bug, found while testing replay (not fixed here: it is the sink's fence, outside
-/// replay): another writer stores k messages in a strict-mode stream while the relay is idle;
-/// the relay then pipelines a transaction of more than k events with predicted
-/// `Nats-Expected-Last-Sequence` values; the first k are refused, the rest line up with the
-/// shifted sequence again and are stored behind the gap; the next session trusts the tail (its
-/// own source) and skips the k refused events. Run it with `--ignored` to see it fail.
+/// P5, found while testing replay: another writer stores k messages in a strict-mode stream
+/// while the relay is idle; the relay then pipelines a transaction of more than k events. With
+/// the sequence fence alone the first k were refused, the rest lined up with the shifted
+/// sequence again and were stored behind the gap, and the next session, trusting the tail,
+/// skipped the k refused events (ids 11–15 of 20 lost). Every publish after a session's first
+/// now also expects its predecessor's `Nats-Msg-Id`, so all of them are refused and the
+/// re-synced session publishes the whole transaction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a strict-mode relay beside another writer can skip events (see the doc comment)"]
 async fn a_strict_relay_beside_another_writer_skips_no_event() {
     let case = new_case("fence_gap", &[]);
     let relay = case.start_relay();

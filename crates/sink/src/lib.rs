@@ -23,7 +23,7 @@ pub mod resume;
 pub mod tracker;
 
 pub use message::{
-    control_line_len, publish_message, wire_size, Limits, DEFAULT_MAX_CONTROL_LINE,
+    control_line_len, publish_message, wire_size, Fence, Limits, DEFAULT_MAX_CONTROL_LINE,
     REPLY_SUBJECT_LEN,
 };
 pub use publisher::{

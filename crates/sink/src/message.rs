@@ -60,6 +60,44 @@ pub(crate) mod name {
     pub const EXPECTED_LAST_SEQUENCE: HeaderName =
         HeaderName::from_static(EXPECTED_LAST_SEQUENCE_STR);
     pub const EXPECTED_LAST_SEQUENCE_STR: &str = "Nats-Expected-Last-Sequence";
+    pub const EXPECTED_LAST_MSG_ID: HeaderName = HeaderName::from_static(EXPECTED_LAST_MSG_ID_STR);
+    pub const EXPECTED_LAST_MSG_ID_STR: &str = "Nats-Expected-Last-Msg-Id";
+}
+
+/// Strict mode's fence for the next publish (P5): the sequence the stream's last message
+/// must have, and, from a session's second publish on, the `Nats-Msg-Id` it must have: the
+/// previous publish's. The sequence alone does not hold when another writer slips k
+/// messages in: the session's first k publishes are refused, but the later ones line up
+/// with the shifted sequence again and would be stored behind a gap. Chained by message id,
+/// every publish after a refused one is refused too.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fence {
+    /// `Nats-Expected-Last-Sequence`.
+    pub sequence: u64,
+    /// `Nats-Expected-Last-Msg-Id`: the previous publish's `Nats-Msg-Id`, if this session
+    /// published before.
+    pub last_msg_id: Option<String>,
+}
+
+impl Fence {
+    /// Starts a session's fence at the stream's last sequence.
+    pub fn at(sequence: u64) -> Fence {
+        Fence {
+            sequence,
+            last_msg_id: None,
+        }
+    }
+
+    /// Puts the fence headers into `map` (a message's headers, its own `Nats-Msg-Id`
+    /// included) and moves the fence past this message.
+    pub(crate) fn apply(&mut self, map: &mut HeaderMap) {
+        map.insert(name::EXPECTED_LAST_SEQUENCE, int(self.sequence));
+        if let Some(last) = self.last_msg_id.take() {
+            map.insert(name::EXPECTED_LAST_MSG_ID, last);
+        }
+        self.sequence += 1;
+        self.last_msg_id = map.get(name::NATS_MSG_ID).map(|id| id.as_str().to_owned());
+    }
 }
 
 pub(crate) fn int(value: impl itoa::Integer) -> String {
@@ -75,9 +113,14 @@ fn line(name: &str, value_len: usize) -> usize {
     name.len() + 2 + value_len + 2
 }
 
-/// The serialised length of the strict-mode fence header for `fence`, if any.
-pub(crate) fn fence_len(fence: Option<u64>) -> usize {
-    fence.map_or(0, |f| line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f)))
+/// The serialised length of the strict-mode fence headers for `fence`, if any.
+pub(crate) fn fence_len(fence: Option<&Fence>) -> usize {
+    fence.map_or(0, |f| {
+        line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f.sequence))
+            + f.last_msg_id
+                .as_ref()
+                .map_or(0, |id| line(name::EXPECTED_LAST_MSG_ID_STR, id.len()))
+    })
 }
 
 /// A row value as its header carries it (M1).
@@ -146,7 +189,7 @@ pub(crate) fn event_wire_size(
     hostile: bool,
     commit_lsn: &str,
     source: Option<&str>,
-    fence: Option<u64>,
+    fence: Option<&Fence>,
 ) -> usize {
     use outbox::headers as h;
     let k = &event.keys;
@@ -369,7 +412,7 @@ pub(crate) fn fit_dead_letter(
     reason: &str,
     source: &str,
     subject: &str,
-    fence: Option<u64>,
+    fence: Option<&Fence>,
     limits: Limits,
 ) -> Result<(HeaderMap, Bytes, Cut), String> {
     let mut why = String::new();
@@ -430,15 +473,16 @@ mod tests {
             id in any::<i64>(),
             index in any::<u32>(),
             payload_len in 0usize..2000,
-            fence in proptest::option::of(any::<u64>()),
+            fence in proptest::option::of((any::<u64>(), proptest::option::of("[a-zA-Z0-9:%]{0,60}"))),
         ) {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let computed = event_wire_size(&event, hostile, &commit_lsn, Some("7713/db/slot"), fence);
+            let mut fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id });
+            let computed = event_wire_size(&event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
             let (_, mut map, payload) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
-            if let Some(f) = fence {
-                map.insert(name::EXPECTED_LAST_SEQUENCE, int(f));
+            if let Some(fence) = fence.as_mut() {
+                fence.apply(&mut map);
             }
             prop_assert_eq!(computed, wire_size(&map, payload.len()));
         }
@@ -557,7 +601,7 @@ mod tests {
                 "too large",
                 "src",
                 "outbox.dlq",
-                Some(1),
+                Some(&Fence::at(1)),
                 limits,
             )
         };
@@ -572,7 +616,7 @@ mod tests {
 
         let (map_cut, body, cut) = fit(1000).unwrap();
         assert_eq!(cut, Cut::Truncated);
-        assert!(wire_size(&map_cut, body.len()) + fence_len(Some(1)) <= 1000);
+        assert!(wire_size(&map_cut, body.len()) + fence_len(Some(&Fence::at(1))) <= 1000);
         assert_eq!(
             get(&map, "Nats-Msg-Id"),
             get(&map_cut, "Nats-Msg-Id"),

@@ -23,9 +23,12 @@
 //!   publishes the final watermark before returning.
 //! - P5 Strict mode ([`SinkOptions::fence`]): every publish carries
 //!   `Nats-Expected-Last-Sequence`, the stream's last sequence plus the publishes before it
-//!   in this session. If one publish is lost or refused, the server refuses every later one,
-//!   so no gap and no reordering can enter the stream; the refusal ends [`run`] and the
-//!   caller re-syncs from the stream's tail.
+//!   in this session, and from the session's second publish on
+//!   `Nats-Expected-Last-Msg-Id`, the previous publish's `Nats-Msg-Id` ([`Fence`]). If one
+//!   publish is lost or refused, or another writer slips a message in, the server refuses
+//!   every later one (the id chain holds where a shifted sequence would line up again), so
+//!   no gap and no reordering can enter the stream; the refusal ends [`run`] and the caller
+//!   re-syncs from the stream's tail.
 //! - P6 Events at or before [`SinkOptions::resume_after`] (the position of the stream's last
 //!   message) are already stored: they are counted as acknowledged without being published.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
@@ -57,7 +60,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
-use crate::message::{event_wire_size, fit_dead_letter, int, into_message, name, Excess, Limits};
+use crate::message::{event_wire_size, fit_dead_letter, into_message, Excess, Fence, Limits};
 use crate::tracker::{AckTracker, Ticket, TrackerError};
 
 /// The metric counting events acknowledged as duplicates of another event (P8).
@@ -333,7 +336,7 @@ where
             poison: options.poison,
         },
     )));
-    let mut fence = options.fence;
+    let mut fence = options.fence.map(Fence::at);
     // P8: events an earlier session found to reuse another event's id.
     let dead_letter_instead = stats.dead_letter_instead();
     // The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
@@ -423,14 +426,14 @@ fn prepare(
     event: OutboxEvent,
     commit_lsn: &str,
     options: &SinkOptions,
-    fence: &mut Option<u64>,
+    fence: &mut Option<Fence>,
     stats: &SinkStats,
     instead: Option<&str>,
 ) -> Result<(Subject, PublishMessage), SinkError> {
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     // Room for the fence header too, so the size check covers what is actually sent.
-    let size = event_wire_size(&event, hostile, commit_lsn, Some(source), *fence);
+    let size = event_wire_size(&event, hostile, commit_lsn, Some(source), fence.as_ref());
     let problem = match instead {
         Some(reason) => Err((PoisonKind::ReusedId, reason.to_owned())),
         None => options
@@ -455,7 +458,7 @@ fn prepare(
                 &reason,
                 source,
                 subject,
-                *fence,
+                fence.as_ref(),
                 options.limits,
             )
             .map_err(|why| SinkError::Poison {
@@ -468,9 +471,8 @@ fn prepare(
             (Subject::from(subject), map, payload)
         }
     };
-    if let Some(next) = fence.as_mut() {
-        map.insert(name::EXPECTED_LAST_SEQUENCE, int(*next));
-        *next += 1;
+    if let Some(fence) = fence.as_mut() {
+        fence.apply(&mut map);
     }
     Ok((
         subject,
