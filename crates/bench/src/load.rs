@@ -96,6 +96,7 @@ pub fn event_for_row(
         subject,
         payload,
         position,
+        created_at_ms,
     }
 }
 

@@ -4,7 +4,8 @@
 //! applies the seed's schema, runs the relay, writes sample events the way the seed's
 //! `seed.py` does (placeholder key columns, one transaction rolled back), and prints every
 //! message as it arrives in JetStream with its subject and keys. Everything is removed on
-//! exit. `--keep` leaves it running until Ctrl-C, printing the URLs to connect to.
+//! exit. The relay serves its metrics and health on a free local port (printed). `--keep`
+//! leaves it running until Ctrl-C, printing the URLs to connect to.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -37,9 +38,11 @@ async fn main() -> anyhow::Result<()> {
     let database_url = pg.url("postgres");
     println!("   DATABASE_URL={database_url}\n   NATS_URL={}", nats.url());
 
+    let metrics_addr = format!("127.0.0.1:{}", testkit::free_port());
     let flags: BTreeMap<&'static str, String> = [
         ("database_url", database_url.clone()),
         ("nats_url", nats.url()),
+        ("metrics_addr", metrics_addr.clone()),
     ]
     .into_iter()
     .collect();
@@ -47,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::from_sources(&raw)?;
     let shutdown = CancellationToken::new();
     println!("== running the relay (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})");
+    println!("   metrics: http://{metrics_addr}/metrics, health: /healthz, /readyz");
     let relay = tokio::spawn(outbox_relay::run(config, shutdown.clone()));
 
     let client = async_nats::connect(nats.url()).await?;

@@ -25,6 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::SocketAddr;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -144,6 +145,11 @@ pub mod opt {
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
+        // Metrics and health (crate::metrics, crate::http): MetricsConfig.
+        METRICS_ADDR = ("metrics_addr", "OUTBOX_RELAY_METRICS_ADDR", None,
+            "Serve Prometheus metrics (/metrics) and health (/healthz, /readyz) over HTTP on this address, e.g. 0.0.0.0:9464, [::]:9464, :9464 (all interfaces) or 127.0.0.1:0 (a free port, logged); off unless set");
+        MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
+            "Slot lag (WAL the slot retains past its confirmed position, as the server sees it) above which /readyz answers stalled (e.g. 512MiB; K, M, G, T are powers of 1024)");
     }
 }
 
@@ -533,6 +539,8 @@ pub struct Config {
     pub worker_threads: usize,
     /// Log format.
     pub log_format: LogFormat,
+    /// Metrics and health.
+    pub metrics: MetricsConfig,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
 }
@@ -654,6 +662,7 @@ impl Config {
             "json" => Ok(LogFormat::Json),
             _ => Err("expected text or json".into()),
         })?;
+        let metrics = MetricsConfig::from_raw(raw)?;
         Ok(Config {
             database,
             nats_url,
@@ -672,6 +681,7 @@ impl Config {
             on_poison,
             worker_threads,
             log_format,
+            metrics,
             create: true,
         })
     }
@@ -764,6 +774,75 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
     }
     lines.push(String::new());
     lines.join("\n")
+}
+
+/// Metrics and health (`crate::metrics`, `crate::http`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere.
+    pub addr: Option<SocketAddr>,
+    /// Slot lag in bytes above which `/readyz` answers stalled.
+    pub max_lag_bytes: u64,
+}
+
+impl MetricsConfig {
+    /// The metrics options alone (`outbox-relay probe` needs no other).
+    pub fn from_raw(raw: &RawConfig) -> Result<MetricsConfig, ConfigError> {
+        Ok(MetricsConfig {
+            addr: raw.parse_optional(&opt::METRICS_ADDR, parse_listen_addr)?,
+            max_lag_bytes: raw.parse(&opt::MAX_LAG_BYTES, parse_size)?,
+        })
+    }
+}
+
+/// Parses a listening address: `IP:PORT`, `[IPv6]:PORT`, or `:PORT` for every interface.
+pub fn parse_listen_addr(text: &str) -> Result<SocketAddr, String> {
+    let text = text.trim();
+    let expanded;
+    let text = match text.strip_prefix(':') {
+        Some(port) => {
+            expanded = format!("0.0.0.0:{port}");
+            &expanded
+        }
+        None => text,
+    };
+    text.parse().map_err(|_| {
+        "expected an IP address and a port, e.g. 0.0.0.0:9464, [::]:9464, :9464 or 127.0.0.1:0 \
+         (a host name is not accepted)"
+            .to_owned()
+    })
+}
+
+/// Parses a byte size: `1048576`, `512KiB`, `64MiB`, `10GiB`, `1TiB` (also `K`, `KB`, `M`,
+/// `MB`…, any case: powers of 1024, as Postgres and nats-server read them).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let expected = || "expected a size like 1048576, 512KiB, 64MiB or 10GiB".to_owned();
+    let number: u64 = number.parse().map_err(|_| expected())?;
+    let unit = unit.trim().to_ascii_lowercase();
+    let prefix = unit
+        .strip_suffix("ib")
+        .or_else(|| unit.strip_suffix('b'))
+        .unwrap_or(&unit);
+    let power = match prefix {
+        "" => 0,
+        "k" => 1,
+        "m" => 2,
+        "g" => 3,
+        "t" => 4,
+        _ => return Err(format!("unknown unit {unit:?}: use KiB, MiB, GiB or TiB")),
+    };
+    let bytes = number
+        .checked_mul(1024u64.pow(power))
+        .ok_or_else(|| "too large".to_owned())?;
+    if bytes == 0 {
+        return Err("must be greater than zero".into());
+    }
+    Ok(bytes)
 }
 
 /// Parses `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`).
@@ -1109,6 +1188,34 @@ pub(crate) mod tests {
         ] {
             assert!(text.contains(expected), "{expected:?} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn metrics_addresses_and_sizes() {
+        let config = load(&[], &[DB], None).unwrap();
+        assert_eq!(config.metrics.addr, None, "off unless set");
+        assert_eq!(config.metrics.max_lag_bytes, 1 << 30);
+        let config = load(
+            &[("metrics_addr", ":9464")],
+            &[DB, ("OUTBOX_RELAY_MAX_LAG_BYTES", "512MiB")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.metrics.addr, Some("0.0.0.0:9464".parse().unwrap()));
+        assert_eq!(config.metrics.max_lag_bytes, 512 << 20);
+        assert_eq!(parse_listen_addr("[::1]:0"), Ok("[::1]:0".parse().unwrap()));
+        let e = load(
+            &[],
+            &[DB, ("OUTBOX_RELAY_METRICS_ADDR", "localhost:9464")],
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.0.contains("OUTBOX_RELAY_METRICS_ADDR") && e.0.contains("0.0.0.0:9464"),
+            "{e}"
+        );
+        assert_eq!(parse_size("64k"), Ok(64 << 10));
+        assert!(parse_size("1 PB").is_err() && parse_size("0").is_err());
     }
 
     #[test]

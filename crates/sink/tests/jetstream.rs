@@ -350,6 +350,7 @@ fn hostile_event(n: u32) -> outbox::OutboxEvent {
             commit_lsn: outbox::Lsn(0x100 + u64::from(n)),
             index: 0,
         },
+        created_at_ms: 1_700_000_000_000,
     }
 }
 
