@@ -10,9 +10,11 @@
 //! # Invariants
 //! - M1 Where the relay both logs and counts something, [`Metrics::record`] does both, so a
 //!   log line that carries `metric = …` and the counter it names never disagree.
-//! - M2 The slot's gauges (lag, `wal_status`, `safe_wal_size`) are shown only while this
-//!   relay holds the lease and has polled the slot: a standby shows none, so the maximum
-//!   over several relays is the active one's.
+//! - M2 The slot's gauges (lag, `wal_status`, `safe_wal_size`) come from this relay's own
+//!   polls, made while it holds the lease (one before every session, so that a relay whose
+//!   sessions keep failing still measures the lag it leaves), and keep their last value
+//!   while it reconnects; a standby shows none, so the maximum over several relays is the
+//!   active one's.
 //! - M3 `/readyz` is ready only while this relay holds the lease, streams, is connected to
 //!   NATS and the slot lag is at most `max_lag_bytes`; otherwise its body says which
 //!   ([`Readiness`]), a standby answering `standby`.
@@ -347,18 +349,19 @@ impl Metrics {
         Phase::from_u8(self.state.phase.load(Ordering::Relaxed))
     }
 
-    /// Records what the relay is doing.
+    /// Records what the relay is doing. A standby forgets the slot's sample (M2) and the
+    /// oldest unconfirmed transaction: the relay holding the lease confirms it.
     pub fn set_phase(&self, phase: Phase) {
         self.state.phase.store(phase as u8, Ordering::Relaxed);
+        if phase == Phase::Standby {
+            *lock(&self.state.slot) = None;
+            self.state.sink.forget_unconfirmed();
+        }
     }
 
-    /// This relay no longer holds the lease: it forgets the slot's sample and the session's
-    /// NATS client (M2), and the oldest unconfirmed transaction (whoever holds the lease
-    /// now confirms it).
-    pub fn lease_released(&self) {
-        *lock(&self.state.slot) = None;
+    /// A session ended: its NATS connection is gone.
+    pub fn session_ended(&self) {
         *lock(&self.state.nats) = None;
-        self.state.sink.forget_unconfirmed();
     }
 
     /// The session's NATS connection, watched by `/readyz`.

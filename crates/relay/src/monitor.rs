@@ -34,7 +34,8 @@ const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_
             pg_catalog.to_jsonb(s) ->> 'wal_status', (pg_catalog.to_jsonb(s) ->> 'safe_wal_size')::int8 \
        FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1";
 
-/// Polls `slot` on `client` for as long as it is awaited (W1).
+/// Polls `slot` on `client` every [`POLL`] for as long as it is awaited, the first time
+/// one [`POLL`] from now (W1).
 pub async fn watch(
     client: &Client,
     slot: &str,
@@ -42,22 +43,28 @@ pub async fn watch(
     progress: &mut Progress,
 ) -> Infallible {
     loop {
-        match poll(client, slot).await {
-            Ok(Some(sample)) => {
-                let sink = metrics.sink();
-                let events = sink.acked() + sink.skipped.load(Ordering::Relaxed);
-                if let Some(report) = progress.observe(Instant::now(), sample.lag_bytes, events) {
-                    report.log();
-                }
-                metrics.set_slot(sample);
-            }
-            Ok(None) => debug!(
-                slot,
-                "the slot has no confirmed position to measure lag from"
-            ),
-            Err(error) => debug!(slot, error = %error, "cannot poll the slot"),
-        }
         tokio::time::sleep(POLL).await;
+        sample(client, slot, metrics, progress).await;
+    }
+}
+
+/// Polls `slot` once (within [`POLL`]) and shows what it found (W1, W2).
+pub async fn sample(client: &Client, slot: &str, metrics: &Metrics, progress: &mut Progress) {
+    match tokio::time::timeout(POLL, poll(client, slot)).await {
+        Ok(Ok(Some(sample))) => {
+            let sink = metrics.sink();
+            let events = sink.acked() + sink.skipped.load(Ordering::Relaxed);
+            if let Some(report) = progress.observe(Instant::now(), sample.lag_bytes, events) {
+                report.log();
+            }
+            metrics.set_slot(sample);
+        }
+        Ok(Ok(None)) => debug!(
+            slot,
+            "the slot has no confirmed position to measure lag from"
+        ),
+        Ok(Err(error)) => debug!(slot, error = %error, "cannot poll the slot"),
+        Err(_) => debug!(slot, "polling the slot timed out"),
     }
 }
 

@@ -246,11 +246,13 @@ async fn holding(
     progress: &mut monitor::Progress,
 ) -> SessionEnd {
     metrics.set_phase(Phase::SettingUp);
+    // M2: one sample before the session, however soon it fails.
+    monitor::sample(lease.client(), &config.slot, metrics, progress).await;
     let end = tokio::select! {
         end = session(config, shutdown, bootstrapped, metrics, lease) => end,
         never = monitor::watch(lease.client(), &config.slot, metrics, progress) => match never {},
     };
-    metrics.lease_released();
+    metrics.session_ended();
     end
 }
 

@@ -8,7 +8,8 @@
 //!   `PATH`, override with `TESTKIT_NATS_SERVER`). A missing binary is a
 //!   panic that names the package to install (`apt-get install
 //!   postgresql-15` / `apt-get install nats-server`): tests never skip
-//!   silently.
+//!   silently. [`Prometheus`] runs Debian's `prometheus` the same way
+//!   (`apt-get install prometheus`; `TESTKIT_PROMETHEUS` overrides).
 //! * **Free loopback ports, private directories.** Servers listen on
 //!   `127.0.0.1` only, on ports from [`free_port`], with their data in a fresh
 //!   temporary directory. The system instances on 5432 and 4222 are never
@@ -54,6 +55,7 @@ pub mod cluster;
 mod nats;
 mod postgres;
 mod process;
+mod prometheus;
 mod proxy;
 mod tls;
 
@@ -69,6 +71,7 @@ use std::time::{Duration, Instant};
 pub use nats::Nats;
 pub use postgres::{Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
+pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;
 pub use tls::Ca;
 
