@@ -420,3 +420,54 @@ async fn tls_with_a_private_ca_and_a_required_client_certificate_relays_and_wron
         &[],
     );
 }
+
+/// Part 3 of issue 8: `outbox-relay config` with a password in DATABASE_URL and a NATS token
+/// (then a `.creds` file: one credential source at a time) shows where each value came from
+/// and no secret: the token as `<redacted>`, the creds file by its path only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_shows_no_password_token_or_credentials() {
+    const PASSWORD: &str = "Pg-pw-s3cret-77";
+    const TOKEN: &str = "nats-tok3n-s3cret-88";
+    let nats = Nats::start();
+    let mut case = Case::new(pg(), &nats, "config_secrets");
+    case.pg_url = format!(
+        "postgres://relay:{PASSWORD}@127.0.0.1:{}/{}",
+        pg().port(),
+        case.database
+    );
+    let config = |env: (&str, &str)| {
+        let output = case
+            .relay_command("config")
+            .env(env.0, env.1)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stdout}{stderr}");
+        for secret in [PASSWORD, TOKEN] {
+            assert!(
+                !stdout.contains(secret) && !stderr.contains(secret),
+                "{stdout}{stderr}"
+            );
+        }
+        stdout
+    };
+
+    let with_token = config(("OUTBOX_RELAY_NATS_TOKEN", TOKEN));
+    assert!(with_token.contains("<redacted>"), "{with_token}");
+    assert!(
+        with_token.contains("OUTBOX_RELAY_NATS_TOKEN"),
+        "{with_token}"
+    );
+
+    let dir = temp_dir();
+    let (account, user) = (KeyPair::new_account(), KeyPair::new_user());
+    let contents = creds(&account, &user);
+    let path = write(dir.path(), "relay.creds", &contents);
+    let with_creds = config(("OUTBOX_RELAY_NATS_CREDS", path.to_str().unwrap()));
+    assert!(with_creds.contains(path.to_str().unwrap()), "{with_creds}");
+    let seed = user.seed().unwrap();
+    assert!(!with_creds.contains(&seed), "{with_creds}");
+    let jwt_line = contents.lines().nth(1).unwrap();
+    assert!(!with_creds.contains(jwt_line), "{with_creds}");
+}

@@ -16,11 +16,9 @@ mod support;
 
 use support::servers;
 
-use std::collections::HashMap;
-
 use async_nats::jetstream;
 use pgoutput::Lsn;
-use support::{assert_matches_row, eventually, insert_transaction, rows, Case, Stored, DEADLINE};
+use support::{assert_matches_row, insert_transaction, rows_by_id, Case, Stored, DEADLINE};
 use testkit::Process;
 
 /// The stream's message size limit: far above an ordinary event (a few hundred bytes),
@@ -186,21 +184,13 @@ async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothi
     js.update_stream(config).await.expect("raise max_msg_size");
     let relay = start_relay(&case);
     let all = written.all();
-    case.wait_for_count(&js, all.len() as u64, DEADLINE).await;
-    let last_commit = eventually("the slot to confirm transaction C", DEADLINE, || async {
-        let messages = case.messages(&js).await;
-        let last = messages.last()?.commit_lsn();
-        (case.confirmed_flush_lsn(&sql).await > last).then_some(last)
-    })
-    .await;
-    let messages = case.messages(&js).await;
+    let (messages, last_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
     assert_eq!(
         ids(&messages),
         all,
         "after raising the limit: every row once, in commit order"
     );
-    let table: HashMap<i64, support::Row> =
-        rows(&sql).await.into_iter().map(|r| (r.id, r)).collect();
+    let table = rows_by_id(&sql).await;
     for message in &messages {
         assert_matches_row(&case, message, &table[&message.outbox_id()]);
     }
@@ -230,22 +220,14 @@ async fn oversized_event_under_dead_letter_is_replaced_in_order_and_later_events
     let written = write_three_transactions(&mut sql).await;
     let all = written.all();
 
-    case.wait_for_count(&js, all.len() as u64, DEADLINE).await;
-    let after_commit = eventually("the slot to confirm transaction C", DEADLINE, || async {
-        let messages = case.messages(&js).await;
-        let last = messages.last()?.commit_lsn();
-        (case.confirmed_flush_lsn(&sql).await > last).then_some(last)
-    })
-    .await;
-    let messages = case.messages(&js).await;
+    let (messages, after_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
     assert_eq!(
         ids(&messages),
         all,
         "the dead-letter record stands in the poison row's place, in commit order, and the rows after it flow"
     );
 
-    let table: HashMap<i64, support::Row> =
-        rows(&sql).await.into_iter().map(|r| (r.id, r)).collect();
+    let table = rows_by_id(&sql).await;
     let dlq_at = written.before_tx.len() + written.same_tx_before.len();
     for (i, message) in messages.iter().enumerate() {
         if i != dlq_at {

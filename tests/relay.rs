@@ -19,6 +19,45 @@ fn new_case(name: &str) -> Case {
     Case::new(&s.pg, &s.nats, name)
 }
 
+/// What a test continues from after [`kill_relay_mid_backlog`].
+struct Interrupted {
+    sql: tokio_postgres::Client,
+    js: async_nats::jetstream::Context,
+    /// Rows committed.
+    committed: u64,
+    /// Messages the stream held after the kill.
+    stored_at_kill: u64,
+}
+
+/// Starts the relay on `case`, commits `transactions` transactions of 250 rows, and SIGKILLs
+/// the relay while that backlog flows (once the stream holds some of it).
+async fn kill_relay_mid_backlog(case: &Case, transactions: usize) -> Interrupted {
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let js = case.jetstream().await;
+    let committed = insert_batches(&mut sql, 0..transactions).await;
+    case.wait_for_count(&js, 1, DEADLINE).await;
+    relay.kill();
+    let stored_at_kill = case.stream_count(&js).await;
+    Interrupted {
+        sql,
+        js,
+        committed,
+        stored_at_kill,
+    }
+}
+
+/// Commits the transactions numbered `range`, 250 rows each over 20 entities (tagged
+/// `batch-{i}`); returns how many rows.
+async fn insert_batches(sql: &mut tokio_postgres::Client, range: std::ops::Range<usize>) -> u64 {
+    let mut committed = 0;
+    for i in range {
+        let tag = format!("batch-{i}");
+        committed += insert_transaction(sql, 250, 20, &tag).await.len() as u64;
+    }
+    committed
+}
+
 /// (a) + (f): transactions of 1, 100 and 10 000 rows → exactly one message per row, with
 /// the seed's keys, subject shard = shard_for_key(12, entity_id), payload = the jsonb text;
 /// the stream's order is the commit order (globally, hence per entity).
@@ -96,12 +135,7 @@ async fn stream_order_is_commit_order_not_id_order() {
     let js = case.jetstream().await;
     case.wait_for_count(&js, expected.len() as u64, DEADLINE)
         .await;
-    let ids: Vec<i64> = case
-        .messages(&js)
-        .await
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
+    let ids: Vec<i64> = case.outbox_ids(&js).await;
     assert_eq!(
         ids, expected,
         "the later id committed first and must come first"
@@ -157,12 +191,7 @@ async fn updates_deletes_truncates_and_other_tables_publish_nothing() {
     let marker = insert_transaction(&mut sql, 1, 1, "marker").await;
     let js = case.jetstream().await;
     case.wait_for_count(&js, 4, DEADLINE).await;
-    let ids: Vec<i64> = case
-        .messages(&js)
-        .await
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
+    let ids: Vec<i64> = case.outbox_ids(&js).await;
     let mut expected = inserted;
     expected.extend(marker);
     assert_eq!(ids, expected, "only the four inserts");
@@ -173,24 +202,14 @@ async fn updates_deletes_truncates_and_other_tables_publish_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_stream_then_restart_loses_nothing_and_duplicates_nothing() {
     let case = new_case("sigkill");
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    let js = case.jetstream().await;
-    let mut committed = 0u64;
-    for i in 0..40 {
-        committed += insert_transaction(&mut sql, 250, 20, &format!("batch-{i}"))
-            .await
-            .len() as u64;
-    }
     // Kill while the backlog is flowing: some but not all of it stored.
-    case.wait_for_count(&js, 1, DEADLINE).await;
-    relay.kill();
-    let stored_at_kill = case.stream_count(&js).await;
-    for i in 40..50 {
-        committed += insert_transaction(&mut sql, 250, 20, &format!("batch-{i}"))
-            .await
-            .len() as u64;
-    }
+    let Interrupted {
+        mut sql,
+        js,
+        mut committed,
+        stored_at_kill,
+    } = kill_relay_mid_backlog(&case, 40).await;
+    committed += insert_batches(&mut sql, 40..50).await;
     let relay = case.start_relay();
     case.wait_for_count(&js, committed, DEADLINE).await;
     let messages = case.messages(&js).await;
@@ -448,18 +467,12 @@ async fn relays_over_tls_verify_full_with_scram() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_mode_converges_when_the_tail_carries_no_position() {
     let case = new_case("no_position");
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    let js = case.jetstream().await;
-    let mut committed = 0u64;
-    for i in 0..20 {
-        committed += insert_transaction(&mut sql, 250, 20, &format!("b{i}"))
-            .await
-            .len() as u64;
-    }
-    case.wait_for_count(&js, 1, DEADLINE).await;
-    relay.kill();
-    let stored = case.stream_count(&js).await;
+    let Interrupted {
+        js,
+        committed,
+        stored_at_kill: stored,
+        ..
+    } = kill_relay_mid_backlog(&case, 20).await;
     // Another writer's message (no outbox position) becomes the tail.
     js.publish(format!("{}.foreign", case.prefix), "{}".into())
         .await

@@ -45,7 +45,7 @@ pub async fn decode(bench: &Bench, case: &Case, slot: &str, endpos: Lsn) -> Resu
     let clients_before = procfs::reaped_children_cpu_seconds(me)?;
     let start = Instant::now();
     let output = tokio::process::Command::new(bench.pg_bin("pg_recvlogical"))
-        .args(["-d", &case.url, "--slot", slot, "--start", "--no-loop"])
+        .args(["-d", &case.pg_url, "--slot", slot, "--start", "--no-loop"])
         .args(["-o", "proto_version=1"])
         .args(["-o", &format!("publication_names={}", case.publication)])
         .args(["-f", "/dev/null", "--endpos", &endpos.to_string()])
@@ -88,6 +88,47 @@ pub struct Broker {
     pub client_cpu: f64,
 }
 
+/// A JetStream context for [`publish_pipelined`]: the relay's window.
+pub async fn pipelined_context(bench: &Bench) -> Result<jetstream::Context> {
+    let client = async_nats::connect(bench.nats.url()).await?;
+    Ok(jetstream::context::ContextBuilder::new()
+        .timeout(Duration::from_secs(10))
+        .max_ack_inflight(WINDOW + 1)
+        .build(client))
+}
+
+/// Publishes `events` (as the relay does, with its headers) to an empty stream, pipelined
+/// with the relay's window and two tasks like the relay's sink (one publishes, one awaits
+/// the acks in order); returns how many were stored as new.
+pub async fn publish_pipelined(js: &jetstream::Context, events: &[OutboxEvent]) -> Result<u64> {
+    let (acks_tx, mut acks_rx) = tokio::sync::mpsc::channel(WINDOW);
+    let acker = tokio::spawn(async move {
+        let mut stored = 0u64;
+        while let Some(ack) = acks_rx.recv().await {
+            let ack: jetstream::context::PublishAckFuture = ack;
+            let ack = ack.await.context("pipelined publishing: ack")?;
+            if !ack.duplicate {
+                stored += 1;
+            }
+        }
+        anyhow::Ok(stored)
+    });
+    for (sequence, event) in events.iter().enumerate() {
+        // The relay's default (strict) mode fences every publish on the stream's last
+        // sequence; so does this, on its empty stream.
+        let message = sink::publish_message(event).expected_last_sequence(sequence as u64);
+        let ack = js
+            .send_publish(event.subject.clone(), message)
+            .await
+            .context("pipelined publishing: publish")?;
+        if acks_tx.send(ack).await.is_err() {
+            break;
+        }
+    }
+    drop(acks_tx);
+    acker.await.context("pipelined publishing: acker task")?
+}
+
 /// Publishes `events` pipelined to a fresh stream `stream` covering `{prefix}.>` (the
 /// events' subjects must start with `prefix`); deletes the stream afterwards.
 pub async fn broker(
@@ -97,40 +138,11 @@ pub async fn broker(
     prefix: &str,
 ) -> Result<Broker> {
     bench.create_stream(stream, prefix).await?;
-    let client = async_nats::connect(bench.nats.url()).await?;
-    let js = jetstream::context::ContextBuilder::new()
-        .timeout(Duration::from_secs(10))
-        .max_ack_inflight(WINDOW + 1)
-        .build(client);
-    let (acks_tx, mut acks_rx) = tokio::sync::mpsc::channel(WINDOW);
+    let js = pipelined_context(bench).await?;
     let server_before = procfs::cpu_seconds(bench.nats.pid())?;
     let client_before = procfs::cpu_seconds(std::process::id())?;
     let start = Instant::now();
-    let acker = tokio::spawn(async move {
-        let mut stored = 0u64;
-        while let Some(ack) = acks_rx.recv().await {
-            let ack: jetstream::context::PublishAckFuture = ack;
-            let ack = ack.await.context("broker ceiling: ack")?;
-            if !ack.duplicate {
-                stored += 1;
-            }
-        }
-        anyhow::Ok(stored)
-    });
-    for (sequence, event) in events.iter().enumerate() {
-        // The relay's default (strict) mode fences every publish on the stream's last
-        // sequence; so does the ceiling, on its empty stream.
-        let message = sink::publish_message(event).expected_last_sequence(sequence as u64);
-        let ack = js
-            .send_publish(event.subject.clone(), message)
-            .await
-            .context("broker ceiling: publish")?;
-        if acks_tx.send(ack).await.is_err() {
-            break;
-        }
-    }
-    drop(acks_tx);
-    let stored = acker.await.context("broker ceiling: acker task")??;
+    let stored = publish_pipelined(&js, events).await?;
     let seconds = start.elapsed().as_secs_f64();
     let server_cpu = procfs::cpu_seconds(bench.nats.pid())? - server_before;
     let client_cpu = procfs::cpu_seconds(std::process::id())? - client_before;

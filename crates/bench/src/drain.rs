@@ -45,7 +45,7 @@ pub struct Drain {
 pub async fn drain(bench: &Bench, case: &Case, events: u64) -> Result<Drain> {
     let server_before = procfs::cpu_seconds(bench.nats.pid())?;
     let start = Instant::now();
-    let mut relay = bench.spawn_relay(case);
+    let mut relay = case.spawn_relay();
     let mut startup_seconds = f64::NAN;
     loop {
         tokio::time::sleep(Duration::from_millis(10)).await;

@@ -2,21 +2,20 @@
 //!
 //! One throwaway Postgres 15 (`wal_level=logical`, plus the load settings of
 //! [`PG_SETTINGS`]) and one `nats-server -js` (file storage) serve the whole run. Every
-//! scenario of every run gets a fresh [`Case`]: its own database with the seed's table, its
-//! own slot(s), publication, stream and subject prefix, all removed when it is done, so no
-//! scenario sees another's data, WAL or stream.
+//! scenario of every run gets a fresh [`Case`], testkit's test case: its own database with
+//! the seed's table, its own slot(s), publication, stream and subject prefix, all removed
+//! when it is done, so no scenario sees another's data, WAL or stream; the relay runs on
+//! it exactly as in the end-to-end tests, as the binary being measured.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::ops::Deref;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
-use testkit::{Nats, PgOptions, Postgres, Process};
-
-/// The seed's schema (`sql/schema.sql`), applied to every case's database.
-pub const SCHEMA_SQL: &str = include_str!("../../../sql/schema.sql");
+use testkit::harness::{self, sql_connect};
+use testkit::{Nats, PgOptions, Postgres};
 
 /// Server settings for loading and streaming large backlogs: no checkpoint in the middle
 /// of a load, room for the pages, Postgres's default `wal_sender_timeout` (testkit's is
@@ -46,34 +45,32 @@ pub struct Bench {
     pub admin: tokio_postgres::Client,
     /// A JetStream context for creating, inspecting and deleting streams.
     pub js: jetstream::Context,
-    cases: usize,
 }
 
-/// One scenario's slice of the servers.
+/// One scenario's slice of the servers: testkit's case, set up to run the relay being
+/// measured, and a connection to its database. Its prefix is `t{n}.bench`; the ceilings'
+/// streams take the same prefix with another first letter, so all subjects of a case have
+/// the same length.
 #[derive(Debug)]
 pub struct Case {
-    pub name: String,
-    pub database: String,
-    pub url: String,
-    pub slot: String,
-    pub publication: String,
-    pub stream: String,
-    pub prefix: String,
+    pub relay: harness::Case,
     /// A connection to the case's database.
     pub sql: tokio_postgres::Client,
 }
 
+impl Deref for Case {
+    type Target = harness::Case;
+
+    fn deref(&self) -> &harness::Case {
+        &self.relay
+    }
+}
+
 /// Connects to Postgres without TLS, driving the connection on its own task.
 pub async fn connect_sql(url: &str) -> Result<tokio_postgres::Client> {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+    sql_connect(url)
         .await
-        .with_context(|| format!("connect to {url}"))?;
-    tokio::spawn(async move {
-        // The connection ends with an error when the server drops it; the client's next
-        // query reports that.
-        let _ = connection.await;
-    });
-    Ok(client)
+        .with_context(|| format!("connect to {url}"))
 }
 
 impl Bench {
@@ -110,41 +107,32 @@ impl Bench {
             relay_env,
             admin,
             js: jetstream::new(client),
-            cases: 0,
         })
     }
 
-    /// A fresh database with the seed's table, and fresh names for everything else.
+    /// A fresh database with the seed's table, and fresh names for everything else; the
+    /// relay of the case is `relay_bin` (behind `relay_wrapper`), logging at `info`, with
+    /// `relay_env`.
     pub async fn case(&mut self, name: &str) -> Result<Case> {
-        self.cases += 1;
-        let n = self.cases;
-        let database = format!("bench_{name}_{n}");
-        self.admin
-            .batch_execute(&format!("CREATE DATABASE {database}"))
-            .await
-            .with_context(|| format!("create database {database}"))?;
-        let url = self.pg.url(&database);
-        let sql = connect_sql(&url).await?;
-        sql.batch_execute(SCHEMA_SQL)
-            .await
-            .context("apply sql/schema.sql")?;
-        Ok(Case {
-            name: name.to_owned(),
-            slot: format!("relay_{database}"),
-            publication: format!("pub_{database}"),
-            stream: format!("BENCH_{}", database.to_uppercase()),
-            // Subjects of every stream of a case have the same length: `{letter}{n}.bench`.
-            prefix: format!("r{n}.bench"),
-            url,
-            database,
-            sql,
-        })
+        let nats_url = self.nats.url();
+        // Named `bench` (prefix `t{n}.bench`): every case's subjects have the same length.
+        let mut relay = tokio::task::block_in_place(|| {
+            harness::Case::with_nats_url(&self.pg, &nats_url, "bench")
+        });
+        relay.name = name.to_owned();
+        relay.relay_bin = self.relay_bin.clone();
+        relay.relay_wrapper = self.relay_wrapper.clone();
+        relay.extra_env.push(("RUST_LOG".into(), "info".into()));
+        relay.extra_env.extend(self.relay_env.iter().cloned());
+        let sql = connect_sql(&relay.pg_url).await?;
+        Ok(Case { relay, sql })
     }
 
     /// Removes the case's slots, database and the given streams.
     pub async fn drop_case(&self, case: Case, streams: &[&str]) -> Result<()> {
-        let Case { database, sql, .. } = case;
+        let Case { relay, sql } = case;
         drop(sql);
+        let database = relay.database;
         // A walsender may still be on its way out; wait until its slots are inactive.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -179,41 +167,10 @@ impl Bench {
         Ok(())
     }
 
-    /// `outbox-relay <subcommand>` configured for `case` through environment variables
-    /// (as `tests/support/mod.rs` does), wrapped in `--relay-wrapper` for `run`.
-    pub fn relay_command(&self, case: &Case, subcommand: &str) -> Command {
-        let mut command = match (subcommand, self.relay_wrapper.split_first()) {
-            ("run", Some((program, args))) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(&self.relay_bin);
-                command
-            }
-            _ => Command::new(&self.relay_bin),
-        };
-        command.arg(subcommand);
-        for (key, _) in std::env::vars() {
-            if key.starts_with("OUTBOX_RELAY_") || key == "DATABASE_URL" || key == "NATS_URL" {
-                command.env_remove(key);
-            }
-        }
-        command
-            .env("DATABASE_URL", &case.url)
-            .env("NATS_URL", self.nats.url())
-            .env("OUTBOX_RELAY_SLOT", &case.slot)
-            .env("OUTBOX_RELAY_PUBLICATION", &case.publication)
-            .env("OUTBOX_RELAY_STREAM", &case.stream)
-            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &case.prefix)
-            .env("RUST_LOG", "info");
-        for (key, value) in &self.relay_env {
-            command.env(key, value);
-        }
-        command
-    }
-
     /// `outbox-relay init`: the publication, the slot and the stream, before any backlog.
     pub fn relay_init(&self, case: &Case) -> Result<()> {
-        let output = self
-            .relay_command(case, "init")
+        let output = case
+            .relay_command("init")
             .output()
             .with_context(|| format!("run {} init", self.relay_bin.display()))?;
         if !output.status.success() {
@@ -225,14 +182,6 @@ impl Bench {
             );
         }
         Ok(())
-    }
-
-    /// Spawns `outbox-relay run` for `case`.
-    pub fn spawn_relay(&self, case: &Case) -> Process {
-        Process::spawn(
-            &format!("relay-{}", case.name),
-            self.relay_command(case, "run"),
-        )
     }
 
     /// Creates a pgoutput slot named `slot` in the case's database.
@@ -298,39 +247,8 @@ impl Bench {
 /// built in another profile). When run by cargo (`CARGO` is set), it is built first
 /// (a no-op when up to date), so `cargo run --release -p outbox-relay-bench` is one command.
 pub fn locate_relay(explicit: Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(path) = explicit {
-        return Ok(path);
+    match explicit {
+        Some(path) => Ok(path),
+        None => harness::built_relay(Some("release")).map_err(anyhow::Error::msg),
     }
-    let exe = std::env::current_exe().context("locate the bench executable")?;
-    let profile_dir = exe
-        .parent()
-        .context("the bench executable has no parent directory")?;
-    let release_dir: PathBuf = if profile_dir.file_name().is_some_and(|n| n == "release") {
-        profile_dir.to_path_buf()
-    } else {
-        profile_dir
-            .parent()
-            .map(|target| target.join("release"))
-            .context("no target directory above the bench executable")?
-    };
-    let relay = release_dir.join("outbox-relay");
-    if let Ok(cargo) = std::env::var("CARGO") {
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        eprintln!("bench: cargo build --release -p outbox-relay");
-        let status = Command::new(cargo)
-            .args(["build", "--release", "-p", "outbox-relay"])
-            .current_dir(&workspace)
-            .status()
-            .context("run cargo build --release -p outbox-relay")?;
-        if !status.success() {
-            bail!("cargo build --release -p outbox-relay failed ({status})");
-        }
-    }
-    if !relay.is_file() {
-        bail!(
-            "{} does not exist: build it with `cargo build --release -p outbox-relay`, or pass --relay-bin",
-            relay.display()
-        );
-    }
-    Ok(relay)
 }

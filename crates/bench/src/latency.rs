@@ -23,11 +23,10 @@
 //!   10 000 events/s and the latency is a queue's.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context as _, Result};
-use async_nats::jetstream;
-use futures::StreamExt;
+use testkit::harness::read_stream;
 
 use crate::harness::{connect_sql, Bench, Case};
 use crate::procfs;
@@ -83,7 +82,7 @@ pub async fn live(
     duration: Duration,
     writers: usize,
 ) -> Result<Latency> {
-    let relay = bench.spawn_relay(case);
+    let relay = case.spawn_relay();
     let relay = tokio::task::spawn_blocking(move || {
         relay.wait_for_output("streaming outbox events", Duration::from_secs(60));
         relay
@@ -97,13 +96,14 @@ pub async fn live(
             .query_one(&insert, &[&(k as i64), &"warm-"])
             .await?;
     }
-    wait_for(bench, &case.stream, WARM_UP, Duration::from_secs(60)).await?;
+    case.wait_for_count(&bench.js, WARM_UP, Duration::from_secs(60))
+        .await;
 
     let total = (rate * duration.as_secs_f64()).round() as u64;
     let writers = writers.max(1) as u64;
     let mut connections = Vec::new();
     for _ in 0..writers {
-        connections.push(connect_sql(&case.url).await?);
+        connections.push(connect_sql(&case.pg_url).await?);
     }
     let walsender = bench
         .walsender_pid(&case.slot)
@@ -149,13 +149,8 @@ pub async fn live(
         f64::NAN
     };
 
-    wait_for(
-        bench,
-        &case.stream,
-        WARM_UP + total,
-        Duration::from_secs(120),
-    )
-    .await?;
+    case.wait_for_count(&bench.js, WARM_UP + total, Duration::from_secs(120))
+        .await;
     let switches = procfs::context_switches(relay.pid())? - switches_before;
     let syscalls = procfs::io_syscalls(relay.pid())? - syscalls_before;
     let cpu_stored = [
@@ -178,7 +173,7 @@ pub async fn live(
         backends: per_event(backends),
         bench: per_event(cpu_stored[3] - cpu_before[4]),
     };
-    let stored = stored_times(bench, &case.stream, WARM_UP + total).await?;
+    let stored = stored_times(bench, &case.stream, WARM_UP + total).await;
     let mut latencies: Vec<f64> = commits
         .iter()
         .filter_map(|(id, committed)| {
@@ -217,50 +212,11 @@ pub async fn live(
     Ok(figures)
 }
 
-async fn wait_for(bench: &Bench, stream: &str, count: u64, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    while bench.stream_count(stream).await? < count {
-        if Instant::now() > deadline {
-            bail!("stream {stream} did not reach {count} messages within {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
-
 /// Outbox id → the server's store time (ns since the epoch) of the first `count` messages.
-async fn stored_times(bench: &Bench, stream: &str, count: u64) -> Result<HashMap<i64, i128>> {
-    let stream = bench.js.get_stream(stream).await?;
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::Config {
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            inactive_threshold: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = consumer.messages().await?;
-    let mut out = HashMap::with_capacity(count as usize);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while (out.len() as u64) < count {
-        let message = tokio::time::timeout_at(deadline, messages.next())
-            .await
-            .context("reading the stream back timed out")?
-            .context("the consumer ended")?
-            .map_err(|e| anyhow::anyhow!("reading the stream back: {e}"))?;
-        let info = message
-            .info()
-            .map_err(|e| anyhow::anyhow!("not a JetStream message: {e}"))?;
-        let published = info.published.unix_timestamp_nanos();
-        let id: i64 = message
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(outbox::headers::OUTBOX_ID))
-            .and_then(|v| v.as_str().parse().ok())
-            .context("a message without a numeric Outbox-Id header")?;
-        out.insert(id, published);
-    }
-    Ok(out)
+async fn stored_times(bench: &Bench, stream: &str, count: u64) -> HashMap<i64, i128> {
+    let messages = read_stream(&bench.js, stream, count, Duration::from_secs(120)).await;
+    let times = messages.iter().map(|m| (m.outbox_id(), m.published_ns));
+    times.collect()
 }
 
 /// Per 100 ms of commit time: events, median and max latency (`BENCH_LATENCY_TRACE=1`).

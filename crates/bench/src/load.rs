@@ -7,9 +7,10 @@
 use std::num::NonZeroU64;
 
 use anyhow::{Context as _, Result};
-use bytes::Bytes;
-use outbox::{OutboxEvent, Position};
+use outbox::{OutboxEvent, OutboxRow, Position};
 use pgoutput::Lsn;
+use testkit::harness::Row;
+pub use testkit::harness::ROW_COLUMNS;
 use tokio_postgres::Client;
 
 /// The relay's default shard count.
@@ -73,49 +74,11 @@ pub async fn current_wal_lsn(sql: &Client) -> Result<Lsn> {
         .map_err(|e| anyhow::anyhow!("pg_current_wal_lsn {text:?}: {e:?}"))
 }
 
-/// The event the relay publishes for a row (keys, shard, subject as `outbox` derives
-/// them), built without decoding WAL: for the broker ceiling and the polling publisher.
-pub fn event_for_row(
-    prefix: &str,
-    id: i64,
-    entity_id: String,
-    event_type: String,
-    payload: Bytes,
-    created_at_ms: i64,
-    position: Position,
-) -> OutboxEvent {
-    let keys = outbox::compute_keys(id, &entity_id, &event_type, created_at_ms);
-    let shard = outbox::shard_for_key(PARTITIONS, &keys.partition_key);
-    let subject = outbox::subject::subject(prefix, shard, &event_type);
-    OutboxEvent {
-        id,
-        entity_id,
-        event_type,
-        keys,
-        shard,
-        subject,
-        payload,
-        position,
-        created_at_ms,
-    }
-}
-
-/// The columns an event is built from, in the order [`row_event`] reads them.
-pub const EVENT_COLUMNS: &str = "id, entity_id, event_type, payload::text, \
-     floor(extract(epoch from created_at) * 1000)::bigint";
-
-/// Builds the event of a row selected with [`EVENT_COLUMNS`].
+/// The event the relay publishes for a row selected with [`ROW_COLUMNS`] (keys, shard,
+/// subject as the outbox crate derives them), built without decoding WAL: for the broker
+/// ceiling and the polling publisher.
 pub fn row_event(prefix: &str, row: &tokio_postgres::Row, position: Position) -> OutboxEvent {
-    let payload: String = row.get(3);
-    event_for_row(
-        prefix,
-        row.get(0),
-        row.get(1),
-        row.get(2),
-        Bytes::from(payload),
-        row.get(4),
-        position,
-    )
+    OutboxRow::from(Row::from_sql(row)).into_event(prefix, PARTITIONS, position)
 }
 
 /// Every row of the case's table as the event the relay would publish under `prefix`, in
@@ -128,7 +91,7 @@ pub async fn read_events(
 ) -> Result<Vec<OutboxEvent>> {
     let statement = sql
         .prepare(&format!(
-            "select {EVENT_COLUMNS} from outbox_events where id between $1 and $2 order by id"
+            "select {ROW_COLUMNS} from outbox_events where id between $1 and $2 order by id"
         ))
         .await?;
     let max: i64 = sql

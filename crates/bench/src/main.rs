@@ -24,7 +24,10 @@
 //! - **polling baseline** ([`polling`]): the seed's polling publisher draining a 100 000-
 //!   event backlog (per-row and batched), and **relay / polling**;
 //! - **a 1 000 000-row transaction** ([`drain`] again): the relay's peak RSS while it
-//!   passes through.
+//!   passes through;
+//! - **consumer** ([`consume`]): `outbox-consumer` applying 100 000 relay events, one side
+//!   effect each in the transaction that records its `dedupe_key`: events/s and CPU per
+//!   event (`--only consumer` needs no relay binary).
 //!
 //! Every figure is the median of `--runs` runs (3; 1 with `--quick`) with min and max.
 //! Nothing here asserts a timing: the tool prints figures and the targets they meet or miss.
@@ -37,6 +40,7 @@
 //! prints the live latency per 100 ms of commit time.
 
 mod ceilings;
+mod consume;
 mod drain;
 mod harness;
 mod latency;
@@ -113,6 +117,8 @@ enum Scenario {
     Polling,
     /// One transaction of 1 000 000 rows.
     BigTx,
+    /// outbox-consumer applying 100 000 events (no relay involved).
+    Consumer,
 }
 
 /// Sizes of one benchmark run.
@@ -123,6 +129,7 @@ struct Sizes {
     single: u64,
     polling: u64,
     big_tx: u64,
+    consumer: u64,
     latency: Duration,
     /// (events/s, writer connections).
     rates: Vec<(f64, usize)>,
@@ -137,6 +144,7 @@ impl Sizes {
                 single: 20_000,
                 polling: 20_000,
                 big_tx: 100_000,
+                consumer: 20_000,
                 latency: Duration::from_secs(3),
                 rates: vec![(1_000.0, 1), (10_000.0, 4)],
             }
@@ -147,6 +155,7 @@ impl Sizes {
                 single: 100_000,
                 polling: 100_000,
                 big_tx: 1_000_000,
+                consumer: 100_000,
                 latency: Duration::from_secs(10),
                 rates: vec![(1_000.0, 1), (10_000.0, 4)],
             }
@@ -155,6 +164,7 @@ impl Sizes {
             sizes.batch = n;
             sizes.single = n;
             sizes.polling = n;
+            sizes.consumer = n;
         }
         if let Some(n) = large_events {
             sizes.batch_large = n;
@@ -219,7 +229,12 @@ async fn main() -> Result<()> {
         sizes.latency = Duration::from_secs_f64(seconds);
     }
     let selected = |s: Scenario| cli.only.is_empty() || cli.only.contains(&s);
-    let relay_bin = harness::locate_relay(cli.relay_bin.clone())?;
+    let relay_bin = if cli.only == [Scenario::Consumer] {
+        // Nothing runs the relay: do not build it.
+        PathBuf::from("outbox-relay (not used)")
+    } else {
+        harness::locate_relay(cli.relay_bin.clone())?
+    };
     let wrapper: Vec<String> = cli
         .relay_wrapper
         .as_deref()
@@ -267,6 +282,9 @@ async fn main() -> Result<()> {
         }
         if selected(Scenario::BigTx) {
             big_transaction(&mut bench, &mut results, sizes.big_tx).await?;
+        }
+        if selected(Scenario::Consumer) {
+            consumer(&mut bench, &mut results, sizes.consumer).await?;
         }
     }
 
@@ -320,7 +338,7 @@ async fn backlog(bench: &mut Bench, results: &mut Results, events: u64, per_tx: 
     let decode_rate = n / decode.seconds;
     results.record(&label, DECODE, Unit::Rate, decode_rate);
 
-    let broker_prefix = case.prefix.replacen('r', "c", 1);
+    let broker_prefix = case.prefix.replacen('t', "c", 1);
     let broker_stream = format!("CEIL_{}", case.database.to_uppercase());
     let messages = load::read_events(&case.sql, &broker_prefix, per_tx, endpos).await?;
     let broker = ceilings::broker(bench, &messages, &broker_stream, &broker_prefix).await?;
@@ -481,7 +499,7 @@ async fn polling_baseline(
     ] {
         let case = bench.case("polling").await?;
         load::write_batched(&case.sql, events, TX_ROWS).await?;
-        let prefix = case.prefix.replacen('r', "p", 1);
+        let prefix = case.prefix.replacen('t', "p", 1);
         let stream = format!("POLL_{}", case.database.to_uppercase());
         let seconds = polling::drain(bench, &case, variant, events, &stream, &prefix).await?;
         let rate = events as f64 / seconds;
@@ -530,6 +548,39 @@ async fn big_transaction(bench: &mut Bench, results: &mut Results, events: u64) 
         "bench: {label}: relay {:.0}/s, {:.1} MiB peak RSS",
         n / drain.seconds,
         drain.peak_rss_mib
+    );
+    let stream = case.stream.clone();
+    bench.drop_case(case, &[&stream]).await
+}
+
+/// outbox-consumer applying a backlog, one side effect per event.
+async fn consumer(bench: &mut Bench, results: &mut Results, events: u64) -> Result<()> {
+    let label = format!(
+        "consumer: {} events on 12 shards, one transaction each",
+        group(events)
+    );
+    let case = bench.case("consumer").await?;
+    let consumed = consume::consume(bench, &case, events).await?;
+    let n = events as f64;
+    let rate = n / consumed.seconds;
+    results.record(
+        &label,
+        "side effects/s (dedupe insert + handler insert, then ack)",
+        Unit::Rate,
+        rate,
+    );
+    for (who, seconds) in [
+        ("consumer CPU", consumed.consumer_cpu),
+        ("its Postgres backends CPU", consumed.backends_cpu),
+        ("nats-server CPU", consumed.server_cpu),
+    ] {
+        results.record(&label, who, Unit::MicrosPerEvent, seconds * 1e6 / n);
+    }
+    eprintln!(
+        "bench: {label}: {rate:.0}/s; CPU µs/event: consumer {:.1}, backends {:.1}, nats {:.1}",
+        consumed.consumer_cpu * 1e6 / n,
+        consumed.backends_cpu * 1e6 / n,
+        consumed.server_cpu * 1e6 / n
     );
     let stream = case.stream.clone();
     bench.drop_case(case, &[&stream]).await

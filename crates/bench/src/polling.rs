@@ -20,7 +20,7 @@ use outbox::{OutboxEvent, Position};
 use pgoutput::Lsn;
 
 use crate::harness::{connect_sql, Bench, Case};
-use crate::load::{row_event, EVENT_COLUMNS};
+use crate::load::{row_event, ROW_COLUMNS};
 
 /// How the polling publisher publishes a claimed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +50,7 @@ pub async fn drain(
     prefix: &str,
 ) -> Result<f64> {
     bench.create_stream(stream, prefix).await?;
-    let mut sql = connect_sql(&case.url).await?;
+    let mut sql = connect_sql(&case.pg_url).await?;
     let client = async_nats::connect(bench.nats.url()).await?;
     let js = jetstream::context::ContextBuilder::new()
         .timeout(Duration::from_secs(10))
@@ -62,7 +62,7 @@ pub async fn drain(
             order by created_at asc limit $1 for update skip locked) \
          update outbox_events set status = 'publishing' \
           where id in (select id from cte) \
-         returning {EVENT_COLUMNS}"
+         returning {ROW_COLUMNS}"
     );
     let start = Instant::now();
     let mut published = 0u64;

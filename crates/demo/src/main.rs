@@ -1,61 +1,59 @@
 //! `cargo run -p outbox-relay-demo`: the whole relay on a local default.
 //!
 //! Starts a throwaway Postgres (`wal_level=logical`) and `nats-server -js` on free ports,
-//! applies the seed's schema, runs the relay, writes sample events the way the seed's
-//! `seed.py` does (placeholder key columns, one transaction rolled back), and prints every
-//! message as it arrives in JetStream with its subject and keys. Everything is removed on
-//! exit. The relay serves its metrics and health on a free local port (printed). `--keep`
-//! leaves it running until Ctrl-C, printing the URLs to connect to.
+//! applies the seed's schema, runs the `outbox-relay` binary on them as an operator would
+//! (`outbox-relay run` with `DATABASE_URL`, `NATS_URL` and `OUTBOX_RELAY_METRICS_ADDR`, everything else at its
+//! defaults; its log is shown prefixed with `[relay]`), writes sample events the way the
+//! seed's `seed.py` does (placeholder key columns, one transaction rolled back), and prints
+//! every message as it arrives in JetStream with its subject and keys. Everything is removed
+//! on exit. The relay serves its metrics and health on a free local port (printed).
+//! `--keep` leaves it running until Ctrl-C, printing the URLs to connect to.
+//!
+//! The relay binary is the one of the demo's own cargo profile (`target/<profile>/`), built
+//! first when the demo runs under cargo ([`testkit::harness::built_relay`]); outside cargo,
+//! build it with `cargo build -p outbox-relay`.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use async_nats::jetstream;
 use futures::StreamExt;
-use outbox_relay::config::{Config, RawConfig};
-use tokio_util::sync::CancellationToken;
+use testkit::harness::{built_relay, relay_command, sql_connect, STREAMING};
+use testkit::{Nats, Postgres, Process};
 
 const SCHEMA: &str = include_str!("../../../sql/schema.sql");
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let keep = std::env::args().any(|a| a == "--keep");
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,async_nats=warn,tokio_postgres=warn")
-            }),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let relay_bin = built_relay(None).map_err(anyhow::Error::msg)?;
 
     println!("== starting a throwaway Postgres 15 (wal_level=logical) and nats-server -js");
-    let pg = tokio::task::spawn_blocking(testkit::Postgres::start).await?;
-    let nats = testkit::Nats::start();
+    let (pg, nats) = tokio::task::spawn_blocking(|| (Postgres::start(), Nats::start())).await?;
     pg.psql("postgres", SCHEMA);
     let database_url = pg.url("postgres");
     println!("   DATABASE_URL={database_url}\n   NATS_URL={}", nats.url());
 
+    println!("== running {} run (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})", relay_bin.display());
+    let log_filter = std::env::var("RUST_LOG")
+        .unwrap_or_else(|_| "info,async_nats=warn,tokio_postgres=warn".to_owned());
     let metrics_addr = format!("127.0.0.1:{}", testkit::free_port());
-    let flags: BTreeMap<&'static str, String> = [
-        ("database_url", database_url.clone()),
-        ("nats_url", nats.url()),
-        ("metrics_addr", metrics_addr.clone()),
-    ]
-    .into_iter()
-    .collect();
-    let raw = RawConfig::load(&flags, &|_| None, &[], None)?;
-    let config = Config::from_sources(&raw)?;
-    let shutdown = CancellationToken::new();
-    println!("== running the relay (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})");
+    let env = [
+        ("DATABASE_URL", database_url.clone()),
+        ("NATS_URL", nats.url()),
+        ("OUTBOX_RELAY_METRICS_ADDR", metrics_addr.clone()),
+        ("RUST_LOG", log_filter),
+    ];
     println!("   metrics: http://{metrics_addr}/metrics, health: /healthz, /readyz");
-    let relay = tokio::spawn(outbox_relay::run(config, shutdown.clone()));
+    let relay = Process::spawn_echoing("relay", relay_command(&relay_bin, &[], "run", env));
+    let relay = tokio::task::spawn_blocking(move || {
+        relay.wait_for_output(STREAMING, Duration::from_secs(60));
+        relay
+    })
+    .await?;
 
-    let client = async_nats::connect(nats.url()).await?;
-    let js = jetstream::new(client);
-    let stream = wait_for_stream(&js).await?;
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let stream = js.get_stream("OUTBOX").await?;
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
             ack_policy: jetstream::consumer::AckPolicy::None,
@@ -65,8 +63,7 @@ async fn main() -> anyhow::Result<()> {
     let mut messages = consumer.messages().await?;
 
     println!("== writing sample events the way the seed's seed.py does (placeholder keys)");
-    let (sql, connection) = tokio_postgres::connect(&database_url, tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
+    let sql = sql_connect(&database_url).await?;
     let insert = "insert into outbox_events(entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
                   values ($1, $2, $3, 'placeholder', '0000000000000:00000000000000000000', $4::text::jsonb)";
     // Entities on different shards (shard_for_key(12, ·): order:A-1 → 0, order:C-3 → 6,
@@ -146,9 +143,13 @@ async fn main() -> anyhow::Result<()> {
         println!("== running until Ctrl-C; write rows to outbox_events at {database_url}");
         tokio::signal::ctrl_c().await?;
     }
-    println!("== stopping the relay (drain, confirm, exit)");
-    shutdown.cancel();
-    relay.await??;
+    println!("== stopping the relay (SIGTERM: drain, confirm, exit)");
+    let status = tokio::task::spawn_blocking(move || {
+        let mut relay = relay;
+        relay.terminate(Duration::from_secs(30))
+    })
+    .await?;
+    anyhow::ensure!(status.success(), "the relay exited with {status}");
     let confirmed: String = sql
         .query_one("select confirmed_flush_lsn::text from pg_replication_slots where slot_name = 'outbox_relay'", &[])
         .await?
@@ -157,14 +158,4 @@ async fn main() -> anyhow::Result<()> {
     drop(pg);
     drop(nats);
     Ok(())
-}
-
-async fn wait_for_stream(js: &jetstream::Context) -> anyhow::Result<jetstream::stream::Stream> {
-    for _ in 0..600 {
-        if let Ok(stream) = js.get_stream("OUTBOX").await {
-            return Ok(stream);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("the relay did not create stream OUTBOX within 30 s")
 }

@@ -175,6 +175,52 @@ impl OutboxColumns {
     }
 }
 
+/// The columns of an outbox row the relay reads (E1), decoded: everything an event is
+/// derived from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRow {
+    /// `id`.
+    pub id: i64,
+    /// `entity_id`, as text.
+    pub entity_id: String,
+    /// `event_type`, exactly.
+    pub event_type: String,
+    /// `payload`, its text unchanged.
+    pub payload: Bytes,
+    /// `created_at` in epoch milliseconds (floor, [`crate::timestamp::epoch_millis`]).
+    pub created_at_ms: i64,
+}
+
+impl OutboxRow {
+    /// The event the relay publishes for this row at `position`: the seed's keys, the shard
+    /// of the partition key among `partitions`, the subject under `prefix`.
+    pub fn into_event(
+        self,
+        prefix: &str,
+        partitions: NonZeroU64,
+        position: Position,
+    ) -> OutboxEvent {
+        let keys = compute_keys(
+            self.id,
+            &self.entity_id,
+            &self.event_type,
+            self.created_at_ms,
+        );
+        let shard = shard_for_key(partitions, &keys.partition_key);
+        OutboxEvent {
+            subject: subject(prefix, shard, &self.event_type),
+            id: self.id,
+            entity_id: self.entity_id,
+            event_type: self.event_type,
+            keys,
+            shard,
+            payload: self.payload,
+            position,
+            created_at_ms: self.created_at_ms,
+        }
+    }
+}
+
 /// One event, ready to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxEvent {
@@ -330,20 +376,14 @@ impl EventBuilder {
         let created_at_ms =
             epoch_millis(parse_timestamptz(&created_at).map_err(|e| fail(e.into()))?);
 
-        let keys = compute_keys(id, &entity_id, &event_type, created_at_ms);
-        let shard = shard_for_key(self.partitions, &keys.partition_key);
-        let subject = subject(&self.prefix, shard, &event_type);
-        Ok(OutboxEvent {
+        let row = OutboxRow {
             id,
             entity_id,
             event_type,
-            keys,
-            shard,
-            subject,
             payload,
-            position,
             created_at_ms,
-        })
+        };
+        Ok(row.into_event(&self.prefix, self.partitions, position))
     }
 }
 

@@ -28,7 +28,8 @@ pub mod subject;
 pub mod timestamp;
 
 pub use event::{
-    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, Position, SchemaError,
+    EventBuilder, EventError, EventErrorKind, OutboxColumns, OutboxEvent, OutboxRow, Position,
+    SchemaError,
 };
 pub use framer::{FrameError, Framer, Item, KnownRelations, Notice, TableName};
 pub use keys::{compute_keys, shard_for_key, Keys};

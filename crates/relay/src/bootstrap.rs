@@ -5,8 +5,13 @@
 //! table, whoever created it (B3); the slot is a pgoutput slot of this database; the
 //! stream's subjects cover `{prefix}.>`.
 //! Created when missing, unless `--no-create`: the publication (`FOR TABLE … WITH (publish =
-//! 'insert', publish_via_partition_root = true)`), the slot, and the stream (file storage,
-//! the configured duplicate window).
+//! 'insert', publish_via_partition_root = true)`), the slot, and the stream (the configured
+//! duplicate window and `stream_*` settings: replicas, storage, `max_age`, `max_bytes`,
+//! `max_msg_size`, discard policy).
+//!
+//! With `--failover-slot` the slot is created with `failover = true` (Postgres 17 or newer;
+//! an older server is a setup error that says what 17 and the standby need), and an existing
+//! slot without it is a warning that gives the fix.
 //!
 //! # Invariants
 //! - B1 Nothing is created when a check fails: a wrong setup is reported, not patched over.
@@ -22,6 +27,13 @@
 //!   the walsender decoding work, which the log says). `FOR ALL TABLES` and `FOR TABLES IN
 //!   SCHEMA` cover the table like `FOR TABLE`. The check runs on every session start, so a
 //!   publication changed under a running relay is refused at its next session.
+//! - B4 The stream is never changed once it exists; what its settings mean for the events is
+//!   said at every start ([`check_stream`]): subjects that do not cover `{prefix}.>` stop the
+//!   relay; memory storage, a retention that deletes events no consumer has read (`max_age`,
+//!   `max_bytes`/`max_msgs` with discard old, interest or work-queue retention), a
+//!   `discard: new` limit (full: every publish fails), a `max_msg_size` above the server's
+//!   `max_payload`, and settings that differ from the options given for them are warnings
+//!   that say why.
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
@@ -109,14 +121,20 @@ pub async fn slot_exists(client: &Client, slot: &str) -> Result<bool> {
 
 /// Checks Postgres and creates what is missing (when allowed). Returns the slot's state.
 pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
-    check_wal_level(client).await?;
-    check_table(client, config).await?;
-    let relations = ensure_publication(client, config).await?;
+    let relations = publication(client, config).await?;
     let confirmed_flush_lsn = ensure_slot(client, config).await?;
     Ok(SlotState {
         confirmed_flush_lsn,
         relations,
     })
+}
+
+/// Every check before the slot, and the publication (created when missing and allowed):
+/// what must hold before a slot is created.
+pub async fn publication(client: &Client, config: &Config) -> Result<KnownRelations> {
+    check_wal_level(client).await?;
+    check_table(client, config).await?;
+    ensure_publication(client, config).await
 }
 
 async fn check_wal_level(client: &Client) -> Result<()> {
@@ -582,9 +600,37 @@ impl PublicationFacts {
     }
 }
 
+/// The first `server_version_num` with fail-over slots (`--failover-slot`).
+const FAILOVER_VERSION: i32 = 170_000;
+
 async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
-    let query = "SELECT plugin::text, slot_type::text, database::text, confirmed_flush_lsn::text \
-                   FROM pg_catalog.pg_replication_slots WHERE slot_name = $1";
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .map_err(|e| sql_error("cannot read the server version", e))?
+        .get(0);
+    // B1: refused before anything is created.
+    if config.failover_slot && version < FAILOVER_VERSION {
+        return Err(setup(format!(
+            "--failover-slot needs Postgres 17 or newer, and this server is {}.{}: fail-over \
+             slots (synchronized to a standby) came with 17. Upgrade, then set \
+             synchronized_standby_slots on the primary and sync_replication_slots = on (with \
+             hot_standby_feedback = on and primary_slot_name) on the standby; or run without \
+             --failover-slot (after a fail-over the slot is then missing on the new primary)",
+            version / 10000,
+            version % 10000
+        )));
+    }
+    let failover_column = if version >= FAILOVER_VERSION {
+        "failover"
+    } else {
+        "false"
+    };
+    let query = format!(
+        "SELECT plugin::text, slot_type::text, database::text, confirmed_flush_lsn::text, \
+                {failover_column} FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+    );
+    let query = query.as_str();
     let row = client
         .query_opt(query, &[&config.slot])
         .await
@@ -601,11 +647,14 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
             )))
         }
         None => {
+            // PG 17: (name, plugin, temporary, twophase, failover).
+            let create = if config.failover_slot {
+                "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+            } else {
+                "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')"
+            };
             client
-                .query_one(
-                    "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&config.slot],
-                )
+                .query_one(create, &[&config.slot])
                 .await
                 .map_err(|e| {
                     sql_error(
@@ -613,7 +662,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
                         e,
                     )
                 })?;
-            info!(slot = %config.slot, "created logical replication slot");
+            info!(slot = %config.slot, failover = config.failover_slot, "created logical replication slot");
             client
                 .query_one(query, &[&config.slot])
                 .await
@@ -624,6 +673,18 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
     let slot_type: Option<String> = row.get(1);
     let database: Option<String> = row.get(2);
     let confirmed: Option<String> = row.get(3);
+    let failover: Option<bool> = row.get(4);
+    if config.failover_slot && failover != Some(true) {
+        warn!(
+            slot = %config.slot,
+            "--failover-slot is on but the existing slot is not a fail-over slot, so a standby \
+             does not keep it: run ALTER_REPLICATION_SLOT {} (FAILOVER true) on a replication \
+             connection (psql \"dbname=... replication=database\"), or drop the slot and let the \
+             relay recreate it (events committed meanwhile are not relayed: see \
+             docs/operations.md)",
+            quote_identifier(&config.slot)
+        );
+    }
     let current_db: String = client
         .query_one("SELECT current_database()::text", &[])
         .await
@@ -652,36 +713,22 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
         .map_err(|e| permanent(format!("slot {:?}: {e}", config.slot)))
 }
 
-/// Checks the stream, or creates it when missing (and allowed).
+use std::time::Duration;
+
+use crate::config::{format_duration, format_size, opt, StreamSettings};
+
+/// Checks the stream, or creates it when missing (and allowed) with the configured settings
+/// (`config.stream_settings`), then warns about what its settings mean for the events (B3).
 pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<()> {
     let ours = format!("{}.>", config.subject_prefix);
-    match jetstream.get_stream(&config.stream).await {
-        Ok(mut stream) => {
-            let info = stream.info().await.map_err(|e| {
+    let info = match jetstream.get_stream(&config.stream).await {
+        Ok(mut stream) => stream
+            .info()
+            .await
+            .map_err(|e| {
                 RelayError::transient(anyhow::anyhow!("cannot read stream {}: {e}", config.stream))
-            })?;
-            let covered = info
-                .config
-                .subjects
-                .iter()
-                .any(|filter| subject_filter_covers(filter, &ours));
-            if !covered {
-                return Err(setup(format!(
-                    "stream {} exists but its subjects {:?} do not cover {ours}: add {ours} to the \
-                     stream's subjects, or choose another OUTBOX_RELAY_STREAM or OUTBOX_RELAY_SUBJECT_PREFIX",
-                    config.stream, info.config.subjects
-                )));
-            }
-            if info.config.duplicate_window != config.duplicate_window {
-                warn!(
-                    stream = %config.stream,
-                    duplicate_window = ?info.config.duplicate_window,
-                    configured = ?config.duplicate_window,
-                    "the existing stream's duplicate window differs from OUTBOX_RELAY_DUPLICATE_WINDOW; the stream's own applies"
-                );
-            }
-            Ok(())
-        }
+            })?
+            .clone(),
         Err(error)
             if matches!(
                 error.kind(),
@@ -694,29 +741,332 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
                     config.stream
                 )));
             }
-            jetstream
-                .create_stream(StreamConfig {
-                    name: config.stream.clone(),
-                    subjects: vec![ours.clone()],
-                    storage: StorageType::File,
-                    duplicate_window: config.duplicate_window,
-                    ..Default::default()
-                })
+            let settings = &config.stream_settings;
+            let created = jetstream
+                .create_stream(stream_config(config))
                 .await
-                .map_err(|e| {
-                    RelayError::transient(anyhow::anyhow!(
-                        "cannot create stream {}: {e}",
-                        config.stream
-                    ))
-                })?;
-            info!(stream = %config.stream, subjects = %ours, duplicate_window = ?config.duplicate_window, "created stream");
-            Ok(())
+                .map_err(|e| create_error(config, &ours, e))?;
+            info!(
+                stream = %config.stream,
+                subjects = %ours,
+                duplicate_window = %format_duration(config.duplicate_window),
+                replicas = settings.replicas,
+                storage = ?settings.storage,
+                max_age = %settings.max_age.map_or("unlimited".into(), format_duration),
+                max_bytes = %settings.max_bytes.map_or("unlimited".into(), format_size),
+                max_msg_size = %settings.max_msg_size.map_or("unlimited".into(), format_size),
+                discard = ?settings.discard,
+                "created stream"
+            );
+            created.cached_info().clone()
         }
-        Err(error) => Err(RelayError::transient(anyhow::anyhow!(
-            "cannot look up stream {}: {error}",
-            config.stream
-        ))),
+        Err(error) => {
+            return Err(RelayError::transient(anyhow::anyhow!(
+                "cannot look up stream {}: {error}",
+                config.stream
+            )))
+        }
+    };
+    let max_payload = jetstream.client().server_info().max_payload;
+    for finding in check_stream(&info, config, max_payload) {
+        match finding.severity {
+            StreamSeverity::Refused => return Err(setup(finding.message)),
+            StreamSeverity::Full | StreamSeverity::Warning => {
+                warn!(stream = %config.stream, "{}", finding.message);
+            }
+        }
     }
+    Ok(())
+}
+
+/// The configuration of a stream the relay creates.
+pub fn stream_config(config: &Config) -> StreamConfig {
+    let settings = &config.stream_settings;
+    let limit = |value: Option<u64>| value.and_then(|v| i64::try_from(v).ok()).unwrap_or(-1);
+    StreamConfig {
+        name: config.stream.clone(),
+        subjects: vec![format!("{}.>", config.subject_prefix)],
+        storage: settings.storage,
+        duplicate_window: config.duplicate_window,
+        num_replicas: settings.replicas,
+        max_age: settings.max_age.unwrap_or_default(),
+        max_bytes: limit(settings.max_bytes),
+        max_message_size: settings
+            .max_msg_size
+            .and_then(|v| i32::try_from(v).ok())
+            .unwrap_or(-1),
+        discard: settings.discard,
+        ..Default::default()
+    }
+}
+
+/// A stream the server refuses to create: a setting it cannot honour is permanent and names
+/// the option; a cluster without a leader or quorum, a lost connection or a concurrent
+/// creation are transient (the next session looks again).
+fn create_error(
+    config: &Config,
+    ours: &str,
+    error: jetstream::context::CreateStreamError,
+) -> RelayError {
+    use async_nats::jetstream::ErrorCode;
+    let message = format!("cannot create stream {}: {error}", config.stream);
+    let jetstream::context::CreateStreamErrorKind::JetStream(refusal) = error.kind() else {
+        return RelayError::transient(anyhow::anyhow!(message));
+    };
+    let code = refusal.error_code();
+    let fix = match code {
+        ErrorCode::CLUSTER_NO_PEERS
+        | ErrorCode::CLUSTER_NOT_AVAILABLE
+        | ErrorCode::CLUSTER_NOT_ACTIVE
+        | ErrorCode::CLUSTER_NOT_LEADER
+        | ErrorCode::CLUSTER_INCOMPLETE
+        | ErrorCode::RAFT_GENERAL
+        | ErrorCode::STREAM_NAME_EXIST => return RelayError::transient(anyhow::anyhow!(message)),
+        ErrorCode::STREAM_REPLICAS_NOT_SUPPORTED => format!(
+            "a single nats-server keeps one replica: set {}=1, or run a JetStream cluster",
+            opt::STREAM_REPLICAS.env
+        ),
+        ErrorCode::INSUFFICIENT_RESOURCES
+        | ErrorCode::STORAGE_RESOURCES_EXCEEDED
+        | ErrorCode::MEMORY_RESOURCES_EXCEEDED
+        | ErrorCode::ACCOUNT_RESOURCES_EXCEEDED => format!(
+            "lower {} or raise the JetStream limits of the server or account (max_file_store, max_memory_store)",
+            opt::STREAM_MAX_BYTES.env
+        ),
+        ErrorCode::STREAM_SUBJECT_OVERLAP => format!(
+            "another stream takes subjects overlapping {ours}: choose another {}, or set {} to that stream",
+            opt::SUBJECT_PREFIX.env,
+            opt::STREAM.env
+        ),
+        _ => "check the stream options (OUTBOX_RELAY_STREAM_*, docs/configuration.md)".into(),
+    };
+    permanent(format!("{message}: {fix}"))
+}
+
+/// How much a finding of [`check_stream`] matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamSeverity {
+    /// The relay cannot use the stream: it refuses to start.
+    Refused,
+    /// A `discard: new` stream at its limit: every publish fails until room is made.
+    Full,
+    /// The stream works, but its settings can lose events or weaken a guarantee.
+    Warning,
+}
+
+/// One thing [`check_stream`] found, said so that the operator knows why and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamFinding {
+    /// How much it matters.
+    pub severity: StreamSeverity,
+    /// What, why, and the fix.
+    pub message: String,
+}
+
+/// Checks a stream against what the relay needs and the options given for it (B3): its
+/// subjects cover `{prefix}.>`; file storage; the duplicate window; the settings given
+/// explicitly; `max_msg_size` against the server's `max_payload`; a retention that can
+/// delete events no consumer has read; a `discard: new` limit, and whether it is reached.
+pub fn check_stream(
+    info: &jetstream::stream::Info,
+    config: &Config,
+    max_payload: usize,
+) -> Vec<StreamFinding> {
+    use async_nats::jetstream::stream::{DiscardPolicy, RetentionPolicy};
+    let name = &config.stream;
+    let stream = &info.config;
+    let mut findings = Vec::new();
+    let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
+    let ours = format!("{}.>", config.subject_prefix);
+    if !stream
+        .subjects
+        .iter()
+        .any(|filter| subject_filter_covers(filter, &ours))
+    {
+        say(StreamSeverity::Refused, format!(
+            "stream {name} exists but its subjects {:?} do not cover {ours}: add {ours} to the \
+             stream's subjects, or choose another OUTBOX_RELAY_STREAM or OUTBOX_RELAY_SUBJECT_PREFIX",
+            stream.subjects
+        ));
+    }
+    if stream.storage == StorageType::Memory {
+        say(
+            StreamSeverity::Warning,
+            format!(
+            "stream {name} keeps its events in memory: a nats-server restart loses every one of \
+             them, though Postgres released them once stored; use file storage ({}=file for a \
+             stream the relay creates; an existing stream's storage cannot change: recreate it)",
+            opt::STREAM_STORAGE.env
+        ),
+        );
+    }
+    if stream.duplicate_window != config.duplicate_window {
+        say(
+            StreamSeverity::Warning,
+            format!(
+            "stream {name}'s duplicate window ({}) differs from {} ({}); the stream's own applies",
+            format_duration(stream.duplicate_window),
+            opt::DUPLICATE_WINDOW.env,
+            format_duration(config.duplicate_window)
+        ),
+        );
+    }
+    let differences = differences(stream, &config.stream_settings);
+    if !differences.is_empty() {
+        say(
+            StreamSeverity::Warning,
+            format!(
+            "stream {name} differs from the options given for it: {}; the stream's own settings \
+             apply (the relay never changes an existing stream): edit the stream (nats stream \
+             edit {name}) or change the options",
+            differences.join(", ")
+        ),
+        );
+    }
+    let max_msg_size = u64::try_from(stream.max_message_size).unwrap_or(0);
+    if max_msg_size > 0 && max_payload > 0 && max_msg_size > max_payload as u64 {
+        say(
+            StreamSeverity::Warning,
+            format!(
+                "stream {name} accepts messages up to {} (max_msg_size), but the server's \
+             max_payload is {}: larger events are refused anyway and handled as poison \
+             (OUTBOX_RELAY_ON_POISON); raise max_payload in nats-server's configuration to \
+             use the stream's limit",
+                format_size(max_msg_size),
+                format_size(max_payload as u64)
+            ),
+        );
+    }
+    match stream.retention {
+        RetentionPolicy::Limits => {}
+        RetentionPolicy::Interest => say(
+            StreamSeverity::Warning,
+            format!(
+                "stream {name} has interest retention: it deletes an event once every consumer \
+             acknowledged it, and at once while no consumer exists, so events published then \
+             are lost; and the relay cannot resume from the stream's last message (replays are \
+             de-duplicated by Nats-Msg-Id, within the duplicate window only); use limits retention"
+            ),
+        ),
+        RetentionPolicy::WorkQueue => say(
+            StreamSeverity::Warning,
+            format!(
+                "stream {name} has work-queue retention: it deletes an event once a consumer \
+             acknowledged it, so the relay cannot resume from the stream's last message \
+             (replays are de-duplicated by Nats-Msg-Id, within the duplicate window only); use \
+             limits retention"
+            ),
+        ),
+    }
+    if !stream.max_age.is_zero() {
+        say(
+            StreamSeverity::Warning,
+            format!(
+                "stream {name} deletes events older than {} (max_age), read or not: a consumer \
+             that falls further behind, or stays stopped longer, never sees them, and the \
+             relay cannot publish them again (Postgres released them once stored)",
+                format_duration(stream.max_age)
+            ),
+        );
+    }
+    let positive = |v: i64| u64::try_from(v).ok().filter(|&v| v > 0);
+    let max_bytes = positive(stream.max_bytes);
+    let max_messages = positive(stream.max_messages);
+    let mut limits = Vec::new();
+    limits.extend(max_bytes.map(|v| format!("{} (max_bytes)", format_size(v))));
+    let messages = |n: u64| format!("{n} message{}", if n == 1 { "" } else { "s" });
+    limits.extend(max_messages.map(|v| format!("{} (max_msgs)", messages(v))));
+    let per_subject = positive(stream.max_messages_per_subject)
+        .map(|v| format!("{} per subject (max_msgs_per_subject)", messages(v)));
+    match stream.discard {
+        DiscardPolicy::Old => {
+            limits.extend(per_subject);
+            if !limits.is_empty() {
+                say(
+                    StreamSeverity::Warning,
+                    format!(
+                        "stream {name} deletes its oldest events beyond {} (discard old), read or \
+                     not: a consumer that falls further behind never sees them, and the relay \
+                     cannot publish them again (Postgres released them once stored)",
+                        limits.join(" or ")
+                    ),
+                );
+            }
+        }
+        DiscardPolicy::New => {
+            if !limits.is_empty() {
+                say(StreamSeverity::Warning, format!(
+                    "stream {name} refuses new events beyond {} (discard new): then every \
+                     publish of the relay fails, nothing more is relayed and the slot retains \
+                     WAL until room is made (raise the limit, or delete events consumers have read)",
+                    limits.join(" or ")
+                ));
+            }
+            let state = &info.state;
+            let full = max_messages.is_some_and(|max| state.messages >= max)
+                || max_bytes.is_some_and(|max| state.bytes >= max / 100 * 99);
+            if full {
+                say(
+                    StreamSeverity::Full,
+                    format!(
+                        "stream {name} is full: it holds {}, {} (discard new), and refuses \
+                     new events: the relay's publishes fail and it retries while the slot retains \
+                     WAL; make room (raise max_bytes or max_msgs with nats stream edit {name}, or \
+                     delete events consumers have read)",
+                        messages(state.messages),
+                        format_size(state.bytes)
+                    ),
+                );
+            }
+        }
+    }
+    findings
+}
+
+/// The settings given explicitly in `settings` that `stream` does not have, each as
+/// `max_age 1h (OUTBOX_RELAY_STREAM_MAX_AGE: 7d)`.
+fn differences(stream: &StreamConfig, settings: &StreamSettings) -> Vec<String> {
+    let size = |v: Option<u64>| v.map_or("unlimited".into(), format_size);
+    let limit = |v: i64| size(u64::try_from(v).ok().filter(|&v| v > 0));
+    let age = |v: Option<Duration>| v.map_or("unlimited".into(), format_duration);
+    let storage = |s: StorageType| match s {
+        StorageType::File => "file",
+        StorageType::Memory => "memory",
+    };
+    let discard = |d: async_nats::jetstream::stream::DiscardPolicy| format!("{d:?}").to_lowercase();
+    let mut found = Vec::new();
+    for spec in &settings.given {
+        let (have, want) = match spec.key {
+            k if k == opt::STREAM_REPLICAS.key => (
+                stream.num_replicas.max(1).to_string(),
+                settings.replicas.to_string(),
+            ),
+            k if k == opt::STREAM_STORAGE.key => (
+                storage(stream.storage).into(),
+                storage(settings.storage).into(),
+            ),
+            k if k == opt::STREAM_MAX_AGE.key => (
+                age(Some(stream.max_age).filter(|a| !a.is_zero())),
+                age(settings.max_age),
+            ),
+            k if k == opt::STREAM_MAX_BYTES.key => {
+                (limit(stream.max_bytes), size(settings.max_bytes))
+            }
+            k if k == opt::STREAM_MAX_MSG_SIZE.key => (
+                limit(i64::from(stream.max_message_size)),
+                size(settings.max_msg_size),
+            ),
+            k if k == opt::STREAM_DISCARD.key => {
+                (discard(stream.discard), discard(settings.discard))
+            }
+            _ => continue,
+        };
+        if have != want {
+            let key = spec.key.trim_start_matches("stream_");
+            found.push(format!("{key} {have} ({}: {want})", spec.env));
+        }
+    }
+    found
 }
 
 /// Whether every subject matching `pattern` (e.g. `outbox.>`) also matches `filter`.
@@ -739,6 +1089,138 @@ pub fn subject_filter_covers(filter: &str, pattern: &str) -> bool {
         }
     }
     filter.len() == pattern.len()
+}
+
+#[cfg(test)]
+mod stream_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{check_stream, jetstream, StreamSeverity};
+
+    /// A stream's info as the server sends it: `config` over a file stream without limits.
+    fn info(config: serde_json::Value, messages: u64, bytes: u64) -> jetstream::stream::Info {
+        let mut base = serde_json::json!({
+            "name": "OUTBOX", "subjects": ["outbox.>"], "retention": "limits",
+            "max_consumers": -1, "max_msgs": -1, "max_bytes": -1, "max_age": 0,
+            "max_msgs_per_subject": -1, "max_msg_size": -1, "discard": "old",
+            "storage": "file", "num_replicas": 1, "duplicate_window": 120_000_000_000u64,
+        });
+        for (key, value) in config.as_object().unwrap() {
+            base[key] = value.clone();
+        }
+        serde_json::from_value(serde_json::json!({
+            "config": base,
+            "created": "2025-01-31T12:00:00Z",
+            "state": {
+                "messages": messages, "bytes": bytes, "first_seq": 1, "last_seq": messages,
+                "first_ts": "2025-01-31T12:00:00Z", "last_ts": "2025-01-31T12:00:00Z",
+                "consumer_count": 0,
+            },
+        }))
+        .unwrap()
+    }
+
+    fn check(
+        config: serde_json::Value,
+        messages: u64,
+        env: &[(&str, &str)],
+    ) -> Vec<(StreamSeverity, String)> {
+        let mut all = vec![("DATABASE_URL", "postgres://relay@db/app")];
+        all.extend_from_slice(env);
+        let relay = crate::config::tests::load(&[], &all, None).unwrap();
+        check_stream(&info(config, messages, messages * 100), &relay, 1 << 20)
+            .into_iter()
+            .map(|finding| (finding.severity, finding.message))
+            .collect()
+    }
+
+    #[test]
+    fn the_stream_the_relay_creates_by_default_gets_no_finding() {
+        assert_eq!(check(serde_json::json!({}), 10, &[]), vec![]);
+    }
+
+    #[test]
+    fn subjects_that_do_not_cover_ours_are_refused() {
+        let found = check(serde_json::json!({"subjects": ["other.>"]}), 0, &[]);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].0, StreamSeverity::Refused);
+        assert!(found[0].1.contains("do not cover outbox.>"), "{found:?}");
+    }
+
+    #[test]
+    fn retention_that_can_delete_unread_events_is_a_warning_that_says_why() {
+        let found = check(
+            serde_json::json!({"max_age": 3_600_000_000_000u64, "max_bytes": 1 << 30,
+                               "max_msgs_per_subject": 10}),
+            0,
+            &[],
+        );
+        let messages: Vec<&str> = found.iter().map(|(_, m)| m.as_str()).collect();
+        assert!(found.iter().all(|(s, _)| *s == StreamSeverity::Warning));
+        assert_eq!(messages.len(), 2, "{messages:?}");
+        assert!(messages[0].contains("deletes events older than 1h (max_age), read or not"));
+        assert!(messages[1].contains(
+            "deletes its oldest events beyond 1 GiB (max_bytes) or 10 messages per subject \
+             (max_msgs_per_subject) (discard old)"
+        ));
+        for retention in ["interest", "workqueue"] {
+            let found = check(serde_json::json!({ "retention": retention }), 0, &[]);
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert!(
+                found[0]
+                    .1
+                    .contains("cannot resume from the stream's last message"),
+                "{found:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_discard_new_limit_warns_and_a_full_stream_says_publishes_fail() {
+        let config = serde_json::json!({"discard": "new", "max_msgs": 5});
+        let found = check(config.clone(), 4, &[]);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0]
+            .1
+            .contains("refuses new events beyond 5 messages (max_msgs)"));
+        let found = check(config, 5, &[]);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert_eq!(found[1].0, StreamSeverity::Full);
+        assert!(
+            found[1].1.contains("is full: it holds 5 messages, "),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn settings_given_explicitly_are_compared_and_defaults_are_not() {
+        let config = serde_json::json!({"num_replicas": 3, "max_msg_size": 2 << 20});
+        let found = check(config.clone(), 0, &[]);
+        assert_eq!(
+            found.len(),
+            1,
+            "only max_msg_size vs max_payload: {found:?}"
+        );
+        assert!(found[0].1.contains("max_payload is 1 MiB"), "{found:?}");
+        let found = check(
+            config,
+            0,
+            &[
+                ("OUTBOX_RELAY_STREAM_REPLICAS", "1"),
+                ("OUTBOX_RELAY_STREAM_MAX_MSG_SIZE", "2MiB"),
+                ("OUTBOX_RELAY_STREAM_DISCARD", "new"),
+            ],
+        );
+        assert!(
+            found.iter().any(|(_, m)| {
+                m.contains(
+                "differs from the options given for it: replicas 3 \
+                 (OUTBOX_RELAY_STREAM_REPLICAS: 1), discard old (OUTBOX_RELAY_STREAM_DISCARD: new);"
+            )
+            }),
+            "{found:?}"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use async_nats::jetstream::stream::{DiscardPolicy, StorageType};
 use replication::ConnInfo;
 
 /// One option: its file key, flag, environment variable and default.
@@ -133,6 +134,20 @@ pub mod opt {
             "Publishes awaiting a JetStream ack at most");
         DUPLICATE_WINDOW = ("duplicate_window", "OUTBOX_RELAY_DUPLICATE_WINDOW", Some("2m"),
             "Duplicate window of a stream the relay creates (e.g. 120s, 2m, 1h)");
+        // The stream the relay creates (bootstrap::stream); an existing one is checked against
+        // the ones given explicitly.
+        STREAM_REPLICAS = ("stream_replicas", "OUTBOX_RELAY_STREAM_REPLICAS", Some("1"),
+            "Replicas of a stream the relay creates, 1 to 5 (more than 1 needs a JetStream cluster)");
+        STREAM_STORAGE = ("stream_storage", "OUTBOX_RELAY_STREAM_STORAGE", Some("file"),
+            "Storage of a stream the relay creates: file, or memory (a nats-server restart loses every event it holds, though Postgres has released them: the relay warns)");
+        STREAM_MAX_AGE = ("stream_max_age", "OUTBOX_RELAY_STREAM_MAX_AGE", Some("unlimited"),
+            "A stream the relay creates deletes events older than this (e.g. 7d, 12h), or unlimited; a limit warns that events no consumer has read yet can be lost");
+        STREAM_MAX_BYTES = ("stream_max_bytes", "OUTBOX_RELAY_STREAM_MAX_BYTES", Some("unlimited"),
+            "Size limit of a stream the relay creates (e.g. 10GiB; K, M, G, T are powers of 1024), or unlimited; what happens at the limit is --stream-discard");
+        STREAM_MAX_MSG_SIZE = ("stream_max_msg_size", "OUTBOX_RELAY_STREAM_MAX_MSG_SIZE", Some("unlimited"),
+            "Largest message a stream the relay creates accepts (e.g. 1MiB), or unlimited; the server's max_payload caps it anyway, and larger events are poison (--on-poison)");
+        STREAM_DISCARD = ("stream_discard", "OUTBOX_RELAY_STREAM_DISCARD", Some("old"),
+            "What a stream the relay creates does at its size limit: old (deletes its oldest events, read or not) or new (refuses new events: the relay's publishes fail and it retries until room is made)");
         ACK_TIMEOUT = ("ack_timeout", "OUTBOX_RELAY_ACK_TIMEOUT", Some("10s"),
             "How long to wait for a JetStream ack before reconnecting");
         SHUTDOWN_TIMEOUT = ("shutdown_timeout", "OUTBOX_RELAY_SHUTDOWN_TIMEOUT", Some("10s"),
@@ -143,13 +158,22 @@ pub mod opt {
             "An event JetStream can never accept: halt (stop, naming it) or dead-letter (a record on {prefix}.dlq in its place)");
         WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
+        MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
+            "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging and /readyz answers stalled (e.g. 512MiB)");
+        // Operations: heartbeats for a quiet outbox database (crate::heartbeat) and PG 17
+        // fail-over slots (crate::bootstrap::ensure_slot).
+        HEARTBEAT_INTERVAL = ("heartbeat_interval", "OUTBOX_RELAY_HEARTBEAT_INTERVAL", Some("off"),
+            "While streaming, write a tiny WAL message (pg_logical_emit_message) in the outbox database this often (e.g. 30s), or off: lets the slot advance when only other databases of the cluster write");
+        FAILOVER_SLOT = ("failover_slot", "OUTBOX_RELAY_FAILOVER_SLOT", Some("false"),
+            "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
+        // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
+        BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
+            "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
         // Metrics and health (crate::metrics, crate::http): MetricsConfig.
         METRICS_ADDR = ("metrics_addr", "OUTBOX_RELAY_METRICS_ADDR", None,
             "Serve Prometheus metrics (/metrics) and health (/healthz, /readyz) over HTTP on this address, e.g. 0.0.0.0:9464, [::]:9464, :9464 (all interfaces) or 127.0.0.1:0 (a free port, logged); off unless set");
-        MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
-            "Slot lag (WAL the slot retains past its confirmed position, as the server sees it) above which /readyz answers stalled (e.g. 512MiB; K, M, G, T are powers of 1024)");
     }
 }
 
@@ -411,6 +435,10 @@ pub enum LogFormat {
     Json,
 }
 
+/// The `application_name` of the relay's Postgres sessions when the connection string and
+/// `PGAPPNAME` give none.
+pub const FALLBACK_APPLICATION_NAME: &str = "outbox-relay";
+
 /// A NATS URL list whose credentials never print.
 #[derive(Clone, PartialEq, Eq)]
 pub struct NatsUrl(String);
@@ -527,6 +555,8 @@ pub struct Config {
     pub max_in_flight: usize,
     /// Duplicate window for a stream the relay creates.
     pub duplicate_window: Duration,
+    /// The other settings of a stream the relay creates.
+    pub stream_settings: StreamSettings,
     /// Ack timeout.
     pub ack_timeout: Duration,
     /// Shutdown drain deadline.
@@ -537,12 +567,20 @@ pub struct Config {
     pub on_poison: sink::PoisonPolicy,
     /// Runtime worker threads (1: a current-thread runtime).
     pub worker_threads: usize,
+    /// Slot lag in bytes above which `outbox-relay status` reports lagging.
+    pub max_lag_bytes: u64,
     /// Log format.
     pub log_format: LogFormat,
+    /// How often the session writes a heartbeat message into the WAL; `None`: never.
+    pub heartbeat_interval: Option<Duration>,
+    /// Whether the slot is (to be) a PG 17 fail-over slot.
+    pub failover_slot: bool,
     /// Metrics and health.
     pub metrics: MetricsConfig,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
+    /// Which rows already in the table are published when the slot is created.
+    pub backfill: crate::backfill::Mode,
 }
 
 impl Config {
@@ -564,6 +602,13 @@ impl Config {
                      valid connection: {e}"
                 ))
             })?
+        };
+        // libpq's fallback_application_name: without one of its own, the relay's sessions
+        // say who they are in pg_stat_activity (and in `outbox-relay status`).
+        let database = if database.application_name().is_none() {
+            database.with_application_name(FALLBACK_APPLICATION_NAME)
+        } else {
+            database
         };
         let nats_url = raw.parse(&NATS_URL, |v| {
             for (i, url) in v.split(',').enumerate() {
@@ -645,6 +690,21 @@ impl Config {
             _ => Err("expected an integer from 1 to 1000000".into()),
         })?;
         let duplicate_window = raw.parse(&DUPLICATE_WINDOW, parse_duration)?;
+        let stream_settings = StreamSettings::from_raw(raw)?;
+        if let Some(max_age) = stream_settings
+            .max_age
+            .filter(|age| *age < duplicate_window)
+        {
+            let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
+            return Err(ConfigError(format!(
+                "{} ({}) is shorter than {} ({}), which JetStream refuses: a stream keeps events \
+                 at least as long as it remembers their ids; raise one or lower the other",
+                name(&STREAM_MAX_AGE),
+                format_duration(max_age),
+                name(&DUPLICATE_WINDOW),
+                format_duration(duplicate_window)
+            )));
+        }
         let ack_timeout = raw.parse(&ACK_TIMEOUT, parse_duration)?;
         let shutdown_timeout = raw.parse(&SHUTDOWN_TIMEOUT, parse_duration)?;
         let shared_stream = raw.parse(&SHARED_STREAM, parse_bool)?;
@@ -657,11 +717,15 @@ impl Config {
             Ok(n) if (1..=256).contains(&n) => Ok(n),
             _ => Err("expected an integer from 1 to 256".into()),
         })?;
+        let max_lag_bytes = raw.parse(&MAX_LAG_BYTES, parse_size)?;
         let log_format = raw.parse(&LOG_FORMAT, |v| match v {
             "text" => Ok(LogFormat::Text),
             "json" => Ok(LogFormat::Json),
             _ => Err("expected text or json".into()),
         })?;
+        let heartbeat_interval =
+            raw.parse(&HEARTBEAT_INTERVAL, |v| word_or("off", v, parse_duration))?;
+        let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
         let metrics = MetricsConfig::from_raw(raw)?;
         Ok(Config {
             database,
@@ -675,14 +739,19 @@ impl Config {
             partitions,
             max_in_flight,
             duplicate_window,
+            stream_settings,
             ack_timeout,
             shutdown_timeout,
             shared_stream,
             on_poison,
             worker_threads,
+            max_lag_bytes,
             log_format,
+            heartbeat_interval,
+            failover_slot,
             metrics,
             create: true,
+            backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
         })
     }
 }
@@ -776,13 +845,84 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
     lines.join("\n")
 }
 
+/// The settings of a stream the relay creates (`crate::bootstrap::stream`) besides its
+/// subjects and duplicate window; an existing stream is checked against the ones given
+/// explicitly.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    /// Replicas, 1 to 5.
+    pub replicas: usize,
+    /// File or memory storage.
+    pub storage: StorageType,
+    /// Events older than this are deleted; `None`: kept whatever their age.
+    pub max_age: Option<Duration>,
+    /// Size limit in bytes (at most `i64::MAX`); `None`: unlimited.
+    pub max_bytes: Option<u64>,
+    /// Largest message in bytes (at most `i32::MAX`); `None`: the server's `max_payload`.
+    pub max_msg_size: Option<u64>,
+    /// What the stream does at its size limit.
+    pub discard: DiscardPolicy,
+    /// The options among these given by a flag, the environment or the file (not defaults).
+    pub given: Vec<&'static OptionSpec>,
+}
+
+impl StreamSettings {
+    fn from_raw(raw: &RawConfig) -> Result<StreamSettings, ConfigError> {
+        use opt::*;
+        let replicas = raw.parse(&STREAM_REPLICAS, |v| match v.parse::<usize>() {
+            Ok(n) if (1..=5).contains(&n) => Ok(n),
+            _ => Err("expected 1 to 5 (JetStream keeps at most 5 replicas)".into()),
+        })?;
+        let storage = raw.parse(&STREAM_STORAGE, |v| match v {
+            "file" => Ok(StorageType::File),
+            "memory" => Ok(StorageType::Memory),
+            _ => Err("expected file or memory".into()),
+        })?;
+        let max_age = raw.parse(&STREAM_MAX_AGE, |v| unlimited_or(v, parse_duration))?;
+        let max_bytes = raw.parse(&STREAM_MAX_BYTES, |v| {
+            unlimited_or(v, |v| at_most(parse_size(v)?, i64::MAX as u64))
+        })?;
+        let max_msg_size = raw.parse(&STREAM_MAX_MSG_SIZE, |v| {
+            unlimited_or(v, |v| at_most(parse_size(v)?, i32::MAX as u64))
+        })?;
+        let discard = raw.parse(&STREAM_DISCARD, |v| match v {
+            "old" => Ok(DiscardPolicy::Old),
+            "new" => Ok(DiscardPolicy::New),
+            _ => Err("expected old or new".into()),
+        })?;
+        let given = [
+            &STREAM_REPLICAS,
+            &STREAM_STORAGE,
+            &STREAM_MAX_AGE,
+            &STREAM_MAX_BYTES,
+            &STREAM_MAX_MSG_SIZE,
+            &STREAM_DISCARD,
+        ]
+        .into_iter()
+        .filter(|spec| {
+            raw.values
+                .get(spec.key)
+                .is_some_and(|(_, origin)| *origin != Origin::Default)
+        })
+        .collect();
+        Ok(StreamSettings {
+            replicas,
+            storage,
+            max_age,
+            max_bytes,
+            max_msg_size,
+            discard,
+            given,
+        })
+    }
+}
+
 /// Metrics and health (`crate::metrics`, `crate::http`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetricsConfig {
-    /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere.
+    /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere. `/readyz`
+    /// answers stalled above [`Config::max_lag_bytes`].
     pub addr: Option<SocketAddr>,
-    /// Slot lag in bytes above which `/readyz` answers stalled.
-    pub max_lag_bytes: u64,
 }
 
 impl MetricsConfig {
@@ -790,8 +930,38 @@ impl MetricsConfig {
     pub fn from_raw(raw: &RawConfig) -> Result<MetricsConfig, ConfigError> {
         Ok(MetricsConfig {
             addr: raw.parse_optional(&opt::METRICS_ADDR, parse_listen_addr)?,
-            max_lag_bytes: raw.parse(&opt::MAX_LAG_BYTES, parse_size)?,
         })
+    }
+}
+
+/// `unlimited` as `None`, anything else through `parse`.
+fn unlimited_or<T>(
+    text: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<Option<T>, String> {
+    word_or("unlimited", text, parse)
+}
+
+/// `None` for `word` (`unlimited`, `off`), else what `parse` makes of `text`.
+fn word_or<T>(
+    word: &str,
+    text: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<Option<T>, String> {
+    if text.trim() == word {
+        Ok(None)
+    } else {
+        parse(text)
+            .map(Some)
+            .map_err(|why| format!("{why}, or {word}"))
+    }
+}
+
+fn at_most(value: u64, limit: u64) -> Result<u64, String> {
+    if value <= limit {
+        Ok(value)
+    } else {
+        Err(format!("must be at most {limit} bytes"))
     }
 }
 
@@ -845,6 +1015,37 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// A byte count for people: `56 B`, `64 MiB` (exact), `120.6 KiB` (rounded).
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && bytes >= 1024u64.pow(unit as u32 + 1) {
+        unit += 1;
+    }
+    let scale = 1024u64.pow(unit as u32);
+    if bytes % scale == 0 {
+        format!("{} {}", bytes / scale, UNITS[unit])
+    } else {
+        format!("{:.1} {}", bytes as f64 / scale as f64, UNITS[unit])
+    }
+}
+
+/// A duration as [`parse_duration`] reads it: `500ms`, `90s`, `2m`, `1h`, `7d`.
+pub fn format_duration(duration: Duration) -> String {
+    let millis = duration.as_millis();
+    if millis % 1000 != 0 {
+        return format!("{millis}ms");
+    }
+    let secs = millis / 1000;
+    match secs {
+        0 => "0s".into(),
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3600 == 0 => format!("{}h", s / 3600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
 /// Parses `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`).
 pub fn parse_bool(text: &str) -> Result<bool, String> {
     match text.trim().to_ascii_lowercase().as_str() {
@@ -854,7 +1055,7 @@ pub fn parse_bool(text: &str) -> Result<bool, String> {
     }
 }
 
-/// Parses `500ms`, `90s`, `2m`, `1h` (a bare number is seconds).
+/// Parses `500ms`, `90s`, `2m`, `1h`, `7d` (a bare number is seconds).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -863,13 +1064,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let (number, unit) = text.split_at(split);
     let number: u64 = number
         .parse()
-        .map_err(|_| "expected a duration like 500ms, 90s, 2m or 1h".to_owned())?;
+        .map_err(|_| "expected a duration like 500ms, 90s, 2m, 1h or 7d".to_owned())?;
     let duration = match unit.trim() {
         "ms" => Duration::from_millis(number),
         "" | "s" => Duration::from_secs(number),
         "m" | "min" => Duration::from_secs(number.saturating_mul(60)),
         "h" => Duration::from_secs(number.saturating_mul(3600)),
-        _ => return Err(format!("unknown unit {unit:?}: use ms, s, m or h")),
+        "d" => Duration::from_secs(number.saturating_mul(86_400)),
+        _ => return Err(format!("unknown unit {unit:?}: use ms, s, m, h or d")),
     };
     if duration.is_zero() {
         return Err("must be greater than zero".into());
@@ -1191,18 +1393,11 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn metrics_addresses_and_sizes() {
+    fn metrics_addresses() {
         let config = load(&[], &[DB], None).unwrap();
         assert_eq!(config.metrics.addr, None, "off unless set");
-        assert_eq!(config.metrics.max_lag_bytes, 1 << 30);
-        let config = load(
-            &[("metrics_addr", ":9464")],
-            &[DB, ("OUTBOX_RELAY_MAX_LAG_BYTES", "512MiB")],
-            None,
-        )
-        .unwrap();
+        let config = load(&[("metrics_addr", ":9464")], &[DB], None).unwrap();
         assert_eq!(config.metrics.addr, Some("0.0.0.0:9464".parse().unwrap()));
-        assert_eq!(config.metrics.max_lag_bytes, 512 << 20);
         assert_eq!(parse_listen_addr("[::1]:0"), Ok("[::1]:0".parse().unwrap()));
         let e = load(
             &[],
@@ -1214,8 +1409,118 @@ pub(crate) mod tests {
             e.0.contains("OUTBOX_RELAY_METRICS_ADDR") && e.0.contains("0.0.0.0:9464"),
             "{e}"
         );
-        assert_eq!(parse_size("64k"), Ok(64 << 10));
-        assert!(parse_size("1 PB").is_err() && parse_size("0").is_err());
+    }
+
+    #[test]
+    fn stream_settings_default_to_a_file_stream_without_limits() {
+        let config = load(&[], &[DB], None).unwrap();
+        let settings = &config.stream_settings;
+        assert_eq!(settings.replicas, 1);
+        assert_eq!(settings.storage, StorageType::File);
+        assert_eq!(
+            (settings.max_age, settings.max_bytes, settings.max_msg_size),
+            (None, None, None)
+        );
+        assert_eq!(settings.discard, DiscardPolicy::Old);
+        assert!(settings.given.is_empty(), "defaults are not given");
+        assert_eq!(config.max_lag_bytes, 1 << 30);
+    }
+
+    #[test]
+    fn stream_settings_come_from_every_source_and_remember_which_were_given() {
+        let config = load(
+            &[("stream_max_bytes", "10GiB")],
+            &[
+                DB,
+                ("OUTBOX_RELAY_STREAM_STORAGE", "memory"),
+                ("OUTBOX_RELAY_STREAM_DISCARD", "new"),
+                ("OUTBOX_RELAY_MAX_LAG_BYTES", "512MiB"),
+            ],
+            Some("stream_max_age = \"7d\"\nstream_max_msg_size = \"1MiB\"\nstream_replicas = 3\n"),
+        )
+        .unwrap();
+        let settings = &config.stream_settings;
+        assert_eq!(settings.replicas, 3);
+        assert_eq!(settings.storage, StorageType::Memory);
+        assert_eq!(settings.max_age, Some(Duration::from_secs(7 * 86_400)));
+        assert_eq!(settings.max_bytes, Some(10 << 30));
+        assert_eq!(settings.max_msg_size, Some(1 << 20));
+        assert_eq!(settings.discard, DiscardPolicy::New);
+        let mut given: Vec<&str> = settings.given.iter().map(|spec| spec.key).collect();
+        given.sort_unstable();
+        assert_eq!(
+            given,
+            [
+                "stream_discard",
+                "stream_max_age",
+                "stream_max_bytes",
+                "stream_max_msg_size",
+                "stream_replicas",
+                "stream_storage"
+            ]
+        );
+        assert_eq!(config.max_lag_bytes, 512 << 20);
+    }
+
+    #[test]
+    fn invalid_stream_settings_name_the_option_and_what_it_takes() {
+        for (env, value, expected) in [
+            ("OUTBOX_RELAY_STREAM_REPLICAS", "6", "expected 1 to 5"),
+            (
+                "OUTBOX_RELAY_STREAM_STORAGE",
+                "disk",
+                "expected file or memory",
+            ),
+            (
+                "OUTBOX_RELAY_STREAM_DISCARD",
+                "oldest",
+                "expected old or new",
+            ),
+            (
+                "OUTBOX_RELAY_STREAM_MAX_BYTES",
+                "0",
+                "greater than zero, or unlimited",
+            ),
+            ("OUTBOX_RELAY_STREAM_MAX_BYTES", "10XB", "unknown unit"),
+            (
+                "OUTBOX_RELAY_STREAM_MAX_MSG_SIZE",
+                "4GiB",
+                "at most 2147483647 bytes",
+            ),
+            ("OUTBOX_RELAY_STREAM_MAX_AGE", "forever", "or unlimited"),
+            ("OUTBOX_RELAY_MAX_LAG_BYTES", "unlimited", "expected a size"),
+        ] {
+            let e = load(&[], &[DB, (env, value)], None).unwrap_err();
+            assert!(
+                e.0.contains(env) && e.0.contains(expected),
+                "{env}={value}: {e}"
+            );
+        }
+        let e = load(&[("stream_max_age", "1m")], &[DB], None).unwrap_err();
+        assert!(
+            e.0.contains("--stream-max-age (1m) is shorter than duplicate_window (default) (2m)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sizes_parse_in_powers_of_1024_and_print_back() {
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_size("64mb"), Ok(64 << 20));
+        assert_eq!(parse_size("10 GiB"), Ok(10 << 30));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        assert_eq!(parse_size("7b"), Ok(7));
+        assert!(parse_size("1.5GiB").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+        assert_eq!(format_size(56), "56 B");
+        assert_eq!(format_size(64 << 20), "64 MiB");
+        assert_eq!(format_size(123_456), "120.6 KiB");
+        assert_eq!(parse_size(&format_size(64 << 20)), Ok(64 << 20));
+        for text in ["500ms", "90s", "2m", "1h", "7d"] {
+            assert_eq!(format_duration(parse_duration(text).unwrap()), text);
+        }
     }
 
     #[test]
@@ -1223,7 +1528,34 @@ pub(crate) mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(604_800)));
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("1.5s").is_err());
+    }
+
+    #[test]
+    fn heartbeats_are_off_unless_an_interval_is_given_and_failover_slots_are_opt_in() {
+        let config = load(&[], &[DB], None).unwrap();
+        assert_eq!(config.heartbeat_interval, None);
+        assert!(!config.failover_slot);
+        let config = load(
+            &[("heartbeat_interval", "30s")],
+            &[DB, ("OUTBOX_RELAY_FAILOVER_SLOT", "true")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.heartbeat_interval, Some(Duration::from_secs(30)));
+        assert!(config.failover_slot);
+        let e = load(
+            &[],
+            &[DB, ("OUTBOX_RELAY_HEARTBEAT_INTERVAL", "often")],
+            None,
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("OUTBOX_RELAY_HEARTBEAT_INTERVAL") && text.contains("or off"),
+            "{text}"
+        );
     }
 }

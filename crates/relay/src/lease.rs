@@ -15,6 +15,7 @@
 //! - L2 The holder may end a walsender that still holds the slot (a dead relay's
 //!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::Client;
@@ -32,14 +33,44 @@ const PROBE: Duration = Duration::from_secs(1);
 /// How long a probe may take before the lease counts as lost.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The advisory lock key of a slot: stable across relays and versions.
-const LOCK_SQL: &str =
-    "SELECT pg_catalog.pg_try_advisory_lock(pg_catalog.hashtextextended('outbox-relay/' || $1, 0))";
+/// The advisory lock key of the slot `$1`, in SQL: stable across relays and versions.
+macro_rules! lock_key {
+    () => {
+        "pg_catalog.hashtextextended('outbox-relay/' || $1, 0)"
+    };
+}
+
+/// Takes the lease of the slot `$1` if free.
+const LOCK_SQL: &str = concat!("SELECT pg_catalog.pg_try_advisory_lock(", lock_key!(), ")");
+
+/// The backend holding the lease of the slot `$1` in this database, from `pg_locks` (a
+/// `bigint` advisory key shows as its high half in `classid`, its low half in `objid`, and
+/// `objsubid` 1).
+const HOLDER_SQL: &str = concat!(
+    "SELECT l.pid FROM pg_catalog.pg_locks l \
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
+        AND l.classid = ((",
+    lock_key!(),
+    " >> 32) & 4294967295)::oid AND l.objid = (",
+    lock_key!(),
+    " & 4294967295)::oid"
+);
+
+/// The pid of the backend holding the lease of `slot`, if any, seen from any session of the
+/// slot's database: only reads `pg_locks`, never tries the lock.
+pub async fn holder(client: &Client, slot: &str) -> Result<Option<i32>> {
+    let row = client
+        .query_opt(HOLDER_SQL, &[&slot])
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the lease holder: {e}")))?;
+    Ok(row.map(|row| row.get(0)))
+}
 
 /// A held lease.
 #[derive(Debug)]
 pub struct Lease {
-    client: Client,
+    client: Arc<Client>,
 }
 
 impl Lease {
@@ -66,7 +97,9 @@ impl Lease {
                 .get(0);
             if held {
                 info!(slot = %config.slot, "holding the lease: this relay is active");
-                return Ok(Some(Lease { client }));
+                return Ok(Some(Lease {
+                    client: Arc::new(client),
+                }));
             }
             if !announced {
                 info!(slot = %config.slot, "another relay holds the lease for this slot; waiting as a standby");
@@ -83,6 +116,11 @@ impl Lease {
     /// The lease's control connection, for the session's other control-plane queries.
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The control connection, for a task of the session's (the heartbeat) that must own it.
+    pub fn shared_client(&self) -> Arc<Client> {
+        Arc::clone(&self.client)
     }
 
     /// Completes when the lease is lost (L1): the session closed or stopped answering.

@@ -10,15 +10,19 @@
 //! counts and shows what happens, [`monitor`] polls the slot and logs backlog progress,
 //! and [`http`] serves both with health on `--metrics-addr`. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
-//! `sink::resume`'s.
+//! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
+//! `outbox-relay status`; [`heartbeat`] writes the optional WAL heartbeats of a streaming
+//! session.
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
 //! the ones it keeps under those numbers.
 
+pub mod backfill;
 pub mod bootstrap;
 pub mod config;
 pub mod error;
+pub mod heartbeat;
 pub mod http;
 pub mod lease;
 pub mod logging;
@@ -26,6 +30,7 @@ pub mod metrics;
 pub mod monitor;
 pub mod nats;
 pub mod pipeline;
+pub mod status;
 
 pub use config::Config;
 pub use error::RelayError;

@@ -37,11 +37,11 @@ pub fn use_colour(stderr_is_terminal: bool, no_color: Option<&OsStr>) -> bool {
     stderr_is_terminal && no_color.is_none_or(OsStr::is_empty)
 }
 
-/// Sets up the global subscriber: `RUST_LOG` filter (default `info`), `format`, stderr
-/// through the scrubber, colour per [`use_colour`].
-pub fn init(format: LogFormat) {
+/// Sets up the global subscriber: `RUST_LOG` filter (else `default_filter`, e.g. `info`),
+/// `format`, stderr through the scrubber, colour per [`use_colour`].
+pub fn init(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let colour = use_colour(
         std::io::stderr().is_terminal(),
         std::env::var_os("NO_COLOR").as_deref(),

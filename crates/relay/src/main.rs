@@ -2,6 +2,9 @@
 //! library. Exit status: 0 after a clean shutdown, 1 on a runtime error that needs an
 //! operator, 2 on invalid configuration. `outbox-relay config` prints the effective
 //! configuration and where each value came from, secrets redacted, and exits.
+//! `outbox-relay status` prints the state of the slot, publication, lease and stream
+//! (`outbox_relay::status`) and exits 0 healthy, 3 lagging, 4 broken, or 1 when it cannot
+//! read the state (1 and 2 keep their meaning for every command).
 //! `outbox-relay probe [PATH]` asks a running relay's health endpoint (`--metrics-addr`)
 //! and exits 0 on 200 OK, 1 otherwise (a container's HEALTHCHECK has no curl).
 
@@ -19,6 +22,19 @@ use tracing::{error, info, warn};
 /// maps); the profile showed glibc malloc at 29 % of the relay's instructions.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `outbox-relay status --help`: what each exit status means.
+const STATUS_EXIT_CODES: &str = "\
+Exit status:
+  0  healthy (warnings may be listed)
+  3  lagging: slot lag above --max-lag-bytes, the slot's WAL beyond max_wal_size (wal_status
+     extended or unreserved), no relay holds the lease, or the relay holding it is not streaming
+  4  broken: slot, publication or stream missing; slot lost; the start-up checks refuse the
+     table, publication, slot or stream; a discard-new stream that is full; the slot read by a
+     program that holds no lease
+  1  the state could not be read (Postgres or NATS unreachable, a query failed) and nothing
+     read is broken
+  2  invalid configuration";
 
 fn cli() -> Command {
     let mut command = Command::new("outbox-relay")
@@ -41,7 +57,27 @@ fn cli() -> Command {
                     .help("Do not create the publication, slot or stream: fail if one is missing"),
             ),
         )
-        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream, then exit"))
+        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream (with --backfill, publishing the rows already in the table), then exit"))
+        .subcommand(
+            Command::new("backfill")
+                .about("Publish the rows of the current table in an id or time range, with the same keys as streamed events, on an existing slot and stream; JetStream drops a row it holds within the duplicate window; refused into a strict stream without --force (docs/migration.md)")
+                .arg(Arg::new("from-id").long("from-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id >= ID"))
+                .arg(Arg::new("to-id").long("to-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id <= ID"))
+                .arg(Arg::new("since").long("since").value_name("TIME").help("Rows with created_at >= TIME (e.g. 2026-01-31T00:00:00Z)"))
+                .arg(Arg::new("until").long("until").value_name("TIME").help("Rows with created_at < TIME"))
+                .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help("Publish into a strict stream too (appends old rows after newer events)")),
+        )
+        .subcommand(
+            Command::new("status")
+                .about("Print the state of the slot, publication, lease, stream and its last event, and what is wrong; exit 0 healthy, 3 lagging, 4 broken, 1 cannot read the state")
+                .after_help(STATUS_EXIT_CODES)
+                .arg(
+                    Arg::new("json")
+                        .long("json")
+                        .action(ArgAction::SetTrue)
+                        .help("Print JSON for scripts instead of the table"),
+                ),
+        )
         .subcommand(
             Command::new("probe")
                 .about("Ask the running relay's health endpoint on --metrics-addr (for a container HEALTHCHECK): print the answer, exit 0 on 200 OK, 1 otherwise")
@@ -118,7 +154,13 @@ fn main() -> ExitCode {
     if subcommand == "run" && sub_matches.get_flag("no-create") {
         config.create = false;
     }
-    logging::init(config.log_format);
+    // `status` prints its report on stdout; its log (stderr) says only what went wrong.
+    let default_filter = if subcommand == "status" {
+        "warn"
+    } else {
+        "info"
+    };
+    logging::init(config.log_format, default_filter);
     for warning in config.database.warnings() {
         warn!("{warning}");
     }
@@ -144,11 +186,44 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if subcommand == "status" {
+        let status = runtime.block_on(outbox_relay::status::gather(&config));
+        let text = if sub_matches.get_flag("json") {
+            match serde_json::to_string_pretty(&status) {
+                Ok(json) => json + "\n",
+                Err(e) => {
+                    eprintln!("outbox-relay: cannot write the status as JSON: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        } else {
+            outbox_relay::status::render(&status)
+        };
+        print!("{}", logging::scrub(&text));
+        return ExitCode::from(status.exit_code);
+    }
     let result = runtime.block_on(async move {
         match subcommand {
             "init" => outbox_relay::pipeline::init(&config, false).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
+            "backfill" => {
+                let filter = outbox_relay::backfill::Filter {
+                    pending_only: false,
+                    from_id: sub_matches.get_one::<i64>("from-id").copied(),
+                    to_id: sub_matches.get_one::<i64>("to-id").copied(),
+                    since: sub_matches.get_one::<String>("since").cloned(),
+                    until: sub_matches.get_one::<String>("until").cloned(),
+                };
+                let force = sub_matches.get_flag("force");
+                outbox_relay::backfill::range(&config, &filter, force).await.map(|report| {
+                    info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
+                    println!(
+                        "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",
+                        report.read, report.published, report.duplicates
+                    );
+                })
+            }
             _ => {
                 let shutdown = CancellationToken::new();
                 let trigger = shutdown.clone();

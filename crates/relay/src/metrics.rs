@@ -260,7 +260,7 @@ impl Metrics {
             registry,
             counters,
             state,
-            max_lag_bytes: config.metrics.max_lag_bytes,
+            max_lag_bytes: config.max_lag_bytes,
         }
     }
 

@@ -8,6 +8,9 @@
 //!        └──────────── flush = watermark ◄──────── watch<Lsn> ◄─────── AckTracker (sink)
 //! ```
 //!
+//! The first session of a process creates what is missing ([`init`]); a slot it creates is
+//! backfilled first ([`crate::backfill`], F1–F5) under the lease, before streaming starts.
+//!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
 //! docs/architecture.md (the code cites them the same way):
@@ -58,6 +61,7 @@ use tracing::{debug, info, warn};
 use crate::bootstrap;
 use crate::config::Config;
 use crate::error::{RelayError, Result, Target};
+use crate::heartbeat;
 use crate::lease::Lease;
 use crate::metrics::{Event, Metrics, Phase};
 use crate::monitor;
@@ -203,7 +207,13 @@ async fn ensure(
     config: &Config,
     guard_history: bool,
 ) -> Result<bootstrap::SlotState> {
-    if guard_history && config.create && !bootstrap::slot_exists(client, &config.slot).await? {
+    // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
+    let backfill = crate::backfill::needed(client, jetstream, config).await?;
+    if guard_history
+        && !backfill_interrupted(client, config, backfill).await?
+        && config.create
+        && !bootstrap::slot_exists(client, &config.slot).await?
+    {
         if let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await {
             if let Some(position) = tail.last_position() {
                 return Err(RelayError::permanent(anyhow::anyhow!(
@@ -217,11 +227,68 @@ async fn ensure(
             }
         }
     }
+    if backfill {
+        bootstrap::publication(client, config).await?;
+        bootstrap::stream(jetstream, config).await?;
+        crate::backfill::at_slot_creation(client, jetstream, config).await?;
+    }
     let slot = bootstrap::postgres(client, config).await?;
     bootstrap::stream(jetstream, config)
         .await
         .map_err(|e| e.at(Target::Nats))?;
     Ok(slot)
+}
+
+/// An interrupted backfill's stream holds its rows while the slot is gone: that is no
+/// dropped slot, the backfill resumes (`crate::backfill` F3).
+async fn backfill_interrupted(
+    client: &tokio_postgres::Client,
+    config: &Config,
+    backfill: bool,
+) -> Result<bool> {
+    Ok(backfill && crate::backfill::interrupted(client, config).await?)
+}
+
+/// The `Outbox-Source` of what this connection's server publishes through the slot. P6, I6:
+/// positions are comparable only within one timeline of one cluster's database and slot;
+/// the source names all four.
+pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> String {
+    outbox::source::source_id(
+        &system.systemid,
+        system.timeline,
+        system.dbname.as_deref().unwrap_or(config.database.dbname()),
+        &config.slot,
+    )
+}
+
+/// The largest message the server and the stream accept.
+pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
+    match tail.max_msg_size {
+        Some(limit) => limit.min(max_payload),
+        None => max_payload,
+    }
+}
+
+/// How the sink publishes: a session's, or a backfill's (`crate::backfill`).
+pub(crate) fn sink_options(
+    config: &Config,
+    fence: Option<u64>,
+    resume_after: Option<outbox::Position>,
+    max_message_bytes: usize,
+    source: String,
+) -> SinkOptions {
+    SinkOptions {
+        max_in_flight: config.max_in_flight,
+        fence,
+        resume_after,
+        limits: sink::Limits {
+            max_message_bytes,
+            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
+        },
+        poison: config.on_poison,
+        dead_letter_subject: format!("{}.dlq", config.subject_prefix),
+        source,
+    }
 }
 
 /// What a session set up before streaming.
@@ -311,14 +378,7 @@ async fn prepare(
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
     info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
-    // P6, I6: positions are comparable only within one timeline of one cluster's database
-    // and slot; the source names all four.
-    let source = outbox::source::source_id(
-        &system.systemid,
-        system.timeline,
-        system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        &config.slot,
-    );
+    let source = source(&system, config);
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
@@ -339,10 +399,7 @@ async fn prepare(
             source: &source,
         });
     }
-    let max_message_bytes = match tail.max_msg_size {
-        Some(limit) => limit.min(max_payload),
-        None => max_payload,
-    };
+    let max_message_bytes = max_message_bytes(&tail, max_payload);
 
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
@@ -403,6 +460,8 @@ async fn stream_events(
         "streaming outbox events"
     );
     let (reader, sink) = start(config, metrics, prepared);
+    // H1: the session's heartbeat task, aborted when the session ends (dropped here).
+    let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
     metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
         biased;
@@ -423,18 +482,13 @@ type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
 fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader, SinkTask) {
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
-    let options = SinkOptions {
-        max_in_flight: config.max_in_flight,
-        fence: prepared.resume.fence,
-        resume_after: prepared.resume.skip_through,
-        limits: sink::Limits {
-            max_message_bytes: prepared.max_message_bytes,
-            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
-        },
-        poison: config.on_poison,
-        dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-        source: prepared.source,
-    };
+    let options = sink_options(
+        config,
+        prepared.resume.fence,
+        prepared.resume.skip_through,
+        prepared.max_message_bytes,
+        prepared.source,
+    );
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,

@@ -57,6 +57,17 @@ pub struct IdentifySystem {
     pub dbname: Option<String>,
 }
 
+/// A slot created with an exported snapshot
+/// ([`ReplicationConnection::create_logical_slot_exporting_snapshot`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportedSlot {
+    /// The slot's consistent point: every transaction committed before it is in the
+    /// snapshot, every one committed after it is streamed from the slot.
+    pub consistent_point: Lsn,
+    /// The exported snapshot's name, for `SET TRANSACTION SNAPSHOT`.
+    pub snapshot: String,
+}
+
 /// A connection in replication mode, ready for commands.
 pub struct ReplicationConnection {
     reader: FrameReader<ReadHalf<BoxSocket>>,
@@ -391,6 +402,34 @@ impl ReplicationConnection {
                 .map_err(|e| Error::protocol(format!("bad confirmed_flush_lsn: {e}"))),
             _ => Ok(None),
         }
+    }
+
+    /// `CREATE_REPLICATION_SLOT "slot" LOGICAL pgoutput (SNAPSHOT 'export')` (Postgres 15
+    /// syntax): creates the slot and exports the snapshot of its consistent point. Returns
+    /// the consistent point (where streaming from the slot starts) and the snapshot's name,
+    /// which another session imports with `SET TRANSACTION SNAPSHOT` to read exactly what
+    /// committed before that point. The snapshot stays valid only while this connection is
+    /// open and runs no other command: keep it idle until the snapshot is imported.
+    pub async fn create_logical_slot_exporting_snapshot(
+        &mut self,
+        slot: &str,
+    ) -> Result<ExportedSlot, Error> {
+        let command = format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+            quote_identifier(slot)
+        );
+        let rows = self.simple_query(&command).await?;
+        let bad = || Error::protocol(format!("unexpected CREATE_REPLICATION_SLOT reply {rows:?}"));
+        let [row] = rows.as_slice() else {
+            return Err(bad());
+        };
+        let [_, Some(consistent_point), Some(snapshot), ..] = row.as_slice() else {
+            return Err(bad());
+        };
+        Ok(ExportedSlot {
+            consistent_point: consistent_point.parse().map_err(|_| bad())?,
+            snapshot: snapshot.clone(),
+        })
     }
 
     /// `START_REPLICATION SLOT "slot" LOGICAL start ("name" 'value', ...)`: waits for the

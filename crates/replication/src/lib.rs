@@ -65,7 +65,8 @@ pub mod tls;
 mod wire;
 
 pub use connection::{
-    publication_names, quote_identifier, quote_literal, IdentifySystem, ReplicationConnection,
+    publication_names, quote_identifier, quote_literal, ExportedSlot, IdentifySystem,
+    ReplicationConnection,
 };
 pub use conninfo::{
     AuthMethod, ChannelBinding, ConnInfo, ParseSslModeError, RequireAuth, RootCerts, Secret,

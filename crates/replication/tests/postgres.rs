@@ -28,6 +28,7 @@ fn scram_tls() -> &'static Postgres {
             password: Some(PASSWORD.to_owned()),
             tls: true,
             settings: vec![],
+            bin_dir: None,
         })
     })
 }
@@ -39,6 +40,7 @@ fn md5() -> &'static Postgres {
             password: Some(PASSWORD.to_owned()),
             tls: false,
             settings: vec![],
+            bin_dir: None,
         })
     })
 }
@@ -749,6 +751,7 @@ fn hba_server() -> &'static HbaServer {
                 ("hba_file".into(), hba_path.display().to_string()),
                 ("ssl_ca_file".into(), ca_path.display().to_string()),
             ],
+            bin_dir: None,
         });
         pg.psql(
             "postgres",

@@ -418,8 +418,9 @@ where
     let mut fence = options.fence;
     // P8: events an earlier session found to reuse another event's id.
     let dead_letter_instead = stats.dead_letter_instead();
-    // The commit LSN's text, formatted once per transaction.
-    let mut commit_lsn = (outbox::Lsn::ZERO, String::new());
+    // The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
+    // commit LSN is 0/0 too).
+    let mut commit_lsn: (Option<outbox::Lsn>, String) = (None, String::new());
 
     let publishing = async {
         while let Some(batch) = input.recv().await {
@@ -442,8 +443,9 @@ where
                             };
                             let (id, position, created_at_ms) =
                                 (event.id, event.position, event.created_at_ms);
-                            if commit_lsn.0 != position.commit_lsn {
-                                commit_lsn = (position.commit_lsn, position.commit_lsn.to_string());
+                            if commit_lsn.0 != Some(position.commit_lsn) {
+                                commit_lsn =
+                                    (Some(position.commit_lsn), position.commit_lsn.to_string());
                             }
                             // An empty map answers without hashing.
                             let instead = dead_letter_instead.get(&position).map(String::as_str);

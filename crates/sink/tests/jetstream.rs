@@ -2,8 +2,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use async_nats::jetstream::{self, context::PublishErrorKind, message::PublishMessage, stream};
-use async_nats::HeaderMap;
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::{self, message::PublishMessage, publish::PublishAck, stream};
+use async_nats::{HeaderMap, ToSubject};
 use bytes::Bytes;
 use testkit::Nats;
 
@@ -18,6 +19,21 @@ async fn context(nats: &Nats, name: &str, max_message_size: i32) -> jetstream::C
     .await
     .unwrap();
     js
+}
+
+/// Publishes and waits for the server's answer: the ack, or why it refused.
+async fn publish(
+    js: &jetstream::Context,
+    subject: impl ToSubject,
+    message: PublishMessage,
+) -> Result<PublishAck, PublishError> {
+    js.send_publish(subject, message).await.unwrap().await
+}
+
+/// How many messages stream `name` holds.
+async fn stored(js: &jetstream::Context, name: &str) -> u64 {
+    let mut stream = js.get_stream(name).await.unwrap();
+    stream.info().await.unwrap().state.messages
 }
 
 fn message(id: &str, expected_last: Option<u64>) -> PublishMessage {
@@ -36,32 +52,12 @@ fn message(id: &str, expected_last: Option<u64>) -> PublishMessage {
 async fn same_message_id_twice_is_stored_once() {
     let nats = Nats::start();
     let js = context(&nats, "DEDUPE", -1).await;
-    let first = js
-        .send_publish("DEDUPE.x", message("k1", None))
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    let second = js
-        .send_publish("DEDUPE.x", message("k1", None))
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let first = publish(&js, "DEDUPE.x", message("k1", None)).await.unwrap();
+    let second = publish(&js, "DEDUPE.x", message("k1", None)).await.unwrap();
     assert!(!first.duplicate);
     assert!(second.duplicate);
     assert_eq!(second.sequence, first.sequence);
-    assert_eq!(
-        js.get_stream("DEDUPE")
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages,
-        1
-    );
+    assert_eq!(stored(&js, "DEDUPE").await, 1);
 }
 
 /// How nats-server orders its checks (docs/guarantees.md relies on this): the duplicate
@@ -72,55 +68,30 @@ async fn same_message_id_twice_is_stored_once() {
 async fn dedupe_is_checked_before_the_expected_last_sequence() {
     let nats = Nats::start();
     let js = context(&nats, "ORDER", -1).await;
-    let a = js
-        .send_publish("ORDER.x", message("a", Some(0)))
-        .await
-        .unwrap()
+    let a = publish(&js, "ORDER.x", message("a", Some(0)))
         .await
         .unwrap();
     assert_eq!(a.sequence, 1);
-    let replay = js
-        .send_publish("ORDER.x", message("a", Some(0)))
-        .await
-        .unwrap()
+    let replay = publish(&js, "ORDER.x", message("a", Some(0)))
         .await
         .unwrap();
     assert!(
         replay.duplicate,
         "a duplicate id wins over a stale expected sequence"
     );
-    let stale = js
-        .send_publish("ORDER.x", message("b", Some(0)))
-        .await
-        .unwrap()
+    let stale = publish(&js, "ORDER.x", message("b", Some(0)))
         .await
         .unwrap_err();
     assert_eq!(stale.kind(), PublishErrorKind::WrongLastSequence);
-    let ahead = js
-        .send_publish("ORDER.x", message("b", Some(5)))
-        .await
-        .unwrap()
+    let ahead = publish(&js, "ORDER.x", message("b", Some(5)))
         .await
         .unwrap_err();
     assert_eq!(ahead.kind(), PublishErrorKind::WrongLastSequence);
-    let b = js
-        .send_publish("ORDER.x", message("b", Some(1)))
-        .await
-        .unwrap()
+    let b = publish(&js, "ORDER.x", message("b", Some(1)))
         .await
         .unwrap();
     assert_eq!(b.sequence, 2);
-    assert_eq!(
-        js.get_stream("ORDER")
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages,
-        2
-    );
+    assert_eq!(stored(&js, "ORDER").await, 2);
 }
 
 /// A lost publish fences every later one: pipelined publishes expecting sequences after a
@@ -129,9 +100,7 @@ async fn dedupe_is_checked_before_the_expected_last_sequence() {
 async fn a_gap_fences_every_later_pipelined_publish() {
     let nats = Nats::start();
     let js = context(&nats, "FENCE", -1).await;
-    js.send_publish("FENCE.x", message("m1", Some(0)))
-        .await
-        .unwrap()
+    publish(&js, "FENCE.x", message("m1", Some(0)))
         .await
         .unwrap();
     // "m2" (expecting 1) is lost; m3.. were pipelined behind it, expecting 2, 3, ...
@@ -149,17 +118,7 @@ async fn a_gap_fences_every_later_pipelined_publish() {
             PublishErrorKind::WrongLastSequence
         );
     }
-    assert_eq!(
-        js.get_stream("FENCE")
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages,
-        1
-    );
+    assert_eq!(stored(&js, "FENCE").await, 1);
 }
 
 /// `sink::wire_size` counts what the server counts against `max_msg_size`: a message of
@@ -172,24 +131,17 @@ async fn wire_size_matches_the_servers_max_msg_size() {
     headers.insert("Nats-Msg-Id", "size-1");
     headers.insert("Outbox-Id", "1");
     let fits = 1000 - sink::wire_size(&headers, 0);
-    let publish = PublishMessage::build()
+    let exact = PublishMessage::build()
         .headers(headers.clone())
         .payload(Bytes::from(vec![b'x'; fits]));
-    js.send_publish("SIZE.x", publish)
-        .await
-        .unwrap()
+    publish(&js, "SIZE.x", exact)
         .await
         .expect("a message of exactly max_msg_size is stored");
     headers.insert("Nats-Msg-Id", "size-2");
-    let publish = PublishMessage::build()
+    let over = PublishMessage::build()
         .headers(headers)
         .payload(Bytes::from(vec![b'x'; fits + 1]));
-    let error = js
-        .send_publish("SIZE.x", publish)
-        .await
-        .unwrap()
-        .await
-        .unwrap_err();
+    let error = publish(&js, "SIZE.x", over).await.unwrap_err();
     assert!(error.to_string().contains("maximum"), "{error}");
 }
 
@@ -337,21 +289,18 @@ fn hostile_event(n: u32) -> outbox::OutboxEvent {
     } else {
         format!("OrderPaid\r\nNats-Msg-Id: x-{n}")
     };
-    let keys = outbox::compute_keys(i64::from(n), &entity_id, &event_type, 1_700_000_000_000);
-    outbox::OutboxEvent {
+    let row = outbox::OutboxRow {
         id: i64::from(n),
-        shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), &entity_id),
-        subject: outbox::subject::subject("HOSTILE", 0, &event_type),
         entity_id,
         event_type,
-        keys,
         payload: Bytes::from_static(b"{}"),
-        position: outbox::Position {
-            commit_lsn: outbox::Lsn(0x100 + u64::from(n)),
-            index: 0,
-        },
         created_at_ms: 1_700_000_000_000,
-    }
+    };
+    let position = outbox::Position {
+        commit_lsn: outbox::Lsn(0x100 + u64::from(n)),
+        index: 0,
+    };
+    row.into_event("HOSTILE", std::num::NonZeroU64::new(12).unwrap(), position)
 }
 
 /// Messages the relay builds for rows whose values contain `Nats-Msg-Id` and
@@ -365,38 +314,18 @@ async fn hostile_rows_built_by_the_relay_are_deduplicated_and_fenced() {
     for n in 0..50u32 {
         let event = hostile_event(n);
         let last = u64::from(n);
-        let stored = js
-            .send_publish(
-                event.subject.clone(),
-                sink::publish_message(&event).expected_last_sequence(last),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        // As the relay publishes it: fenced on the stream's last sequence being `last`.
+        let fenced = |event: &outbox::OutboxEvent| {
+            let message = sink::publish_message(event).expected_last_sequence(last);
+            publish(&js, event.subject.clone(), message)
+        };
+        let stored = fenced(&event).await.unwrap();
         assert_eq!((stored.sequence, stored.duplicate), (last + 1, false));
         // A replay with a stale expected sequence: recognised as a duplicate.
-        let replay = js
-            .send_publish(
-                event.subject.clone(),
-                sink::publish_message(&event).expected_last_sequence(last),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        let replay = fenced(&event).await.unwrap();
         assert!(replay.duplicate, "message {n} was stored twice");
         // Another row with a stale expected sequence: refused.
-        let other = hostile_event(n + 1000);
-        let refused = js
-            .send_publish(
-                other.subject.clone(),
-                sink::publish_message(&other).expected_last_sequence(last),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap_err();
+        let refused = fenced(&hostile_event(n + 1000)).await.unwrap_err();
         assert_eq!(
             refused.kind(),
             PublishErrorKind::WrongLastSequence,
@@ -434,11 +363,7 @@ async fn jetstream_publish_reply_subjects_are_as_long_as_budgeted() {
     let mut watch = client.subscribe("REPLY.>").await.unwrap();
     client.flush().await.unwrap();
     for id in ["r1", "r2"] {
-        js.send_publish("REPLY.x", message(id, None))
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        publish(&js, "REPLY.x", message(id, None)).await.unwrap();
         let seen = watch.next().await.unwrap();
         let reply = seen
             .reply

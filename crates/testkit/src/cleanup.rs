@@ -56,6 +56,17 @@ pub(crate) fn register_dir(path: &Path) {
     lock(&DIRS).push(path.to_path_buf());
 }
 
+/// A fresh directory `{base}/{prefix}…` for `what`, registered for removal at exit; removed
+/// when the handle drops (then [`unregister_dir`] it).
+pub(crate) fn temp_dir(prefix: &str, base: &Path, what: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(base)
+        .unwrap_or_else(|e| panic!("testkit: create a temporary directory for {what}: {e}"));
+    register_dir(dir.path());
+    dir
+}
+
 pub(crate) fn unregister_dir(path: &Path) {
     lock(&DIRS).retain(|p| p != path);
 }

@@ -1,16 +1,14 @@
 //! A three-node JetStream cluster of real `nats-server` processes on loopback.
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
-use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::cleanup::{self, Managed};
+use crate::cleanup;
 use crate::nats::{http_get, nats_bin};
+use crate::server::{self, LaunchError, Server};
 
 const NODES: usize = 3;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -39,17 +37,12 @@ struct Node {
     route_port: u16,
     monitor_port: u16,
     store_dir: PathBuf,
-    log_path: PathBuf,
-    child: Mutex<Option<Managed>>,
+    server: Server,
 }
 
 impl Node {
-    fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
-        self.child.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn is_running(&self) -> bool {
-        self.lock_child().as_mut().is_some_and(Managed::is_running)
+        self.server.is_running()
     }
 }
 
@@ -76,35 +69,27 @@ impl fmt::Debug for NatsCluster {
     }
 }
 
-enum LaunchError {
-    PortInUse(String),
-    Failed(String),
-}
-
 impl NatsCluster {
     /// Starts the three nodes and returns once every node accepts clients, all agree on a
     /// JetStream meta leader, and every node reports healthy.
     pub fn start() -> NatsCluster {
         let bin = nats_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("testkit-nats-cluster-")
-            .tempdir_in(std::env::temp_dir())
-            .expect("testkit: create a temporary directory for the nats-server cluster");
-        cleanup::register_dir(dir.path());
+        let dir = cleanup::temp_dir(
+            "testkit-nats-cluster-",
+            &std::env::temp_dir(),
+            "the nats-server cluster",
+        );
         let nodes = (0..NODES)
             .map(|i| {
                 let name = format!("n{i}");
                 let log_path = dir.path().join(format!("{name}.log"));
-                File::create(&log_path)
-                    .unwrap_or_else(|e| panic!("testkit: create {}: {e}", log_path.display()));
                 Node {
                     store_dir: dir.path().join(&name),
+                    server: Server::new(format!("cluster node {name}"), log_path, None),
                     name,
                     port: 0,
                     route_port: 0,
                     monitor_port: 0,
-                    log_path,
-                    child: Mutex::new(None),
                 }
             })
             .collect();
@@ -114,44 +99,23 @@ impl NatsCluster {
             nodes,
             dir,
         };
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
+        server::start_on_free_ports(|| {
             for node in &mut cluster.nodes {
                 node.port = crate::free_port();
                 node.route_port = crate::free_port();
                 node.monitor_port = crate::free_port();
             }
-            let offsets: Vec<u64> = cluster
-                .nodes
+            // All nodes first: each waits for its routes to the others.
+            let offsets: Vec<u64> = (0..NODES).map(|i| cluster.spawn(i)).collect();
+            let accepting = offsets
                 .iter()
-                .map(|n| crate::file_len(&n.log_path))
-                .collect();
-            for i in 0..NODES {
-                cluster.spawn(i);
+                .enumerate()
+                .try_for_each(|(i, &offset)| cluster.wait_accepting(i, offset));
+            if accepting.is_err() {
+                cluster.nodes.iter().for_each(|node| node.server.kill());
             }
-            let mut failure = None;
-            for (i, &offset) in offsets.iter().enumerate() {
-                if let Err(e) = cluster.wait_accepting(i, offset) {
-                    failure = Some(e);
-                    break;
-                }
-            }
-            match failure {
-                None => break,
-                Some(error) => {
-                    for node in &cluster.nodes {
-                        if let Some(child) = node.lock_child().as_mut() {
-                            child.kill();
-                        }
-                    }
-                    match error {
-                        LaunchError::PortInUse(_) if attempts < 5 => continue,
-                        LaunchError::PortInUse(msg) | LaunchError::Failed(msg) => panic!("{msg}"),
-                    }
-                }
-            }
-        }
+            accepting
+        });
         cluster.wait_ready(&[0, 1, 2]);
         cluster
     }
@@ -197,16 +161,12 @@ impl NatsCluster {
 
     /// Pid of node `i`'s (current) process.
     pub fn pid(&self, i: usize) -> u32 {
-        self.nodes[i]
-            .lock_child()
-            .as_ref()
-            .map(Managed::pid)
-            .expect("testkit: cluster node was never started")
+        self.nodes[i].server.pid()
     }
 
     /// Node `i`'s log (all starts).
     pub fn log(&self, i: usize) -> String {
-        crate::read_lossy(&self.nodes[i].log_path)
+        self.nodes[i].server.log()
     }
 
     /// Node `i`'s store directory (`-sd`).
@@ -216,9 +176,7 @@ impl NatsCluster {
 
     /// SIGKILL node `i`; returns once it has exited.
     pub fn kill(&mut self, i: usize) {
-        if let Some(child) = self.nodes[i].lock_child().as_mut() {
-            child.kill();
-        }
+        self.nodes[i].server.kill();
     }
 
     /// Starts node `i` again with the same ports and store directory; returns once it
@@ -229,17 +187,10 @@ impl NatsCluster {
             !self.is_running(i),
             "testkit: NatsCluster::start_again({i}) called while the node is running"
         );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let offset = crate::file_len(&self.nodes[i].log_path);
-            self.spawn(i);
-            match self.wait_accepting(i, offset) {
-                Ok(()) => break,
-                Err(LaunchError::PortInUse(msg)) if Instant::now() >= deadline => panic!("{msg}"),
-                Err(LaunchError::PortInUse(_)) => thread::sleep(Duration::from_millis(200)),
-                Err(LaunchError::Failed(msg)) => panic!("{msg}"),
-            }
-        }
+        server::start_again(|| {
+            let offset = self.spawn(i);
+            self.wait_accepting(i, offset)
+        });
         self.wait_ready(&[i]);
     }
 
@@ -294,15 +245,9 @@ impl NatsCluster {
         }
     }
 
-    fn spawn(&self, i: usize) {
+    /// Spawns node `i`; returns its log's length before the start.
+    fn spawn(&self, i: usize) -> u64 {
         let node = &self.nodes[i];
-        let log = OpenOptions::new()
-            .append(true)
-            .open(&node.log_path)
-            .unwrap_or_else(|e| panic!("testkit: open {}: {e}", node.log_path.display()));
-        let log2 = log
-            .try_clone()
-            .expect("testkit: duplicate the nats-server log file handle");
         let routes: Vec<String> = self
             .nodes
             .iter()
@@ -326,56 +271,22 @@ impl NatsCluster {
             .arg(node.port.to_string())
             .arg("-m")
             .arg(node.monitor_port.to_string())
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
-        let child = Managed::spawn(&mut command, None)
-            .unwrap_or_else(|e| panic!("testkit: spawn {}: {e}", self.bin.display()));
-        *node.lock_child() = Some(child);
+            .current_dir(self.dir.path());
+        node.server.spawn(&mut command)
     }
 
     /// Waits until node `i` (started with its log at `log_offset`) accepts clients.
     fn wait_accepting(&self, i: usize, log_offset: u64) -> Result<(), LaunchError> {
         let node = &self.nodes[i];
-        let addr = SocketAddr::from(([127, 0, 0, 1], node.port));
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let exited = node.lock_child().as_mut().and_then(Managed::try_wait);
-            if let Some(status) = exited {
-                let log = crate::read_from(&node.log_path, log_offset);
-                let msg = format!(
-                    "testkit: cluster node {} exited with {status} while starting (client {}, route {}, monitor {}); log:\n{}",
-                    node.name,
-                    node.port,
-                    node.route_port,
-                    node.monitor_port,
-                    crate::tail(&log, 40)
-                );
-                return Err(if log.contains("address already in use") {
-                    LaunchError::PortInUse(msg)
-                } else {
-                    LaunchError::Failed(msg)
-                });
-            }
-            // "Server is ready" in *our* log proves our process bound the ports.
-            if crate::read_from(&node.log_path, log_offset).contains("Server is ready")
-                && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                if let Some(child) = node.lock_child().as_mut() {
-                    child.kill();
-                }
-                return Err(LaunchError::Failed(format!(
-                    "testkit: timed out after {START_TIMEOUT:?} waiting for cluster node {} to accept clients; log tail:\n{}",
-                    node.name,
-                    crate::tail(&crate::read_from(&node.log_path, log_offset), 40)
-                )));
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+        let where_ = format!(
+            "(client {}, route {}, monitor {})",
+            node.port, node.route_port, node.monitor_port
+        );
+        node.server
+            .wait_ready(log_offset, START_TIMEOUT, &where_, |log| {
+                // "Server is ready" in *our* log proves our process bound the ports.
+                log.contains("Server is ready") && server::accepts(node.port)
+            })
     }
 
     /// Waits until the running nodes agree on a meta leader and each of `nodes` reports
@@ -398,7 +309,7 @@ impl NatsCluster {
                             "--- {} /healthz: {:?}; log tail:\n{}",
                             self.nodes[i].name,
                             self.monitor_get(i, "/healthz"),
-                            crate::tail(&self.log(i), 20)
+                            crate::harness::last_lines(&self.log(i), 20)
                         )
                     })
                     .collect();
@@ -415,11 +326,7 @@ impl NatsCluster {
 
 impl Drop for NatsCluster {
     fn drop(&mut self) {
-        for node in &self.nodes {
-            if let Some(child) = node.lock_child().as_mut() {
-                child.kill();
-            }
-        }
+        self.nodes.iter().for_each(|node| node.server.kill());
         cleanup::unregister_dir(self.dir.path());
     }
 }

@@ -1,6 +1,9 @@
-//! Test and benchmark harness for outbox-relay.
+//! Test and benchmark harness for outbox-relay: the one harness of the workspace.
 //!
-//! Every integration test, fault test and benchmark uses this crate. Its rules:
+//! Every integration test, fault test, the benchmark and the demo use this crate: the
+//! servers and processes below, and on top of them the relay harness ([`harness`]): test
+//! *cases* running the real `outbox-relay` binary, writers, the faithfulness check and the
+//! relay's log. Its rules:
 //!
 //! * **Real servers, never mocks.** [`Postgres`] runs the real PostgreSQL 15
 //!   server binaries (`/usr/lib/postgresql/15/bin`, override with
@@ -37,8 +40,10 @@
 //! * **Fast enough to use one server per test.** `initdb` runs once per test
 //!   process into a template that every [`Postgres`] copies; `fsync=off`
 //!   (but `synchronous_commit` stays `on`, so commit semantics are real).
-//! * **Synchronous.** Plain `std::process` and threads; usable from sync and
-//!   async tests alike.
+//! * **Synchronous servers.** Servers, processes and proxies are plain
+//!   `std::process` and threads, usable from sync and async tests alike; the
+//!   [`harness`] on top is async (tokio), as it talks to Postgres and JetStream
+//!   as a client.
 //!
 //! Set `TESTKIT_ECHO=1` to echo the output of [`Process`] children to the
 //! test's stderr, prefixed with their name.
@@ -52,11 +57,13 @@
 
 mod cleanup;
 pub mod cluster;
+pub mod harness;
 mod nats;
 mod postgres;
 mod process;
 mod prometheus;
 mod proxy;
+mod server;
 mod tls;
 
 use std::collections::HashSet;
@@ -69,7 +76,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use nats::Nats;
-pub use postgres::{Backup, PgAuth, PgOptions, Postgres};
+pub use postgres::{installed_bin_dir, Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
 pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;
@@ -219,13 +226,6 @@ pub(crate) fn chown_to_server(path: &Path) {
     }
 }
 
-/// The last `lines` lines of `text`.
-pub(crate) fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    let start = all.len().saturating_sub(lines);
-    all[start..].join("\n")
-}
-
 /// Read a (log) file as text, lossily; empty if it does not exist.
 pub(crate) fn read_lossy(path: &Path) -> String {
     match std::fs::read(path) {
@@ -246,27 +246,4 @@ pub(crate) fn read_from(path: &Path, offset: u64) -> String {
         .unwrap_or(usize::MAX)
         .min(bytes.len());
     String::from_utf8_lossy(&bytes[start..]).into_owned()
-}
-
-/// Stops a server child: `signal`, then waits up to `timeout`; if it has not exited, kills it
-/// and panics with the tail of its log (`log`), naming `server` and `what` was attempted.
-pub(crate) fn stop_child(
-    child: &mut Option<cleanup::Managed>,
-    signal: i32,
-    server: &str,
-    what: &str,
-    timeout: Duration,
-    log: impl FnOnce() -> String,
-) {
-    let Some(child) = child.as_mut() else {
-        return;
-    };
-    child.signal(signal);
-    if child.wait_timeout(timeout).is_none() {
-        child.kill();
-        panic!(
-            "testkit: {server} did not exit within {timeout:?} after {what}; killed it. log tail:\n{}",
-            tail(&log(), 40)
-        );
-    }
 }

@@ -1,15 +1,13 @@
 //! A throwaway nats-server with JetStream.
 
-use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use crate::cleanup::{self, Managed};
+use crate::cleanup;
+use crate::server::{self, LaunchError, Server};
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -25,15 +23,9 @@ pub struct Nats {
     monitor_port: u16,
     extra: Vec<String>,
     store_dir: PathBuf,
-    log_path: PathBuf,
-    child: Mutex<Option<Managed>>,
+    server: Server,
     // Declared last: removed after the server is gone.
     dir: tempfile::TempDir,
-}
-
-enum LaunchError {
-    PortInUse(String),
-    Failed(String),
 }
 
 impl Nats {
@@ -47,36 +39,22 @@ impl Nats {
     /// flags override earlier ones).
     pub fn start_with_args(extra: &[&str]) -> Nats {
         let bin = nats_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("testkit-nats-")
-            .tempdir_in(std::env::temp_dir())
-            .expect("testkit: create a temporary directory for nats-server");
-        cleanup::register_dir(dir.path());
-        let store_dir = dir.path().join("store");
-        let log_path = dir.path().join("nats-server.log");
-        File::create(&log_path)
-            .unwrap_or_else(|e| panic!("testkit: create {}: {e}", log_path.display()));
+        let dir = cleanup::temp_dir("testkit-nats-", &std::env::temp_dir(), "nats-server");
         let mut nats = Nats {
             bin,
             port: 0,
             monitor_port: 0,
             extra: extra.iter().map(|s| s.to_string()).collect(),
-            store_dir,
-            log_path,
-            child: Mutex::new(None),
+            store_dir: dir.path().join("store"),
+            server: Server::new("nats-server", dir.path().join("nats-server.log"), None),
             dir,
         };
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
+        server::start_on_free_ports(|| {
             nats.port = crate::free_port();
             nats.monitor_port = crate::free_port();
-            match nats.launch() {
-                Ok(()) => return nats,
-                Err(LaunchError::PortInUse(_)) if attempts < 5 => continue,
-                Err(LaunchError::PortInUse(msg) | LaunchError::Failed(msg)) => panic!("{msg}"),
-            }
-        }
+            nats.launch()
+        });
+        nats
     }
 
     /// Client port on 127.0.0.1.
@@ -102,14 +80,13 @@ impl Nats {
 
     /// Graceful shutdown (SIGTERM); returns once the server has exited.
     pub fn stop(&mut self) {
-        self.shut_down(libc::SIGTERM, "SIGTERM");
+        self.server
+            .shut_down(libc::SIGTERM, "SIGTERM", STOP_TIMEOUT);
     }
 
     /// SIGKILL; returns once the server has exited.
     pub fn kill(&mut self) {
-        if let Some(child) = self.lock_child().as_mut() {
-            child.kill();
-        }
+        self.server.kill();
     }
 
     /// Start the server again with the same ports and store directory;
@@ -120,33 +97,22 @@ impl Nats {
             !self.is_running(),
             "testkit: Nats::start_again called while nats-server is running"
         );
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.launch() {
-                Ok(()) => return,
-                Err(LaunchError::PortInUse(msg)) if Instant::now() >= deadline => panic!("{msg}"),
-                Err(LaunchError::PortInUse(_)) => thread::sleep(Duration::from_millis(200)),
-                Err(LaunchError::Failed(msg)) => panic!("{msg}"),
-            }
-        }
+        server::start_again(|| self.launch());
     }
 
     /// Whether the nats-server process is alive.
     pub fn is_running(&self) -> bool {
-        self.lock_child().as_mut().is_some_and(Managed::is_running)
+        self.server.is_running()
     }
 
     /// Pid of the (current) nats-server process.
     pub fn pid(&self) -> u32 {
-        self.lock_child()
-            .as_ref()
-            .map(Managed::pid)
-            .expect("testkit: nats-server was never started")
+        self.server.pid()
     }
 
     /// Server log (all starts).
     pub fn log(&self) -> String {
-        crate::read_lossy(&self.log_path)
+        self.server.log()
     }
 
     /// JetStream store directory (`-sd`).
@@ -154,31 +120,7 @@ impl Nats {
         &self.store_dir
     }
 
-    fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
-        self.child.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn shut_down(&mut self, signal: i32, what: &str) {
-        let log_path = self.log_path.clone();
-        crate::stop_child(
-            &mut self.lock_child(),
-            signal,
-            "nats-server",
-            what,
-            STOP_TIMEOUT,
-            || crate::read_lossy(&log_path),
-        );
-    }
-
-    fn launch(&mut self) -> Result<(), LaunchError> {
-        let log_offset = crate::file_len(&self.log_path);
-        let log = OpenOptions::new()
-            .append(true)
-            .open(&self.log_path)
-            .unwrap_or_else(|e| panic!("testkit: open {}: {e}", self.log_path.display()));
-        let log2 = log
-            .try_clone()
-            .expect("testkit: duplicate the nats-server log file handle");
+    fn launch(&self) -> Result<(), LaunchError> {
         let mut command = Command::new(&self.bin);
         command
             .arg("-js")
@@ -190,64 +132,26 @@ impl Nats {
             .arg("-sd")
             .arg(&self.store_dir)
             .args(&self.extra)
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
-        let child = Managed::spawn(&mut command, None)
-            .unwrap_or_else(|e| panic!("testkit: spawn {}: {e}", self.bin.display()));
-        *self.lock_child() = Some(child);
-
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let exited = self.lock_child().as_mut().and_then(Managed::try_wait);
-            if let Some(status) = exited {
-                let log = crate::read_from(&self.log_path, log_offset);
-                let msg = format!(
-                    "testkit: nats-server exited with {status} while starting on port {}; log:\n{}",
-                    self.port,
-                    crate::tail(&log, 40)
-                );
-                return Err(if log.contains("address already in use") {
-                    LaunchError::PortInUse(msg)
-                } else {
-                    LaunchError::Failed(msg)
-                });
-            }
-            // "Server is ready" in *our* log proves our process bound the
-            // ports (not some other server that grabbed them).
-            if crate::read_from(&self.log_path, log_offset).contains("Server is ready")
-                && TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-                && matches!(
-                    http_get(self.monitor_port, "/healthz?js-enabled-only=true"),
-                    Ok((200, _))
-                )
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                if let Some(child) = self.lock_child().as_mut() {
-                    child.kill();
-                }
-                return Err(LaunchError::Failed(format!(
-                    "testkit: timed out after {START_TIMEOUT:?} waiting for nats-server (port {}, monitor {}) \
-                     to accept clients with JetStream ready; log tail:\n{}",
-                    self.port,
-                    self.monitor_port,
-                    crate::tail(&crate::read_from(&self.log_path, log_offset), 40)
-                )));
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+            .current_dir(self.dir.path());
+        let log_offset = self.server.spawn(&mut command);
+        let where_ = format!("on port {} (monitor {})", self.port, self.monitor_port);
+        self.server
+            .wait_ready(log_offset, START_TIMEOUT, &where_, |log| {
+                // "Server is ready" in *our* log proves our process bound the ports (not some
+                // other server that grabbed them).
+                log.contains("Server is ready")
+                    && server::accepts(self.port)
+                    && matches!(
+                        http_get(self.monitor_port, "/healthz?js-enabled-only=true"),
+                        Ok((200, _))
+                    )
+            })
     }
 }
 
 impl Drop for Nats {
     fn drop(&mut self) {
-        if let Some(child) = self.lock_child().as_mut() {
-            child.kill();
-        }
+        self.server.kill();
         cleanup::unregister_dir(self.dir.path());
     }
 }

@@ -1,18 +1,20 @@
-//! A throwaway PostgreSQL 15 server.
+//! A throwaway PostgreSQL server: 15 by default, another installed major version through
+//! [`PgOptions::bin_dir`] ([`installed_bin_dir`]).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::cleanup::{self, Managed};
+use crate::cleanup;
+use crate::server::{self, LaunchError, Server};
 use crate::tls::{self, ServerTls};
 
 const DEFAULT_PG_BIN_DIR: &str = "/usr/lib/postgresql/15/bin";
@@ -58,6 +60,18 @@ pub struct PgOptions {
     /// Extra `-c name=value` server settings (applied last, so they override
     /// the testkit defaults).
     pub settings: Vec<(String, String)>,
+    /// The server's bin directory (`initdb`, `postgres`, `psql`), for another major version
+    /// ([`installed_bin_dir`]); default: `TESTKIT_PG_BIN_DIR`, else PostgreSQL 15's.
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// The bin directory of Debian's PostgreSQL `major` (`postgresql-{major}`), if installed.
+pub fn installed_bin_dir(major: u32) -> Option<PathBuf> {
+    let dir = PathBuf::from(format!("/usr/lib/postgresql/{major}/bin"));
+    ["initdb", "postgres", "psql"]
+        .iter()
+        .all(|bin| dir.join(bin).is_file())
+        .then_some(dir)
 }
 
 /// A PostgreSQL 15 server on a free loopback port, in its own temporary
@@ -74,18 +88,10 @@ pub struct Postgres {
     settings: Vec<(String, String)>,
     tls: Option<ServerTls>,
     data_dir: PathBuf,
-    log_path: PathBuf,
     socket_dir: PathBuf,
-    child: Mutex<Option<Managed>>,
+    server: Server,
     // Declared last: removed after the server is gone.
     dir: tempfile::TempDir,
-}
-
-/// Why a start attempt failed.
-enum LaunchError {
-    /// Somebody else holds the port; try another one (first start only).
-    PortInUse(String),
-    Failed(String),
 }
 
 impl Postgres {
@@ -101,12 +107,8 @@ impl Postgres {
     /// server gets a copy of that template, which is much faster than an
     /// `initdb` per server.
     pub fn start_with(options: PgOptions) -> Postgres {
-        let bin_dir = pg_bin_dir();
-        let dir = tempfile::Builder::new()
-            .prefix("testkit-pg-")
-            .tempdir_in(crate::temp_base())
-            .expect("testkit: create a temporary directory for postgres");
-        cleanup::register_dir(dir.path());
+        let bin_dir = options.bin_dir.unwrap_or_else(pg_bin_dir);
+        let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres");
         crate::chown_to_server(dir.path());
         let root = dir.path().to_path_buf();
 
@@ -121,10 +123,8 @@ impl Postgres {
         write_hba(&data_dir, options.auth, options.tls);
         let tls = options.tls.then(|| tls::write_server_tls(&root));
 
-        let log_path = root.join("postgres.log");
-        File::create(&log_path)
-            .unwrap_or_else(|e| panic!("testkit: create {}: {e}", log_path.display()));
-
+        // SIGQUIT: immediate shutdown, which still removes the shared memory.
+        let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
         let mut pg = Postgres {
             bin_dir,
             port: 0,
@@ -133,22 +133,14 @@ impl Postgres {
             settings: options.settings,
             tls,
             data_dir,
-            log_path,
             socket_dir: root,
-            child: Mutex::new(None),
+            server,
             dir,
         };
-
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
+        server::start_on_free_ports(|| {
             pg.port = crate::free_port();
-            match pg.launch() {
-                Ok(()) => break,
-                Err(LaunchError::PortInUse(_)) if attempts < 5 => continue,
-                Err(LaunchError::PortInUse(msg) | LaunchError::Failed(msg)) => panic!("{msg}"),
-            }
-        }
+            pg.launch()
+        });
 
         if let Some(password) = &pg.password {
             // Over the socket (always trust); stored according to the
@@ -162,7 +154,7 @@ impl Postgres {
         if let Err(e) = pg.try_psql("postgres", "select 1") {
             panic!(
                 "testkit: postgres started but psql over TCP fails: {e}\nlog tail:\n{}",
-                crate::tail(&pg.log(), 40)
+                crate::harness::last_lines(&pg.log(), 40)
             );
         }
         pg
@@ -238,22 +230,21 @@ impl Postgres {
 
     /// Pid of the (current) postmaster.
     pub fn pid(&self) -> u32 {
-        self.lock_child()
-            .as_ref()
-            .map(Managed::pid)
-            .expect("testkit: postgres was never started")
+        self.server.pid()
     }
 
     /// Fast shutdown (SIGINT); returns once the postmaster has exited.
     pub fn stop(&mut self) {
-        self.shut_down(libc::SIGINT, "fast shutdown (SIGINT)");
+        self.server
+            .shut_down(libc::SIGINT, "fast shutdown (SIGINT)", STOP_TIMEOUT);
     }
 
     /// Immediate shutdown (SIGQUIT): no checkpoint, crash recovery on the
     /// next start. Returns once the postmaster has exited. This is what
     /// "kill postgres" means in tests.
     pub fn crash(&mut self) {
-        self.shut_down(libc::SIGQUIT, "immediate shutdown (SIGQUIT)");
+        self.server
+            .shut_down(libc::SIGQUIT, "immediate shutdown (SIGQUIT)", STOP_TIMEOUT);
     }
 
     /// Start the server again on the same port and data directory; returns
@@ -266,15 +257,7 @@ impl Postgres {
         );
         // The port is fixed now; if something grabbed it meanwhile, give it a
         // little time to go away.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.launch() {
-                Ok(()) => return,
-                Err(LaunchError::PortInUse(msg)) if Instant::now() >= deadline => panic!("{msg}"),
-                Err(LaunchError::PortInUse(_)) => thread::sleep(Duration::from_millis(200)),
-                Err(LaunchError::Failed(msg)) => panic!("{msg}"),
-            }
-        }
+        server::start_again(|| self.launch());
     }
 
     /// [`Postgres::crash`] + [`Postgres::start_again`].
@@ -285,12 +268,12 @@ impl Postgres {
 
     /// Whether the postmaster process is alive.
     pub fn is_running(&self) -> bool {
-        self.lock_child().as_mut().is_some_and(Managed::is_running)
+        self.server.is_running()
     }
 
     /// Contents of the server log (all starts), for failure messages.
     pub fn log(&self) -> String {
-        crate::read_lossy(&self.log_path)
+        self.server.log()
     }
 
     /// The data directory (`PGDATA`).
@@ -302,11 +285,7 @@ impl Postgres {
     /// [`Postgres::restore`]. Panics unless the server is stopped.
     pub fn backup(&self) -> Backup {
         assert!(!self.is_running(), "testkit: back up a stopped server only");
-        let dir = tempfile::Builder::new()
-            .prefix("testkit-pg-backup-")
-            .tempdir_in(crate::temp_base())
-            .expect("testkit: create a directory for a backup");
-        cleanup::register_dir(dir.path());
+        let dir = cleanup::temp_dir("testkit-pg-backup-", &crate::temp_base(), "a backup");
         let data = dir.path().join("data");
         copy_tree(&self.data_dir, &data);
         Backup { _dir: dir, data }
@@ -363,22 +342,6 @@ impl Postgres {
         );
     }
 
-    fn lock_child(&self) -> MutexGuard<'_, Option<Managed>> {
-        self.child.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn shut_down(&mut self, signal: i32, what: &str) {
-        let log_path = self.log_path.clone();
-        crate::stop_child(
-            &mut self.lock_child(),
-            signal,
-            "postgres",
-            what,
-            STOP_TIMEOUT,
-            || crate::read_lossy(&log_path),
-        );
-    }
-
     fn server_args(&self) -> Vec<OsString> {
         let mut settings: Vec<(String, String)> = vec![
             ("listen_addresses".into(), "127.0.0.1".into()),
@@ -421,72 +384,23 @@ impl Postgres {
     }
 
     /// Spawn the postmaster and wait until it serves queries on our port.
-    fn launch(&mut self) -> Result<(), LaunchError> {
-        let log_offset = crate::file_len(&self.log_path);
-        let log = OpenOptions::new()
-            .append(true)
-            .open(&self.log_path)
-            .unwrap_or_else(|e| panic!("testkit: open {}: {e}", self.log_path.display()));
-        let log2 = log
-            .try_clone()
-            .expect("testkit: duplicate the postgres log file handle");
+    fn launch(&self) -> Result<(), LaunchError> {
         let mut command = Command::new(self.bin_dir.join("postgres"));
         command
             .args(self.server_args())
             .current_dir(&self.socket_dir)
-            .env_remove("PGDATA")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
+            .env_remove("PGDATA");
         as_server_user(&mut command);
-        let child = Managed::spawn(&mut command, Some(libc::SIGQUIT)).unwrap_or_else(|e| {
-            panic!(
-                "testkit: spawn {}: {e}",
-                self.bin_dir.join("postgres").display()
-            )
-        });
-        *self.lock_child() = Some(child);
-
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            let exited = self.lock_child().as_mut().and_then(Managed::try_wait);
-            if let Some(status) = exited {
-                let log = crate::read_from(&self.log_path, log_offset);
-                let msg = format!(
-                    "testkit: postgres exited with {status} while starting on port {}; log:\n{}",
-                    self.port,
-                    crate::tail(&log, 40)
-                );
-                return Err(if log.contains("Address already in use") {
-                    LaunchError::PortInUse(msg)
-                } else {
-                    LaunchError::Failed(msg)
-                });
-            }
-            // Our private unix socket answering proves that *our* postmaster
-            // is up (it binds the TCP port before creating the socket, and
-            // exits if it cannot), so another server that grabbed the port
-            // is never mistaken for ours. The socket is always trust, so
-            // this works before the password is set.
-            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-                && self.try_psql_socket("select 1").is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                if let Some(child) = self.lock_child().as_mut() {
-                    child.stop_with(libc::SIGQUIT, Duration::from_secs(5));
-                }
-                return Err(LaunchError::Failed(format!(
-                    "testkit: timed out after {START_TIMEOUT:?} waiting for postgres to accept connections on \
-                     port {}; log tail:\n{}",
-                    self.port,
-                    crate::tail(&crate::read_from(&self.log_path, log_offset), 40)
-                )));
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+        let log_offset = self.server.spawn(&mut command);
+        let where_ = format!("on port {}", self.port);
+        self.server
+            .wait_ready(log_offset, START_TIMEOUT, &where_, |_| {
+                // Our private unix socket answering proves that *our* postmaster is up (it
+                // binds the TCP port before creating the socket, and exits if it cannot), so
+                // another server that grabbed the port is never mistaken for ours. The socket
+                // is always trust, so this works before the password is set.
+                server::accepts(self.port) && self.try_psql_socket("select 1").is_ok()
+            })
     }
 
     /// psql over the unix socket (always trust), as the superuser.
@@ -507,9 +421,7 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
-        if let Some(child) = self.lock_child().as_mut() {
-            child.stop_with(libc::SIGQUIT, Duration::from_secs(10));
-        }
+        self.server.stop_now(Duration::from_secs(10));
         cleanup::unregister_dir(self.dir.path());
         // `dir` (a TempDir) removes the directory when the fields are dropped.
     }
@@ -536,20 +448,26 @@ fn as_server_user(command: &mut Command) {
     }
 }
 
-/// The per-process template data directory (initdb runs once).
+/// The per-process template data directory of the server in `bin_dir` (initdb runs once per
+/// version).
 fn template_data_dir(bin_dir: &Path) -> &'static Path {
-    static TEMPLATE: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, data_dir) = TEMPLATE.get_or_init(|| {
-        // Never dropped (static): the atexit handler removes it.
-        let dir = tempfile::Builder::new()
-            .prefix("testkit-pgtemplate-")
-            .tempdir_in(crate::temp_base())
-            .expect("testkit: create a temporary directory for the initdb template");
-        cleanup::register_dir(dir.path());
+    type Templates = Mutex<HashMap<PathBuf, &'static (tempfile::TempDir, PathBuf)>>;
+    static TEMPLATES: OnceLock<Templates> = OnceLock::new();
+    let mut templates = TEMPLATES
+        .get_or_init(Templates::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (_, data_dir) = *templates.entry(bin_dir.to_path_buf()).or_insert_with(|| {
+        let dir = cleanup::temp_dir(
+            "testkit-pgtemplate-",
+            &crate::temp_base(),
+            "the initdb template",
+        );
         crate::chown_to_server(dir.path());
         let data_dir = dir.path().join("data");
         initdb(bin_dir, dir.path(), &data_dir);
-        (dir, data_dir)
+        // Never dropped: the atexit handler removes it.
+        Box::leak(Box::new((dir, data_dir)))
     });
     data_dir
 }

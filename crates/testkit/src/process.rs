@@ -29,6 +29,18 @@ impl Capture {
     fn lock(&self) -> MutexGuard<'_, Captured> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Waits up to `timeout` for more output or the end of a stream.
+    fn wait<'a>(
+        &'a self,
+        state: MutexGuard<'a, Captured>,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Captured> {
+        self.changed
+            .wait_timeout(state, timeout)
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+    }
 }
 
 /// A child process (the relay binary, a benchmark tool, ...) whose stdout and
@@ -54,9 +66,20 @@ impl fmt::Debug for Process {
 }
 
 impl Process {
-    /// Spawn `command` (stdin null, stdout/stderr captured). Panics if it
-    /// cannot be spawned.
-    pub fn spawn(name: &str, mut command: Command) -> Process {
+    /// Spawn `command` (stdin null, stdout/stderr captured, echoed when
+    /// `TESTKIT_ECHO=1`). Panics if it cannot be spawned.
+    pub fn spawn(name: &str, command: Command) -> Process {
+        let echo = std::env::var("TESTKIT_ECHO").is_ok_and(|v| v == "1");
+        Process::start(name, command, echo)
+    }
+
+    /// Like [`Process::spawn`], and always echoes the output to stderr,
+    /// prefixed with `[name]` (for tools that show what the child does).
+    pub fn spawn_echoing(name: &str, command: Command) -> Process {
+        Process::start(name, command, true)
+    }
+
+    fn start(name: &str, mut command: Command, echo: bool) -> Process {
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -64,7 +87,6 @@ impl Process {
         let mut managed = Managed::spawn(&mut command, None)
             .unwrap_or_else(|e| panic!("testkit: failed to spawn {name} ({command:?}): {e}"));
         let pid = managed.pid();
-        let echo = std::env::var("TESTKIT_ECHO").is_ok_and(|v| v == "1");
         let capture = Arc::new(Capture::default());
         let stdout = managed.take_stdout();
         let stderr = managed.take_stderr();
@@ -164,12 +186,7 @@ impl Process {
                     self.name
                 );
             }
-            state = self
-                .capture
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = self.capture.wait(state, deadline - now);
         }
     }
 
@@ -238,12 +255,7 @@ impl Process {
             if now >= deadline {
                 return;
             }
-            state = self
-                .capture
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = self.capture.wait(state, deadline - now);
         }
     }
 }

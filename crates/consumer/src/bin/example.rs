@@ -1,0 +1,155 @@
+//! `outbox-consumer-example`: applies every outbox event to a `ledger` table, once, in
+//! entity order. Copy the handler and `main`; configure through the environment:
+//!
+//! ```text
+//! DATABASE_URL                  postgres://... (required; where the ledger and processed_events live)
+//! NATS_URL                      nats://127.0.0.1:4222
+//! OUTBOX_RELAY_STREAM           OUTBOX   } the relay's values
+//! OUTBOX_RELAY_SUBJECT_PREFIX   outbox   }
+//! OUTBOX_RELAY_PARTITIONS       12       }
+//! OUTBOX_CONSUMER_NAME          ledger   (durable consumers ledger-0 .. ledger-11)
+//! OUTBOX_CONSUMER_SHARDS        all, or e.g. 0,1,2 to split shards between processes
+//! OUTBOX_CONSUMER_ACK_WAIT_MS   30000
+//! OUTBOX_CONSUMER_RETRY_DELAY_MS 5000
+//! ```
+//!
+//! It creates `processed_events` (sql/consumer.sql) and `ledger` if missing, and stops on
+//! SIGINT/SIGTERM after finishing the messages in hand.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+use tracing::{error, info};
+
+/// The side effect: one ledger row per event.
+struct Ledger;
+
+impl Handler for Ledger {
+    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        tx.execute(
+            "insert into ledger (outbox_id, entity_id, event_type, payload) \
+             values ($1, $2, $3, $4::text::jsonb)",
+            &[
+                &event.id,
+                &event.entity_id,
+                &event.event_type,
+                &event.payload_str()?,
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+const LEDGER_SQL: &str = "create table if not exists ledger (
+    outbox_id bigint not null,
+    entity_id text not null,
+    event_type text not null,
+    payload jsonb not null,
+    applied_at timestamptz not null default clock_timestamp()
+)";
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            error!("{error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), BoxError> {
+    let database_url =
+        std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set: set it to the database of the ledger, e.g. postgres://app@localhost/app")?;
+    let nats_url = env_or("NATS_URL", "nats://127.0.0.1:4222");
+
+    let mut config = Config::new(env_or("OUTBOX_CONSUMER_NAME", "ledger"));
+    config.stream = env_or("OUTBOX_RELAY_STREAM", &config.stream);
+    config.subject_prefix = env_or("OUTBOX_RELAY_SUBJECT_PREFIX", &config.subject_prefix);
+    config.partitions = parsed("OUTBOX_RELAY_PARTITIONS", config.partitions)?;
+    if let Ok(shards) = std::env::var("OUTBOX_CONSUMER_SHARDS") {
+        if shards != "all" {
+            let list: Result<Vec<u64>, _> = shards.split(',').map(|s| s.trim().parse()).collect();
+            config.shards = Some(list.map_err(|_| {
+                format!("OUTBOX_CONSUMER_SHARDS {shards:?} is not `all` or a comma-separated list of shard numbers")
+            })?);
+        }
+    }
+    config.ack_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_ACK_WAIT_MS", 30_000)?);
+    config.retry_delay = Duration::from_millis(parsed("OUTBOX_CONSUMER_RETRY_DELAY_MS", 5_000)?);
+
+    let pg_config: tokio_postgres::Config = database_url
+        .parse()
+        .map_err(|e| format!("DATABASE_URL is not a valid connection string: {e}"))?;
+    let (setup, connection) = pg_config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    setup.batch_execute(outbox_consumer::SCHEMA_SQL).await?;
+    setup.batch_execute(LEDGER_SQL).await?;
+    drop(setup);
+
+    let nats = async_nats::connect(&nats_url).await?;
+    let mut consumer = Consumer::new(
+        config,
+        nats,
+        Postgres::new(pg_config, tokio_postgres::NoTls),
+    );
+    if let Ok(id) = std::env::var("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT") {
+        consumer = stall_after_commit(consumer, id.parse()?);
+    }
+    consumer.run(Ledger, shutdown()).await?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn env_or(key: &str, default: &str) -> String {
+    std::env::var(key).unwrap_or_else(|_| default.to_owned())
+}
+
+fn parsed<T: std::str::FromStr>(key: &str, default: T) -> Result<T, String> {
+    match std::env::var(key) {
+        Err(_) => Ok(default),
+        Ok(text) => text
+            .parse()
+            .map_err(|_| format!("{key} {text:?} is not a valid number")),
+    }
+}
+
+/// For the crate's fault tests only: after the transaction of outbox id `id` committed,
+/// announce it and hang before the ack, so a test can kill the process right there.
+fn stall_after_commit(consumer: Consumer, id: i64) -> Consumer {
+    consumer.after_commit(move |event| {
+        if event.id == id {
+            info!(
+                outbox_id = id,
+                "stalling after commit, before the ack (test hook)"
+            );
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+    })
+}

@@ -1,0 +1,889 @@
+//! outbox-consumer against a real Postgres 15 and a real nats-server (testkit): the events
+//! are what the relay publishes (`sink::publish_message` of `outbox` events), the side
+//! effects are rows the handler writes in its transaction, counted per outbox id.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{HashMap, HashSet};
+use std::num::NonZeroU64;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use bytes::Bytes;
+use outbox::{headers, OutboxEvent, Position};
+use outbox_consumer::{
+    BoxError, Config, Consumer, Error, Event, Handler, Postgres, Problem, SetupError, Stats,
+    Transaction,
+};
+use testkit::{Nats, Process};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const PARTITIONS: u64 = 12;
+
+struct Servers {
+    pg: testkit::Postgres,
+    nats: Nats,
+}
+
+fn servers() -> &'static Servers {
+    static SERVERS: OnceLock<Servers> = OnceLock::new();
+    testkit::shared(&SERVERS, || Servers {
+        pg: testkit::Postgres::start(),
+        nats: Nats::start(),
+    })
+}
+
+/// Everything the consumer logs, for the tests that check a log line.
+fn logs() -> Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&buffer);
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("info,outbox_consumer=debug")
+            .with_ansi(false)
+            .with_writer(move || Tee(Arc::clone(&sink)))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        buffer
+    })
+    .clone()
+}
+
+struct Tee(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        if std::env::var_os("TESTKIT_ECHO").is_some() {
+            std::io::stderr().write_all(buf)?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One test's database, stream, subject prefix and consumer name.
+struct Case {
+    pg_url: String,
+    nats_url: String,
+    stream: String,
+    prefix: String,
+    name: String,
+    js: jetstream::Context,
+    sql: tokio_postgres::Client,
+}
+
+const EFFECTS_SQL: &str = "create table effects (
+    seq bigserial primary key,
+    outbox_id bigint not null,
+    entity_id text not null,
+    event_type text not null,
+    delivered bigint not null
+)";
+
+impl Case {
+    /// A database with `processed_events` and the `effects` table, and a stream like the
+    /// relay's for `{prefix}.>`.
+    async fn new(name: &str) -> Case {
+        Case::with_schema(name, true).await
+    }
+
+    async fn with_schema(name: &str, processed_table: bool) -> Case {
+        Case::on(&servers().nats, name, processed_table).await
+    }
+
+    /// A case on the shared Postgres and the nats-server `nats`.
+    async fn on(nats: &Nats, name: &str, processed_table: bool) -> Case {
+        logs();
+        let servers = servers();
+        let database = format!("consumer_{name}");
+        servers.pg.create_database(&database);
+        let pg_url = servers.pg.url(&database);
+        let sql = connect(&pg_url).await;
+        if processed_table {
+            sql.batch_execute(outbox_consumer::SCHEMA_SQL)
+                .await
+                .unwrap();
+        }
+        sql.batch_execute(EFFECTS_SQL).await.unwrap();
+        let stream = format!("OUTBOX_{}", name.to_uppercase());
+        let prefix = format!("c_{name}");
+        let nats_url = nats.url();
+        let js = jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+        js.create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            storage: jetstream::stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        Case {
+            pg_url,
+            nats_url,
+            stream,
+            prefix,
+            name: name.replace('_', "-"),
+            js,
+            sql,
+        }
+    }
+
+    fn config(&self) -> Config {
+        let mut config = Config::new(&self.name);
+        config.stream = self.stream.clone();
+        config.subject_prefix = self.prefix.clone();
+        config.partitions = NonZeroU64::new(PARTITIONS).unwrap();
+        config.retry_delay = Duration::from_millis(200);
+        config
+    }
+
+    async fn consumer(&self, config: Config) -> Consumer {
+        let nats = async_nats::connect(&self.nats_url).await.unwrap();
+        Consumer::new(
+            config,
+            nats,
+            Postgres::new(self.pg_url.parse().unwrap(), tokio_postgres::NoTls),
+        )
+    }
+
+    /// The event the relay publishes for outbox row `id`.
+    fn event(&self, id: i64, entity_id: &str, event_type: &str, created_at_ms: i64) -> OutboxEvent {
+        let keys = outbox::compute_keys(id, entity_id, event_type, created_at_ms);
+        let shard = outbox::shard_for_key(NonZeroU64::new(PARTITIONS).unwrap(), entity_id);
+        OutboxEvent {
+            id,
+            entity_id: entity_id.into(),
+            event_type: event_type.into(),
+            subject: outbox::subject::subject(&self.prefix, shard, event_type),
+            keys,
+            shard,
+            payload: Bytes::from(format!("{{\"n\": {id}, \"note\": \"payload-of-{id}\"}}")),
+            position: Position {
+                commit_lsn: pgoutput::Lsn(0x100_0000 + id as u64),
+                index: 0,
+            },
+            created_at_ms,
+        }
+    }
+
+    /// Publishes like the relay, optionally with another `Nats-Msg-Id` (a replay).
+    async fn publish(&self, events: &[OutboxEvent], msg_id_prefix: Option<&str>) {
+        for event in events {
+            let mut message = sink::publish_message(event);
+            if let Some(prefix) = msg_id_prefix {
+                message = message.message_id(format!("{prefix}{}", event.keys.dedupe_key));
+            }
+            self.publish_message(&event.subject, message).await;
+        }
+    }
+
+    async fn publish_message(&self, subject: &str, message: jetstream::message::PublishMessage) {
+        let ack = self
+            .js
+            .send_publish(subject.to_owned(), message)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(!ack.duplicate, "message {subject} was stored");
+    }
+
+    async fn stream_messages(&self) -> u64 {
+        let mut stream = self.js.get_stream(&self.stream).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
+    /// Side effects per outbox id (the test handler's `effects` table).
+    async fn effects(&self) -> HashMap<i64, i64> {
+        self.effects_in("effects").await
+    }
+
+    /// Rows per outbox id of `table`.
+    async fn effects_in(&self, table: &str) -> HashMap<i64, i64> {
+        self.sql
+            .query(
+                &format!("select outbox_id, count(*) from {table} group by outbox_id"),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect()
+    }
+
+    /// Asserts that each of `ids` had exactly one side effect and nothing else had any.
+    async fn assert_effects_once(&self, ids: impl IntoIterator<Item = i64>) {
+        self.assert_once_in("effects", ids).await;
+    }
+
+    async fn assert_once_in(&self, table: &str, ids: impl IntoIterator<Item = i64>) {
+        let effects = self.effects_in(table).await;
+        let repeated: Vec<_> = effects.iter().filter(|(_, &n)| n != 1).collect();
+        assert!(repeated.is_empty(), "side effects repeated: {repeated:?}");
+        let expected: HashSet<i64> = ids.into_iter().collect();
+        let applied: HashSet<i64> = effects.keys().copied().collect();
+        assert_eq!(applied, expected, "events with a side effect");
+    }
+
+    async fn delete_durable_consumers(&self) {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        for shard in 0..PARTITIONS {
+            let _ = stream
+                .delete_consumer(&format!("{}-{shard}", self.name))
+                .await;
+        }
+    }
+
+    /// Whether every shard's consumer has acknowledged everything of its shard.
+    async fn all_acked(&self) -> bool {
+        for shard in 0..PARTITIONS {
+            let stream = self.js.get_stream(&self.stream).await.unwrap();
+            match stream.consumer_info(format!("{}-{shard}", self.name)).await {
+                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Asserts that, per entity, side effects committed in outbox id order.
+    async fn assert_entity_order(&self) {
+        let rows = self
+            .sql
+            .query("select entity_id, outbox_id from effects order by seq", &[])
+            .await
+            .unwrap();
+        let mut last: HashMap<String, i64> = HashMap::new();
+        for row in rows {
+            let (entity, id): (String, i64) = (row.get(0), row.get(1));
+            if let Some(previous) = last.insert(entity.clone(), id) {
+                assert!(
+                    previous < id,
+                    "entity {entity}: event {id} applied after {previous}"
+                );
+            }
+        }
+    }
+
+    async fn consumer_info(&self, shard: u64) -> jetstream::consumer::Info {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        stream
+            .consumer_info(format!("{}-{shard}", self.name))
+            .await
+            .unwrap()
+    }
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Waits until `check` holds, polling every 20 ms; panics after [`DEADLINE`] naming `what`.
+async fn wait_for(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !check().await {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A consumer running on its own task, stopped through [`Running::stop`].
+struct Running {
+    stats: Arc<Stats>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), Error>>,
+}
+
+impl Running {
+    fn start(consumer: Consumer, handler: impl Handler) -> Running {
+        let stats = consumer.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run(handler, async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn wait_processed(&self, n: u64) {
+        wait_for(&format!("{n} events processed"), async || {
+            self.stats.processed() >= n
+        })
+        .await;
+    }
+
+    async fn stop(mut self) -> Arc<Stats> {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the consumer stops")
+            .unwrap()
+            .expect("the consumer stops without error");
+        self.stats
+    }
+
+    /// Waits for the error the consumer stops with.
+    async fn error(self) -> Error {
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the consumer stops")
+            .unwrap()
+            .expect_err("the consumer stops with an error")
+    }
+}
+
+/// The test handler: one `effects` row per event, plus knobs for slowness and failures.
+#[derive(Default)]
+struct Recorder {
+    /// Sleep this long inside the transaction on an event's first delivery.
+    slow_first: HashMap<i64, Duration>,
+    /// Write the effect, then fail, on the first delivery of these ids.
+    fail_first: HashSet<i64>,
+    /// Sleep this long inside every transaction.
+    pause: Duration,
+    attempts: Mutex<HashMap<i64, u32>>,
+    running: AtomicUsize,
+    max_running: AtomicUsize,
+}
+
+impl Handler for Recorder {
+    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        let running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_running.fetch_max(running, Ordering::SeqCst);
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let n = attempts.entry(event.id).or_default();
+            *n += 1;
+            *n
+        };
+        tx.execute(
+            "insert into effects (outbox_id, entity_id, event_type, delivered) values ($1, $2, $3, $4)",
+            &[&event.id, &event.entity_id, &event.event_type, &(event.delivered as i64)],
+        )
+        .await?;
+        if attempt == 1 {
+            if let Some(&slow) = self.slow_first.get(&event.id) {
+                tokio::time::sleep(slow).await;
+            }
+        }
+        tokio::time::sleep(self.pause).await;
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        if attempt == 1 && self.fail_first.contains(&event.id) {
+            return Err(format!("first attempt of {} fails on purpose", event.id).into());
+        }
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn attempts(&self, id: i64) -> u32 {
+        self.attempts.lock().unwrap().get(&id).copied().unwrap_or(0)
+    }
+}
+
+const T0: i64 = 1_700_000_000_000;
+
+/// `n` events of `entities` entities, round-robin, ids from `first`, times increasing.
+fn events(case: &Case, first: i64, n: i64, entities: i64) -> Vec<OutboxEvent> {
+    (first..first + n)
+        .map(|id| {
+            case.event(
+                id,
+                &format!("order-{}", id % entities),
+                "OrderPaid",
+                T0 + id,
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_slower_than_ack_wait_applies_its_side_effect_once() {
+    let case = Case::new("slow_handler").await;
+    let all = events(&case, 1, 6, 2);
+    case.publish(&all, None).await;
+    let slow = all[1].id;
+    let recorder = Arc::new(Recorder {
+        slow_first: HashMap::from([(slow, Duration::from_millis(2500))]),
+        ..Default::default()
+    });
+    let mut config = case.config();
+    config.ack_wait = Duration::from_secs(1);
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(6).await;
+    // JetStream redelivered the slow event while its handler was still running; the
+    // redelivery found its dedupe key committed and was acked without the handler.
+    wait_for("the redelivery of the slow event", async || {
+        running.stats.duplicates() >= 1
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(
+        recorder.attempts(slow),
+        1,
+        "the handler ran once for the slow event"
+    );
+    assert_eq!(stats.processed(), 6);
+    case.assert_effects_once(1..=6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
+    let case = Case::new("killed").await;
+    let all = events(&case, 1, 20, 5);
+    case.publish(&all, None).await;
+    let victim = &all[7];
+    let example = |stall: Option<i64>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
+        command
+            .env("DATABASE_URL", &case.pg_url)
+            .env("NATS_URL", &case.nats_url)
+            .env("OUTBOX_RELAY_STREAM", &case.stream)
+            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &case.prefix)
+            .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
+            .env("OUTBOX_CONSUMER_NAME", &case.name)
+            .env("OUTBOX_CONSUMER_ACK_WAIT_MS", "1500")
+            .env("RUST_LOG", "info")
+            .env_remove("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT");
+        if let Some(id) = stall {
+            command.env("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT", id.to_string());
+        }
+        Process::spawn("consumer-example", command)
+    };
+
+    let mut first = example(Some(victim.id));
+    tokio::task::block_in_place(|| first.wait_for_output("stalling after commit", DEADLINE));
+    // Committed: the side effect and the dedupe key are in the database ...
+    let recorded: i64 = case
+        .sql
+        .query_one(
+            "select count(*) from processed_events where dedupe_key = $1",
+            &[&victim.keys.dedupe_key],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(recorded, 1);
+    assert_eq!(case.effects_in("ledger").await.get(&victim.id), Some(&1));
+    first.kill();
+    // ... and not acknowledged.
+    let info = case.consumer_info(victim.shard).await;
+    assert_eq!(info.num_ack_pending, 1, "the victim's ack was never sent");
+
+    let mut second = example(None);
+    wait_for("every event applied", async || {
+        case.effects_in("ledger").await.len() == 20
+    })
+    .await;
+    wait_for("the victim's redelivery handled", async || {
+        let info = case.consumer_info(victim.shard).await;
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    // Its redelivery was recognised (the consumer logs its totals when it stops).
+    let status = tokio::task::block_in_place(|| second.terminate(DEADLINE));
+    assert!(status.success(), "{}", second.output());
+    let output = second.output();
+    let stopped = output
+        .lines()
+        .find(|l| l.contains("stopped"))
+        .unwrap_or_else(|| panic!("{output}"));
+    assert!(
+        !stopped.contains("duplicates=0"),
+        "the redelivery was not a duplicate: {stopped}"
+    );
+    case.assert_once_in("ledger", 1..=20).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_messages_do_not_repeat_side_effects() {
+    let case = Case::new("replayed").await;
+    let all = events(&case, 1, 30, 7);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder::default());
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(30).await;
+
+    // The same events again, stored a second time under other Nats-Msg-Ids.
+    case.publish(&all, Some("replay:")).await;
+    assert_eq!(case.stream_messages().await, 60);
+    wait_for("30 replays recognised", async || {
+        running.stats.duplicates() == 30
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 30);
+
+    // A consumer reset: every message of the stream is delivered again.
+    case.delete_durable_consumers().await;
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    wait_for("60 redeliveries recognised", async || {
+        running.stats.duplicates() == 60
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 0);
+    case.assert_effects_once(1..=30).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_shard_consumer_continues_where_it_left_off() {
+    let case = Case::new("restarted").await;
+    let all = events(&case, 1, 300, 40);
+    case.publish(&all, None).await;
+    let config = case.config();
+    let first = Arc::new(Recorder {
+        pause: Duration::from_millis(20),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(config.clone()).await, Arc::clone(&first));
+    running.wait_processed(60).await;
+    let before = running.stop().await;
+    assert!(before.processed() < 300, "stopped mid-stream");
+    let handled_first: HashSet<i64> = first.attempts.lock().unwrap().keys().copied().collect();
+
+    let second = Arc::new(Recorder::default());
+    let running = Running::start(case.consumer(config).await, Arc::clone(&second));
+    running.wait_processed(300 - before.processed()).await;
+    let after = running.stop().await;
+    let handled_second: HashSet<i64> = second.attempts.lock().unwrap().keys().copied().collect();
+    assert_eq!(
+        after.duplicates(),
+        0,
+        "nothing handled before was delivered again"
+    );
+    assert!(handled_first.is_disjoint(&handled_second));
+    assert_eq!(handled_first.len() + handled_second.len(), 300);
+    case.assert_effects_once(1..=300).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_run_in_parallel_and_keep_each_entitys_order() {
+    let case = Case::new("parallel").await;
+    // 48 entities over 12 shards, each with 10 events; every 17th event fails once and is
+    // redelivered after the retry delay.
+    let all = events(&case, 1, 480, 48);
+    case.publish(&all, None).await;
+    let failing: HashSet<i64> = (1..=480).filter(|id| id % 17 == 0).collect();
+    let recorder = Arc::new(Recorder {
+        fail_first: failing.clone(),
+        pause: Duration::from_millis(2),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(480).await;
+    let stats = running.stop().await;
+
+    assert_eq!(stats.handler_failures(), failing.len() as u64);
+    assert_eq!(stats.out_of_order(), 0);
+    assert!(
+        recorder.max_running.load(Ordering::SeqCst) >= 2,
+        "handlers of different shards overlapped"
+    );
+    case.assert_effects_once(1..=480).await;
+    let shards: HashSet<u64> = all.iter().map(|e| e.shard).collect();
+    assert_eq!(shards.len() as u64, PARTITIONS, "every shard had events");
+    // Per entity, side effects committed in outbox id order (the stream's order).
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_handler_rolls_back_and_its_message_is_redelivered() {
+    let case = Case::new("failing").await;
+    let all = events(&case, 1, 3, 1);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        fail_first: HashSet::from([2]),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(3).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.handler_failures(), 1);
+    assert_eq!(recorder.attempts(2), 2);
+    case.assert_effects_once(1..=3).await;
+    let delivered: i64 = case
+        .sql
+        .query_one("select delivered from effects where outbox_id = 2", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(delivered, 2, "the committed effect is the redelivery's");
+    // Event 3 (same entity, same shard) waited for event 2.
+    let order: Vec<i64> = case
+        .sql
+        .query("select outbox_id from effects order by seq", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(order, vec![1, 2, 3]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_order_event_is_counted_and_logged_without_its_payload() {
+    let case = Case::new("out_of_order").await;
+    // Event 2 of entity e was created before event 1 (its ordering key is lower).
+    let late = case.event(2, "account-ooo", "Debited", T0 + 1_000);
+    case.publish(
+        &[
+            case.event(1, "account-ooo", "Credited", T0 + 2_000),
+            late.clone(),
+            case.event(3, "account-ooo", "Credited", T0 + 3_000),
+        ],
+        None,
+    )
+    .await;
+    let running = Running::start(
+        case.consumer(case.config()).await,
+        Arc::new(Recorder::default()),
+    );
+    running.wait_processed(3).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.out_of_order(), 1);
+    case.assert_effects_once(1..=3).await;
+    let logs = String::from_utf8_lossy(&logs().lock().unwrap()).into_owned();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("out of order") && l.contains(&late.keys.ordering_key))
+        .unwrap_or_else(|| panic!("no out-of-order line in:\n{logs}"));
+    assert!(line.contains("outbox_id=2"), "{line}");
+    assert!(
+        !line.contains("payload-of-2"),
+        "the payload was logged: {line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn percent_encoded_headers_reach_the_handler_decoded() {
+    let case = Case::new("percent").await;
+    let event = case.event(1, "user:nats-1 \u{1}x", "Nats-Signup", T0);
+    let encode = outbox::encoding::encode;
+    let message = sink::publish_message(&event)
+        .header("Outbox-Encoding", "percent")
+        .header(headers::OUTBOX_ENTITY_ID, encode(&event.entity_id).as_str())
+        .header(
+            headers::OUTBOX_EVENT_TYPE,
+            encode(&event.event_type).as_str(),
+        )
+        .header(
+            headers::OUTBOX_PARTITION_KEY,
+            encode(&event.keys.partition_key).as_str(),
+        )
+        .message_id(encode(&event.keys.dedupe_key));
+    case.publish_message(&event.subject, message).await;
+    let running = Running::start(
+        case.consumer(case.config()).await,
+        Arc::new(Recorder::default()),
+    );
+    running.wait_processed(1).await;
+    running.stop().await;
+    let row = case
+        .sql
+        .query_one("select entity_id, event_type from effects", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), event.entity_id);
+    assert_eq!(row.get::<_, String>(1), "Nats-Signup");
+    let recorded: String = case
+        .sql
+        .query_one("select dedupe_key from processed_events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(recorded, event.keys.dedupe_key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_is_not_an_outbox_event_stops_the_consumer_unacknowledged() {
+    let case = Case::new("not_an_event").await;
+    case.publish_message(
+        &format!("{}.0.Junk", case.prefix),
+        jetstream::message::PublishMessage::build().payload(Bytes::from_static(b"{}")),
+    )
+    .await;
+    let running = Running::start(
+        case.consumer(case.config()).await,
+        Arc::new(Recorder::default()),
+    );
+    let error = running.error().await;
+    assert!(!error.is_transient());
+    match &error {
+        Error::Message(message) => {
+            assert_eq!(message.stream_sequence, 1);
+            assert_eq!(message.problem, Problem::NotAnEvent);
+        }
+        other => panic!("unexpected error {other}"),
+    }
+    assert!(error.to_string().contains("nats stream rmm"), "{error}");
+    assert_eq!(
+        case.consumer_info(0).await.ack_floor.stream_sequence,
+        0,
+        "not acknowledged"
+    );
+    assert!(case.effects().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_count_other_than_the_relays_stops_the_consumer_naming_the_fix() {
+    let case = Case::new("partitions").await;
+    // An entity on shard 1 of 12 that maps elsewhere with 5 partitions.
+    let entity = (0..)
+        .map(|i| format!("entity-{i}"))
+        .find(|e| {
+            outbox::shard_for_key(NonZeroU64::new(12).unwrap(), e) == 1
+                && outbox::shard_for_key(NonZeroU64::new(5).unwrap(), e) != 1
+        })
+        .unwrap();
+    case.publish(&[case.event(1, &entity, "OrderPaid", T0)], None)
+        .await;
+    let mut config = case.config();
+    config.partitions = NonZeroU64::new(5).unwrap();
+    let error = Running::start(case.consumer(config).await, Arc::new(Recorder::default()))
+        .error()
+        .await;
+    assert!(
+        matches!(&error, Error::Message(m) if matches!(m.problem, Problem::WrongShard { published: 1, partitions: 5, .. })),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("OUTBOX_RELAY_PARTITIONS"),
+        "{error}"
+    );
+    assert!(case.effects().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_or_stream_is_a_setup_error_naming_the_fix() {
+    let case = Case::with_schema("setup", false).await;
+    let error = Running::start(
+        case.consumer(case.config()).await,
+        Arc::new(Recorder::default()),
+    )
+    .error()
+    .await;
+    assert!(
+        matches!(&error, Error::Setup(SetupError::ProcessedTable { .. })),
+        "{error}"
+    );
+    assert!(error.to_string().contains("sql/consumer.sql"), "{error}");
+
+    case.sql
+        .batch_execute(outbox_consumer::SCHEMA_SQL)
+        .await
+        .unwrap();
+    let mut config = case.config();
+    config.stream = "NO_SUCH_STREAM".into();
+    let error = Running::start(case.consumer(config).await, Arc::new(Recorder::default()))
+        .error()
+        .await;
+    assert_eq!(
+        error.to_string(),
+        SetupError::StreamMissing("NO_SUCH_STREAM".into()).to_string()
+    );
+    assert!(error.to_string().contains("outbox-relay init"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_postgres_connections_are_reopened_and_no_side_effect_repeats() {
+    let case = Case::new("pg_lost").await;
+    let all = events(&case, 1, 200, 20);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    for processed in [20, 80, 140] {
+        running.wait_processed(processed).await;
+        // Every connection of the consumer, in whatever state (idle, in a transaction,
+        // committing).
+        case.sql
+            .execute(
+                "select pg_terminate_backend(pid) from pg_stat_activity \
+                  where datname = current_database() and pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .unwrap();
+    }
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 200 && case.all_acked().await
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(stats.retries() >= 1, "the sessions were restarted");
+    case.assert_effects_once(1..=200).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_restart_mid_stream_repeats_no_side_effect() {
+    let mut nats = tokio::task::block_in_place(Nats::start);
+    let case = Case::on(&nats, "nats_restart", true).await;
+    let all = events(&case, 1, 200, 20);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    // The message in hand when the server died is redelivered after ack_wait.
+    let mut config = case.config();
+    config.ack_wait = Duration::from_secs(2);
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(40).await;
+    tokio::task::block_in_place(|| {
+        nats.kill();
+        nats.start_again();
+    });
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 200 && case.all_acked().await
+    })
+    .await;
+    running.stop().await;
+    case.assert_effects_once(1..=200).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_postgres_is_retried_and_stopping_still_works() {
+    let case = Case::new("pg_unreachable").await;
+    case.publish(&events(&case, 1, 3, 1), None).await;
+    let nowhere = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=x",
+        testkit::free_port()
+    );
+    let consumer = Consumer::new(
+        case.config(),
+        async_nats::connect(&case.nats_url).await.unwrap(),
+        Postgres::new(nowhere.parse().unwrap(), tokio_postgres::NoTls),
+    );
+    let running = Running::start(consumer, Arc::new(Recorder::default()));
+    wait_for("a few retries", async || running.stats.retries() >= 24).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 0);
+    assert!(case.effects().await.is_empty());
+}

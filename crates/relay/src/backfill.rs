@@ -1,0 +1,665 @@
+//! Backfill (issue 11): publishing the rows that are already in the outbox table.
+//!
+//! **At slot creation** (`--backfill pending|all|none`, default `pending`): when the relay
+//! creates its slot, it creates it on a replication connection with an exported snapshot
+//! (`CREATE_REPLICATION_SLOT … LOGICAL pgoutput (SNAPSHOT 'export')`), reads the table in
+//! that snapshot on a control connection (`REPEATABLE READ`, `SET TRANSACTION SNAPSHOT`, a
+//! cursor in id order, the partitioned root included), publishes those rows through the
+//! sink ([`sink::run`], fenced in strict mode), and only then streams from the slot.
+//! `pending` selects the rows whose `status` is `'pending'` (the seed's polling publisher
+//! has not published them); a table without a `status` column gets `none`, and the log says
+//! so.
+//!
+//! **On an existing slot** (`outbox-relay backfill --from-id/--to-id/--since/--until`):
+//! the rows of the current table in that range, with the same keys. No snapshot ties the
+//! range to the slot, so a row may also be (or have been) streamed: its copy is dropped by
+//! JetStream's `Nats-Msg-Id` de-duplication within the duplicate window, and published
+//! again after it. Into a strict stream it is refused without `--force` (it would append
+//! old rows after newer events).
+//!
+//! # Invariants
+//! - F1 No row is missed and none is published twice at the boundary: the snapshot is
+//!   exactly what committed before the slot's consistent point, and the slot streams
+//!   exactly what committed after it. Streaming starts only after every backfilled row was
+//!   acknowledged.
+//! - F2 A backfilled row's position is commit LSN `0/0`, index = its outbox id: it precedes
+//!   every streamed event (whose commit LSN is at or after the consistent point), backfilled
+//!   rows follow each other in id order, and the same row always gets the same position
+//!   (so P8 sees a re-publish as the same event). Ids above `u32::MAX` are refused, naming
+//!   the fix. Keys, subject and headers are those of a streamed event
+//!   ([`outbox::OutboxRow::into_event`], `sink`'s message builder).
+//! - F3 Crash safety: a marker (a physical slot `{slot}_backfill` that reserves no WAL) is
+//!   created before the slot and dropped only after every backfilled row was acknowledged.
+//!   A start that finds the marker knows the backfill was interrupted: it drops the slot
+//!   (nothing was streamed from it yet), creates it again with a new snapshot and backfills
+//!   again. In strict mode the rows the stream already holds (its messages at commit LSN
+//!   `0/0`) are skipped, so nothing is published twice and the fence holds; in shared mode
+//!   `Nats-Msg-Id` de-duplication drops them within the duplicate window.
+//! - F4 Memory is bounded: the cursor fetches [`FETCH_ROWS`] rows at a time into the sink's
+//!   bounded channel and window; only the set of stored ids of an interrupted strict
+//!   backfill grows with the table.
+//! - F5 The exporting replication connection stays open and idle until the backfill is
+//!   done; the snapshot's transaction is read-only.
+//! - F6 A slot created over a stream whose last message is a relayed event (one with an
+//!   outbox position: the slot was dropped and is created again, `outbox-relay init`) gets
+//!   no backfill: the table's rows are presumably in the stream, and a strict stream would
+//!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
+
+use std::collections::HashSet;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use outbox::timestamp::{epoch_millis, parse_timestamptz};
+use outbox::{headers, Item, OutboxEvent, OutboxRow, Position};
+use pgoutput::Lsn;
+use replication::{quote_literal, ReplicationConnection};
+use sink::SinkStats;
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::Client;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{info, warn};
+
+use crate::bootstrap;
+use crate::config::{table_sql, Config};
+use crate::error::{RelayError, Result};
+
+/// Rows fetched from the cursor at a time.
+pub const FETCH_ROWS: usize = 1000;
+/// How often progress is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// The cursor's name.
+const CURSOR: &str = "outbox_relay_backfill";
+
+/// Which rows already in the table are published when the slot is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Rows whose `status` is `'pending'` (none if the table has no `status` column).
+    Pending,
+    /// Every row.
+    All,
+    /// None.
+    None,
+}
+
+impl Mode {
+    /// Parses `pending`, `all` or `none`.
+    pub fn parse(value: &str) -> std::result::Result<Mode, String> {
+        match value {
+            "pending" => Ok(Mode::Pending),
+            "all" => Ok(Mode::All),
+            "none" => Ok(Mode::None),
+            _ => Err("expected pending, all or none".into()),
+        }
+    }
+}
+
+/// Which rows to read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Only rows whose `status` is `'pending'`.
+    pub pending_only: bool,
+    /// `id >= from_id`.
+    pub from_id: Option<i64>,
+    /// `id <= to_id`.
+    pub to_id: Option<i64>,
+    /// `created_at >= since` (a timestamp Postgres parses, e.g. RFC 3339).
+    pub since: Option<String>,
+    /// `created_at < until`.
+    pub until: Option<String>,
+}
+
+impl Filter {
+    /// The `WHERE` clause (empty for every row).
+    fn where_sql(&self) -> String {
+        let mut conditions = Vec::new();
+        if self.pending_only {
+            conditions.push("status = 'pending'".to_owned());
+        }
+        if let Some(id) = self.from_id {
+            conditions.push(format!("id >= {id}"));
+        }
+        if let Some(id) = self.to_id {
+            conditions.push(format!("id <= {id}"));
+        }
+        if let Some(since) = &self.since {
+            conditions.push(format!(
+                "created_at >= {}::timestamptz",
+                quote_literal(since)
+            ));
+        }
+        if let Some(until) = &self.until {
+            conditions.push(format!(
+                "created_at < {}::timestamptz",
+                quote_literal(until)
+            ));
+        }
+        if conditions.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {}", conditions.join(" AND "))
+        }
+    }
+}
+
+/// F2: a backfilled row's position, before every streamed event.
+pub fn position(id: i64) -> Result<Position> {
+    u32::try_from(id)
+        .map(|index| Position {
+            commit_lsn: Lsn::ZERO,
+            index,
+        })
+        .map_err(|_| {
+            RelayError::permanent(anyhow::anyhow!(
+                "outbox row id={id} cannot be backfilled: backfilled rows are positioned by their id, up to {}; start with --backfill none and load older rows with `outbox-relay backfill` into a shared stream",
+                u32::MAX
+            ))
+        })
+}
+
+/// F3: the marker of a backfill in progress.
+fn marker_name(slot: &str) -> String {
+    const SUFFIX: &str = "_backfill";
+    // Slot names are ASCII (config), at most 63 bytes.
+    let keep = slot.len().min(63 - SUFFIX.len());
+    format!("{}{SUFFIX}", &slot[..keep])
+}
+
+fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
+    let transient = error
+        .code()
+        .is_none_or(|code| replication::sqlstate_is_transient(code.code()));
+    let text = match error.as_db_error() {
+        Some(db) => format!("{what}: {} (SQLSTATE {})", db.message(), db.code().code()),
+        None => format!("{what}: {error}"),
+    };
+    if transient {
+        RelayError::transient(anyhow::anyhow!(text))
+    } else {
+        RelayError::permanent(anyhow::anyhow!(text))
+    }
+}
+
+/// Whether an earlier backfill at slot creation was interrupted (F3).
+pub async fn interrupted(client: &Client, config: &Config) -> Result<bool> {
+    bootstrap::slot_exists(client, &marker_name(&config.slot)).await
+}
+
+/// Whether the relay should backfill before it streams: an interrupted backfill, or a slot
+/// about to be created with a backfill mode other than `none` over a stream that holds no
+/// relayed event yet (F6).
+pub async fn needed(
+    client: &Client,
+    jetstream: &jetstream::Context,
+    config: &Config,
+) -> Result<bool> {
+    if interrupted(client, config).await? {
+        return Ok(true);
+    }
+    if !config.create
+        || config.backfill == Mode::None
+        || bootstrap::slot_exists(client, &config.slot).await?
+    {
+        return Ok(false);
+    }
+    // A stream that does not exist yet holds nothing.
+    let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await else {
+        return Ok(true);
+    };
+    if let Some(position) = tail.last_position() {
+        warn!(slot = %config.slot, stream = %config.stream, last_commit_lsn = %position.commit_lsn,
+            "not backfilling: the stream already holds relayed events, so the table's rows are presumably in it (a slot created again after it was dropped); load a range deliberately with `outbox-relay backfill` if some are missing");
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// The mode that applies to this table: `pending` on a table without `status` is `none`.
+async fn effective_mode(client: &Client, config: &Config) -> Result<Mode> {
+    if config.backfill != Mode::Pending {
+        return Ok(config.backfill);
+    }
+    let has_status = client
+        .query_opt(
+            "SELECT 1 FROM pg_catalog.pg_attribute a \
+               JOIN pg_catalog.pg_class c ON c.oid = a.attrelid \
+               JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+              WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = 'status' \
+                AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&config.table.schema, &config.table.name],
+        )
+        .await
+        .map_err(|e| sql_error("cannot read the outbox table's columns", e))?
+        .is_some();
+    if has_status {
+        Ok(Mode::Pending)
+    } else {
+        info!(table = %config.table, "--backfill pending: the table has no status column, so no row is pending and nothing is backfilled (use --backfill all to publish every row)");
+        Ok(Mode::None)
+    }
+}
+
+/// Creates the slot with an exported snapshot and publishes the rows the mode selects, in
+/// that snapshot, before anything is streamed (F1–F5). Called when [`needed`]; the
+/// publication and the stream must exist.
+pub async fn at_slot_creation(
+    client: &Client,
+    jetstream: &jetstream::Context,
+    config: &Config,
+) -> Result<()> {
+    let marker = marker_name(&config.slot);
+    let resumed = interrupted(client, config).await?;
+    let mode = effective_mode(client, config).await?;
+    if mode == Mode::None {
+        if resumed {
+            drop_slot(client, &marker).await?;
+            info!(slot = %config.slot, "--backfill none: an interrupted backfill is abandoned; the slot streams what committed after it was created");
+        }
+        return Ok(());
+    }
+    if !config.create {
+        return Err(RelayError::setup(anyhow::anyhow!(
+            "a backfill of slot {:?} was interrupted (marker slot {marker:?} exists), and --no-create forbids creating the slot again: start without --no-create to backfill again, or drop {marker:?} to give it up",
+            config.slot
+        )));
+    }
+    if resumed {
+        if bootstrap::slot_exists(client, &config.slot).await? {
+            // Nothing was streamed from it: streaming starts after the marker is dropped.
+            drop_slot(client, &config.slot).await?;
+        }
+        info!(slot = %config.slot, "a backfill was interrupted: creating the slot again and backfilling from a new snapshot (rows the stream holds are not published twice)");
+    } else {
+        client
+            .execute(
+                "SELECT pg_catalog.pg_create_physical_replication_slot($1)",
+                &[&marker],
+            )
+            .await
+            .map_err(|e| {
+                sql_error(
+                    "cannot create the backfill's marker slot (the role needs REPLICATION)",
+                    e,
+                )
+            })?;
+    }
+
+    // F5: the exporting connection stays open and idle until the backfill is done.
+    let mut replication = ReplicationConnection::connect(&config.database).await?;
+    let system = replication.identify_system().await?;
+    let source = crate::pipeline::source(&system, config);
+    let exported = replication
+        .create_logical_slot_exporting_snapshot(&config.slot)
+        .await?;
+    info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
+        "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
+
+    let reader = replication::connect_sql(&config.database).await?;
+    reader
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; SET TRANSACTION SNAPSHOT {}",
+            quote_literal(&exported.snapshot)
+        ))
+        .await
+        .map_err(|e| sql_error("cannot read the table in the slot's snapshot", e))?;
+    let filter = Filter {
+        pending_only: mode == Mode::Pending,
+        ..Filter::default()
+    };
+    let mut cursor = Cursor::open(&reader, config, &filter).await?;
+
+    let tail = sink::resume::read_tail(jetstream, &config.stream, false)
+        .await
+        .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
+    let stored = if resumed && !config.shared_stream && tail.last_sequence > 0 {
+        stored_backfill_ids(jetstream, &config.stream, tail.last_sequence).await?
+    } else {
+        HashSet::new()
+    };
+    let max_payload = jetstream.client().server_info().max_payload;
+    let options = crate::pipeline::sink_options(
+        config,
+        (!config.shared_stream).then_some(tail.last_sequence),
+        None,
+        crate::pipeline::max_message_bytes(&tail, max_payload),
+        source,
+    );
+    let stats = Arc::new(SinkStats::default());
+    let (items_tx, items_rx) = mpsc::channel(4);
+    let (watermark_tx, _watermark) = watch::channel(Position {
+        commit_lsn: Lsn::ZERO,
+        index: 0,
+    });
+    let mut sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
+        jetstream.clone(),
+        options,
+        items_rx,
+        watermark_tx,
+        stats.clone(),
+    )));
+
+    let started = Instant::now();
+    let mut last_log = Instant::now();
+    let (mut read, mut skipped) = (0u64, 0u64);
+    while let Some(events) = cursor.next().await? {
+        read += events.len() as u64;
+        let mut batch = Vec::with_capacity(events.len() + 2);
+        batch.push(Item::Begin {
+            commit_time_us: sink::latency::unix_micros_now(),
+        });
+        let mut last = None;
+        for event in events {
+            last = Some(event.position);
+            if stored.contains(&event.id) {
+                skipped += 1;
+            } else {
+                batch.push(Item::Event(event));
+            }
+        }
+        if let Some(last) = last {
+            batch.push(Item::Commit(last));
+        }
+        if items_tx.send(batch).await.is_err() {
+            // The sink ended: its result says why.
+            break;
+        }
+        if last_log.elapsed() >= PROGRESS_EVERY {
+            last_log = Instant::now();
+            info!(
+                read,
+                total = cursor.total,
+                acknowledged = stats.acked(),
+                "backfill progress"
+            );
+        }
+    }
+    drop(items_tx);
+    match (&mut sink).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(error.into()),
+        Err(join) => {
+            return Err(RelayError::permanent(anyhow::anyhow!(
+                "the backfill's sink task failed: {join}"
+            )))
+        }
+    }
+    reader
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| sql_error("cannot end the backfill's snapshot transaction", e))?;
+    let _ = replication.close().await;
+    drop_slot(client, &marker).await?;
+    info!(
+        read,
+        published = stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+        duplicates = stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
+        already_in_stream = skipped,
+        elapsed = ?started.elapsed(),
+        "backfill done; streaming from the slot's consistent point"
+    );
+    Ok(())
+}
+
+async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute("SELECT pg_catalog.pg_drop_replication_slot($1)", &[&slot])
+        .await
+        .map_err(|e| sql_error(&format!("cannot drop replication slot {slot:?}"), e))?;
+    Ok(())
+}
+
+/// F3: the outbox ids of the backfilled messages (commit LSN `0/0`) a strict stream holds,
+/// read with a headers-only ordered consumer.
+async fn stored_backfill_ids(
+    jetstream: &jetstream::Context,
+    stream: &str,
+    last_sequence: u64,
+) -> Result<HashSet<i64>> {
+    let failed = |e: &dyn std::fmt::Display| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot read what stream {stream} holds of an interrupted backfill: {e}"
+        ))
+    };
+    let handle = jetstream.get_stream(stream).await.map_err(|e| failed(&e))?;
+    let consumer = handle
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            headers_only: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| failed(&e))?;
+    let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
+    let mut ids = HashSet::new();
+    let zero = Lsn::ZERO.to_string();
+    loop {
+        let message = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
+            Ok(Some(Ok(message))) => message,
+            Ok(Some(Err(e))) => return Err(failed(&e)),
+            Ok(None) => return Err(failed(&"the consumer ended")),
+            Err(_) => return Err(failed(&"no message within 10 s")),
+        };
+        let info = message.info().map_err(|e| failed(&e))?;
+        let sequence = info.stream_sequence;
+        if let Some(headers) = &message.headers {
+            let header = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
+            if header(headers::OUTBOX_COMMIT_LSN).as_deref() == Some(zero.as_str()) {
+                if let Some(id) = header(headers::OUTBOX_ID).and_then(|id| id.parse().ok()) {
+                    ids.insert(id);
+                }
+            }
+        }
+        if sequence >= last_sequence {
+            return Ok(ids);
+        }
+    }
+}
+
+/// The selected rows in id order, [`FETCH_ROWS`] at a time, as events (F2, F4). Runs in the
+/// caller's open transaction.
+struct Cursor<'a> {
+    client: &'a Client,
+    prefix: &'a str,
+    partitions: NonZeroU64,
+    /// How many rows the filter selects.
+    total: u64,
+}
+
+impl<'a> Cursor<'a> {
+    async fn open(client: &'a Client, config: &'a Config, filter: &Filter) -> Result<Cursor<'a>> {
+        let from = format!("{}{}", table_sql(&config.table), filter.where_sql());
+        // The replication session's rendering of created_at (outbox::timestamp).
+        client
+            .batch_execute("SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'")
+            .await
+            .map_err(|e| sql_error("cannot prepare the backfill's session", e))?;
+        let total: i64 = client
+            .query_one(&format!("SELECT count(*) FROM {from}"), &[])
+            .await
+            .map_err(|e| sql_error("cannot count the rows to backfill", e))?
+            .get(0);
+        client
+            .batch_execute(&format!(
+                "DECLARE {CURSOR} NO SCROLL CURSOR FOR \
+                 SELECT id::int8, entity_id::text, event_type::text, payload::text, created_at::text \
+                   FROM {from} ORDER BY id"
+            ))
+            .await
+            .map_err(|e| sql_error("cannot read the outbox table", e))?;
+        info!(table = %config.table, rows = total, "backfilling rows in id order");
+        Ok(Cursor {
+            client,
+            prefix: &config.subject_prefix,
+            partitions: config.partitions,
+            total: u64::try_from(total).unwrap_or(0),
+        })
+    }
+
+    async fn next(&mut self) -> Result<Option<Vec<OutboxEvent>>> {
+        let rows = self
+            .client
+            .query(&format!("FETCH {FETCH_ROWS} FROM {CURSOR}"), &[])
+            .await
+            .map_err(|e| sql_error("cannot read the outbox table", e))?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut events = Vec::with_capacity(rows.len());
+        for row in rows {
+            let id: i64 = row.get(0);
+            let text = |index: usize, column: &str| -> Result<String> {
+                row.get::<_, Option<String>>(index).ok_or_else(|| {
+                    RelayError::permanent(anyhow::anyhow!(
+                        "outbox row id={id} has a NULL {column}, so no event can be derived from it: fill it in, or backfill a range without it"
+                    ))
+                })
+            };
+            let created_at = text(4, "created_at")?;
+            let created_at_ms =
+                epoch_millis(parse_timestamptz(created_at.as_bytes()).map_err(|e| {
+                    RelayError::permanent(anyhow::anyhow!("outbox row id={id}: {e}"))
+                })?);
+            let row = OutboxRow {
+                id,
+                entity_id: text(1, "entity_id")?,
+                event_type: text(2, "event_type")?,
+                payload: text(3, "payload")?.into(),
+                created_at_ms,
+            };
+            events.push(row.into_event(self.prefix, self.partitions, position(id)?));
+        }
+        Ok(Some(events))
+    }
+}
+
+/// Awaits one publish's ack and counts it.
+async fn settle(ack: jetstream::context::PublishAckFuture, report: &mut RangeReport) -> Result<()> {
+    let ack = ack.await.map_err(|e| {
+        RelayError::transient(anyhow::anyhow!(
+            "a backfill publish was not acknowledged: {e}"
+        ))
+    })?;
+    if ack.duplicate {
+        report.duplicates += 1;
+    } else {
+        report.published += 1;
+    }
+    Ok(())
+}
+
+/// What `outbox-relay backfill` did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RangeReport {
+    /// Rows read.
+    pub read: u64,
+    /// Stored as new messages.
+    pub published: u64,
+    /// Dropped by JetStream as duplicates (the stream held the id within its window).
+    pub duplicates: u64,
+}
+
+/// `outbox-relay backfill`: publishes the rows of the current table in `filter`'s range,
+/// with the same keys as streamed events, on an existing slot and stream. Refused into a
+/// strict stream unless `force`.
+pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<RangeReport> {
+    if !config.shared_stream && !force {
+        return Err(RelayError::setup(anyhow::anyhow!(
+            "stream {} is in strict mode, where the relay is its only writer and the stream is in commit order: a backfill appends old rows after newer events (and a row the stream holds beyond the duplicate window would be stored twice). Run it with --shared-stream true if the stream is shared, or add --force to append anyway",
+            config.stream
+        )));
+    }
+    let client = replication::connect_sql(&config.database).await?;
+    if !bootstrap::slot_exists(&client, &config.slot).await? {
+        return Err(RelayError::setup(anyhow::anyhow!(
+            "replication slot {:?} does not exist: `outbox-relay backfill` loads a range beside a running relay; to publish the rows already in the table when the slot is created, start the relay (or `outbox-relay init`) with --backfill",
+            config.slot
+        )));
+    }
+    let jetstream =
+        crate::pipeline::jetstream_context(crate::pipeline::connect_nats(config).await?, config);
+    bootstrap::stream(&jetstream, config).await?;
+    client
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .await
+        .map_err(|e| sql_error("cannot read the outbox table", e))?;
+    let mut cursor = Cursor::open(&client, config, filter).await?;
+    let mut report = RangeReport::default();
+    let mut acks = std::collections::VecDeque::new();
+    let mut last_log = Instant::now();
+    while let Some(events) = cursor.next().await? {
+        report.read += events.len() as u64;
+        for event in events {
+            if acks.len() >= config.max_in_flight {
+                if let Some(ack) = acks.pop_front() {
+                    settle(ack, &mut report).await?;
+                }
+            }
+            let message = sink::publish_message(&event);
+            let ack = jetstream
+                .send_publish(event.subject.clone(), message)
+                .await
+                .map_err(|e| {
+                    RelayError::transient(anyhow::anyhow!(
+                        "cannot publish outbox row id={}: {e}",
+                        event.id
+                    ))
+                })?;
+            acks.push_back(ack);
+        }
+        if last_log.elapsed() >= PROGRESS_EVERY {
+            last_log = Instant::now();
+            info!(
+                read = report.read,
+                total = cursor.total,
+                "backfill progress"
+            );
+        }
+    }
+    while let Some(ack) = acks.pop_front() {
+        settle(ack, &mut report).await?;
+    }
+    let _ = client.batch_execute("COMMIT").await;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backfilled_rows_precede_streamed_events_in_id_order() {
+        let first = position(1).ok();
+        let later = position(2).ok();
+        assert!(first < later);
+        let streamed = Position {
+            commit_lsn: Lsn(0x0100_0000),
+            index: 0,
+        };
+        assert!(position(i64::from(u32::MAX)).ok() < Some(streamed));
+        assert!(position(i64::from(u32::MAX) + 1).is_err());
+        assert!(position(-1).is_err());
+    }
+
+    #[test]
+    fn the_marker_fits_a_slot_name() {
+        assert_eq!(marker_name("outbox_relay"), "outbox_relay_backfill");
+        assert_eq!(marker_name(&"s".repeat(63)).len(), 63);
+    }
+
+    #[test]
+    fn filters_select_pending_rows_and_ranges() {
+        assert_eq!(Filter::default().where_sql(), "");
+        let filter = Filter {
+            pending_only: true,
+            from_id: Some(3),
+            to_id: Some(9),
+            since: Some("2026-01-01T00:00:00Z".into()),
+            until: Some("x'y".into()),
+        };
+        assert_eq!(
+            filter.where_sql(),
+            " WHERE status = 'pending' AND id >= 3 AND id <= 9 AND created_at >= '2026-01-01T00:00:00Z'::timestamptz AND created_at < 'x''y'::timestamptz"
+        );
+    }
+}
