@@ -220,6 +220,10 @@ impl Metrics {
             nats: Mutex::new(None),
         });
         let counters = Counters::default();
+        // Both series exist from the start, at 0, so that rate() and increase() see the first.
+        for target in ["postgres", "nats"] {
+            counters.reconnects.get_or_create(&vec![("target", target)]);
+        }
         let mut registry = Registry::with_prefix("outbox_relay");
         registry.register(
             "build",
@@ -673,6 +677,7 @@ mod tests {
             "outbox_relay_received_lsn 8192",
             "outbox_relay_confirmed_lsn 4096",
             "outbox_relay_reconnects_total{target=\"nats\"} 1",
+            "outbox_relay_reconnects_total{target=\"postgres\"} 0",
             "outbox_relay_resyncs_total 0",
             "outbox_relay_lease_held 0",
             "outbox_relay_in_flight_events 0",

@@ -75,7 +75,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-pub use nats::Nats;
+pub use nats::{http_get, Nats};
 pub use postgres::{installed_bin_dir, Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
 pub use prometheus::{Prometheus, Sample};
