@@ -2,7 +2,7 @@
 //! real Prometheus (Debian's `prometheus`, started by `testkit::Prometheus`, scraping every
 //! second) whose HTTP API the assertions query:
 //! - while events flow, the stored counter equals the events written and the latency
-//!   histograms count what they should; while NATS is down the slot lag grows past the WAL
+//!   histograms count what they should; while NATS is down the slot lag grows with the WAL
 //!   written meanwhile, and after the relay caught up it is back near 0;
 //! - `/readyz` turns unready when nats-server is stopped and ready again once it is back,
 //!   and a standby's readiness says `standby`; `outbox-relay probe` exits 0 and 1 on them;
@@ -130,8 +130,10 @@ async fn prometheus_sees_events_latencies_and_the_lag_grow_while_nats_is_down_th
         outage += insert_transaction(&mut sql, 1000, 10, "outage").await.len();
     }
     let written_meanwhile = wal_lsn(&sql).await - before;
+    // Keepalives may let the relay confirm WAL of the first transaction before its commit
+    // is decoded (I2), never anything after: the last two stay retained.
     let lag = prometheus_until(&prometheus, "outbox_relay_slot_lag_bytes", |v| {
-        v >= written_meanwhile as f64
+        v >= (written_meanwhile / 2) as f64
     })
     .await;
     prometheus_until(
@@ -145,14 +147,20 @@ async fn prometheus_sees_events_latencies_and_the_lag_grow_while_nats_is_down_th
     nats.start_again();
     case.wait_for_count(&js, (written + outage) as u64, DEADLINE)
         .await;
-    prometheus_until(&prometheus, stored, |v| v == (written + outage) as f64).await;
+    let total = (written + outage) as f64;
+    assert_eq!(case.stream_count(&js).await, total as u64, "exactly once");
+    // Publishes whose acks the outage swallowed count as skipped or duplicate when replayed,
+    // not as stored again.
+    let acknowledged = r#"sum(outbox_relay_events_total{outcome=~"stored|duplicate|skipped"})"#;
+    prometheus_until(&prometheus, acknowledged, |v| v >= total).await;
+    prometheus_until(&prometheus, stored, |v| v <= total).await;
     let near_zero = (written_meanwhile / 8).min(64 << 10) as f64;
     let after = prometheus_until(&prometheus, "outbox_relay_slot_lag_bytes", |v| {
         v < near_zero
     })
     .await;
     assert!(
-        lag >= written_meanwhile as f64 && after < near_zero,
+        lag >= (written_meanwhile / 2) as f64 && after < near_zero,
         "lag {lag} while NATS was down ({written_meanwhile} bytes written), {after} after"
     );
     prometheus_until(
