@@ -14,6 +14,9 @@
 //!   `/proc/<pid>/task/*/status` and `/proc/<pid>/io`), start-up included;
 //! - also, for the explanation of the figures: the CPU of the walsender serving the relay
 //!   and of nats-server during the drain.
+//!
+//! With `--metrics` the relay serves its metrics and the drain scrapes them every second,
+//! so the figures include what metrics cost.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +24,9 @@ use anyhow::{bail, Result};
 
 use crate::harness::{Bench, Case};
 use crate::procfs;
+
+/// How often `--metrics` scrapes the relay.
+const SCRAPE_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a drain may take before the benchmark gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(900);
@@ -47,8 +53,19 @@ pub async fn drain(bench: &Bench, case: &Case, events: u64) -> Result<Drain> {
     let start = Instant::now();
     let mut relay = case.spawn_relay();
     let mut startup_seconds = f64::NAN;
+    let mut scraped = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(10)).await;
+        if let Some(port) = bench
+            .metrics_port
+            .filter(|_| scraped.elapsed() >= SCRAPE_EVERY)
+        {
+            // --metrics: as Prometheus would (the answer is not needed).
+            scraped = Instant::now();
+            tokio::task::spawn_blocking(move || testkit::http_get(port, "/metrics"))
+                .await?
+                .ok();
+        }
         if startup_seconds.is_nan() && relay.output().contains("streaming outbox events") {
             startup_seconds = start.elapsed().as_secs_f64();
         }

@@ -41,6 +41,8 @@ pub struct Bench {
     pub relay_wrapper: Vec<String>,
     /// Extra environment for the relay (`--relay-env`).
     pub relay_env: Vec<(String, String)>,
+    /// `--metrics`: the port the relay serves its metrics on, scraped while it drains.
+    pub metrics_port: Option<u16>,
     /// A connection to the `postgres` database, for creating and dropping databases.
     pub admin: tokio_postgres::Client,
     /// A JetStream context for creating, inspecting and deleting streams.
@@ -105,6 +107,7 @@ impl Bench {
             relay_bin,
             relay_wrapper,
             relay_env,
+            metrics_port: None,
             admin,
             js: jetstream::new(client),
         })

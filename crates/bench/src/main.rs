@@ -88,6 +88,10 @@ struct Cli {
     /// TOKIO_WORKER_THREADS=1.
     #[arg(long = "relay-env", value_name = "KEY=VALUE")]
     relay_env: Vec<String>,
+    /// Serve the relay's metrics (OUTBOX_RELAY_METRICS_ADDR on a free port) and scrape
+    /// /metrics every second while it drains, to measure what metrics cost the relay.
+    #[arg(long)]
+    metrics: bool,
     /// Rates of the live-latency scenario, events/s (default 1000,10000); one writer
     /// connection per 2 500 events/s.
     #[arg(long, value_delimiter = ',')]
@@ -254,7 +258,19 @@ async fn main() -> Result<()> {
             .with_context(|| format!("--relay-env {pair:?} is not KEY=VALUE"))?;
         relay_env.push((key.to_owned(), value.to_owned()));
     }
+    let mut env_shown = cli.relay_env.clone();
+    let metrics_port = cli.metrics.then(testkit::free_port);
+    if let Some(port) = metrics_port {
+        // One relay runs at a time, so one port serves them all.
+        let pair = (
+            "OUTBOX_RELAY_METRICS_ADDR".to_owned(),
+            format!("127.0.0.1:{port}"),
+        );
+        env_shown.push(format!("{}={} (scraped every second)", pair.0, pair.1));
+        relay_env.push(pair);
+    }
     let mut bench = Bench::start(relay_bin, wrapper, relay_env).await?;
+    bench.metrics_port = metrics_port;
     // Read before the runs: the commit is the one the relay binary was built from (when
     // cargo built it just now), even if the tree moves while the benchmark runs.
     let machine = machine(&bench).await;
@@ -289,14 +305,13 @@ async fn main() -> Result<()> {
     }
 
     let targets = targets(&results, &sizes);
-    let mut markdown =
-        format!(
+    let mut markdown = format!(
         "Machine: {machine}\n\nRelay: `{}`{}; runs per figure: {runs}{}; total time {:.0} s.\n\n",
         bench.relay_bin.display(),
-        if cli.relay_env.is_empty() && cli.relay_wrapper.is_none() {
+        if env_shown.is_empty() && cli.relay_wrapper.is_none() {
             String::new()
         } else {
-            format!(" (wrapper {:?}, env {:?})", cli.relay_wrapper, cli.relay_env)
+            format!(" (wrapper {:?}, env {:?})", cli.relay_wrapper, env_shown)
         },
         if cli.quick { " (--quick sizes)" } else { "" },
         started.elapsed().as_secs_f64()

@@ -173,6 +173,7 @@ impl Case {
                 commit_lsn: pgoutput::Lsn(0x100_0000 + id as u64),
                 index: 0,
             },
+            created_at_ms,
         }
     }
 

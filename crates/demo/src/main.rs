@@ -2,11 +2,12 @@
 //!
 //! Starts a throwaway Postgres (`wal_level=logical`) and `nats-server -js` on free ports,
 //! applies the seed's schema, runs the `outbox-relay` binary on them as an operator would
-//! (`outbox-relay run` with `DATABASE_URL` and `NATS_URL`, everything else at its
+//! (`outbox-relay run` with `DATABASE_URL`, `NATS_URL` and `OUTBOX_RELAY_METRICS_ADDR`, everything else at its
 //! defaults; its log is shown prefixed with `[relay]`), writes sample events the way the
 //! seed's `seed.py` does (placeholder key columns, one transaction rolled back), and prints
 //! every message as it arrives in JetStream with its subject and keys. Everything is removed
-//! on exit. `--keep` leaves it running until Ctrl-C, printing the URLs to connect to.
+//! on exit. The relay serves its metrics and health on a free local port (printed).
+//! `--keep` leaves it running until Ctrl-C, printing the URLs to connect to.
 //!
 //! The relay binary is the one of the demo's own cargo profile (`target/<profile>/`), built
 //! first when the demo runs under cargo ([`testkit::harness::built_relay`]); outside cargo,
@@ -36,11 +37,14 @@ async fn main() -> anyhow::Result<()> {
     println!("== running {} run (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})", relay_bin.display());
     let log_filter = std::env::var("RUST_LOG")
         .unwrap_or_else(|_| "info,async_nats=warn,tokio_postgres=warn".to_owned());
+    let metrics_addr = format!("127.0.0.1:{}", testkit::free_port());
     let env = [
         ("DATABASE_URL", database_url.clone()),
         ("NATS_URL", nats.url()),
+        ("OUTBOX_RELAY_METRICS_ADDR", metrics_addr.clone()),
         ("RUST_LOG", log_filter),
     ];
+    println!("   metrics: http://{metrics_addr}/metrics, health: /healthz, /readyz");
     let relay = Process::spawn_echoing("relay", relay_command(&relay_bin, &[], "run", env));
     let relay = tokio::task::spawn_blocking(move || {
         relay.wait_for_output(STREAMING, Duration::from_secs(60));

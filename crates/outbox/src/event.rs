@@ -216,6 +216,7 @@ impl OutboxRow {
             shard,
             payload: self.payload,
             position,
+            created_at_ms: self.created_at_ms,
         }
     }
 }
@@ -239,6 +240,9 @@ pub struct OutboxEvent {
     pub payload: Bytes,
     /// Where the event stands in the commit order; stable across replays.
     pub position: Position,
+    /// The row's `created_at` in exact milliseconds since the Unix epoch (the ordering key's
+    /// first part), for the created → stored latency the relay measures.
+    pub created_at_ms: i64,
 }
 
 /// An event's place in the commit order: its transaction's commit LSN, then its index

@@ -48,8 +48,13 @@ use crate::event::{EventBuilder, EventError, OutboxColumns, OutboxEvent, Positio
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Item<P> {
-    /// A transaction starts.
-    Begin,
+    /// A transaction starts; it committed at `commit_time_us` (the server's clock, in
+    /// microseconds since the Unix epoch: pgoutput's Begin), which travels with it so that
+    /// the sink can time commit → stored once per transaction.
+    Begin {
+        /// The transaction's commit time, microseconds since the Unix epoch.
+        commit_time_us: i64,
+    },
     /// An outbox row of the open transaction.
     Event(OutboxEvent),
     /// The open transaction committed; `P` is its end position.
@@ -210,6 +215,8 @@ pub struct Framer {
     notices: Vec<Notice>,
     open_commit_time: PgTimestamp,
     last_idle: Lsn,
+    /// The end of the last transaction or idle position framed.
+    received: Lsn,
 }
 
 impl Framer {
@@ -227,6 +234,7 @@ impl Framer {
             notices: Vec::new(),
             open_commit_time: 0,
             last_idle: Lsn::ZERO,
+            received: Lsn::ZERO,
         }
     }
 
@@ -265,6 +273,12 @@ impl Framer {
         Ok(())
     }
 
+    /// How far the stream has been framed: the end of the last transaction (its commit's
+    /// `end_lsn`) or idle position handed on; `0/0` before the first.
+    pub fn received(&self) -> Lsn {
+        self.received
+    }
+
     /// Notices since the last call (rare: a `Vec` that stays empty costs nothing).
     pub fn take_notices(&mut self) -> Vec<Notice> {
         std::mem::take(&mut self.notices)
@@ -280,6 +294,7 @@ impl Framer {
             ReplicationMessage::PrimaryKeepalive(keepalive) => {
                 if self.open_commit_lsn.is_none() && keepalive.wal_end_lsn > self.last_idle {
                     self.last_idle = keepalive.wal_end_lsn;
+                    self.received = self.received.max(keepalive.wal_end_lsn);
                     out.push(Item::Idle(keepalive.wal_end_lsn));
                 }
                 Ok(())
@@ -311,7 +326,9 @@ impl Framer {
                 self.open_commit_lsn = Some(begin.final_lsn);
                 self.open_commit_time = begin.commit_time;
                 self.next_index = 0;
-                out.push(Item::Begin);
+                out.push(Item::Begin {
+                    commit_time_us: begin.commit_time.saturating_add(PG_EPOCH_UNIX_US),
+                });
             }
             LogicalMessage::Commit(commit) => {
                 if self.open_commit_lsn.take().is_none() {
@@ -320,6 +337,7 @@ impl Framer {
                         commit.commit_lsn
                     )));
                 }
+                self.received = self.received.max(commit.end_lsn);
                 out.push(Item::Commit(commit.end_lsn));
             }
             LogicalMessage::Relation(relation) => self.on_relation(&relation)?,
@@ -371,6 +389,9 @@ impl Framer {
         Ok(())
     }
 }
+
+/// Postgres timestamps count microseconds from 2000-01-01 UTC: this many after the Unix epoch.
+const PG_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
 
 fn protocol(message: String) -> FrameError {
     FrameError::Protocol(message)
@@ -630,7 +651,7 @@ mod rules {
         Ok(out
             .into_iter()
             .map(|item| match item {
-                Item::Begin => "begin".to_owned(),
+                Item::Begin { .. } => "begin".to_owned(),
                 Item::Event(e) => format!(
                     "event {} at {}/{}",
                     e.id, e.position.commit_lsn, e.position.index
@@ -669,6 +690,30 @@ mod rules {
                 "commit 0/208"
             ]
         );
+    }
+
+    /// The commit time travels with the Begin (for the sink's latency metrics), and
+    /// `received` follows the transactions and idle positions framed.
+    #[test]
+    fn begin_carries_the_unix_commit_time_and_received_follows_commits_and_idle_positions() {
+        let mut framer = framer();
+        let mut out = Vec::new();
+        framer.on_message(begin(0x100), &mut out).unwrap();
+        // The helper's Begin says 2000-01-01 00:00:00 UTC, Postgres' epoch.
+        assert!(
+            matches!(
+                out[..],
+                [Item::Begin {
+                    commit_time_us: 946_684_800_000_000
+                }]
+            ),
+            "{out:?}"
+        );
+        assert_eq!(framer.received(), Lsn::ZERO, "nothing complete yet");
+        framer.on_message(commit(0x100, 0x108), &mut out).unwrap();
+        assert_eq!(framer.received(), Lsn(0x108));
+        framer.on_message(keepalive(0x200), &mut out).unwrap();
+        assert_eq!(framer.received(), Lsn(0x200));
     }
 
     #[test]

@@ -346,7 +346,9 @@ pub async fn at_slot_creation(
     while let Some(events) = cursor.next().await? {
         read += events.len() as u64;
         let mut batch = Vec::with_capacity(events.len() + 2);
-        batch.push(Item::Begin);
+        batch.push(Item::Begin {
+            commit_time_us: sink::latency::unix_micros_now(),
+        });
         let mut last = None;
         for event in events {
             last = Some(event.position);

@@ -25,6 +25,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::SocketAddr;
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -158,7 +159,7 @@ pub mod opt {
         WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
-            "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging (e.g. 512MiB)");
+            "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging and /readyz answers stalled (e.g. 512MiB)");
         // Operations: heartbeats for a quiet outbox database (crate::heartbeat) and PG 17
         // fail-over slots (crate::bootstrap::ensure_slot).
         HEARTBEAT_INTERVAL = ("heartbeat_interval", "OUTBOX_RELAY_HEARTBEAT_INTERVAL", Some("off"),
@@ -170,6 +171,9 @@ pub mod opt {
         // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
         BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
             "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
+        // Metrics and health (crate::metrics, crate::http): MetricsConfig.
+        METRICS_ADDR = ("metrics_addr", "OUTBOX_RELAY_METRICS_ADDR", None,
+            "Serve Prometheus metrics (/metrics) and health (/healthz, /readyz) over HTTP on this address, e.g. 0.0.0.0:9464, [::]:9464, :9464 (all interfaces) or 127.0.0.1:0 (a free port, logged); off unless set");
     }
 }
 
@@ -571,6 +575,8 @@ pub struct Config {
     pub heartbeat_interval: Option<Duration>,
     /// Whether the slot is (to be) a PG 17 fail-over slot.
     pub failover_slot: bool,
+    /// Metrics and health.
+    pub metrics: MetricsConfig,
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
     /// Which rows already in the table are published when the slot is created.
@@ -720,6 +726,7 @@ impl Config {
         let heartbeat_interval =
             raw.parse(&HEARTBEAT_INTERVAL, |v| word_or("off", v, parse_duration))?;
         let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
+        let metrics = MetricsConfig::from_raw(raw)?;
         Ok(Config {
             database,
             nats_url,
@@ -742,6 +749,7 @@ impl Config {
             log_format,
             heartbeat_interval,
             failover_slot,
+            metrics,
             create: true,
             backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
         })
@@ -909,6 +917,23 @@ impl StreamSettings {
     }
 }
 
+/// Metrics and health (`crate::metrics`, `crate::http`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere. `/readyz`
+    /// answers stalled above [`Config::max_lag_bytes`].
+    pub addr: Option<SocketAddr>,
+}
+
+impl MetricsConfig {
+    /// The metrics options alone (`outbox-relay probe` needs no other).
+    pub fn from_raw(raw: &RawConfig) -> Result<MetricsConfig, ConfigError> {
+        Ok(MetricsConfig {
+            addr: raw.parse_optional(&opt::METRICS_ADDR, parse_listen_addr)?,
+        })
+    }
+}
+
 /// `unlimited` as `None`, anything else through `parse`.
 fn unlimited_or<T>(
     text: &str,
@@ -938,6 +963,24 @@ fn at_most(value: u64, limit: u64) -> Result<u64, String> {
     } else {
         Err(format!("must be at most {limit} bytes"))
     }
+}
+
+/// Parses a listening address: `IP:PORT`, `[IPv6]:PORT`, or `:PORT` for every interface.
+pub fn parse_listen_addr(text: &str) -> Result<SocketAddr, String> {
+    let text = text.trim();
+    let expanded;
+    let text = match text.strip_prefix(':') {
+        Some(port) => {
+            expanded = format!("0.0.0.0:{port}");
+            &expanded
+        }
+        None => text,
+    };
+    text.parse().map_err(|_| {
+        "expected an IP address and a port, e.g. 0.0.0.0:9464, [::]:9464, :9464 or 127.0.0.1:0 \
+         (a host name is not accepted)"
+            .to_owned()
+    })
 }
 
 /// Parses a byte size: `1048576`, `512KiB`, `64MiB`, `10GiB`, `1TiB` (also `K`, `KB`, `M`,
@@ -1347,6 +1390,25 @@ pub(crate) mod tests {
         ] {
             assert!(text.contains(expected), "{expected:?} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn metrics_addresses() {
+        let config = load(&[], &[DB], None).unwrap();
+        assert_eq!(config.metrics.addr, None, "off unless set");
+        let config = load(&[("metrics_addr", ":9464")], &[DB], None).unwrap();
+        assert_eq!(config.metrics.addr, Some("0.0.0.0:9464".parse().unwrap()));
+        assert_eq!(parse_listen_addr("[::1]:0"), Ok("[::1]:0".parse().unwrap()));
+        let e = load(
+            &[],
+            &[DB, ("OUTBOX_RELAY_METRICS_ADDR", "localhost:9464")],
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.0.contains("OUTBOX_RELAY_METRICS_ADDR") && e.0.contains("0.0.0.0:9464"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -13,6 +13,18 @@ pub struct RelayError {
     pub kind: ErrorKind,
     /// The message, with the fix where the operator can apply one.
     pub error: anyhow::Error,
+    /// Which side failed (the `target` of `outbox_relay_reconnects_total`): Postgres unless
+    /// said otherwise ([`RelayError::at`]); NATS for every sink error.
+    pub target: Target,
+}
+
+/// The side of the relay an error comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// Postgres: the lease, the control connection, the replication stream.
+    Postgres,
+    /// NATS: connecting, the stream's checks and tail, publishing and acks.
+    Nats,
 }
 
 /// What the caller must do.
@@ -27,28 +39,41 @@ pub enum ErrorKind {
 }
 
 impl RelayError {
+    fn new(kind: ErrorKind, error: impl Into<anyhow::Error>) -> Self {
+        Self {
+            kind,
+            error: error.into(),
+            target: Target::Postgres,
+        }
+    }
+
     /// A transient error.
     pub fn transient(error: impl Into<anyhow::Error>) -> Self {
-        Self {
-            kind: ErrorKind::Transient,
-            error: error.into(),
-        }
+        Self::new(ErrorKind::Transient, error)
     }
 
     /// A permanent error.
     pub fn permanent(error: impl Into<anyhow::Error>) -> Self {
-        Self {
-            kind: ErrorKind::Permanent,
-            error: error.into(),
-        }
+        Self::new(ErrorKind::Permanent, error)
     }
 
     /// A setup error: permanent, and the process exits with status 2.
     pub fn setup(error: impl Into<anyhow::Error>) -> Self {
-        Self {
-            kind: ErrorKind::Setup,
-            error: error.into(),
-        }
+        Self::new(ErrorKind::Setup, error)
+    }
+
+    /// The same error, from `target`'s side.
+    pub fn at(mut self, target: Target) -> Self {
+        self.target = target;
+        self
+    }
+
+    /// Whether strict mode's fence refused a publish: the next session re-syncs from the
+    /// stream's tail.
+    pub fn is_resync(&self) -> bool {
+        self.error
+            .downcast_ref::<sink::SinkError>()
+            .is_some_and(sink::SinkError::is_fence_refusal)
     }
 
     /// Whether retrying can help.
@@ -78,10 +103,7 @@ impl From<replication::Error> for RelayError {
         } else {
             ErrorKind::Permanent
         };
-        Self {
-            kind,
-            error: error.into(),
-        }
+        Self::new(kind, error)
     }
 }
 
@@ -95,11 +117,12 @@ impl From<sink::SinkError> for RelayError {
         if let Some(advice) = advice {
             error = error.context(advice);
         }
-        if transient {
+        let error = if transient {
             Self::transient(error)
         } else {
             Self::permanent(error)
-        }
+        };
+        error.at(Target::Nats)
     }
 }
 

@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::error::{RelayError, Result};
+use crate::metrics::{Metrics, Phase};
 
 /// How often a standby tries the lock.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -82,9 +83,13 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Waits until this relay holds the lease for the configured slot. `Ok(None)` if
-    /// `shutdown` fired first.
-    pub async fn acquire(config: &Config, shutdown: &CancellationToken) -> Result<Option<Lease>> {
+    /// Waits until this relay holds the lease for the configured slot (`metrics` shows it a
+    /// standby meanwhile). `Ok(None)` if `shutdown` fired first.
+    pub async fn acquire(
+        config: &Config,
+        shutdown: &CancellationToken,
+        metrics: &Metrics,
+    ) -> Result<Option<Lease>> {
         let client = replication::connect_sql(&config.database).await?;
         // Let Postgres notice a vanished holder within ~15 s rather than hours, so a
         // standby is not blocked by a half-open connection.
@@ -102,6 +107,7 @@ impl Lease {
             }
             if !announced {
                 info!(slot = %config.slot, "another relay holds the lease for this slot; waiting as a standby");
+                metrics.set_phase(Phase::Standby);
                 announced = true;
             }
             tokio::select! {

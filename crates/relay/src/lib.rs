@@ -6,7 +6,9 @@
 //! (colour only on a terminal) and scrubs secrets from them; [`bootstrap`] checks and
 //! creates the publication, slot and stream; [`pipeline`] runs a session as a list of steps
 //! (lease, connections, checks, resume plan, reader and sink) and restarts it on failure;
-//! [`nats`] connects to NATS with the configured credential and TLS files. Framing
+//! [`nats`] connects to NATS with the configured credential and TLS files; [`metrics`]
+//! counts and shows what happens, [`monitor`] polls the slot and logs backlog progress,
+//! and [`http`] serves both with health on `--metrics-addr`. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
 //! `outbox-relay status`; [`heartbeat`] writes the optional WAL heartbeats of a streaming
@@ -22,9 +24,11 @@ pub mod bootstrap;
 pub mod config;
 pub mod error;
 pub mod heartbeat;
+pub mod http;
 pub mod lease;
 pub mod logging;
 pub mod metrics;
+pub mod monitor;
 pub mod nats;
 pub mod pipeline;
 pub mod replay;

@@ -7,13 +7,15 @@
 //! read the state (1 and 2 keep their meaning for every command). `outbox-relay verify`
 //! reconciles the table with the stream (`outbox_relay::verify`) and exits 0 when they
 //! agree, 5 when it found discrepancies, 1 when it cannot read either side.
+//! `outbox-relay probe [PATH]` asks a running relay's health endpoint (`--metrics-addr`)
+//! and exits 0 on 200 OK, 1 otherwise (a container's HEALTHCHECK has no curl).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Arg, ArgAction, Command};
-use outbox_relay::config::{self, opt, Config, RawConfig};
+use outbox_relay::config::{self, opt, Config, MetricsConfig, RawConfig};
 use outbox_relay::logging;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -155,6 +157,15 @@ fn cli() -> Command {
                     .help("Replay into a strict-mode stream: copies past the duplicate window are stored again, out of commit order, and a running relay re-syncs"),
             ),
         )
+        .subcommand(
+            Command::new("probe")
+                .about("Ask the running relay's health endpoint on --metrics-addr (for a container HEALTHCHECK): print the answer, exit 0 on 200 OK, 1 otherwise")
+                .arg(
+                    Arg::new("path")
+                        .default_value("/readyz")
+                        .help("/readyz (holds the lease, streams, NATS connected, lag under --max-lag-bytes), /healthz (the process serves) or /metrics"),
+                ),
+        )
         .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"));
     for spec in opt::ALL {
         let flag: &'static str = Box::leak(spec.long().into_boxed_str());
@@ -194,13 +205,19 @@ fn main() -> ExitCode {
     let env_keys: Vec<String> = std::env::vars_os()
         .filter_map(|(k, _)| k.into_string().ok())
         .collect();
-    let loaded = RawConfig::load(
+    let raw = RawConfig::load(
         &flags,
         &|key| std::env::var(key).ok(),
         &env_keys,
         file.as_deref(),
-    )
-    .and_then(|raw| Config::from_sources(&raw).map(|config| (raw, config)));
+    );
+    if subcommand == "probe" {
+        let path = sub_matches
+            .get_one::<String>("path")
+            .map_or("/readyz", String::as_str);
+        return probe(raw.ok().as_ref(), path);
+    }
+    let loaded = raw.and_then(|raw| Config::from_sources(&raw).map(|config| (raw, config)));
     let (raw, mut config) = match loaded {
         Ok(loaded) => loaded,
         Err(error) => {
@@ -337,6 +354,54 @@ fn main() -> ExitCode {
             error!(error = %e, "outbox-relay stopped");
             eprintln!("outbox-relay: {}", logging::scrub(&e.to_string()));
             ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// `outbox-relay probe PATH`: GET `PATH` from the relay's metrics address; exit 0 on 200 OK,
+/// 1 on anything else (Docker reads no other status).
+fn probe(raw: Option<&RawConfig>, path: &str) -> ExitCode {
+    let addr = match raw.map(MetricsConfig::from_raw) {
+        Some(Ok(MetricsConfig {
+            addr: Some(addr), ..
+        })) => addr,
+        Some(Ok(_)) => {
+            eprintln!("outbox-relay probe: no metrics address to ask: set OUTBOX_RELAY_METRICS_ADDR, --metrics-addr or the file key metrics_addr as for the relay itself");
+            return ExitCode::FAILURE;
+        }
+        Some(Err(error)) => {
+            eprintln!("outbox-relay probe: configuration error: {error}");
+            return ExitCode::FAILURE;
+        }
+        None => {
+            eprintln!("outbox-relay probe: the configuration cannot be read (run `outbox-relay config` to see why)");
+            return ExitCode::FAILURE;
+        }
+    };
+    let answer = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+        .and_then(|runtime| {
+            runtime.block_on(outbox_relay::http::get(
+                addr,
+                path,
+                std::time::Duration::from_secs(5),
+            ))
+        });
+    match answer {
+        Ok((200, body)) => {
+            print!("{body}");
+            ExitCode::SUCCESS
+        }
+        Ok((status, body)) => {
+            print!("{body}");
+            eprintln!("outbox-relay probe: {path} answered {status}");
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            eprintln!("outbox-relay probe: {error}");
+            ExitCode::FAILURE
         }
     }
 }

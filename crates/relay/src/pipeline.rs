@@ -43,7 +43,6 @@
 //!   published; every connect is bounded besides (Postgres `connect_timeout`, 10 s by
 //!   default; NATS 5 s). Tested: `relay.rs` (SIGTERM), `connect.rs` (hanging connects).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,7 +51,7 @@ use outbox::{Framer, Item, Notice};
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
-use sink::{SinkOptions, SinkStats};
+use sink::SinkOptions;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
@@ -61,10 +60,11 @@ use tracing::{debug, info, warn};
 
 use crate::bootstrap;
 use crate::config::Config;
-use crate::error::{RelayError, Result};
+use crate::error::{RelayError, Result, Target};
 use crate::heartbeat;
 use crate::lease::Lease;
-use crate::metrics;
+use crate::metrics::{Event, Metrics, Phase};
+use crate::monitor;
 
 /// Items per batch handed from the reader to the sink at most.
 const MAX_BATCH: usize = 512;
@@ -87,19 +87,25 @@ enum SessionEnd {
     Failed(RelayError),
 }
 
-/// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs.
+/// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs; serves
+/// metrics and health meanwhile when `metrics.addr` is set ([`crate::http`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
-    let stats = Arc::new(SinkStats::default());
+    let metrics = Arc::new(Metrics::new(&config));
+    let _server = match config.metrics.addr {
+        Some(addr) => Some(crate::http::start(addr, metrics.clone()).await?),
+        None => None,
+    };
+    let mut progress = monitor::Progress::default();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut bootstrapped = false;
     loop {
         let started = Instant::now();
-        let acked_before = stats.acked();
+        let acked_before = metrics.sink().acked();
         let end = tokio::select! {
             // A SIGTERM while the lease's connect hangs ends the process at once.
             () = shutdown.cancelled() => SessionEnd::ShutdownDuringSetUp,
-            lease = Lease::acquire(&config, &shutdown) => match lease {
-                Ok(Some(lease)) => session(&config, &shutdown, &mut bootstrapped, &stats, &lease).await,
+            lease = Lease::acquire(&config, &shutdown, &metrics) => match lease {
+                Ok(Some(lease)) => holding(&config, &shutdown, &mut bootstrapped, &metrics, &lease, &mut progress).await,
                 Ok(None) => SessionEnd::ShutdownDuringSetUp,
                 Err(error) => SessionEnd::Failed(error),
             },
@@ -118,11 +124,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
         }
         // A session that got acknowledgements through, or ran a while, was healthy: the next
         // failure starts the backoff over.
-        if stats.acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
+        if metrics.sink().acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
             backoff.reset();
         }
         let delay = backoff.next_delay();
-        warn!(error = %error, retry_in = ?delay, "relay session ended; resuming from the slot's confirmed position");
+        metrics.set_phase(Phase::Reconnecting);
+        metrics.record(Event::SessionFailed {
+            error: &error,
+            retry_in: delay,
+        });
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.cancelled() => return Ok(()),
@@ -164,7 +174,9 @@ impl Backoff {
 
 /// Connects to NATS (credentials and TLS: [`crate::nats`]).
 pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
-    crate::nats::connect(&config.nats).await
+    crate::nats::connect(&config.nats)
+        .await
+        .map_err(|e| e.at(Target::Nats))
 }
 
 /// A JetStream context for the relay's publishing.
@@ -221,7 +233,9 @@ async fn ensure(
         crate::backfill::at_slot_creation(client, jetstream, config).await?;
     }
     let slot = bootstrap::postgres(client, config).await?;
-    bootstrap::stream(jetstream, config).await?;
+    bootstrap::stream(jetstream, config)
+        .await
+        .map_err(|e| e.at(Target::Nats))?;
     Ok(slot)
 }
 
@@ -289,12 +303,32 @@ struct Prepared {
     max_message_bytes: usize,
 }
 
+/// While this relay holds the lease: one session, with the slot monitor beside it.
+async fn holding(
+    config: &Config,
+    shutdown: &CancellationToken,
+    bootstrapped: &mut bool,
+    metrics: &Arc<Metrics>,
+    lease: &Lease,
+    progress: &mut monitor::Progress,
+) -> SessionEnd {
+    metrics.set_phase(Phase::SettingUp);
+    // M2: one sample before the session, however soon it fails.
+    monitor::sample(lease.client(), &config.slot, metrics, progress).await;
+    let end = tokio::select! {
+        end = session(config, shutdown, bootstrapped, metrics, lease) => end,
+        never = monitor::watch(lease.client(), &config.slot, metrics, progress) => match never {},
+    };
+    metrics.session_ended();
+    end
+}
+
 /// One session, step by step: set up (racing the lease and shutdown), then stream.
 async fn session(
     config: &Config,
     shutdown: &CancellationToken,
     bootstrapped: &mut bool,
-    stats: &Arc<SinkStats>,
+    metrics: &Arc<Metrics>,
     lease: &Lease,
 ) -> SessionEnd {
     let prepared = tokio::select! {
@@ -304,15 +338,16 @@ async fn session(
         () = shutdown.cancelled() => return SessionEnd::ShutdownDuringSetUp,
         // I9: no session without the lease.
         () = lease.lost() => return SessionEnd::Failed(lease_lost(config)),
-        prepared = prepare(config, bootstrapped, stats, lease) => prepared,
+        prepared = prepare(config, bootstrapped, metrics, lease) => prepared,
     };
     match prepared {
-        Ok(prepared) => stream_events(config, shutdown, stats, lease, prepared).await,
+        Ok(prepared) => stream_events(config, shutdown, metrics, lease, prepared).await,
         Err(error) => SessionEnd::Failed(error),
     }
 }
 
 fn lease_lost(config: &Config) -> RelayError {
+    warn!(slot = %config.slot, "lost the lease: stopping before anything else is published");
     RelayError::transient(anyhow::anyhow!("lost the lease for slot {}", config.slot))
 }
 
@@ -320,11 +355,14 @@ fn lease_lost(config: &Config) -> RelayError {
 async fn prepare(
     config: &Config,
     bootstrapped: &mut bool,
-    stats: &SinkStats,
+    metrics: &Metrics,
     lease: &Lease,
 ) -> Result<Prepared> {
     let nats = connect_nats(config).await?;
-    let max_payload = nats.server_info().max_payload;
+    let server = nats.server_info();
+    info!(server = %server.server_name, version = %server.version, max_payload = server.max_payload, "connected to NATS");
+    let max_payload = server.max_payload;
+    metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
     // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
@@ -339,22 +377,27 @@ async fn prepare(
     *bootstrapped = true;
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
+    info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
     let source = source(&system, config);
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
-        .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
+        .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
     // P6, I6: what is stored already, by positions of this session's own history only.
     let resume = sink::resume::plan(
         &tail,
         &sink::resume::Session {
             source: &source,
             wal_end: system.xlogpos,
-            acknowledged: stats.stored_through(&source),
+            acknowledged: metrics.sink().stored_through(&source),
             strict: !config.shared_stream,
         },
     );
     for why in &resume.distrust {
-        report_distrust(why, tail.last_sequence, &source);
+        metrics.record(Event::TailDistrusted {
+            why,
+            last_sequence: tail.last_sequence,
+            source: &source,
+        });
     }
     let max_message_bytes = max_message_bytes(&tail, max_payload);
 
@@ -393,42 +436,6 @@ async fn prepare(
     })
 }
 
-/// Says why a stored position is not used to skip, and counts it (I6): the session then
-/// relies on `Nats-Msg-Id` de-duplication, within the duplicate window, for what it replays.
-fn report_distrust(why: &sink::resume::Distrust, last_sequence: u64, source: &str) {
-    use sink::resume::{Distrust, Stored};
-    const FALLBACK: &str =
-        "replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window";
-    let unreadable = || metrics::TAIL_UNREADABLE.fetch_add(1, Ordering::Relaxed);
-    match why {
-        Distrust::Unreadable { error } => {
-            unreadable();
-            warn!(last_sequence, error = %error, metric = metrics::TAIL_UNREADABLE_NAME,
-                "cannot read the stream's last message (purged or aged out?); {FALLBACK}");
-        }
-        Distrust::NoPosition => {
-            unreadable();
-            warn!(last_sequence, metric = metrics::TAIL_UNREADABLE_NAME,
-                "the stream's last message carries no outbox position (another writer? then set OUTBOX_RELAY_SHARED_STREAM=true); {FALLBACK}");
-        }
-        Distrust::OtherSource { theirs } => {
-            unreadable();
-            warn!(last_sequence, tail_source = theirs.as_deref().unwrap_or("none"), source,
-                metric = metrics::TAIL_UNREADABLE_NAME,
-                "the stream's last message was published from another source: another timeline of this database (after a fail-over or a point-in-time restore, LSNs are reused), or another database or slot writing to this stream (give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position: {FALLBACK}");
-        }
-        Distrust::BeyondWalEnd { stored, commit_lsn } => {
-            metrics::TAIL_REJECTED.fetch_add(1, Ordering::Relaxed);
-            let what = match stored {
-                Stored::Tail => "the stream's last message",
-                Stored::Acknowledged => "what an earlier session acknowledged",
-            };
-            warn!(commit_lsn = %commit_lsn, metric = metrics::TAIL_REJECTED_NAME,
-                "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
-        }
-    }
-}
-
 /// Aborts `task` and waits until it is gone: nothing it does happens after this returns.
 async fn stop<T>(mut task: AbortOnDropHandle<T>) {
     task.abort();
@@ -439,7 +446,7 @@ async fn stop<T>(mut task: AbortOnDropHandle<T>) {
 async fn stream_events(
     config: &Config,
     shutdown: &CancellationToken,
-    stats: &Arc<SinkStats>,
+    metrics: &Arc<Metrics>,
     lease: &Lease,
     prepared: Prepared,
 ) -> SessionEnd {
@@ -452,9 +459,10 @@ async fn stream_events(
         skip_through = ?prepared.resume.skip_through,
         "streaming outbox events"
     );
-    let (reader, sink) = start(config, stats, prepared);
+    let (reader, sink) = start(config, metrics, prepared);
     // H1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
+    metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
         biased;
         // I9: the lease is gone: stop the sink before anything else is published.
@@ -471,7 +479,7 @@ async fn stream_events(
 type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
 
 /// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
-fn start(config: &Config, stats: &Arc<SinkStats>, prepared: Prepared) -> (Reader, SinkTask) {
+fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader, SinkTask) {
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
     let options = sink_options(
@@ -487,7 +495,7 @@ fn start(config: &Config, stats: &Arc<SinkStats>, prepared: Prepared) -> (Reader
         options,
         items_rx,
         watermark_tx,
-        stats.clone(),
+        metrics.sink().clone(),
     )));
     let framer = Framer::new(
         config.table.clone(),
@@ -506,6 +514,7 @@ fn start(config: &Config, stats: &Arc<SinkStats>, prepared: Prepared) -> (Reader
         dedupe_guard: config
             .shared_stream
             .then_some(prepared.tail.duplicate_window),
+        metrics: metrics.clone(),
     };
     (reader, sink)
 }
@@ -528,18 +537,24 @@ async fn finish(reader_end: Result<ReaderEnd>, mut sink: SinkTask) -> SessionEnd
     // The sink's watermark closed: its task is ending; its result says how.
     match tokio::time::timeout(SINK_GRACE, &mut sink).await {
         Ok(Ok(Ok(()))) if !intake_open => SessionEnd::Drained,
-        Ok(Ok(Ok(()))) => SessionEnd::Failed(RelayError::transient(anyhow::anyhow!(
-            "the sink stopped while events were still flowing"
-        ))),
+        Ok(Ok(Ok(()))) => SessionEnd::Failed(
+            RelayError::transient(anyhow::anyhow!(
+                "the sink stopped while events were still flowing"
+            ))
+            .at(Target::Nats),
+        ),
         Ok(Ok(Err(error))) => SessionEnd::Failed(error.into()),
         Ok(Err(join)) => SessionEnd::Failed(RelayError::permanent(anyhow::anyhow!(
             "the sink task failed: {join}"
         ))),
         Err(_) => {
             stop(sink).await;
-            SessionEnd::Failed(RelayError::transient(anyhow::anyhow!(
-                "the sink did not end within {SINK_GRACE:?} of closing its watermark"
-            )))
+            SessionEnd::Failed(
+                RelayError::transient(anyhow::anyhow!(
+                    "the sink did not end within {SINK_GRACE:?} of closing its watermark"
+                ))
+                .at(Target::Nats),
+            )
         }
     }
 }
@@ -576,6 +591,8 @@ struct Reader {
     /// Shared mode: the stream's duplicate window, until the first replayed transaction was
     /// checked against it.
     dedupe_guard: Option<Duration>,
+    /// Where the reader's positions are shown (once per batch and status update).
+    metrics: Arc<Metrics>,
 }
 
 impl Reader {
@@ -648,6 +665,7 @@ impl Reader {
             Step::Shutdown => {
                 // What is pending was never published: dropping it leaves it unconfirmed.
                 info!("shutting down: waiting for in-flight acks");
+                self.metrics.set_phase(Phase::ShuttingDown);
                 self.items = None;
                 self.pending.clear();
                 self.drain_until = Some(TokioInstant::now() + drain_deadline);
@@ -669,7 +687,7 @@ impl Reader {
             Step::Tick => {
                 let now = TokioInstant::now();
                 if self.drain_until.is_some_and(|deadline| now >= deadline) {
-                    warn!("in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
+                    warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
                     self.send_status().await?;
                     return Ok(Some(ReaderEnd::DrainDeadlinePassed));
                 }
@@ -688,6 +706,7 @@ impl Reader {
                     }
                 }
                 self.pending = pending;
+                self.metrics.set_received(self.framer.received());
             }
         }
         Ok(None)
@@ -727,13 +746,14 @@ impl Reader {
             (self.dedupe_guard, self.framer.first_commit_time)
         {
             self.dedupe_guard = None;
-            check_dedupe_window(window, commit_time);
+            check_dedupe_window(&self.metrics, window, commit_time);
         }
         Ok(())
     }
 
     async fn send_status(&mut self) -> Result<()> {
         self.stream.send_feedback(&mut self.feedback).await?;
+        self.metrics.set_confirmed(self.feedback.flush_lsn());
         Ok(())
     }
 }
@@ -741,17 +761,15 @@ impl Reader {
 /// Shared mode's guard: the oldest event a session may replay is its first transaction; if
 /// it committed longer ago than the stream's duplicate window, replays of events published
 /// before the restart are no longer recognised as duplicates.
-fn check_dedupe_window(window: Duration, commit_time: pgoutput::copy_data::PgTimestamp) {
+fn check_dedupe_window(
+    metrics: &Metrics,
+    window: Duration,
+    commit_time: pgoutput::copy_data::PgTimestamp,
+) {
     let now = replication::pg_timestamp(std::time::SystemTime::now());
     let age = Duration::from_micros(u64::try_from(now.saturating_sub(commit_time)).unwrap_or(0));
     if age > window {
-        metrics::DEDUPE_WINDOW_EXCEEDED.fetch_add(1, Ordering::Relaxed);
-        warn!(
-            age = ?age,
-            duplicate_window = ?window,
-            metric = metrics::DEDUPE_WINDOW_EXCEEDED_NAME,
-            "the oldest event this session may replay committed longer ago than the stream's duplicate window: events published before the restart but not yet confirmed may be stored twice (strict mode does not have this limit)"
-        );
+        metrics.record(Event::DedupeWindowExceeded { age, window });
     }
 }
 

@@ -11,17 +11,20 @@
 //!   own history; the fence never depends on it.
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
+//! - L1–L3 ([`latency`]): what the acker times, once per transaction or run of events.
 //!
 //! The ack tracker is generic over the position type; the publisher writes an event's
 //! position (from `outbox`) into its headers as text. Nothing here speaks to Postgres or
 //! decodes replication messages: it depends on `outbox` for the event and its position,
 //! not on `pgoutput` or `replication`.
 
+pub mod latency;
 pub mod message;
 pub mod publisher;
 pub mod resume;
 pub mod tracker;
 
+pub use latency::{Latency, LatencySnapshot, LATENCY_BUCKETS_US};
 pub use message::{
     control_line_len, publish_message, wire_size, Fence, Limits, DEFAULT_MAX_CONTROL_LINE,
     REPLY_SUBJECT_LEN,

@@ -233,6 +233,7 @@ pub(crate) fn into_message(
         subject,
         payload,
         position,
+        created_at_ms: _,
     } = event;
     let mut map = HeaderMap::new();
     map.insert(name::NATS_MSG_ID, value(keys.dedupe_key, hostile));
@@ -456,6 +457,7 @@ mod tests {
                 commit_lsn: outbox::Lsn(0x16_B374_D848),
                 index,
             },
+            created_at_ms: 1_700_000_000_000,
         }
     }
 

@@ -46,10 +46,14 @@
 //!   one publishes a dead-letter record in its place ([`PoisonPolicy::DeadLetter`]); shared
 //!   mode counts it ([`SinkStats::reused_ids`]) and warns. Only duplicates pay for the
 //!   check.
+//! - P9 [`SinkStats`] counts each acknowledged event under one outcome (stored, duplicate,
+//!   dead-lettered; skipped when P6 skips it), when its ack arrives: an event published
+//!   again after a failed session is counted once per ack. With [`SinkStats::timed`] the
+//!   acker also times commit → stored and created → stored ([`crate::latency`] L1–L3).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
@@ -60,6 +64,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
+use crate::latency::{Latency, TxnClock};
 use crate::message::{event_wire_size, fit_dead_letter, into_message, Excess, Fence, Limits};
 use crate::tracker::{AckTracker, Ticket, TrackerError};
 
@@ -95,19 +100,34 @@ pub struct SinkOptions {
     pub source: String,
 }
 
-/// Counters the sink keeps; shared so metrics can read them while it runs.
+/// Counters the sink keeps; shared so metrics can read them while it runs (P9).
 #[derive(Debug, Default)]
 pub struct SinkStats {
-    /// Publishes acknowledged as newly stored.
+    /// Events acknowledged as newly stored (themselves, not a dead-letter record).
     pub stored: AtomicU64,
     /// Publishes acknowledged as duplicates (JetStream already held the message id).
     pub duplicates: AtomicU64,
     /// Replayed events skipped because the stream's tail showed them stored (P6).
     pub skipped: AtomicU64,
-    /// Dead-letter records published in place of an event.
+    /// Events whose dead-letter record JetStream acknowledged in their place.
     pub dead_lettered: AtomicU64,
     /// Events acknowledged as duplicates of another event: their outbox id was reused (P8).
     pub reused_ids: AtomicU64,
+    /// Events JetStream can never accept (P7, P8): each dead-letter record acknowledged in
+    /// place of one, and each run that halted on one.
+    pub poison: AtomicU64,
+    /// Commit → stored, once per transaction with events this session published
+    /// (filled only when [`SinkStats::timed`]).
+    pub commit_to_ack: Latency,
+    /// `created_at` → stored, per event this session published (only when timed).
+    pub created_to_ack: Latency,
+    /// Whether the acker times transactions (the latencies and the oldest unconfirmed one).
+    timing: bool,
+    /// The commit time (µs since the Unix epoch) of the transaction whose acks the acker
+    /// awaits, 0 when none (`crate::latency` L3).
+    oldest_unconfirmed_us: AtomicI64,
+    /// The running session's window and its size, for [`SinkStats::in_flight`].
+    window: Mutex<Option<(Weak<Semaphore>, usize)>>,
     /// Strict mode under [`PoisonPolicy::DeadLetter`]: events a later session publishes as
     /// dead-letter records, with the reason (P8). Outlives a session.
     dead_letter_instead: Mutex<HashMap<Position, String>>,
@@ -122,9 +142,43 @@ pub struct SinkStats {
 }
 
 impl SinkStats {
-    /// Publishes acknowledged so far, stored or duplicate.
+    /// Counters whose acker also times what it acknowledges (the latency histograms and the
+    /// oldest unconfirmed transaction): for a process that exposes metrics.
+    pub fn timed() -> Self {
+        SinkStats {
+            timing: true,
+            ..SinkStats::default()
+        }
+    }
+
+    /// Publishes acknowledged so far: stored, duplicate or dead-lettered.
     pub fn acked(&self) -> u64 {
-        self.stored.load(Ordering::Relaxed) + self.duplicates.load(Ordering::Relaxed)
+        self.stored.load(Ordering::Relaxed)
+            + self.duplicates.load(Ordering::Relaxed)
+            + self.dead_lettered.load(Ordering::Relaxed)
+    }
+
+    /// Publishes of the running session awaiting their ack (0 between sessions).
+    pub fn in_flight(&self) -> u64 {
+        let window = self.window.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*window {
+            Some((semaphore, size)) => semaphore.upgrade().map_or(0, |semaphore| {
+                size.saturating_sub(semaphore.available_permits()) as u64
+            }),
+            None => 0,
+        }
+    }
+
+    /// The commit time (µs since the Unix epoch) of the oldest transaction with events
+    /// that was read but not yet confirmed, when timed (`crate::latency` L3).
+    pub fn oldest_unconfirmed_us(&self) -> Option<i64> {
+        Some(self.oldest_unconfirmed_us.load(Ordering::Relaxed)).filter(|&us| us != 0)
+    }
+
+    /// Forgets the oldest unconfirmed transaction: this process no longer streams the slot
+    /// (it lost the lease; whoever holds it now confirms it).
+    pub fn forget_unconfirmed(&self) {
+        self.oldest_unconfirmed_us.store(0, Ordering::Relaxed);
     }
 
     /// See the field's docs: the position through which the stream holds every event of
@@ -295,12 +349,17 @@ fn is_size_refusal(error: &async_nats::jetstream::context::PublishError) -> bool
 }
 
 enum AckItem<P> {
-    Begin,
+    Begin {
+        commit_time_us: i64,
+    },
     /// Already in the stream (P6): counts as acknowledged.
     Stored,
     Publish {
         id: i64,
         position: Position,
+        created_at_ms: i64,
+        /// A dead-letter record in the event's place (P7).
+        dead_letter: bool,
         ack: PublishAckFuture,
         _permit: OwnedSemaphorePermit,
     },
@@ -313,6 +372,27 @@ enum AckItem<P> {
 pub async fn run<P>(
     jetstream: Context,
     options: SinkOptions,
+    input: mpsc::Receiver<Vec<Item<P>>>,
+    watermark: watch::Sender<P>,
+    stats: Arc<SinkStats>,
+) -> Result<(), SinkError>
+where
+    P: Ord + Copy + Send + Sync + std::fmt::Debug + 'static,
+{
+    let result = publish(jetstream, options, input, watermark, stats.clone()).await;
+    if result
+        .as_ref()
+        .is_err_and(|error| error.poison_id().is_some())
+    {
+        stats.poison.fetch_add(1, Ordering::Relaxed);
+    }
+    result
+}
+
+/// [`run`], but for counting a halt on poison.
+async fn publish<P>(
+    jetstream: Context,
+    options: SinkOptions,
     mut input: mpsc::Receiver<Vec<Item<P>>>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
@@ -321,6 +401,8 @@ where
     P: Ord + Copy + Send + Sync + std::fmt::Debug + 'static,
 {
     let window = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
+    *stats.window.lock().unwrap_or_else(PoisonError::into_inner) =
+        Some((Arc::downgrade(&window), options.max_in_flight.max(1)));
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
@@ -347,7 +429,7 @@ where
         while let Some(batch) = input.recv().await {
             for item in batch {
                 let item = match item {
-                    Item::Begin => AckItem::Begin,
+                    Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
                     Item::Commit(p) => AckItem::Commit(p),
                     Item::Idle(p) => AckItem::Idle(p),
                     Item::Event(event) => {
@@ -362,21 +444,16 @@ where
                             let Ok(permit) = window.clone().acquire_owned().await else {
                                 return Ok(());
                             };
-                            let (id, position) = (event.id, event.position);
+                            let (id, position, created_at_ms) =
+                                (event.id, event.position, event.created_at_ms);
                             if commit_lsn.0 != Some(position.commit_lsn) {
                                 commit_lsn =
                                     (Some(position.commit_lsn), position.commit_lsn.to_string());
                             }
                             // An empty map answers without hashing.
                             let instead = dead_letter_instead.get(&position).map(String::as_str);
-                            let (subject, message) = prepare(
-                                event,
-                                &commit_lsn.1,
-                                &options,
-                                &mut fence,
-                                &stats,
-                                instead,
-                            )?;
+                            let (subject, message, dead_letter) =
+                                prepare(event, &commit_lsn.1, &options, &mut fence, instead)?;
                             let ack = jetstream
                                 .send_publish(subject, message)
                                 .await
@@ -384,6 +461,8 @@ where
                             AckItem::Publish {
                                 id,
                                 position,
+                                created_at_ms,
+                                dead_letter,
                                 ack,
                                 _permit: permit,
                             }
@@ -420,16 +499,16 @@ where
 }
 
 /// The subject and message for `event`: the event itself, or its dead-letter record when it
-/// is beyond the limits or `instead` gives a reason to (P7, P8); fenced in strict mode (P5).
-/// `commit_lsn` is the event's commit LSN, formatted once per transaction by the caller.
+/// is beyond the limits or `instead` gives a reason to (P7, P8; then `true`); fenced in
+/// strict mode (P5). `commit_lsn` is the event's commit LSN, formatted once per
+/// transaction by the caller.
 fn prepare(
     event: OutboxEvent,
     commit_lsn: &str,
     options: &SinkOptions,
     fence: &mut Option<Fence>,
-    stats: &SinkStats,
     instead: Option<&str>,
-) -> Result<(Subject, PublishMessage), SinkError> {
+) -> Result<(Subject, PublishMessage, bool), SinkError> {
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     // Room for the fence header too, so the size check covers what is actually sent.
@@ -441,8 +520,11 @@ fn prepare(
             .check(size, event.payload.len(), event.subject.len())
             .map_err(|(excess, reason)| (PoisonKind::from(excess), reason)),
     };
-    let (subject, mut map, payload) = match problem {
-        Ok(()) => into_message(event, hostile, commit_lsn, Some(source)),
+    let (subject, mut map, payload, dead_letter) = match problem {
+        Ok(()) => {
+            let (subject, map, payload) = into_message(event, hostile, commit_lsn, Some(source));
+            (subject, map, payload, false)
+        }
         Err((kind, reason)) if options.poison == PoisonPolicy::Halt => {
             return Err(SinkError::Poison {
                 id: event.id,
@@ -467,8 +549,7 @@ fn prepare(
                 reason: format!("{reason}; {why}"),
             })?;
             warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
-            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            (Subject::from(subject), map, payload)
+            (Subject::from(subject), map, payload, true)
         }
     };
     if let Some(fence) = fence.as_mut() {
@@ -477,6 +558,7 @@ fn prepare(
     Ok((
         subject,
         PublishMessage::build().headers(map).payload(payload),
+        dead_letter,
     ))
 }
 
@@ -496,31 +578,60 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     source: String,
     duplicates: Duplicates,
 ) -> Result<(), SinkError> {
+    let mut clock = stats.timing.then(|| {
+        TxnClock::new(
+            &stats.commit_to_ack,
+            &stats.created_to_ack,
+            &stats.oldest_unconfirmed_us,
+        )
+    });
     while let Some(item) = items.recv().await {
         let moved = match item {
-            AckItem::Begin => {
+            AckItem::Begin { commit_time_us } => {
                 tracker.begin()?;
+                if let Some(clock) = &mut clock {
+                    clock.begin(commit_time_us);
+                }
                 None
             }
             AckItem::Stored => {
+                if let Some(clock) = &mut clock {
+                    clock.awaiting();
+                }
                 let ticket = tracker.publish()?;
                 tracker.ack(ticket)?
             }
-            AckItem::Commit(end) => tracker.commit(end)?,
+            AckItem::Commit(end) => {
+                if let Some(clock) = &mut clock {
+                    clock.commit();
+                }
+                tracker.commit(end)?
+            }
             AckItem::Idle(position) => tracker.idle(position),
             AckItem::Publish {
                 id,
                 position,
+                created_at_ms,
+                dead_letter,
                 ack,
                 _permit,
             } => {
                 let ticket: Ticket = tracker.publish()?;
+                if let Some(clock) = &mut clock {
+                    clock.awaiting();
+                }
                 let ack = ack.await.map_err(|source| SinkError::Ack { id, source })?;
                 if ack.duplicate {
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
                     duplicates.check(&ack, id, position, &stats).await?;
+                } else if dead_letter {
+                    stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    stats.poison.fetch_add(1, Ordering::Relaxed);
                 } else {
                     stats.stored.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(clock) = &mut clock {
+                    clock.acked(created_at_ms);
                 }
                 // Acks are awaited in publish order, so every earlier publish of this
                 // session is acknowledged too.

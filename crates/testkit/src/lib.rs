@@ -11,7 +11,8 @@
 //!   `PATH`, override with `TESTKIT_NATS_SERVER`). A missing binary is a
 //!   panic that names the package to install (`apt-get install
 //!   postgresql-15` / `apt-get install nats-server`): tests never skip
-//!   silently.
+//!   silently. [`Prometheus`] runs Debian's `prometheus` the same way
+//!   (`apt-get install prometheus`; `TESTKIT_PROMETHEUS` overrides).
 //! * **Free loopback ports, private directories.** Servers listen on
 //!   `127.0.0.1` only, on ports from [`free_port`], with their data in a fresh
 //!   temporary directory. The system instances on 5432 and 4222 are never
@@ -60,6 +61,7 @@ pub mod harness;
 mod nats;
 mod postgres;
 mod process;
+mod prometheus;
 mod proxy;
 mod server;
 mod tls;
@@ -73,9 +75,10 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-pub use nats::Nats;
+pub use nats::{http_get, Nats};
 pub use postgres::{installed_bin_dir, Backup, PgAuth, PgOptions, Postgres};
 pub use process::Process;
+pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;
 pub use tls::Ca;
 

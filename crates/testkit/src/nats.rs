@@ -180,7 +180,7 @@ pub(crate) fn nats_bin() -> PathBuf {
 }
 
 /// Minimal HTTP/1.0 GET against 127.0.0.1:{port}.
-pub(crate) fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
+pub fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .map_err(|e| format!("connect {addr}: {e}"))?;

@@ -1,0 +1,312 @@
+//! Metrics and health (issue 10 parts 1 and 2), against the real binary, real servers and a
+//! real Prometheus (Debian's `prometheus`, started by `testkit::Prometheus`, scraping every
+//! second) whose HTTP API the assertions query:
+//! - while events flow, the stored counter equals the events written and the latency
+//!   histograms count what they should; while NATS is down the slot lag grows with the WAL
+//!   written meanwhile, and after the relay caught up it is back near 0;
+//! - `/readyz` turns unready when nats-server is stopped and ready again once it is back,
+//!   and a standby's readiness says `standby`; `outbox-relay probe` exits 0 and 1 on them;
+//! - every metric the relay exposes is explained in docs/operations.md, and the alert rules
+//!   of docs/alerts.yml use only metrics it exposes.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use support::{eventually, insert_transaction, servers, Case, DEADLINE};
+use testkit::{Nats, Postgres, Process, Prometheus};
+
+/// A case whose relay serves metrics on a free port; returns the address.
+fn with_metrics(case: &mut Case) -> SocketAddr {
+    let addr: SocketAddr = format!("127.0.0.1:{}", testkit::free_port())
+        .parse()
+        .unwrap();
+    case.extra_env
+        .push(("OUTBOX_RELAY_METRICS_ADDR".into(), addr.to_string()));
+    addr
+}
+
+/// `GET path` from the relay at `addr`.
+async fn get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    outbox_relay::http::get(addr, path, Duration::from_secs(5)).await
+}
+
+/// The server's current WAL position, in bytes.
+async fn wal_lsn(sql: &tokio_postgres::Client) -> u64 {
+    let row = sql
+        .query_one("select pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap();
+    row.get::<_, String>(0).parse::<pgoutput::Lsn>().unwrap().0
+}
+
+/// Waits until Prometheus evaluates `promql` to one value that `ok` accepts; returns it.
+async fn prometheus_until(prometheus: &Prometheus, promql: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        let answer = prometheus.query(promql);
+        if let Ok([sample]) = answer.as_deref() {
+            if ok(sample.value) {
+                return sample.value;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {DEADLINE:?} waiting for Prometheus to evaluate {promql} to an expected value; its last answer: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_sees_events_latencies_and_the_lag_grow_while_nats_is_down_then_shrink() {
+    let pg = Postgres::start();
+    let mut nats = Nats::start();
+    let mut case = Case::new(&pg, &nats, "prom");
+    let addr = with_metrics(&mut case);
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    let relay = case.start_relay();
+    let prometheus = Prometheus::start(&[addr.to_string()]);
+    let js = case.jetstream().await;
+    let mut sql = case.sql().await;
+
+    // Events flow: 10 transactions of 1, 8, 15, … rows.
+    let mut written = 0;
+    for i in 0..10 {
+        written += insert_transaction(&mut sql, 1 + 7 * i, 5, "flow")
+            .await
+            .len();
+    }
+    case.wait_for_count(&js, written as u64, DEADLINE).await;
+    let stored = r#"outbox_relay_events_total{outcome="stored"}"#;
+    prometheus_until(&prometheus, stored, |v| v == written as f64).await;
+    // Once per transaction; once per event.
+    prometheus_until(
+        &prometheus,
+        "outbox_relay_commit_to_ack_seconds_count",
+        |v| v == 10.0,
+    )
+    .await;
+    prometheus_until(
+        &prometheus,
+        "outbox_relay_created_to_ack_seconds_count",
+        |v| v == written as f64,
+    )
+    .await;
+    // Every transaction was stored within a minute of its commit.
+    let within_a_minute = r#"outbox_relay_commit_to_ack_seconds_count - ignoring(le) outbox_relay_commit_to_ack_seconds_bucket{le="60"}"#;
+    prometheus_until(&prometheus, within_a_minute, |v| v == 0.0).await;
+    prometheus_until(&prometheus, "outbox_relay_lease_held", |v| v == 1.0).await;
+    prometheus_until(&prometheus, "outbox_relay_in_flight_events", |v| v == 0.0).await;
+    prometheus_until(
+        &prometheus,
+        r#"outbox_relay_slot_wal_status{status="reserved"}"#,
+        |v| v == 1.0,
+    )
+    .await;
+    prometheus_until(&prometheus, "outbox_relay_build_info", |v| v == 1.0).await;
+    let last_commit = case.messages(&js).await.last().unwrap().commit_lsn().0 as f64;
+    prometheus_until(&prometheus, "outbox_relay_confirmed_lsn", |v| {
+        v >= last_commit
+    })
+    .await;
+    prometheus_until(
+        &prometheus,
+        "outbox_relay_received_lsn - outbox_relay_confirmed_lsn",
+        |v| v >= 0.0,
+    )
+    .await;
+
+    // NATS goes away: the relay cannot confirm, and the slot retains the WAL written since.
+    nats.kill();
+    let before = wal_lsn(&sql).await;
+    let mut outage = 0;
+    for _ in 0..3 {
+        outage += insert_transaction(&mut sql, 1000, 10, "outage").await.len();
+    }
+    let written_meanwhile = wal_lsn(&sql).await - before;
+    // Keepalives may let the relay confirm WAL of the first transaction before its commit
+    // is decoded (I2), never anything after: the last two stay retained.
+    let lag = prometheus_until(&prometheus, "outbox_relay_slot_lag_bytes", |v| {
+        v >= (written_meanwhile / 2) as f64
+    })
+    .await;
+    prometheus_until(
+        &prometheus,
+        r#"outbox_relay_reconnects_total{target="nats"}"#,
+        |v| v >= 1.0,
+    )
+    .await;
+
+    // NATS is back: everything is stored and the lag returns near 0.
+    nats.start_again();
+    case.wait_for_count(&js, (written + outage) as u64, DEADLINE)
+        .await;
+    let total = (written + outage) as f64;
+    assert_eq!(case.stream_count(&js).await, total as u64, "exactly once");
+    // Publishes whose acks the outage swallowed count as skipped or duplicate when replayed,
+    // not as stored again.
+    let acknowledged = r#"sum(outbox_relay_events_total{outcome=~"stored|duplicate|skipped"})"#;
+    prometheus_until(&prometheus, acknowledged, |v| v >= total).await;
+    prometheus_until(&prometheus, stored, |v| v <= total).await;
+    let near_zero = (written_meanwhile / 8).min(64 << 10) as f64;
+    let after = prometheus_until(&prometheus, "outbox_relay_slot_lag_bytes", |v| {
+        v < near_zero
+    })
+    .await;
+    assert!(
+        lag >= (written_meanwhile / 2) as f64 && after < near_zero,
+        "lag {lag} while NATS was down ({written_meanwhile} bytes written), {after} after"
+    );
+    prometheus_until(
+        &prometheus,
+        "outbox_relay_oldest_unconfirmed_event_age_seconds",
+        |v| v == 0.0,
+    )
+    .await;
+    drop(relay);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_unready_while_nats_is_down_and_a_standby_says_standby() {
+    let mut nats = Nats::start();
+    let mut case = Case::new(&servers().pg, &nats, "readyz");
+    let first = with_metrics(&mut case);
+    case.extra_env
+        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    let _first_relay = case.start_relay();
+    assert_eq!(get(first, "/healthz").await, Ok((200, "ok\n".into())));
+    assert_eq!(get(first, "/readyz").await, Ok((200, "ready\n".into())));
+
+    // A second relay on the same slot waits as a standby, and says so.
+    let mut standby_case = case.clone();
+    standby_case
+        .extra_env
+        .retain(|(k, _)| k != "OUTBOX_RELAY_METRICS_ADDR");
+    let second = with_metrics(&mut standby_case);
+    let second_relay = Process::spawn("relay-standby", standby_case.relay_command("run"));
+    second_relay.wait_for_output("waiting as a standby", DEADLINE);
+    let (status, body) = get(second, "/readyz").await.unwrap();
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "standby: another relay holds the lease\n")
+    );
+    assert_eq!(get(second, "/healthz").await.unwrap().0, 200);
+    // `outbox-relay probe` (the image's HEALTHCHECK) agrees with both.
+    let probe = |case: &Case| case.relay_command("probe").output().unwrap();
+    let ready = probe(&case);
+    assert_eq!(ready.status.code(), Some(0), "{ready:?}");
+    assert_eq!(String::from_utf8_lossy(&ready.stdout), "ready\n");
+    let standing_by = probe(&standby_case);
+    assert_eq!(standing_by.status.code(), Some(1), "{standing_by:?}");
+    assert!(String::from_utf8_lossy(&standing_by.stdout).starts_with("standby"));
+
+    // NATS stops: no relay is ready; whichever holds the lease says why, not "standby".
+    nats.kill();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 3, 1, "while-down").await;
+    let why = eventually("both relays unready", DEADLINE, || async {
+        let a = get(first, "/readyz").await.ok()?;
+        let b = get(second, "/readyz").await.ok()?;
+        (a.0 == 503 && b.0 == 503 && !a.1.starts_with("ready")).then_some(a.1)
+    })
+    .await;
+    assert!(
+        why.starts_with("not streaming") || why.starts_with("standby"),
+        "{why}"
+    );
+    eventually(
+        "an unready relay that holds the lease says why",
+        DEADLINE,
+        || async {
+            let bodies = [
+                get(first, "/readyz").await.ok()?.1,
+                get(second, "/readyz").await.ok()?.1,
+            ];
+            bodies
+                .iter()
+                .any(|body| body.starts_with("not streaming"))
+                .then_some(())
+        },
+    )
+    .await;
+
+    // NATS is back: one relay is ready again, the other one a standby.
+    nats.start_again();
+    eventually("one relay ready, the other a standby", DEADLINE, || async {
+        let mut bodies = vec![
+            get(first, "/readyz").await.ok()?,
+            get(second, "/readyz").await.ok()?,
+        ];
+        bodies.sort();
+        (bodies
+            == [
+                (200, "ready\n".to_owned()),
+                (503, "standby: another relay holds the lease\n".to_owned()),
+            ])
+        .then_some(())
+    })
+    .await;
+    drop(second_relay);
+}
+
+/// The metric families of a `/metrics` text.
+fn families(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_documented_and_the_alert_rules_use_only_exposed_metrics() {
+    let mut case = Case::new(&servers().pg, &servers().nats, "documented");
+    let addr = with_metrics(&mut case);
+    let _relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 2, 1, "documented").await;
+    // Every family, the slot's (after the first poll) and the session's included.
+    let text = eventually("the slot's metrics", DEADLINE, || async {
+        let (_, text) = get(addr, "/metrics").await.ok()?;
+        (text.contains("outbox_relay_slot_lag_bytes ")
+            && text.contains("outbox_relay_nats_connected "))
+        .then_some(text)
+    })
+    .await;
+    let exposed = families(&text);
+    assert!(exposed.len() >= 20, "{exposed:?}");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let operations = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
+    let undocumented: Vec<&String> = exposed
+        .iter()
+        .filter(|name| !operations.contains(&format!("`{name}")))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "docs/operations.md does not explain {undocumented:?}"
+    );
+    let alerts = std::fs::read_to_string(root.join("docs/alerts.yml")).unwrap();
+    let used: BTreeSet<String> = alerts
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("outbox_relay_"))
+        .map(|word| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .fold(word, |word, suffix| {
+                    word.strip_suffix(suffix).unwrap_or(word)
+                })
+                .to_owned()
+        })
+        .collect();
+    let unknown: Vec<&String> = used.difference(&exposed).collect();
+    assert!(
+        unknown.is_empty(),
+        "docs/alerts.yml uses metrics the relay does not expose: {unknown:?}"
+    );
+}
