@@ -222,7 +222,7 @@ impl Metrics {
         let counters = Counters::default();
         // Both series exist from the start, at 0, so that rate() and increase() see the first.
         for target in ["postgres", "nats"] {
-            counters.reconnects.get_or_create(&vec![("target", target)]);
+            let _ = counters.reconnects.get_or_create(&vec![("target", target)]);
         }
         let mut registry = Registry::with_prefix("outbox_relay");
         registry.register(
