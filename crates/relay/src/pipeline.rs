@@ -95,6 +95,19 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
         Some(addr) => Some(crate::http::start(addr, metrics.clone()).await?),
         None => None,
     };
+    let result = sessions(&config, &shutdown, &metrics).await;
+    if result.is_ok() {
+        info!(confirmed_flush_lsn = %metrics.confirmed(), "stopped; the slot's confirmed position is the last one this relay sent");
+    }
+    result
+}
+
+/// One session after another (each under the lease), with a backoff between failures.
+async fn sessions(
+    config: &Config,
+    shutdown: &CancellationToken,
+    metrics: &Arc<Metrics>,
+) -> Result<()> {
     let mut progress = monitor::Progress::default();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut bootstrapped = false;
@@ -104,8 +117,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
         let end = tokio::select! {
             // A SIGTERM while the lease's connect hangs ends the process at once.
             () = shutdown.cancelled() => SessionEnd::ShutdownDuringSetUp,
-            lease = Lease::acquire(&config, &shutdown, &metrics) => match lease {
-                Ok(Some(lease)) => holding(&config, &shutdown, &mut bootstrapped, &metrics, &lease, &mut progress).await,
+            lease = Lease::acquire(config, shutdown, metrics) => match lease {
+                Ok(Some(lease)) => holding(config, shutdown, &mut bootstrapped, metrics, &lease, &mut progress).await,
                 Ok(None) => SessionEnd::ShutdownDuringSetUp,
                 Err(error) => SessionEnd::Failed(error),
             },
