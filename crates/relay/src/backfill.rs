@@ -291,7 +291,7 @@ pub async fn at_slot_creation(
     let system = replication.identify_system().await?;
     let source = crate::pipeline::source(&system, config);
     let exported = replication
-        .create_logical_slot_exporting_snapshot(&config.slot)
+        .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
         .await?;
     info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
         "created logical replication slot with an exported snapshot; backfilling the rows committed before it");

@@ -603,13 +603,13 @@ impl PublicationFacts {
 /// The first `server_version_num` with fail-over slots (`--failover-slot`).
 const FAILOVER_VERSION: i32 = 170_000;
 
-async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int", &[])
-        .await
-        .map_err(|e| sql_error("cannot read the server version", e))?
-        .get(0);
-    // B1: refused before anything is created.
+/// `--failover-slot` on a server older than 17 is refused before anything is created (B1),
+/// whoever creates the slot (this module, or a backfill's replication connection).
+pub async fn check_failover_support(client: &Client, config: &Config) -> Result<()> {
+    failover_supported(config, server_version(client).await?)
+}
+
+fn failover_supported(config: &Config, version: i32) -> Result<()> {
     if config.failover_slot && version < FAILOVER_VERSION {
         return Err(setup(format!(
             "--failover-slot needs Postgres 17 or newer, and this server is {}.{}: fail-over \
@@ -621,6 +621,12 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
             version % 10000
         )));
     }
+    Ok(())
+}
+
+async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
+    let version = server_version(client).await?;
+    failover_supported(config, version)?;
     let failover_column = if version >= FAILOVER_VERSION {
         "failover"
     } else {

@@ -220,6 +220,8 @@ async fn ensure(
     config: &Config,
     guard_history: bool,
 ) -> Result<bootstrap::SlotState> {
+    // B1: a slot option the server cannot honour is refused before anything is created.
+    bootstrap::check_failover_support(client, config).await?;
     // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
     let backfill = crate::backfill::needed(client, jetstream, config).await?;
     if guard_history

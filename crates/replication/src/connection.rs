@@ -413,10 +413,13 @@ impl ReplicationConnection {
     pub async fn create_logical_slot_exporting_snapshot(
         &mut self,
         slot: &str,
+        failover: bool,
     ) -> Result<ExportedSlot, Error> {
+        // FAILOVER (Postgres 17+): synchronized to standbys; the caller checked the version.
         let command = format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
-            quote_identifier(slot)
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export'{})",
+            quote_identifier(slot),
+            if failover { ", FAILOVER true" } else { "" }
         );
         let rows = self.simple_query(&command).await?;
         let bad = || Error::protocol(format!("unexpected CREATE_REPLICATION_SLOT reply {rows:?}"));
