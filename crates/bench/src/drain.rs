@@ -26,7 +26,7 @@ use crate::harness::{Bench, Case};
 use crate::procfs;
 
 /// How often `--metrics` scrapes the relay.
-const SCRAPE_EVERY: Duration = Duration::from_secs(1);
+pub const SCRAPE_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a drain may take before the benchmark gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(900);

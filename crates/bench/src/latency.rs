@@ -1,11 +1,12 @@
 //! **Live latency**, commit → stored: with the relay running and caught up, writers commit
-//! single-row transactions at a fixed rate for a fixed time.
+//! transactions of `R` rows (1 or 10) at a fixed event rate for a fixed time.
 //!
-//! - Each writer connection runs a fixed schedule (event `k` is due at
-//!   `start + k / rate`, writers taking every `W`-th event), so a slow commit does not shift
-//!   the later ones (no sleep-per-event drift); a writer that falls behind writes at once.
+//! - Each writer connection runs a fixed schedule (transaction `t` is due at
+//!   `start + t · R / rate`, writers taking every `W`-th transaction), so a slow commit does
+//!   not shift the later ones (no sleep-per-event drift); a writer that falls behind writes
+//!   at once.
 //! - Right after each `INSERT … RETURNING id` (autocommit: the statement's reply is the
-//!   COMMIT's) returns, the writer records the wall clock and the row id.
+//!   COMMIT's) returns, the writer records the wall clock for each of its row ids.
 //! - Afterwards the stream is read back; an event's latency is the JetStream message's
 //!   stored timestamp (`info().published`: the server's clock when it stored the message,
 //!   same machine, same clock) minus its commit time. The PubAck the relay waits for is
@@ -21,6 +22,9 @@
 //!   and this process (the writers' client side), from the start of the schedule to the
 //!   last event stored. Above ~100 µs per event in all, two cores cannot keep up with
 //!   10 000 events/s and the latency is a queue's.
+//! - Whose turn it was: the time the relay's, its walsender's and nats-server's threads
+//!   spent runnable but waiting for a CPU (`/proc/<pid>/task/*/schedstat`), per event. When
+//!   that wait is of the order of the latency, the machine, not the relay, is what waits.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -37,6 +41,14 @@ const INSERT_ONE: &str = "insert into outbox_events \
             jsonb_build_object('order_id', $1::bigint, 'amount', 10)) \
     returning id";
 
+/// `$3` rows numbered from `$1` in one statement (one transaction in autocommit).
+const INSERT_MANY: &str = "insert into outbox_events \
+        (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+    select 'entity-' || (k % 1000), 'OrderPaid', $2::text || k, 'tmp', 'tmp', \
+           jsonb_build_object('order_id', k, 'amount', 10) \
+      from generate_series($1::bigint, $1::bigint + $3::bigint - 1) k \
+    returning id";
+
 const WARM_UP: u64 = 100;
 
 /// The latency figures of one run.
@@ -45,6 +57,7 @@ pub struct Latency {
     pub achieved_rate: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    pub p999_ms: f64,
     pub max_ms: f64,
     /// CPU seconds per measured event, from the first measured commit to the last event
     /// stored: the relay, its walsender, nats-server, the writers' Postgres backends and
@@ -64,6 +77,11 @@ pub struct CpuPerEvent {
     pub nats: f64,
     pub backends: f64,
     pub bench: f64,
+    /// Seconds per event the relay's threads waited for a CPU while runnable.
+    pub relay_waited: f64,
+    /// The same for its walsender and for nats-server.
+    pub walsender_waited: f64,
+    pub nats_waited: f64,
 }
 
 fn now_nanos() -> i128 {
@@ -73,15 +91,17 @@ fn now_nanos() -> i128 {
         .unwrap_or(0)
 }
 
-/// Runs the relay on `case` and measures commit → stored at `rate` events/s for
-/// `duration`, with `writers` connections.
+/// Runs the relay on `case` and measures commit → stored at `rate` events/s in
+/// transactions of `tx_rows` rows for `duration`, with `writers` connections.
 pub async fn live(
     bench: &Bench,
     case: &Case,
     rate: f64,
+    tx_rows: u64,
     duration: Duration,
     writers: usize,
 ) -> Result<Latency> {
+    let tx_rows = tx_rows.max(1);
     let relay = case.spawn_relay();
     let relay = tokio::task::spawn_blocking(move || {
         relay.wait_for_output("streaming outbox events", Duration::from_secs(60));
@@ -99,7 +119,8 @@ pub async fn live(
     case.wait_for_count(&bench.js, WARM_UP, Duration::from_secs(60))
         .await;
 
-    let total = (rate * duration.as_secs_f64()).round() as u64;
+    let transactions = ((rate * duration.as_secs_f64()) / tx_rows as f64).round() as u64;
+    let total = transactions * tx_rows;
     let writers = writers.max(1) as u64;
     let mut connections = Vec::new();
     for _ in 0..writers {
@@ -118,21 +139,49 @@ pub async fn live(
         procfs::reaped_children_cpu_seconds(postmaster)?,
         procfs::cpu_seconds(me)?,
     ];
+    let waited_before = [
+        procfs::run_queue_wait_seconds(relay.pid())?,
+        procfs::run_queue_wait_seconds(walsender)?,
+        procfs::run_queue_wait_seconds(bench.nats.pid())?,
+    ];
     let switches_before = procfs::context_switches(relay.pid())?;
     let syscalls_before = procfs::io_syscalls(relay.pid())?;
+    // --metrics: scraped every second while the events flow, as Prometheus would.
+    let scraper = bench.metrics_port.map(|port| {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(crate::drain::SCRAPE_EVERY).await;
+                let _ =
+                    tokio::task::spawn_blocking(move || testkit::http_get(port, "/metrics")).await;
+            }
+        })
+    });
     let start = tokio::time::Instant::now() + Duration::from_millis(200);
     let mut tasks = Vec::new();
     for (w, sql) in (0..writers).zip(connections) {
         tasks.push(tokio::spawn(async move {
-            let insert = sql.prepare(INSERT_ONE).await?;
+            let insert = sql
+                .prepare(if tx_rows == 1 {
+                    INSERT_ONE
+                } else {
+                    INSERT_MANY
+                })
+                .await?;
             let mut commits: Vec<(i64, i128)> = Vec::with_capacity((total / writers) as usize + 1);
-            let mut k = w;
-            while k < total {
-                let due = start + Duration::from_secs_f64(k as f64 / rate);
+            let mut t = w;
+            while t < transactions {
+                let due = start + Duration::from_secs_f64((t * tx_rows) as f64 / rate);
                 tokio::time::sleep_until(due).await;
-                let row = sql.query_one(&insert, &[&(k as i64), &"live-"]).await?;
-                commits.push((row.get(0), now_nanos()));
-                k += writers;
+                let first = (t * tx_rows) as i64;
+                let rows = if tx_rows == 1 {
+                    vec![sql.query_one(&insert, &[&first, &"live-"]).await?]
+                } else {
+                    sql.query(&insert, &[&first, &"live-", &(tx_rows as i64)])
+                        .await?
+                };
+                let committed = now_nanos();
+                commits.extend(rows.iter().map(|row| (row.get::<_, i64>(0), committed)));
+                t += writers;
             }
             anyhow::Ok(commits)
         }));
@@ -151,6 +200,14 @@ pub async fn live(
 
     case.wait_for_count(&bench.js, WARM_UP + total, Duration::from_secs(120))
         .await;
+    if let Some(scraper) = scraper {
+        scraper.abort();
+    }
+    let waited = [
+        procfs::run_queue_wait_seconds(relay.pid())? - waited_before[0],
+        procfs::run_queue_wait_seconds(walsender)? - waited_before[1],
+        procfs::run_queue_wait_seconds(bench.nats.pid())? - waited_before[2],
+    ];
     let switches = procfs::context_switches(relay.pid())? - switches_before;
     let syscalls = procfs::io_syscalls(relay.pid())? - syscalls_before;
     let cpu_stored = [
@@ -172,6 +229,9 @@ pub async fn live(
         nats: per_event(cpu_stored[2] - cpu_before[2]),
         backends: per_event(backends),
         bench: per_event(cpu_stored[3] - cpu_before[4]),
+        relay_waited: per_event(waited[0]),
+        walsender_waited: per_event(waited[1]),
+        nats_waited: per_event(waited[2]),
     };
     let stored = stored_times(bench, &case.stream, WARM_UP + total).await;
     let mut latencies: Vec<f64> = commits
@@ -201,6 +261,7 @@ pub async fn live(
         achieved_rate,
         p50_ms: quantile(0.50),
         p99_ms: quantile(0.99),
+        p999_ms: quantile(0.999),
         max_ms: latencies.last().copied().unwrap_or(f64::NAN),
         cpu,
     };

@@ -114,3 +114,24 @@ pub fn io_syscalls(pid: u32) -> Result<u64> {
         .map(|v| v.trim().parse::<u64>().unwrap_or(0))
         .sum())
 }
+
+/// Seconds the process's live threads have spent runnable but waiting for a CPU so far
+/// (the second field of `/proc/<pid>/task/*/schedstat`, summed): time the machine, not
+/// the process, made it wait. Needs `CONFIG_SCHEDSTATS`-style accounting, which every
+/// kernel with `/proc/<pid>/schedstat` keeps; 0 if the file is missing.
+pub fn run_queue_wait_seconds(pid: u32) -> Result<f64> {
+    let mut nanos: u64 = 0;
+    let tasks = format!("/proc/{pid}/task");
+    for task in std::fs::read_dir(&tasks).with_context(|| format!("read {tasks}"))? {
+        // A thread may exit between listing and reading.
+        let Ok(text) = std::fs::read_to_string(task?.path().join("schedstat")) else {
+            continue;
+        };
+        nanos += text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|waited| waited.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Ok(nanos as f64 / 1e9)
+}
