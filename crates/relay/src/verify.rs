@@ -662,11 +662,19 @@ pub(crate) async fn scan_stream(
     prefix: &str,
     mut each: impl FnMut(u64, &jetstream::Message),
 ) -> Result<u64> {
+    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
+    // each message's subject against it.
+    let filter = format!("{prefix}.>");
+    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
+        String::new()
+    } else {
+        filter
+    };
     let mut consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
             ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: format!("{prefix}.>"),
+            filter_subject: filter,
             inactive_threshold: Duration::from_secs(60),
             memory_storage: true,
             ..Default::default()
