@@ -6,13 +6,16 @@
 //! 1. Postgres: the id bounds of the rows in range (`--from-id`, `--to-id`, `--since`,
 //!    `--until`), read once before anything else. Rows committed after that are not expected.
 //! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
-//!    large batches), read to the end. Per outbox id in the bounds, a compact `Entry`
+//!    large batches), read to the end, on a thread of its own with its own connection and a
+//!    single-threaded runtime (no thread wake-up per message; the table's side runs beside
+//!    it). Each message's headers are read in one pass (no lookup by name, which allocates
+//!    and hashes the name). Per outbox id in the bounds, a compact `Entry`
 //!    (24 bytes: first sequence, digest of the first copy, copies, dead-letter records) —
 //!    1 000 000 ids take 24 MB. The commit order is checked on the way: per entity (a hash of
 //!    the entity id and the last position), and globally in strict mode (each event's
 //!    `Outbox-Commit-Lsn`/`Outbox-Tx-Index` position after the previous one).
-//! 3. Postgres, at the same time as 2: the rows in id order through one streaming query
-//!    (`query_raw`, never the whole result in memory). Each row's event is built by
+//! 3. Postgres, at the same time as 2 (a task of its own): the rows in id order through one
+//!    streaming query (`query_raw`, never the whole result in memory). Each row's event is built by
 //!    `outbox::OutboxRow::into_event` (the seed's keys, shard and subject, exactly as the
 //!    relay builds them) and only its digest kept (24 bytes per row), then compared with
 //!    the stream's first copy.
@@ -392,20 +395,79 @@ fn row_value<'a>(headers: &'a HeaderMap, name: &str, encoded: bool) -> Cow<'a, s
     }
 }
 
+/// The headers verify reads from every stored message, found in one pass over its header
+/// map: `HeaderMap::get` builds (for a custom name, allocates) and SipHashes a name per call,
+/// which cost more than the rest of the comparison at a million messages. Matching on the
+/// names' text is what `get` does (names are case-sensitive; standard ones canonical). The
+/// first value of each name, like `get`.
+#[derive(Debug, Default)]
+struct Seen<'a> {
+    outbox_id: Option<&'a str>,
+    dedupe_key: &'a str,
+    entity_id: &'a str,
+    event_type: &'a str,
+    partition_key: &'a str,
+    ordering_key: &'a str,
+    shard: &'a str,
+    commit_lsn: &'a str,
+    tx_index: &'a str,
+    /// `Outbox-Encoding: percent`: the row's values are percent-encoded (V2).
+    encoded: bool,
+}
+
+impl<'a> Seen<'a> {
+    fn of(headers: &'a HeaderMap) -> Seen<'a> {
+        let mut seen = Seen::default();
+        for (name, values) in headers.iter() {
+            let Some(value) = values.first().map(|v| v.as_str()) else {
+                continue;
+            };
+            let name: &str = name.as_ref();
+            match name {
+                h::OUTBOX_ID => seen.outbox_id = Some(value),
+                h::NATS_MSG_ID => seen.dedupe_key = value,
+                h::OUTBOX_ENTITY_ID => seen.entity_id = value,
+                h::OUTBOX_EVENT_TYPE => seen.event_type = value,
+                h::OUTBOX_PARTITION_KEY => seen.partition_key = value,
+                h::OUTBOX_ORDERING_KEY => seen.ordering_key = value,
+                h::OUTBOX_SHARD => seen.shard = value,
+                h::OUTBOX_COMMIT_LSN => seen.commit_lsn = value,
+                h::OUTBOX_TX_INDEX => seen.tx_index = value,
+                h::OUTBOX_ENCODING => seen.encoded = value == encoding::PERCENT,
+                _ => {}
+            }
+        }
+        seen
+    }
+
+    /// A value as the row had it: percent-decoded when the message is encoded (V2).
+    fn row_value(&self, v: &'a str) -> Cow<'a, str> {
+        if self.encoded {
+            Cow::Owned(encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>")))
+        } else {
+            Cow::Borrowed(v)
+        }
+    }
+}
+
 /// [`digest`] of a stored message and its entity id, without copying what needs no decoding.
+#[cfg(test)]
 fn message_digest(subject: &str, headers: &HeaderMap, payload: &[u8]) -> (u64, u64) {
-    let get = |name: &str| headers.get(name).map_or("", |v| v.as_str());
-    let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
-    let entity_id = row_value(headers, h::OUTBOX_ENTITY_ID, encoded);
+    seen_digest(subject, &Seen::of(headers), payload)
+}
+
+/// [`message_digest`] of headers already read.
+fn seen_digest(subject: &str, seen: &Seen<'_>, payload: &[u8]) -> (u64, u64) {
+    let entity_id = seen.row_value(seen.entity_id);
     let digest = digest(
         [
             subject,
-            &row_value(headers, h::NATS_MSG_ID, encoded),
+            &seen.row_value(seen.dedupe_key),
             &entity_id,
-            &row_value(headers, h::OUTBOX_EVENT_TYPE, encoded),
-            &row_value(headers, h::OUTBOX_PARTITION_KEY, encoded),
-            get(h::OUTBOX_ORDERING_KEY),
-            get(h::OUTBOX_SHARD),
+            &seen.row_value(seen.event_type),
+            &seen.row_value(seen.partition_key),
+            seen.ordering_key,
+            seen.shard,
         ],
         payload,
     );
@@ -600,11 +662,19 @@ pub(crate) async fn scan_stream(
     prefix: &str,
     mut each: impl FnMut(u64, &jetstream::Message),
 ) -> Result<u64> {
+    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
+    // each message's subject against it.
+    let filter = format!("{prefix}.>");
+    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
+        String::new()
+    } else {
+        filter
+    };
     let mut consumer = stream
         .create_consumer(pull::Config {
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
             ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: format!("{prefix}.>"),
+            filter_subject: filter,
             inactive_threshold: Duration::from_secs(60),
             memory_storage: true,
             ..Default::default()
@@ -654,43 +724,52 @@ pub(crate) async fn scan_stream(
     Ok(read)
 }
 
-/// Reconciles the rows in `range` with the stream (see the module docs).
-pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
-    let started = Instant::now();
-    let Opened {
-        client,
-        stream,
-        condition,
-        params,
-        bounds,
-        ..
-    } = open(config, &mut range).await?;
-    let table = &config.table;
-    let Some((low, high, rows_in_range)) = bounds else {
-        return Ok(Report {
-            elapsed: started.elapsed(),
-            ..Report::default()
-        });
-    };
-    let mut index = Index::new(low, high, rows_in_range);
-    let mut report = Report {
-        ids: Some((low, high)),
-        ..Report::default()
-    };
-    let strict = !config.shared_stream;
-    let mut out_of_order: Vec<(i64, String)> = vec![];
-    let mut duplicates: Vec<(i64, u64)> = vec![];
+/// What reading the stream found: [`Entry`]s by id, and where copies and order went wrong.
+struct StreamSide {
+    /// Messages read.
+    read: u64,
+    index: Index,
+    /// Ids whose message comes after one committed later, and why.
+    out_of_order: Vec<(i64, String)>,
+    /// The ids and sequences of second and later copies.
+    duplicates: Vec<(i64, u64)>,
+}
 
-    // 2. The stream.
-    let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
-    let mut last_global: Option<(Position, i64)> = None;
-    let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
-    let stream_side = async {
+/// Step 2, on the calling thread, with its own NATS connection and a single-threaded
+/// runtime: the connection's reader and the consumer then share one thread, so handing a
+/// message over costs no thread wake-up (on a multi-threaded runtime that wake-up, a futex
+/// call per message, cost as much as the comparison), and the table's side runs on the
+/// relay's runtime beside it.
+fn read_stream(
+    config: &Config,
+    low: i64,
+    high: i64,
+    rows_in_range: u64,
+    started: Instant,
+) -> Result<StreamSide> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
+    runtime.block_on(async {
+        let client = crate::nats::connect(&config.nats).await.map_err(|e| {
+            RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}"))
+        })?;
+        let stream = jetstream::new(client)
+            .get_stream(&config.stream)
+            .await
+            .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
+        let mut index = Index::new(low, high, rows_in_range);
+        let strict = !config.shared_stream;
+        let mut out_of_order: Vec<(i64, String)> = vec![];
+        let mut duplicates: Vec<(i64, u64)> = vec![];
+        let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
+        let mut last_global: Option<(Position, i64)> = None;
+        let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
         let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             if let Some(headers) = &message.headers {
-                let id = headers
-                    .get(h::OUTBOX_ID)
-                    .and_then(|v| v.as_str().parse::<i64>().ok());
+                let seen = Seen::of(headers);
+                let id = seen.outbox_id.and_then(|v| v.parse::<i64>().ok());
                 if let Some(id) = id.filter(|id| (low..=high).contains(id)) {
                     let entry = index.get(id);
                     if message.subject.as_str() == dead_letter_subject {
@@ -703,17 +782,11 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
                         if entry.count > 1 {
                             duplicates.push((id, seq));
                         } else {
-                            let (digest, entity) = message_digest(
-                                message.subject.as_str(),
-                                headers,
-                                &message.payload,
-                            );
+                            let (digest, entity) =
+                                seen_digest(message.subject.as_str(), &seen, &message.payload);
                             entry.seq = seq;
                             entry.digest = digest;
-                            let position = Position::from_headers(
-                                headers.get(h::OUTBOX_COMMIT_LSN).map_or("", |v| v.as_str()),
-                                headers.get(h::OUTBOX_TX_INDEX).map_or("", |v| v.as_str()),
-                            );
+                            let position = Position::from_headers(seen.commit_lsn, seen.tx_index);
                             if let Some(position) = position {
                                 let at = |p: Position| {
                                     format!("(commit {}, index {})", p.commit_lsn, p.index)
@@ -761,19 +834,75 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "read the stream"
         );
-        Ok::<u64, RelayError>(read)
+        Ok(StreamSide {
+            read,
+            index,
+            out_of_order,
+            duplicates,
+        })
+    })
+}
+
+/// Reconciles the rows in `range` with the stream (see the module docs).
+pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
+    let started = Instant::now();
+    let Opened {
+        client,
+        stream,
+        condition,
+        params,
+        bounds,
+        ..
+    } = open(config, &mut range).await?;
+    let table = &config.table;
+    let Some((low, high, rows_in_range)) = bounds else {
+        return Ok(Report {
+            elapsed: started.elapsed(),
+            ..Report::default()
+        });
+    };
+    let mut report = Report {
+        ids: Some((low, high)),
+        ..Report::default()
+    };
+
+    // 2. The stream, on its own thread (see [`read_stream`]).
+    let (send, stream_side) = tokio::sync::oneshot::channel();
+    let stream_config = config.clone();
+    std::thread::Builder::new()
+        .name("verify-stream".into())
+        .spawn(move || {
+            let _ = send.send(read_stream(
+                &stream_config,
+                low,
+                high,
+                rows_in_range,
+                started,
+            ));
+        })
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a thread: {e}")))?;
+    let stream_side = async {
+        stream_side.await.map_err(|_| {
+            RelayError::permanent(anyhow::anyhow!(
+                "the stream reader stopped without an answer"
+            ))
+        })?
     };
 
     // 3. The table, in id order, streamed, at the same time: what each row's message must be.
-    let table_side = async {
-        let sql = format!(
-            "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
-            row_columns()
-        );
-        let rows = client
-            .query_raw(&sql, params.iter().map(Param::sql))
-            .await
-            .map_err(read_error("cannot read the outbox table"))?;
+    // Its own task, so that building the rows' events runs beside the stream's side on a
+    // second worker thread.
+    let sql = format!(
+        "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
+        row_columns()
+    );
+    let rows = client
+        .query_raw(&sql, params.iter().map(Param::sql))
+        .await
+        .map_err(read_error("cannot read the outbox table"))?;
+    let prefix = config.subject_prefix.clone();
+    let partitions = config.partitions;
+    let table_side = tokio::spawn(async move {
         futures::pin_mut!(rows);
         let mut expected: Vec<Expected> =
             Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
@@ -791,8 +920,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             }
             match row_from(&row) {
                 Ok(row) => {
-                    let event =
-                        row.into_event(&config.subject_prefix, config.partitions, NO_POSITION);
+                    let event = row.into_event(&prefix, partitions, NO_POSITION);
                     expected.push(Expected {
                         id,
                         digest: event_digest(&event),
@@ -815,9 +943,20 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             "read the table"
         );
         Ok::<_, RelayError>((expected, unpublishable))
+    });
+    let table_side = async {
+        table_side
+            .await
+            .map_err(|e| RelayError::permanent(anyhow::anyhow!("the table reader failed: {e}")))?
     };
     let (read, table_read) = tokio::join!(stream_side, table_side);
-    report.messages = read?;
+    let StreamSide {
+        read,
+        mut index,
+        out_of_order,
+        duplicates,
+    } = read?;
+    report.messages = read;
     let (expected, unpublishable) = table_read?;
 
     // The rows against the stream.
