@@ -858,7 +858,7 @@ impl Duplicates {
             {
                 warn!(
                     outbox_id = id,
-                    sequence = sequence,
+                    sequence,
                     "JetStream acknowledged this event as a duplicate of a message no longer in the stream (deleted or aged out), so whether it was the same event cannot be checked"
                 );
                 return Ok(());
@@ -871,8 +871,7 @@ impl Duplicates {
             // e.g. a polling publisher during a migration): a legitimate duplicate.
             debug!(
                 outbox_id = id,
-                sequence = sequence,
-                "JetStream already held this event"
+                sequence, "JetStream already held this event"
             );
             return Ok(());
         };
@@ -884,7 +883,7 @@ impl Duplicates {
         if !self.strict {
             warn!(
                 outbox_id = id,
-                sequence = sequence,
+                sequence,
                 metric = REUSED_ID_METRIC,
                 reason = %reason,
                 "this event is not in the stream: outbox ids were reused (TRUNCATE ... RESTART IDENTITY, or a restored sequence?); move the id sequence past every id relayed"
