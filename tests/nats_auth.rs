@@ -471,3 +471,41 @@ async fn config_shows_no_password_token_or_credentials() {
     let jwt_line = contents.lines().nth(1).unwrap();
     assert!(!with_creds.contains(jwt_line), "{with_creds}");
 }
+
+/// docs/operations.md's runbook permissions are enough: a user who may publish only to the
+/// prefix and the stream's three JetStream APIs, and subscribe only to `_INBOX.>`, relays
+/// events. The sink's acks arrive on one subscription per session under the client's inbox
+/// prefix (sink P10), which that permission covers, like async-nats's request replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runbooks_permissions_are_enough_to_relay() {
+    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "runbook_permissions");
+    let (stream, prefix) = (case.stream.clone(), case.prefix.clone());
+    let dir = temp_dir();
+    let nats = nats_with_config(
+        dir.path(),
+        &format!(
+            r#"
+authorization {{
+  users = [
+    {{
+      user: relay, password: relay-s3cret,
+      permissions: {{
+        publish: {{ allow: ["{prefix}.>", "$JS.API.STREAM.INFO.{stream}", "$JS.API.STREAM.CREATE.{stream}", "$JS.API.STREAM.MSG.GET.{stream}"] }},
+        subscribe: {{ allow: ["_INBOX.>"] }}
+      }}
+    }},
+    {{ user: admin, password: admin-s3cret }}
+  ]
+}}
+"#
+        ),
+    );
+    case.nats_url = nats.url();
+    relays_events(
+        &case,
+        &["--user", "relay", "--password", "relay-s3cret"],
+        &nats,
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into()),
+    )
+    .await;
+}

@@ -730,7 +730,9 @@ impl Config {
         Ok(Config {
             database,
             nats_url,
-            nats,
+            // The sink's acks arrive on one subscription per session (sink P10): room for a
+            // whole window of them.
+            nats: nats.with_subscription_capacity(max_in_flight),
             table,
             slot,
             publication,

@@ -49,7 +49,13 @@ pub struct NatsOptions {
     credential: Option<Credential>,
     /// TLS files and mode.
     tls: Tls,
+    /// Messages a subscription may hold before async-nats drops them (async-nats's
+    /// default unless the window of publish acks needs more: [`Self::with_subscription_capacity`]).
+    subscription_capacity: usize,
 }
+
+/// async-nats's default subscription capacity.
+const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 64 * 1024;
 
 /// A credential and the options it came from, as the operator gave them (N3).
 #[derive(Debug, Clone)]
@@ -92,6 +98,13 @@ impl NatsOptions {
             Some(CredentialKind::Token(token)) => vec![token.expose().to_owned()],
             _ => vec![],
         }
+    }
+
+    /// Room for at least `messages` in each subscription: the sink's one subscription for a
+    /// session's acks holds up to a window of them (sink P10).
+    pub(crate) fn with_subscription_capacity(mut self, messages: usize) -> Self {
+        self.subscription_capacity = messages.max(DEFAULT_SUBSCRIPTION_CAPACITY);
+        self
     }
 
     /// The servers, without user information.
@@ -225,6 +238,7 @@ impl NatsOptions {
             servers,
             credential: given.pop(),
             tls,
+            subscription_capacity: DEFAULT_SUBSCRIPTION_CAPACITY,
         })
     }
 }
@@ -262,7 +276,8 @@ impl fmt::Display for NatsOptions {
 pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
     let mut connect = async_nats::ConnectOptions::new()
         .name("outbox-relay")
-        .connection_timeout(CONNECT_TIMEOUT);
+        .connection_timeout(CONNECT_TIMEOUT)
+        .subscription_capacity(options.subscription_capacity);
     if let Some(credential) = &options.credential {
         let unusable = |why: String| {
             RelayError::permanent(anyhow::anyhow!(

@@ -303,6 +303,7 @@ pub(crate) fn sink_options(
         poison: config.on_poison,
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source,
+        ack_timeout: config.ack_timeout,
     }
 }
 

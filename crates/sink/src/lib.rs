@@ -5,8 +5,11 @@
 //! # Invariants
 //! - A1–A4 ([`tracker`]): a position is confirmable only when it and everything before it
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
-//! - P1–P8 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
-//!   drains it, strict mode fences, nothing is dropped silently.
+//! - P1–P10 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
+//!   drains it, strict mode fences, nothing is dropped silently, an ack counts only for the
+//!   publish it answers.
+//! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
+//!   classified as it classifies them.
 //! - S1–S3 ([`resume`]): a stored position is skipped through only if it is of the session's
 //!   own history; the fence never depends on it.
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
@@ -18,6 +21,7 @@
 //! decodes replication messages: it depends on `outbox` for the event and its position,
 //! not on `pgoutput` or `replication`.
 
+pub mod ack;
 pub mod latency;
 pub mod message;
 pub mod publisher;

@@ -27,9 +27,12 @@ use sha2::{Digest, Sha256};
 /// value (its INFO has no such field), so the relay budgets the default.
 pub const DEFAULT_MAX_CONTROL_LINE: usize = 4096;
 
-/// The reply subject async-nats 0.51 puts on a JetStream publish: `_INBOX.{id}.{token}`,
-/// the default inbox prefix, the request multiplexer's id and the request's token (NUIDs of
-/// 22 characters each). `tests/jetstream.rs` checks it on the real server.
+/// The longest reply subject the sink puts on a publish, for the control-line budget. The
+/// sink's is `_INBOX.{token}.{n}` (the default inbox prefix, a 22-character NUID per
+/// session, the publish's number in the session: at most 20 digits), 50 bytes at most;
+/// the budget keeps the 52 bytes of async-nats's JetStream reply subjects
+/// (`_INBOX.{id}.{token}`), which the sink used before, so what counts as poison did not
+/// change. `tests/jetstream.rs` checks the sink's on the real server.
 pub const REPLY_SUBJECT_LEN: usize = "_INBOX.".len() + 22 + 1 + 22;
 
 /// A dead-letter record's `Nats-Msg-Id` longer than this uses a digest of the dedupe key.
@@ -577,7 +580,8 @@ mod tests {
         assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
     }
 
-    /// The `HPUB` line async-nats writes, measured on its own serialisation rules.
+    /// The `HPUB` line async-nats writes, measured on its own serialisation rules: exactly
+    /// for the budgeted reply subject, at most for the sink's longest one (P10).
     #[test]
     fn control_line_counts_the_hpub_line() {
         let reply = format!("_INBOX.{}.{}", "a".repeat(22), "b".repeat(22));
@@ -586,6 +590,9 @@ mod tests {
             control_line_len("outbox.3.X".len(), 120, 4120),
             written.len()
         );
+        let longest = format!("_INBOX.{}.{}", "a".repeat(22), u64::MAX);
+        let written = format!("HPUB {} {longest} {} {}\r\n", "outbox.3.X", 120, 4120);
+        assert!(written.len() <= control_line_len("outbox.3.X".len(), 120, 4120));
     }
 
     #[test]

@@ -2,14 +2,17 @@
 //! watermark the replication stream may confirm.
 //!
 //! ```text
-//!  input (bounded) ─► publisher ──(future, permit)──► acker ─► AckTracker ─► watermark (watch)
-//!                       │   send_publish: written          awaits acks in order,
-//!                       │   to the connection              one task of its own
+//!  input (bounded) ─► publisher ──(sequence n, permit)──► acker ─► AckTracker ─► watermark (watch)
+//!                       │  HPUB subject {inbox}.n             ▲ awaits acks in order,
+//!                       │  to the connection                  │ one task of its own
+//!                       │                  nats-server ─► SUB {inbox}.*  (one per session)
 //!                       └── window: a semaphore of max_in_flight permits, released by the acker
 //! ```
-//! Two tasks, because async-nats releases a publish's in-flight slot only once its ack
-//! future is resolved or dropped: a single task that both publishes and holds the futures
-//! can stall itself.
+//! Publishes are plain NATS publishes with a reply subject of the session's own
+//! (`Client::publish_with_reply_and_headers`), not async-nats's JetStream request machinery,
+//! which costs a random inbox, a oneshot channel, a timer and a serde parse per publish
+//! (docs/performance.md, proposal 4): the acker matches the answers by their sequence
+//! (P10) and reads them with [`crate::ack`].
 //!
 //! # Invariants
 //! - P1 The watermark only moves through [`AckTracker`] (see its A1–A4): a publish that
@@ -50,17 +53,33 @@
 //!   dead-lettered; skipped when P6 skips it), when its ack arrives: an event published
 //!   again after a failed session is counted once per ack. With [`SinkStats::timed`] the
 //!   acker also times commit → stored and created → stored ([`crate::latency`] L1–L3).
+//! - P10 An answer counts only for the publish it answers. A session subscribes once to
+//!   `{inbox}.*`, `inbox` a fresh inbox under the client's inbox prefix (so NATS
+//!   permissions that allow the client's inboxes allow it), and publishes its n-th message
+//!   (n from 1) with the reply subject `{inbox}.n`. The acker awaits the answer for the
+//!   oldest unacknowledged publish by its n: an answer that arrives early (within the
+//!   window) is kept for its publish, any other (no publish of this session awaits it) is
+//!   ignored, and when none came [`SinkOptions::ack_timeout`] after the acker started
+//!   waiting for it, the publish timed out (one deadline, for the oldest publish only). The
+//!   subscription holds at most `max_in_flight` answers (P2), within async-nats's default
+//!   subscription capacity (65 536; the relay's connection raises it for a larger window);
+//!   an answer dropped anyway times out, which P1 and P3 make safe.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::Poll;
+use std::time::Duration;
 
-use async_nats::jetstream::context::{Context, PublishAckFuture, PublishErrorKind};
-use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::publish::PublishAck;
-use async_nats::Subject;
+use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
+use async_nats::{HeaderMap, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
 use outbox::{encoding, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
@@ -98,6 +117,9 @@ pub struct SinkOptions {
     pub dead_letter_subject: String,
     /// The `Outbox-Source` header value every message carries.
     pub source: String,
+    /// How long the acker waits for the oldest publish's answer (P10), and the longest a
+    /// publish may wait for room in the connection's queue.
+    pub ack_timeout: Duration,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs (P9).
@@ -261,6 +283,9 @@ pub enum SinkError {
         /// What async-nats reported.
         source: async_nats::jetstream::stream::RawMessageError,
     },
+    /// The session's subscription for JetStream's answers could not be made (P10).
+    #[error("cannot subscribe to JetStream's publish acks: {0}")]
+    Subscribe(#[source] async_nats::SubscribeError),
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
@@ -360,7 +385,8 @@ enum AckItem<P> {
         created_at_ms: i64,
         /// A dead-letter record in the event's place (P7).
         dead_letter: bool,
-        ack: PublishAckFuture,
+        /// Its number in the session: its reply subject is `{inbox}.{sequence}` (P10).
+        sequence: u64,
         _permit: OwnedSemaphorePermit,
     },
     Commit(P),
@@ -405,9 +431,29 @@ where
         Some((Arc::downgrade(&window), options.max_in_flight.max(1)));
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
+    // P10: one subscription for the session's answers. The SUB goes through the
+    // connection's queue before any publish, so the server knows it before the first
+    // answer.
+    let client = jetstream.client();
+    let mut reply_prefix = client.new_inbox();
+    let subscriber = client
+        .subscribe(format!("{reply_prefix}.*"))
+        .await
+        .map_err(SinkError::Subscribe)?;
+    reply_prefix.push('.');
+    let acks = Acks {
+        subscriber,
+        prefix: reply_prefix.clone(),
+        window: options.max_in_flight.max(1) as u64,
+        timeout: options.ack_timeout,
+        deadline: Box::pin(tokio::time::sleep(options.ack_timeout)),
+        early: BTreeMap::new(),
+    };
+    let mut sequence: u64 = 0;
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
     let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
         ack_rx,
+        acks,
         AckTracker::new(start),
         watermark,
         stats.clone(),
@@ -452,18 +498,29 @@ where
                             }
                             // An empty map answers without hashing.
                             let instead = dead_letter_instead.get(&position).map(String::as_str);
-                            let (subject, message, dead_letter) =
+                            let (subject, headers, payload, dead_letter) =
                                 prepare(event, &commit_lsn.1, &options, &mut fence, instead)?;
-                            let ack = jetstream
-                                .send_publish(subject, message)
-                                .await
-                                .map_err(|source| SinkError::Publish { id, source })?;
+                            sequence += 1;
+                            let mut reply =
+                                String::with_capacity(reply_prefix.len() + MAX_SEQUENCE_DIGITS);
+                            reply.push_str(&reply_prefix);
+                            reply.push_str(itoa::Buffer::new().format(sequence));
+                            send(
+                                &client,
+                                subject,
+                                reply,
+                                headers,
+                                payload,
+                                options.ack_timeout,
+                            )
+                            .await
+                            .map_err(|source| SinkError::Publish { id, source })?;
                             AckItem::Publish {
                                 id,
                                 position,
                                 created_at_ms,
                                 dead_letter,
-                                ack,
+                                sequence,
                                 _permit: permit,
                             }
                         }
@@ -498,6 +555,118 @@ where
     }
 }
 
+/// Digits of the largest `u64`: the longest sequence in a reply subject.
+const MAX_SEQUENCE_DIGITS: usize = 20;
+
+/// Hands one publish to the connection's queue. The queue takes it at once unless it is
+/// full (the connection is down or behind): only then is a timer armed, with the bound
+/// async-nats's `send_publish` sets on that wait. Errors are those `send_publish` gives, so
+/// [`SinkError::poison_id`] sees an oversized message as before.
+async fn send(
+    client: &async_nats::Client,
+    subject: Subject,
+    reply: String,
+    headers: HeaderMap,
+    payload: Bytes,
+    timeout: Duration,
+) -> Result<(), PublishError> {
+    let mut sending =
+        std::pin::pin!(client.publish_with_reply_and_headers(subject, reply, headers, payload));
+    let sent = match std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await {
+        Poll::Ready(sent) => sent,
+        Poll::Pending => tokio::time::timeout(timeout, sending)
+            .await
+            .map_err(|_| PublishError::new(PublishErrorKind::TimedOut))?,
+    };
+    sent.map_err(|error| {
+        use std::error::Error as _;
+        match error.kind() {
+            async_nats::client::PublishErrorKind::MaxPayloadExceeded => PublishError::with_source(
+                PublishErrorKind::MaxPayloadExceeded,
+                error
+                    .source()
+                    .map_or_else(|| error.to_string(), ToString::to_string),
+            ),
+            _ => PublishError::with_source(PublishErrorKind::Other, error),
+        }
+    })
+}
+
+/// The acker's side of P10: the session's subscription and what it holds back.
+#[derive(Debug)]
+struct Acks {
+    subscriber: async_nats::Subscriber,
+    /// `{inbox}.`: an answer's subject is this and the publish's sequence.
+    prefix: String,
+    /// `max_in_flight`: an answer for a sequence this far or further ahead of the oldest
+    /// unacknowledged publish answers nothing in flight.
+    window: u64,
+    timeout: Duration,
+    /// The oldest unacknowledged publish's deadline, armed when the acker starts waiting
+    /// for its answer.
+    deadline: Pin<Box<Sleep>>,
+    /// Answers that came before an older publish's (not expected from one stream, which
+    /// answers in order; kept, never dropped, should a server do otherwise).
+    early: BTreeMap<u64, async_nats::Message>,
+}
+
+impl Acks {
+    /// The answer to publish `sequence`, the oldest unacknowledged one (P10).
+    async fn next(&mut self, sequence: u64) -> Result<async_nats::Message, PublishError> {
+        if !self.early.is_empty() {
+            if let Some(message) = self.early.remove(&sequence) {
+                return Ok(message);
+            }
+        }
+        let mut armed = false;
+        loop {
+            let polled =
+                std::future::poll_fn(|cx| Poll::Ready(self.subscriber.poll_next_unpin(cx))).await;
+            let message = match polled {
+                Poll::Ready(message) => message,
+                Poll::Pending => {
+                    if !armed {
+                        self.deadline.as_mut().reset(Instant::now() + self.timeout);
+                        armed = true;
+                    }
+                    tokio::select! {
+                        biased;
+                        message = self.subscriber.next() => message,
+                        () = self.deadline.as_mut() => {
+                            return Err(PublishError::new(PublishErrorKind::TimedOut));
+                        }
+                    }
+                }
+            };
+            // The subscription ends only with the client.
+            let Some(message) = message else {
+                return Err(PublishError::new(PublishErrorKind::BrokenPipe));
+            };
+            match self.sequence_of(&message) {
+                Some(answered) if answered == sequence => return Ok(message),
+                Some(answered) if answered > sequence && answered - sequence < self.window => {
+                    self.early.insert(answered, message);
+                }
+                answered => debug!(
+                    awaited = sequence,
+                    ?answered,
+                    subject = %message.subject,
+                    "ignoring an answer no publish of this session awaits"
+                ),
+            }
+        }
+    }
+
+    fn sequence_of(&self, message: &async_nats::Message) -> Option<u64> {
+        message
+            .subject
+            .as_str()
+            .strip_prefix(self.prefix.as_str())?
+            .parse()
+            .ok()
+    }
+}
+
 /// The subject and message for `event`: the event itself, or its dead-letter record when it
 /// is beyond the limits or `instead` gives a reason to (P7, P8; then `true`); fenced in
 /// strict mode (P5). `commit_lsn` is the event's commit LSN, formatted once per
@@ -508,7 +677,7 @@ fn prepare(
     options: &SinkOptions,
     fence: &mut Option<Fence>,
     instead: Option<&str>,
-) -> Result<(Subject, PublishMessage, bool), SinkError> {
+) -> Result<(Subject, HeaderMap, Bytes, bool), SinkError> {
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     // Room for the fence header too, so the size check covers what is actually sent.
@@ -555,11 +724,7 @@ fn prepare(
     if let Some(fence) = fence.as_mut() {
         fence.apply(&mut map);
     }
-    Ok((
-        subject,
-        PublishMessage::build().headers(map).payload(payload),
-        dead_letter,
-    ))
+    Ok((subject, map, payload, dead_letter))
 }
 
 fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Result<(), SinkError> {
@@ -572,6 +737,7 @@ fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Res
 
 async fn acker<P: Ord + Copy + std::fmt::Debug>(
     mut items: mpsc::Receiver<AckItem<P>>,
+    mut acks: Acks,
     mut tracker: AckTracker<P>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
@@ -613,17 +779,24 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 position,
                 created_at_ms,
                 dead_letter,
-                ack,
+                sequence,
                 _permit,
             } => {
                 let ticket: Ticket = tracker.publish()?;
                 if let Some(clock) = &mut clock {
                     clock.awaiting();
                 }
-                let ack = ack.await.map_err(|source| SinkError::Ack { id, source })?;
+                let answer = acks
+                    .next(sequence)
+                    .await
+                    .map_err(|source| SinkError::Ack { id, source })?;
+                let ack =
+                    crate::ack::read(&answer).map_err(|source| SinkError::Ack { id, source })?;
                 if ack.duplicate {
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                    duplicates.check(&ack, id, position, &stats).await?;
+                    duplicates
+                        .check(&ack.stream, ack.sequence, id, position, &stats)
+                        .await?;
                 } else if dead_letter {
                     stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
                     stats.poison.fetch_add(1, Ordering::Relaxed);
@@ -654,19 +827,21 @@ struct Duplicates {
 }
 
 impl Duplicates {
-    /// Checks that the message JetStream holds under the event's id (at `ack.sequence`) is
-    /// the same event: the same position. `Err` when it is another one and strict mode must
-    /// not go on (P8), or when it cannot be read.
+    /// Checks that the message JetStream holds under the event's id (`stream`'s message
+    /// `sequence`, as the duplicate ack names it) is the same event: the same position.
+    /// `Err` when it is another one and strict mode must not go on (P8), or when it cannot
+    /// be read.
     async fn check(
         &self,
-        ack: &PublishAck,
+        stream: &str,
+        sequence: u64,
         id: i64,
         position: Position,
         stats: &SinkStats,
     ) -> Result<(), SinkError> {
         let stream = self
             .jetstream
-            .get_stream_no_info(&ack.stream)
+            .get_stream_no_info(stream)
             .await
             .map_err(|e| SinkError::Verify {
                 id,
@@ -675,7 +850,7 @@ impl Duplicates {
                     e,
                 ),
             })?;
-        let original = match stream.get_raw_message(ack.sequence).await {
+        let original = match stream.get_raw_message(sequence).await {
             Ok(original) => original,
             Err(error)
                 if error.kind()
@@ -683,7 +858,7 @@ impl Duplicates {
             {
                 warn!(
                     outbox_id = id,
-                    sequence = ack.sequence,
+                    sequence,
                     "JetStream acknowledged this event as a duplicate of a message no longer in the stream (deleted or aged out), so whether it was the same event cannot be checked"
                 );
                 return Ok(());
@@ -696,20 +871,19 @@ impl Duplicates {
             // e.g. a polling publisher during a migration): a legitimate duplicate.
             debug!(
                 outbox_id = id,
-                sequence = ack.sequence,
-                "JetStream already held this event"
+                sequence, "JetStream already held this event"
             );
             return Ok(());
         };
         stats.reused_ids.fetch_add(1, Ordering::Relaxed);
         let reason = format!(
             "JetStream acknowledged it as a duplicate of stream sequence {}, another event (commit LSN {}, index {}; this one is at commit LSN {}, index {}): its outbox id was reused within the duplicate window",
-            ack.sequence, theirs.commit_lsn, theirs.index, position.commit_lsn, position.index
+            sequence, theirs.commit_lsn, theirs.index, position.commit_lsn, position.index
         );
         if !self.strict {
             warn!(
                 outbox_id = id,
-                sequence = ack.sequence,
+                sequence,
                 metric = REUSED_ID_METRIC,
                 reason = %reason,
                 "this event is not in the stream: outbox ids were reused (TRUNCATE ... RESTART IDENTITY, or a restored sequence?); move the id sequence past every id relayed"

@@ -345,33 +345,6 @@ async fn hostile_rows_built_by_the_relay_are_deduplicated_and_fenced() {
     assert_eq!(decoded("Nats-Msg-Id"), expected.keys.dedupe_key);
 }
 
-/// The reply subject async-nats puts on a JetStream publish is `sink::REPLY_SUBJECT_LEN`
-/// bytes long (the control-line budget counts on it).
-#[tokio::test]
-async fn jetstream_publish_reply_subjects_are_as_long_as_budgeted() {
-    use futures::StreamExt;
-    let nats = Nats::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    js.create_stream(stream::Config {
-        name: "REPLY".into(),
-        subjects: vec!["REPLY.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut watch = client.subscribe("REPLY.>").await.unwrap();
-    client.flush().await.unwrap();
-    for id in ["r1", "r2"] {
-        publish(&js, "REPLY.x", message(id, None)).await.unwrap();
-        let seen = watch.next().await.unwrap();
-        let reply = seen
-            .reply
-            .expect("a JetStream publish carries a reply subject");
-        assert_eq!(reply.len(), sink::REPLY_SUBJECT_LEN, "{reply}");
-    }
-}
-
 /// Why the relay checks the publish line before publishing: nats-server closes a
 /// connection whose `HPUB` line exceeds its `max_control_line` (4096 by default), so the
 /// publish never gets an ack and the client reconnects; a line within the budget is stored.
@@ -419,4 +392,207 @@ async fn a_publish_line_over_the_control_line_limit_is_never_acknowledged() {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), PublishErrorKind::TimedOut, "{error}");
+}
+
+fn event(prefix: &str, id: i64, index: u32) -> outbox::OutboxEvent {
+    let row = outbox::OutboxRow {
+        id,
+        entity_id: format!("order-{id}"),
+        event_type: "OrderPaid".to_owned(),
+        payload: Bytes::from_static(b"{\"amount\":10}"),
+        created_at_ms: 1_700_000_000_000,
+    };
+    let position = outbox::Position {
+        commit_lsn: outbox::Lsn(0x1000),
+        index,
+    };
+    row.into_event(prefix, std::num::NonZeroU64::new(12).unwrap(), position)
+}
+
+fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOptions {
+    sink::SinkOptions {
+        max_in_flight: 16,
+        fence,
+        resume_after: None,
+        limits: sink::Limits {
+            max_message_bytes: 1024 * 1024,
+            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
+        },
+        poison: sink::PoisonPolicy::Halt,
+        dead_letter_subject: "PATH.dlq".to_owned(),
+        source: "test".to_owned(),
+        ack_timeout,
+    }
+}
+
+/// One session of `sink::run` publishing `events` in one transaction that ends at 1: how it
+/// ended, the watermark (0 until confirmed) and its counters.
+async fn session(
+    js: &jetstream::Context,
+    options: sink::SinkOptions,
+    events: Vec<outbox::OutboxEvent>,
+) -> (
+    Result<(), sink::SinkError>,
+    u64,
+    std::sync::Arc<sink::SinkStats>,
+) {
+    let (items_tx, items_rx) = tokio::sync::mpsc::channel(4);
+    let (watermark_tx, watermark_rx) = tokio::sync::watch::channel(0u64);
+    let stats = std::sync::Arc::new(sink::SinkStats::default());
+    let mut batch = vec![outbox::Item::Begin { commit_time_us: 0 }];
+    batch.extend(events.into_iter().map(outbox::Item::Event));
+    batch.push(outbox::Item::Commit(1));
+    items_tx.send(batch).await.unwrap();
+    drop(items_tx);
+    let result = sink::run(js.clone(), options, items_rx, watermark_tx, stats.clone()).await;
+    let watermark = *watermark_rx.borrow();
+    (result, watermark, stats)
+}
+
+fn ack_error_kind(result: &Result<(), sink::SinkError>) -> PublishErrorKind {
+    match result {
+        Err(sink::SinkError::Ack { source, .. }) => source.kind(),
+        other => panic!("expected an ack error, got {other:?}"),
+    }
+}
+
+/// The sink's own ack path (one subscription per session, reply `{inbox}.{n}`, the PubAck
+/// read by hand) on the real server: events are stored and confirmed, each publish carries
+/// its own numbered reply subject under `_INBOX` within the control-line budget, a replay is
+/// acknowledged as a duplicate (and confirmed), a stale fence is refused as a fence refusal
+/// with nothing stored or confirmed, and a subject no stream listens on (no responders) is
+/// a transient error.
+#[tokio::test]
+async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
+    use futures::StreamExt;
+    let nats = Nats::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    js.create_stream(stream::Config {
+        name: "PATH".into(),
+        subjects: vec!["PATH.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut watch = client.subscribe("PATH.>").await.unwrap();
+    client.flush().await.unwrap();
+    let timeout = std::time::Duration::from_secs(5);
+
+    // Stored, in strict mode from an empty stream.
+    let events: Vec<_> = (1..=3).map(|id| event("PATH", id, id as u32 - 1)).collect();
+    let (result, watermark, stats) = session(&js, options(Some(0), timeout), events.clone()).await;
+    result.unwrap();
+    assert_eq!(watermark, 1, "the transaction is confirmed");
+    assert_eq!(stats.stored.load(std::sync::atomic::Ordering::Relaxed), 3);
+    assert_eq!(stored(&js, "PATH").await, 3);
+    let mut inbox = None;
+    for n in 1..=3u64 {
+        let seen = watch.next().await.unwrap();
+        let reply = seen.reply.expect("a publish carries a reply subject");
+        assert!(reply.len() <= sink::REPLY_SUBJECT_LEN, "{reply}");
+        let (prefix, sequence) = reply.rsplit_once('.').unwrap();
+        assert_eq!(sequence, n.to_string(), "{reply}");
+        assert!(prefix.starts_with("_INBOX."), "{reply}");
+        assert_eq!(*inbox.get_or_insert_with(|| prefix.to_owned()), prefix);
+    }
+
+    // A replay: acknowledged as a duplicate of the same event, confirmed, nothing stored.
+    let (result, watermark, stats) =
+        session(&js, options(None, timeout), vec![events[0].clone()]).await;
+    result.unwrap();
+    assert_eq!(watermark, 1);
+    assert_eq!(
+        stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(stats.stored.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        stats.reused_ids.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    let replayed = watch.next().await.unwrap().reply.unwrap();
+    assert!(
+        !replayed.starts_with(inbox.as_deref().unwrap()),
+        "a new session has its own inbox"
+    );
+
+    // A stale fence (the stream's last sequence is 3): refused, classified as before.
+    let (result, watermark, stats) =
+        session(&js, options(Some(0), timeout), vec![event("PATH", 4, 0)]).await;
+    assert_eq!(ack_error_kind(&result), PublishErrorKind::WrongLastSequence);
+    let error = result.unwrap_err();
+    assert!(error.is_fence_refusal(), "{error}");
+    assert!(error.advice().is_some() && error.is_transient(), "{error}");
+    assert!(error.to_string().contains("wrong last sequence"), "{error}");
+    assert_eq!((watermark, stats.acked()), (0, 0), "nothing confirmed");
+    assert_eq!(stored(&js, "PATH").await, 3);
+
+    // No stream on the subject: the server's no-responders status.
+    let (result, watermark, _) =
+        session(&js, options(None, timeout), vec![event("NOSTREAM", 5, 0)]).await;
+    assert_eq!(ack_error_kind(&result), PublishErrorKind::StreamNotFound);
+    let error = result.unwrap_err();
+    assert!(error.is_transient() && !error.is_fence_refusal() && error.poison_id().is_none());
+    assert_eq!(watermark, 0);
+}
+
+/// P10 against a responder that answers out of order and adds stray answers: an answer
+/// for a later publish is kept until its turn, an answer for no publish in flight (a
+/// repeated one, one far ahead, one with no number) is ignored, and every event counts
+/// once; a publish whose answer never comes times out and confirms nothing.
+#[tokio::test]
+async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
+    use futures::StreamExt;
+    let nats = Nats::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut requests = client.subscribe("ECHO.>").await.unwrap();
+    client.flush().await.unwrap();
+    let responder = tokio::spawn({
+        let client = client.clone();
+        async move {
+            // Pairs of publishes, answered second first, with strays around them.
+            for _ in 0..2 {
+                let first = requests.next().await.unwrap().reply.unwrap();
+                let second = requests.next().await.unwrap().reply.unwrap();
+                let (inbox, n) = first.rsplit_once('.').unwrap();
+                let n: u64 = n.parse().unwrap();
+                let answer = |seq: u64| Bytes::from(format!(r#"{{"stream":"ECHO","seq":{seq}}}"#));
+                for stray in [format!("{inbox}.{}", n + 1_000_000), format!("{inbox}.x")] {
+                    client.publish(stray, answer(0)).await.unwrap();
+                }
+                client.publish(second.clone(), answer(n + 1)).await.unwrap();
+                client.publish(second, answer(n + 1)).await.unwrap();
+                client.publish(first, answer(n)).await.unwrap();
+            }
+            client.flush().await.unwrap();
+        }
+    });
+    let events: Vec<_> = (1..=4).map(|id| event("ECHO", id, id as u32 - 1)).collect();
+    let (result, watermark, stats) = session(
+        &js,
+        options(None, std::time::Duration::from_secs(5)),
+        events,
+    )
+    .await;
+    result.unwrap();
+    responder.await.unwrap();
+    assert_eq!(watermark, 1);
+    assert_eq!(stats.stored.load(std::sync::atomic::Ordering::Relaxed), 4);
+    assert_eq!(stats.acked(), 4);
+
+    // A listener that never answers: no no-responders status, no ack, a timeout.
+    let _silent = client.subscribe("SILENT.>").await.unwrap();
+    client.flush().await.unwrap();
+    let started = std::time::Instant::now();
+    let (result, watermark, stats) = session(
+        &js,
+        options(None, std::time::Duration::from_millis(300)),
+        vec![event("SILENT", 9, 0)],
+    )
+    .await;
+    assert_eq!(ack_error_kind(&result), PublishErrorKind::TimedOut);
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    assert_eq!((watermark, stats.acked()), (0, 0));
 }
