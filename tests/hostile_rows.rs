@@ -264,7 +264,7 @@ async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
     }
 
     // The fence: another writer's message makes the relay's expected sequence stale.
-    let refusal = "the stream's last sequence is not what this relay published last";
+    let refusal = "the stream's last message is not what this relay published last";
     let mut expected_count = ROWS as u64;
     for round in 0..FENCE_ROUNDS {
         js.publish(format!("{}.foreign", case.prefix), "{}".into())

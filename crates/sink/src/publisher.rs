@@ -324,7 +324,7 @@ impl SinkError {
     /// the error itself: for poison, and for strict mode's fence refusing a publish.
     pub fn advice(&self) -> Option<&'static str> {
         if self.is_fence_refusal() {
-            return Some("the stream's last sequence is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail");
+            return Some("the stream's last message is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail");
         }
         self.poison_id()?;
         Some(match self {
@@ -343,9 +343,14 @@ impl SinkError {
         })
     }
 
-    /// Whether this is strict mode's fence refusing a publish out of sequence.
+    /// Whether this is strict mode's fence refusing a publish out of sequence: the expected
+    /// last sequence (10071) or, the chained half of the fence, the expected last message id
+    /// (10070; nats-server checks it first when both disagree).
     pub fn is_fence_refusal(&self) -> bool {
-        matches!(self, SinkError::Ack { source, .. } if source.kind() == PublishErrorKind::WrongLastSequence)
+        matches!(self, SinkError::Ack { source, .. } if matches!(
+            source.kind(),
+            PublishErrorKind::WrongLastSequence | PublishErrorKind::WrongLastMessageId
+        ))
     }
 
     /// The outbox id of an event JetStream will never accept, whatever we retry (an
@@ -905,5 +910,26 @@ impl Duplicates {
                 Err(SinkError::ReusedId { id, reason })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::*;
+    use async_nats::jetstream::context::PublishError;
+
+    /// Both halves of strict mode's fence count as its refusal (re-sync, advice); other
+    /// refusals do not.
+    #[test]
+    fn both_halves_of_the_fence_are_fence_refusals() {
+        let ack = |kind| SinkError::Ack {
+            id: 7,
+            source: PublishError::new(kind),
+        };
+        assert!(ack(PublishErrorKind::WrongLastSequence).is_fence_refusal());
+        assert!(ack(PublishErrorKind::WrongLastMessageId).is_fence_refusal());
+        assert!(ack(PublishErrorKind::WrongLastMessageId).advice().is_some());
+        assert!(!ack(PublishErrorKind::StreamNotFound).is_fence_refusal());
+        assert!(!ack(PublishErrorKind::TimedOut).is_fence_refusal());
     }
 }
