@@ -58,7 +58,7 @@ async fn wait_confirmed_now(case: &Case, sql: &tokio_postgres::Client) {
     .await;
 }
 
-/// K1–K4: every relayed row ends `published` with `attempts` 1 and `published_at` set,
+/// U1–U4: every relayed row ends `published` with `attempts` 1 and `published_at` set,
 /// through a restart (the replay after it does not mark twice); the relay's publication is
 /// the DBA's and publishes updates and deletes too, yet the stream holds each event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,10 +129,10 @@ async fn mark_published_marks_each_relayed_row_once_and_nothing_feeds_back() {
     );
 }
 
-/// K5: without the columns, or without UPDATE on them, the relay refuses to start (exit 2)
-/// naming what is missing and the fix.
+/// U5, X6: without the columns, or without UPDATE on them (or, for retention, DELETE), the
+/// relay refuses to start (exit 2) naming what is missing and the fix.
 #[test]
-fn mark_published_refuses_to_start_without_the_columns_or_the_privilege() {
+fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privilege() {
     let servers = servers();
     let mut case = Case::new(&servers.pg, &servers.nats, "mark_refused");
     case.extra_env
@@ -151,6 +151,17 @@ fn mark_published_refuses_to_start_without_the_columns_or_the_privilege() {
     assert!(
         stderr.contains("may not UPDATE (status), UPDATE (published_at), UPDATE (attempts)")
             && stderr.contains("GRANT UPDATE (status)"),
+        "{stderr}"
+    );
+
+    // Retention needs DELETE.
+    let mut retaining = reader.clone();
+    retaining.extra_env = vec![("OUTBOX_RELAY_RETENTION_GRACE".into(), "7d".into())];
+    let output = retaining.relay_command("run").output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--retention-grace") && stderr.contains("GRANT DELETE ON"),
         "{stderr}"
     );
 
@@ -177,7 +188,7 @@ fn mark_published_refuses_to_start_without_the_columns_or_the_privilege() {
     assert_eq!(slots, "0", "the refusal comes before the slot is created");
 }
 
-/// R1: with JetStream's acks held back (a black-holed proxy), rows past the grace period
+/// X1: with JetStream's acks held back (a black-holed proxy), rows past the grace period
 /// whose events are not acknowledged survive every retention round; rows acknowledged
 /// before are deleted; once the acks flow the held rows are stored and then deleted too; the
 /// stream holds every event exactly once.

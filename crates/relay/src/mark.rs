@@ -10,21 +10,21 @@
 //! ```
 //!
 //! # Invariants
-//! - K1 Off the hot path: the reader records the ids of what it hands to the sink and, when
+//! - U1 Off the hot path: the reader records the ids of what it hands to the sink and, when
 //!   the watermark passes them, offers them to a bounded queue with `try_send`; a full queue
 //!   coalesces them into the next offer (8 bytes per id). Nothing the marker does blocks or
 //!   slows publishing.
-//! - K2 Nothing is lost: a failed UPDATE is logged (once per failing spell), counted
+//! - U2 Nothing is lost: a failed UPDATE is logged (once per failing spell), counted
 //!   (`outbox_relay_mark_failures_total`) and retried after a backoff, on a new connection,
 //!   for ever. The session confirms to Postgres the lower of the sink's watermark and the
 //!   position through which every acknowledged row is marked, so rows acknowledged but not
 //!   yet marked when the relay stops or crashes are replayed by the next session (the sink
 //!   skips or de-duplicates them: they are not stored twice) and marked then.
-//! - K3 Marking is idempotent: `… AND status IS DISTINCT FROM 'published'`, so a replay
+//! - U3 Marking is idempotent: `… AND status IS DISTINCT FROM 'published'`, so a replay
 //!   never increments `attempts` twice, and `outbox_relay_marked_total` counts rows once.
-//! - K4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//! - U4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Update messages anyway (a publication that publishes updates re-publishes nothing).
-//! - K5 Checked at start ([`check`]): the columns exist with compatible types and the
+//! - U5 Checked at start ([`check`]): the columns exist with compatible types and the
 //!   relay's role may read `id` and `status` and UPDATE the three columns, or the relay
 //!   refuses to start (exit 2) naming what is missing and the fix.
 //!
@@ -50,7 +50,7 @@ use crate::metrics::Metrics;
 
 /// Ids per UPDATE at most.
 pub const MARK_BATCH: usize = 5_000;
-/// Offers the queue holds before the reader coalesces (K1).
+/// Offers the queue holds before the reader coalesces (U1).
 const QUEUE: usize = 16;
 
 /// Acknowledged ids, and the position through which every acknowledged row is among them
@@ -61,7 +61,7 @@ struct Offer {
     through: Lsn,
 }
 
-/// The reader's side of the marking (K1, K2): one per session.
+/// The reader's side of the marking (U1, U2): one per session.
 #[derive(Debug)]
 pub struct Marking {
     queue: mpsc::Sender<Offer>,
@@ -70,8 +70,10 @@ pub struct Marking {
     handed: VecDeque<(Lsn, Vec<i64>)>,
     /// The open transaction's ids, while its commit is not yet handed.
     open: Vec<i64>,
-    /// Acknowledged, not yet queued: the queue was full (K1).
+    /// Acknowledged, not yet queued: the queue was full (U1).
     waiting: Offer,
+    /// The highest `through` queued so far.
+    offered: Lsn,
     _task: AbortOnDropHandle<()>,
 }
 
@@ -96,6 +98,7 @@ impl Marking {
                 ids: Vec::new(),
                 through: confirmed,
             },
+            offered: confirmed,
             _task: AbortOnDropHandle::new(task),
         }
     }
@@ -129,9 +132,9 @@ impl Marking {
         self.offer();
     }
 
-    /// Offers what waits, unless the queue is full (then it waits for the next call: K1).
+    /// Offers what waits, unless the queue is full (then it waits for the next call: U1).
     pub fn offer(&mut self) {
-        if self.waiting.through <= *self.marked.borrow() && self.waiting.ids.is_empty() {
+        if self.waiting.through <= self.offered && self.waiting.ids.is_empty() {
             return;
         }
         let offer = Offer {
@@ -139,7 +142,7 @@ impl Marking {
             through: self.waiting.through,
         };
         match self.queue.try_send(offer) {
-            Ok(()) => {}
+            Ok(()) => self.offered = self.waiting.through,
             Err(
                 mpsc::error::TrySendError::Full(offer) | mpsc::error::TrySendError::Closed(offer),
             ) => {
@@ -164,7 +167,7 @@ impl Marking {
     }
 }
 
-/// The marking UPDATE (K3): `$1` is an `int8[]` of ids.
+/// The marking UPDATE (U3): `$1` is an `int8[]` of ids.
 pub fn update_sql(table: &TableName) -> String {
     format!(
         "UPDATE {} SET status = 'published', published_at = pg_catalog.now(), attempts = attempts + 1 \
@@ -174,7 +177,7 @@ pub fn update_sql(table: &TableName) -> String {
 }
 
 /// The marker task: takes offers in order (merging what queued up meanwhile), marks their
-/// ids in batches of [`MARK_BATCH`], then says through where everything is marked (K2).
+/// ids in batches of [`MARK_BATCH`], then says through where everything is marked (U2).
 async fn marker(
     database: ConnInfo,
     sql: String,
@@ -232,7 +235,7 @@ async fn mark(
     Ok(connected.execute(sql, &[&ids]).await?)
 }
 
-/// What K5 requires of a column: its name, the types it may have, and how to add it.
+/// What U5 requires of a column: its name, the types it may have, and how to add it.
 const COLUMNS: [(&str, &str, &str); 3] = [
     (
         "status",
@@ -265,7 +268,7 @@ const CHECK_SQL: &str = "\
       LEFT JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
      ORDER BY c.n";
 
-/// K5: the table has the columns, with compatible types, and the relay's role may update
+/// U5: the table has the columns, with compatible types, and the relay's role may update
 /// them; otherwise a setup error naming every problem and its fix. A missing table is left
 /// to [`crate::bootstrap`], which names it.
 pub async fn check(client: &Client, config: &Config) -> Result<()> {
@@ -381,7 +384,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn k1_acknowledged_ids_are_offered_per_commit_and_coalesced_while_the_queue_is_full() {
+    async fn u1_acknowledged_ids_are_offered_per_commit_and_coalesced_while_the_queue_is_full() {
         let (queue, mut receiver) = mpsc::channel(1);
         let (_marked_tx, marked) = watch::channel(Lsn(0));
         let mut marking = Marking {
@@ -390,6 +393,7 @@ mod tests {
             handed: VecDeque::new(),
             open: Vec::new(),
             waiting: Offer::default(),
+            offered: Lsn(0),
             _task: AbortOnDropHandle::new(tokio::spawn(async {})),
         };
         marking.handed(&[

@@ -17,7 +17,7 @@
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
 //!   (with `--mark-published`, the lower of that and the position through which every
-//!   acknowledged row is marked published: [`crate::mark`] K2). On
+//!   acknowledged row is marked published: [`crate::mark`] U2). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
 //! - I3 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
@@ -224,8 +224,10 @@ async fn ensure(
 ) -> Result<bootstrap::SlotState> {
     // B1: a slot option the server cannot honour is refused before anything is created.
     bootstrap::check_failover_support(client, config).await?;
-    // K5: the columns --mark-published sets, and the privilege to set them.
+    // U5: the columns --mark-published sets, and the privilege to set them.
     crate::mark::check(client, config).await?;
+    // X6: the privilege --retention-grace needs.
+    crate::retention::check(client, config).await?;
     // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
     let backfill = crate::backfill::needed(client, jetstream, config).await?;
     if guard_history
@@ -481,7 +483,7 @@ async fn stream_events(
     let (reader, sink) = start(config, metrics, prepared);
     // H1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
-    // R2: retention deletes only while this session streams under the lease.
+    // X2: retention deletes only while this session streams under the lease.
     let _retention = crate::retention::start(config, metrics.clone());
     metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
@@ -610,7 +612,7 @@ enum Step {
 }
 
 struct Reader {
-    /// `--mark-published`: the ids handed to the sink, marked once acknowledged (K1–K3).
+    /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
     marking: Option<crate::mark::Marking>,
     stream: ReplicationStream,
     framer: Framer,
@@ -659,7 +661,7 @@ impl Reader {
                 _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
                 // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
                 changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
-                // PRIORITY 2b: the marker marked more (K2: confirmation waits for it).
+                // PRIORITY 2b: the marker marked more (U2: confirmation waits for it).
                 changed = marked_changed(&mut self.marking) => Step::Marked { marker_running: changed.is_ok() },
                 // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
                 () = &mut timer => Step::Tick,
@@ -775,7 +777,7 @@ impl Reader {
 
     /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
     /// position to confirm is the watermark (I1), or with `--mark-published` the lower of
-    /// it and the marked position (K2).
+    /// it and the marked position (U2).
     fn on_watermark(&mut self, watermark: Lsn) {
         let flush = match &mut self.marking {
             Some(marking) => {
@@ -789,7 +791,7 @@ impl Reader {
 
     /// Drained: gives the marker until the drain deadline to mark what the sink
     /// acknowledged; what it did not mark is not confirmed, so the next session replays it
-    /// (stored already: skipped or de-duplicated) and marks it (K2).
+    /// (stored already: skipped or de-duplicated) and marks it (U2).
     async fn settle_marking(&mut self, watermark: Lsn) {
         let Some(marking) = &mut self.marking else {
             return;

@@ -25,15 +25,17 @@
 //! those were never relayed, and retention deletes them like the others.
 //!
 //! # Invariants
-//! - R1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
+//! - X1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
 //!   below the slot's confirmed position are deleted.
-//! - R2 Only while streaming: the task belongs to the session (like the heartbeat, H1) and
+//! - X2 Only while streaming: the task belongs to the session (like the heartbeat, H1) and
 //!   is aborted with it, so a standby or a relay that lost its lease deletes nothing.
-//! - R3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
+//! - X3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
 //!   key; a partitioned table's root routes them to its partitions.
-//! - R4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//! - X4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Delete messages anyway.
-//! - R5 A failing round is logged (once per failing spell) and retried at the next
+//! - X6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
+//!   `id` and `created_at`, or the relay refuses to start (exit 2) naming the `GRANT`.
+//! - X5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
 
 use std::sync::Arc;
@@ -46,6 +48,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use crate::config::{table_sql, Config, RetentionConfig};
+use crate::error::{RelayError, Result};
 use crate::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
@@ -54,7 +57,7 @@ pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
 /// How often a round reads the slot while it waits.
 const CONFIRM_POLL: Duration = Duration::from_millis(100);
 
-/// The running retention task; dropping it stops the task (R2).
+/// The running retention task; dropping it stops the task (X2).
 #[derive(Debug)]
 pub struct Retention {
     _task: AbortOnDropHandle<()>,
@@ -74,6 +77,38 @@ pub fn start(config: &Config, metrics: Arc<Metrics>) -> Option<Retention> {
     Some(Retention {
         _task: AbortOnDropHandle::new(tokio::spawn(task.run())),
     })
+}
+
+/// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
+/// missing table is left to [`crate::bootstrap`], which names it.
+pub async fn check(client: &Client, config: &Config) -> Result<()> {
+    if config.retention.is_none() {
+        return Ok(());
+    }
+    let table = table_sql(&config.table);
+    let row = client
+        .query_one(
+            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'),                     pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT')                       AND pg_catalog.has_column_privilege($1::text::regclass, 'created_at', 'SELECT'),                     pg_catalog.to_regclass($1) IS NULL",
+            &[&table],
+        )
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
+    let (may_delete, may_read, missing): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    if missing || (may_delete && may_read) {
+        return Ok(());
+    }
+    let mut grants = Vec::new();
+    if !may_delete {
+        grants.push("DELETE");
+    }
+    if !may_read {
+        grants.push("SELECT (id, created_at)");
+    }
+    Err(RelayError::setup(anyhow::anyhow!(
+        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {};          grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
+        grants.join(" or "),
+        grants.join(", ")
+    )))
 }
 
 /// Old rows, in id order (`$1`: the grace in seconds, `$2`: the batch).
@@ -153,7 +188,7 @@ impl Task {
         }
     }
 
-    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (R1, R3).
+    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (X1, X3).
     async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
         let client = match client {
             Some(client) if !client.is_closed() => client,
@@ -231,7 +266,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn r3_statements_read_old_rows_by_id_and_delete_by_primary_key() {
+    fn x3_statements_read_old_rows_by_id_and_delete_by_primary_key() {
         let select = select_sql("\"public\".\"outbox_events\"");
         assert!(select.contains("ORDER BY id LIMIT $2"), "{select}");
         assert!(select.contains("created_at < pg_catalog.now()"), "{select}");
