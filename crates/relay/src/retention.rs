@@ -230,7 +230,7 @@ impl Task {
                 }
                 tokio::time::sleep(CONFIRM_POLL).await;
             };
-            if !confirmed.is_some_and(|confirmed| confirmed >= wal) {
+            if confirmed.is_none_or(|confirmed| confirmed < wal) {
                 transaction.commit().await?;
                 return Ok(Round::Unconfirmed {
                     deleted,
