@@ -301,3 +301,90 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
         support::lines_with(&relay.output(), &[UNCONFIRMED]) - rounds_before
     );
 }
+
+/// A time-partitioned outbox: marking and retention work through the root. Rows from 2020
+/// (past the grace period) are deleted from their partition once confirmed; today's rows
+/// (within it) stay, marked `published` once each; the stream holds every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marking_and_retention_work_through_a_partitioned_tables_root() {
+    let servers = servers();
+    let mut case = Case::new(&servers.pg, &servers.nats, "retention_partitioned");
+    servers.pg.psql(
+        &case.database,
+        "drop table outbox_events;
+         create table outbox_events (
+           id bigserial, entity_id text not null, event_type text not null,
+           dedupe_key text not null, partition_key text not null, ordering_key text not null,
+           payload jsonb not null, status text not null default 'pending',
+           attempts integer not null default 0, last_error text,
+           created_at timestamptz not null default now(), published_at timestamptz,
+           primary key (id, created_at)
+         ) partition by range (created_at);
+         create table outbox_events_2020 partition of outbox_events
+           for values from ('2020-01-01') to ('2021-01-01');
+         create table outbox_events_rest partition of outbox_events default;",
+    );
+    for (key, value) in [
+        ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
+        ("OUTBOX_RELAY_RETENTION_GRACE", "1h"),
+        ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
+    ] {
+        case.extra_env.push((key.into(), value.into()));
+    }
+    let relay = case.start_relay();
+    let sql = case.sql().await;
+    let insert = "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload, created_at) \
+                  select 'entity-' || (i % 3), 'OrderPaid', gen_random_uuid()::text, 'tmp', 'tmp', \
+                         jsonb_build_object('n', i), $1::text::timestamptz \
+                    from generate_series(1, $2::int) i returning id";
+    let mut old = HashSet::new();
+    let mut recent = HashSet::new();
+    for _ in 0..3 {
+        for row in sql
+            .query(insert, &[&"2020-06-01 12:00:00+00", &20])
+            .await
+            .unwrap()
+        {
+            old.insert(row.get::<_, i64>(0));
+        }
+        for row in sql.query(insert, &[&"now", &10]).await.unwrap() {
+            recent.insert(row.get::<_, i64>(0));
+        }
+    }
+    let js = case.jetstream().await;
+    let all: HashSet<i64> = old.union(&recent).copied().collect();
+    case.wait_for_count(&js, all.len() as u64, DEADLINE).await;
+    eventually("the 2020 partition to be emptied", DEADLINE, || async {
+        let left: i64 = sql
+            .query_one("select count(*) from outbox_events_2020", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    })
+    .await;
+    eventually("today's rows to be marked", DEADLINE, || async {
+        let marks = marks(&sql).await;
+        (marks.len() == recent.len() && marks.values().all(|(status, _, _)| status == "published"))
+            .then_some(())
+    })
+    .await;
+    wait_confirmed_now(&case, &sql).await;
+    let marks = marks(&sql).await;
+    assert_eq!(
+        marks.keys().copied().collect::<HashSet<_>>(),
+        recent,
+        "today's rows stay"
+    );
+    for (id, mark) in marks {
+        assert_eq!(mark, ("published".to_owned(), 1, true), "row {id}");
+    }
+    assert_each_once(&case, &js, &all).await;
+    assert!(
+        relay
+            .output()
+            .contains("retention deleted old confirmed rows"),
+        "{}",
+        relay.output()
+    );
+}
