@@ -171,6 +171,15 @@ pub mod opt {
         // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
         BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
             "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
+        // Marking and retention (issue 11 parts 3 and 4: crate::mark, crate::retention).
+        MARK_PUBLISHED = ("mark_published", "OUTBOX_RELAY_MARK_PUBLISHED", Some("false"),
+            "After JetStream acknowledged events, set status = 'published', published_at = now(), attempts = attempts + 1 on their rows, in batches beside the session (needs those columns and UPDATE on them; the slot is confirmed only past marked rows)");
+        RETENTION_GRACE = ("retention_grace", "OUTBOX_RELAY_RETENTION_GRACE", Some("off"),
+            "Delete rows older than this (e.g. 7d) once the slot confirmed them, in small batches while this relay holds the lease, or off; rows committed before the slot existed count as confirmed (docs/operations.md)");
+        RETENTION_BATCH = ("retention_batch", "OUTBOX_RELAY_RETENTION_BATCH", Some("1000"),
+            "Rows per retention DELETE (1 to 100000)");
+        RETENTION_INTERVAL = ("retention_interval", "OUTBOX_RELAY_RETENTION_INTERVAL", Some("60s"),
+            "How often retention looks for old confirmed rows");
         // Metrics and health (crate::metrics, crate::http): MetricsConfig.
         METRICS_ADDR = ("metrics_addr", "OUTBOX_RELAY_METRICS_ADDR", None,
             "Serve Prometheus metrics (/metrics) and health (/healthz, /readyz) over HTTP on this address, e.g. 0.0.0.0:9464, [::]:9464, :9464 (all interfaces) or 127.0.0.1:0 (a free port, logged); off unless set");
@@ -581,6 +590,21 @@ pub struct Config {
     pub create: bool,
     /// Which rows already in the table are published when the slot is created.
     pub backfill: crate::backfill::Mode,
+    /// Whether acknowledged rows are marked `published` ([`crate::mark`]).
+    pub mark_published: bool,
+    /// Deleting old confirmed rows ([`crate::retention`]); `None`: never.
+    pub retention: Option<RetentionConfig>,
+}
+
+/// Retention's settings ([`crate::retention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionConfig {
+    /// Rows younger than this (by `created_at`) are kept.
+    pub grace: Duration,
+    /// Rows per DELETE.
+    pub batch: i64,
+    /// Time between rounds.
+    pub interval: Duration,
 }
 
 impl Config {
@@ -727,6 +751,18 @@ impl Config {
             raw.parse(&HEARTBEAT_INTERVAL, |v| word_or("off", v, parse_duration))?;
         let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
         let metrics = MetricsConfig::from_raw(raw)?;
+        let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
+        let retention = match raw.parse(&RETENTION_GRACE, |v| word_or("off", v, parse_duration))? {
+            None => None,
+            Some(grace) => Some(RetentionConfig {
+                grace,
+                batch: raw.parse(&RETENTION_BATCH, |v| match v.parse::<i64>() {
+                    Ok(n) if (1..=100_000).contains(&n) => Ok(n),
+                    _ => Err("expected an integer from 1 to 100000".into()),
+                })?,
+                interval: raw.parse(&RETENTION_INTERVAL, parse_duration)?,
+            }),
+        };
         Ok(Config {
             database,
             nats_url,
@@ -754,6 +790,8 @@ impl Config {
             metrics,
             create: true,
             backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
+            mark_published,
+            retention,
         })
     }
 }
@@ -1558,6 +1596,43 @@ pub(crate) mod tests {
         assert!(
             text.contains("OUTBOX_RELAY_HEARTBEAT_INTERVAL") && text.contains("or off"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn marking_and_retention_are_off_unless_asked_and_retention_takes_a_grace_batch_and_interval() {
+        let config = load(&[], &[DB], None).unwrap();
+        assert!(!config.mark_published);
+        assert_eq!(config.retention, None);
+        let config = load(
+            &[("retention_grace", "7d"), ("retention_batch", "500")],
+            &[DB, ("OUTBOX_RELAY_MARK_PUBLISHED", "true")],
+            None,
+        )
+        .unwrap();
+        assert!(config.mark_published);
+        assert_eq!(
+            config.retention,
+            Some(RetentionConfig {
+                grace: Duration::from_secs(7 * 86_400),
+                batch: 500,
+                interval: Duration::from_secs(60),
+            })
+        );
+        let e = load(
+            &[("retention_grace", "1s"), ("retention_batch", "0")],
+            &[DB],
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.0.contains("retention-batch") && e.0.contains("1 to 100000"),
+            "{e}"
+        );
+        let e = load(&[], &[DB, ("OUTBOX_RELAY_RETENTION_GRACE", "soon")], None).unwrap_err();
+        assert!(
+            e.0.contains("OUTBOX_RELAY_RETENTION_GRACE") && e.0.contains("or off"),
+            "{e}"
         );
     }
 }

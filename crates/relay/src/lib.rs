@@ -13,7 +13,9 @@
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
 //! `outbox-relay status`; [`heartbeat`] writes the optional WAL heartbeats of a streaming
 //! session; [`verify`] reconciles the table with the stream (`outbox-relay verify`) and
-//! [`replay`] re-publishes a range of rows (`outbox-relay replay`).
+//! [`replay`] re-publishes a range of rows (`outbox-relay replay`); [`mark`] sets
+//! acknowledged rows `published` (`--mark-published`) and [`retention`] deletes old
+//! confirmed rows (`--retention-grace`).
 //!
 //! # Invariants
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
@@ -27,11 +29,13 @@ pub mod heartbeat;
 pub mod http;
 pub mod lease;
 pub mod logging;
+pub mod mark;
 pub mod metrics;
 pub mod monitor;
 pub mod nats;
 pub mod pipeline;
 pub mod replay;
+pub mod retention;
 pub mod status;
 pub mod verify;
 

@@ -133,6 +133,9 @@ struct Counters {
     dedupe_window_exceeded: Counter,
     reconnects: Family<Vec<(&'static str, &'static str)>, Counter>,
     resyncs: Counter,
+    marked: Counter,
+    mark_failures: Counter,
+    retention_deleted: Counter,
 }
 
 /// The relay's state, read when scraped.
@@ -251,6 +254,21 @@ impl Metrics {
                 "Strict mode's re-syncs: the stream's last sequence was not what this relay published last (a lost publish, or another writer)",
                 &counters.resyncs,
             ),
+            (
+                "marked",
+                "Rows set to status 'published' after JetStream acknowledged them (--mark-published; rows already published are not counted again)",
+                &counters.marked,
+            ),
+            (
+                "mark_failures",
+                "Failed marking UPDATEs (--mark-published): each is retried; meanwhile the slot is not confirmed past the unmarked rows",
+                &counters.mark_failures,
+            ),
+            (
+                "retention_deleted",
+                "Rows deleted by retention (--retention-grace): older than the grace period and confirmed by the slot",
+                &counters.retention_deleted,
+            ),
         ] {
             registry.register(name, help, counter.clone());
         }
@@ -346,6 +364,21 @@ impl Metrics {
                     "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
             }
         }
+    }
+
+    /// `n` rows were marked published ([`crate::mark`]).
+    pub fn marked(&self, n: u64) {
+        self.counters.marked.inc_by(n);
+    }
+
+    /// A marking UPDATE failed; it is retried ([`crate::mark`]).
+    pub fn mark_failed(&self) {
+        self.counters.mark_failures.inc();
+    }
+
+    /// Retention deleted `n` rows ([`crate::retention`]).
+    pub fn retention_deleted(&self, n: u64) {
+        self.counters.retention_deleted.inc_by(n);
     }
 
     /// What the relay is doing now.

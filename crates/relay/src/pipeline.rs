@@ -15,7 +15,9 @@
 //! The architecture's invariants this module keeps, by their numbers in
 //! docs/architecture.md (the code cites them the same way):
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
-//!   the newest transaction whose events, and all earlier ones', JetStream acknowledged. On
+//!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
+//!   (with `--mark-published`, the lower of that and the position through which every
+//!   acknowledged row is marked published: [`crate::mark`] U2). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
 //! - I3 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
@@ -222,6 +224,10 @@ async fn ensure(
 ) -> Result<bootstrap::SlotState> {
     // B1: a slot option the server cannot honour is refused before anything is created.
     bootstrap::check_failover_support(client, config).await?;
+    // U5: the columns --mark-published sets, and the privilege to set them.
+    crate::mark::check(client, config).await?;
+    // X6: the privilege --retention-grace needs.
+    crate::retention::check(client, config).await?;
     // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
     let backfill = crate::backfill::needed(client, jetstream, config).await?;
     if guard_history
@@ -478,6 +484,8 @@ async fn stream_events(
     let (reader, sink) = start(config, metrics, prepared);
     // H1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
+    // X2: retention deletes only while this session streams under the lease.
+    let _retention = crate::retention::start(config, metrics.clone());
     metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
         biased;
@@ -519,7 +527,11 @@ fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader
         config.partitions,
     )
     .with_relations(prepared.slot.relations);
+    let marking = config.mark_published.then(|| {
+        crate::mark::Marking::start(config, prepared.slot.confirmed_flush_lsn, metrics.clone())
+    });
     let reader = Reader {
+        marking,
         stream: prepared.stream,
         framer,
         items: Some(items_tx),
@@ -588,13 +600,21 @@ enum ReaderEnd {
 /// What one turn of the reader's loop saw.
 enum Step {
     Shutdown,
-    Watermark { sink_running: bool },
+    Watermark {
+        sink_running: bool,
+    },
+    /// The marker marked more (`marker_running: false`: its task is gone).
+    Marked {
+        marker_running: bool,
+    },
     Tick,
     Handed,
     Message(std::result::Result<ReplicationMessage, replication::Error>),
 }
 
 struct Reader {
+    /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
+    marking: Option<crate::mark::Marking>,
     stream: ReplicationStream,
     framer: Framer,
     items: Option<mpsc::Sender<Vec<Item<Lsn>>>>,
@@ -618,7 +638,8 @@ impl Reader {
         shutdown: CancellationToken,
         drain_deadline: Duration,
     ) -> Result<ReaderEnd> {
-        self.feedback.update(*self.confirmed.borrow_and_update());
+        let watermark = *self.confirmed.borrow_and_update();
+        self.on_watermark(watermark);
         // I3: one timer, always set to the moment the next status is due (or the drain
         // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
         // hair before the due time skips a whole period, and the updates end up spaced
@@ -641,6 +662,8 @@ impl Reader {
                 _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
                 // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
                 changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
+                // PRIORITY 2b: the marker marked more (U2: confirmation waits for it).
+                changed = marked_changed(&mut self.marking) => Step::Marked { marker_running: changed.is_ok() },
                 // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
                 () = &mut timer => Step::Tick,
                 // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
@@ -687,13 +710,34 @@ impl Reader {
                 self.drain_until = Some(TokioInstant::now() + drain_deadline);
             }
             Step::Watermark { sink_running: true } => {
-                self.feedback.update(*self.confirmed.borrow_and_update());
+                let watermark = *self.confirmed.borrow_and_update();
+                self.on_watermark(watermark);
+            }
+            Step::Marked {
+                marker_running: true,
+            } => {
+                let watermark = *self.confirmed.borrow();
+                if let Some(marking) = &mut self.marking {
+                    marking.offer();
+                }
+                self.on_watermark(watermark);
+            }
+            Step::Marked {
+                marker_running: false,
+            } => {
+                return Err(RelayError::transient(anyhow::anyhow!(
+                    "the task marking rows published stopped"
+                )));
             }
             Step::Watermark {
                 sink_running: false,
             } => {
                 // The sink is gone: report its final watermark and stop.
-                self.feedback.update(*self.confirmed.borrow());
+                let watermark = *self.confirmed.borrow();
+                if !intake_open {
+                    self.settle_marking(watermark).await;
+                }
+                self.on_watermark(watermark);
                 self.send_status().await?;
                 if !intake_open {
                     info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
@@ -714,6 +758,7 @@ impl Reader {
             Step::Handed => {}
             Step::Message(message) => {
                 let mut pending = std::mem::take(&mut self.pending);
+                let before = pending.len();
                 self.on_message(message?, &mut pending).await?;
                 while pending.len() < MAX_BATCH {
                     match self.stream.try_recv_buffered() {
@@ -721,11 +766,52 @@ impl Reader {
                         None => break,
                     }
                 }
+                if let Some(marking) = &mut self.marking {
+                    marking.handed(&pending[before..]);
+                }
                 self.pending = pending;
                 self.metrics.set_received(self.framer.received());
             }
         }
         Ok(None)
+    }
+
+    /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
+    /// position to confirm is the watermark (I1), or with `--mark-published` the lower of
+    /// it and the marked position (U2).
+    fn on_watermark(&mut self, watermark: Lsn) {
+        let flush = match &mut self.marking {
+            Some(marking) => {
+                marking.acknowledged(watermark);
+                watermark.min(marking.marked())
+            }
+            None => watermark,
+        };
+        self.feedback.update(flush);
+    }
+
+    /// Drained: gives the marker until the drain deadline to mark what the sink
+    /// acknowledged; what it did not mark is not confirmed, so the next session replays it
+    /// (stored already: skipped or de-duplicated) and marks it (U2).
+    async fn settle_marking(&mut self, watermark: Lsn) {
+        let Some(marking) = &mut self.marking else {
+            return;
+        };
+        let deadline = self
+            .drain_until
+            .unwrap_or_else(|| TokioInstant::now() + SINK_GRACE);
+        marking.acknowledged(watermark);
+        while marking.marked() < watermark {
+            marking.offer();
+            match tokio::time::timeout_at(deadline, marking.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        if marking.marked() < watermark {
+            warn!(marked = %marking.marked(), acknowledged = %watermark,
+                "rows acknowledged by JetStream were not all marked published before the shutdown deadline; the slot is confirmed only through the marked ones, so the next session marks the rest");
+        }
     }
 
     /// When the reader's timer must fire next: the status due time (now, if none was sent
@@ -786,6 +872,16 @@ fn check_dedupe_window(
     let age = Duration::from_micros(u64::try_from(now.saturating_sub(commit_time)).unwrap_or(0));
     if age > window {
         metrics.record(Event::DedupeWindowExceeded { age, window });
+    }
+}
+
+/// Completes when the marker marked more; never without `--mark-published`.
+async fn marked_changed(
+    marking: &mut Option<crate::mark::Marking>,
+) -> std::result::Result<(), watch::error::RecvError> {
+    match marking {
+        Some(marking) => marking.changed().await,
+        None => std::future::pending().await,
     }
 }
 

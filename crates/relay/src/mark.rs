@@ -1,0 +1,426 @@
+//! `--mark-published`: rows whose events JetStream acknowledged are set to `status =
+//! 'published'`, `published_at = now()`, `attempts = attempts + 1`, in batches, on an
+//! ordinary connection of their own, beside the session: for applications and dashboards
+//! that still read the polling publisher's columns.
+//!
+//! ```text
+//!  reader ──ids per commit──► Marking ─(acked: watermark passed them)─► bounded queue ─► marker task
+//!    ▲                         (coalesces when the queue is full)                          │ UPDATE … WHERE id = ANY($1)
+//!    └───── flush = min(sink watermark, marked) ◄──────────── watch<Lsn> marked ◄───────────┘
+//! ```
+//!
+//! # Invariants
+//! - U1 Off the hot path: the reader records the ids of what it hands to the sink and, when
+//!   the watermark passes them, offers them to a bounded queue with `try_send`; a full queue
+//!   coalesces them into the next offer (8 bytes per id). Nothing the marker does blocks or
+//!   slows publishing.
+//! - U2 Nothing is lost: a failed UPDATE is logged (once per failing spell), counted
+//!   (`outbox_relay_mark_failures_total`) and retried after a backoff, on a new connection,
+//!   for ever. The session confirms to Postgres the lower of the sink's watermark and the
+//!   position through which every acknowledged row is marked, so rows acknowledged but not
+//!   yet marked when the relay stops or crashes are replayed by the next session (the sink
+//!   skips or de-duplicates them: they are not stored twice) and marked then.
+//! - U3 Marking is idempotent: `… AND status IS DISTINCT FROM 'published'`, so a replay
+//!   never increments `attempts` twice, and `outbox_relay_marked_total` counts rows once.
+//! - U4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//!   Update messages anyway (a publication that publishes updates re-publishes nothing).
+//! - U5 Checked at start ([`check`]): the columns exist with compatible types and the
+//!   relay's role may read `id` and `status` and UPDATE the three columns, or the relay
+//!   refuses to start (exit 2) naming what is missing and the fix.
+//!
+//! Every row the sink's watermark passes is marked: events stored earlier and skipped on a
+//! replay, and events dead-lettered (`--on-poison dead-letter`: their record is on
+//! `{prefix}.dlq`) too. Rows published by a backfill ([`crate::backfill`]) are not marked.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::Item;
+use pgoutput::Lsn;
+use replication::ConnInfo;
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::Client;
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info, warn};
+
+use crate::config::{table_sql, Config, TableName};
+use crate::error::{RelayError, Result};
+use crate::metrics::Metrics;
+
+/// Ids per UPDATE at most.
+pub const MARK_BATCH: usize = 5_000;
+/// Offers the queue holds before the reader coalesces (U1).
+const QUEUE: usize = 16;
+
+/// Acknowledged ids, and the position through which every acknowledged row is among them
+/// or marked before.
+#[derive(Debug, Default)]
+struct Offer {
+    ids: Vec<i64>,
+    through: Lsn,
+}
+
+/// The reader's side of the marking (U1, U2): one per session.
+#[derive(Debug)]
+pub struct Marking {
+    queue: mpsc::Sender<Offer>,
+    marked: watch::Receiver<Lsn>,
+    /// Ids handed to the sink, by the end of their transaction, not yet acknowledged.
+    handed: VecDeque<(Lsn, Vec<i64>)>,
+    /// The open transaction's ids, while its commit is not yet handed.
+    open: Vec<i64>,
+    /// Acknowledged, not yet queued: the queue was full (U1).
+    waiting: Offer,
+    /// The highest `through` queued so far.
+    offered: Lsn,
+    _task: AbortOnDropHandle<()>,
+}
+
+impl Marking {
+    /// Starts the marker task of a session that starts at `confirmed`.
+    pub fn start(config: &Config, confirmed: Lsn, metrics: Arc<Metrics>) -> Marking {
+        let (queue, receiver) = mpsc::channel(QUEUE);
+        let (marked_tx, marked) = watch::channel(confirmed);
+        let task = tokio::spawn(marker(
+            config.database.clone(),
+            update_sql(&config.table),
+            receiver,
+            marked_tx,
+            metrics,
+        ));
+        Marking {
+            queue,
+            marked,
+            handed: VecDeque::new(),
+            open: Vec::new(),
+            waiting: Offer {
+                ids: Vec::new(),
+                through: confirmed,
+            },
+            offered: confirmed,
+            _task: AbortOnDropHandle::new(task),
+        }
+    }
+
+    /// Records the ids of a batch the reader hands to the sink.
+    pub fn handed(&mut self, items: &[Item<Lsn>]) {
+        for item in items {
+            match item {
+                Item::Event(event) => self.open.push(event.id),
+                Item::Commit(end) if !self.open.is_empty() => {
+                    self.handed
+                        .push_back((*end, std::mem::take(&mut self.open)));
+                }
+                Item::Begin { .. } | Item::Commit(_) | Item::Idle(_) => {}
+            }
+        }
+    }
+
+    /// The sink's watermark moved to `watermark`: what it passed is offered for marking.
+    pub fn acknowledged(&mut self, watermark: Lsn) {
+        while self
+            .handed
+            .front()
+            .is_some_and(|(end, _)| *end <= watermark)
+        {
+            if let Some((_, ids)) = self.handed.pop_front() {
+                self.waiting.ids.extend(ids);
+            }
+        }
+        self.waiting.through = self.waiting.through.max(watermark);
+        self.offer();
+    }
+
+    /// Offers what waits, unless the queue is full (then it waits for the next call: U1).
+    pub fn offer(&mut self) {
+        if self.waiting.through <= self.offered && self.waiting.ids.is_empty() {
+            return;
+        }
+        let offer = Offer {
+            ids: std::mem::take(&mut self.waiting.ids),
+            through: self.waiting.through,
+        };
+        match self.queue.try_send(offer) {
+            Ok(()) => self.offered = self.waiting.through,
+            Err(
+                mpsc::error::TrySendError::Full(offer) | mpsc::error::TrySendError::Closed(offer),
+            ) => {
+                self.waiting.ids = offer.ids;
+            }
+        }
+    }
+
+    /// The position through which every acknowledged row is marked.
+    pub fn marked(&self) -> Lsn {
+        *self.marked.borrow()
+    }
+
+    /// Completes when [`Marking::marked`] moved; `Err` if the marker task is gone.
+    pub async fn changed(&mut self) -> std::result::Result<(), watch::error::RecvError> {
+        self.marked.changed().await
+    }
+
+    /// How many acknowledged ids wait for room in the queue.
+    pub fn waiting(&self) -> usize {
+        self.waiting.ids.len()
+    }
+}
+
+/// The marking UPDATE (U3): `$1` is an `int8[]` of ids.
+pub fn update_sql(table: &TableName) -> String {
+    format!(
+        "UPDATE {} SET status = 'published', published_at = pg_catalog.now(), attempts = attempts + 1 \
+          WHERE id = ANY($1::int8[]) AND status IS DISTINCT FROM 'published'",
+        table_sql(table)
+    )
+}
+
+/// The marker task: takes offers in order (merging what queued up meanwhile), marks their
+/// ids in batches of [`MARK_BATCH`], then says through where everything is marked (U2).
+async fn marker(
+    database: ConnInfo,
+    sql: String,
+    mut queue: mpsc::Receiver<Offer>,
+    marked: watch::Sender<Lsn>,
+    metrics: Arc<Metrics>,
+) {
+    let mut client: Option<Client> = None;
+    let mut failing = false;
+    while let Some(mut offer) = queue.recv().await {
+        while let Ok(next) = queue.try_recv() {
+            offer.ids.extend(next.ids);
+            offer.through = next.through;
+        }
+        for chunk in offer.ids.chunks(MARK_BATCH) {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match mark(&mut client, &database, &sql, chunk).await {
+                    Ok(rows) => {
+                        metrics.marked(rows);
+                        if std::mem::take(&mut failing) {
+                            info!("marking rows published works again");
+                        }
+                        break;
+                    }
+                    Err(error) => {
+                        metrics.mark_failed();
+                        client = None;
+                        if !std::mem::replace(&mut failing, true) {
+                            warn!(error = %error, rows = chunk.len(), first_id = chunk.first(), metric = "outbox_relay_mark_failures_total",
+                                "cannot mark acknowledged rows published; retrying (the slot is not confirmed past them meanwhile)");
+                        } else {
+                            debug!(error = %error, "marking failed again");
+                        }
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                    }
+                }
+            }
+        }
+        let _ = marked.send(offer.through);
+    }
+}
+
+async fn mark(
+    client: &mut Option<Client>,
+    database: &ConnInfo,
+    sql: &str,
+    ids: &[i64],
+) -> std::result::Result<u64, anyhow::Error> {
+    let connected = match client {
+        Some(client) if !client.is_closed() => client,
+        _ => client.insert(replication::connect_sql(database).await?),
+    };
+    Ok(connected.execute(sql, &[&ids]).await?)
+}
+
+/// What U5 requires of a column: its name, the types it may have, and how to add it.
+const COLUMNS: [(&str, &str, &str); 3] = [
+    (
+        "status",
+        "a text type (text, varchar, char) or an enum with the label 'published'",
+        "status text NOT NULL DEFAULT 'pending'",
+    ),
+    (
+        "published_at",
+        "timestamptz or timestamp",
+        "published_at timestamptz",
+    ),
+    (
+        "attempts",
+        "an integer type (smallint, integer, bigint) or numeric",
+        "attempts integer NOT NULL DEFAULT 0",
+    ),
+];
+
+/// Each column's type, whether it fits, and the role's privileges on it and on `id`.
+const CHECK_SQL: &str = "\
+    SELECT c.name, t.typname, \
+           CASE WHEN t.typtype = 'e' THEN EXISTS (SELECT 1 FROM pg_catalog.pg_enum e WHERE e.enumtypid = t.oid AND e.enumlabel = 'published') \
+                ELSE t.typname = ANY (CASE c.name WHEN 'status' THEN ARRAY['text','varchar','bpchar','name','citext'] \
+                                                  WHEN 'published_at' THEN ARRAY['timestamptz','timestamp'] \
+                                                  ELSE ARRAY['int2','int4','int8','numeric'] END) END, \
+           CASE WHEN a.attnum IS NULL THEN false ELSE pg_catalog.has_column_privilege($1::text::regclass, a.attnum, 'UPDATE') END, \
+           CASE WHEN a.attnum IS NULL THEN false ELSE pg_catalog.has_column_privilege($1::text::regclass, a.attnum, 'SELECT') END \
+      FROM unnest(ARRAY['status','published_at','attempts']) WITH ORDINALITY AS c(name, n) \
+      LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = $1::text::regclass AND a.attname = c.name AND a.attnum > 0 AND NOT a.attisdropped \
+      LEFT JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
+     ORDER BY c.n";
+
+/// U5: the table has the columns, with compatible types, and the relay's role may update
+/// them; otherwise a setup error naming every problem and its fix. A missing table is left
+/// to [`crate::bootstrap`], which names it.
+pub async fn check(client: &Client, config: &Config) -> Result<()> {
+    if !config.mark_published {
+        return Ok(());
+    }
+    let table = table_sql(&config.table);
+    let exists: bool = client
+        .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&table])
+        .await
+        .map_err(|e| {
+            RelayError::transient(anyhow::anyhow!(
+                "cannot read the outbox table's columns: {e}"
+            ))
+        })?
+        .get(0);
+    if !exists {
+        return Ok(());
+    }
+    let rows = client.query(CHECK_SQL, &[&table]).await.map_err(|e| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot read the outbox table's columns: {e}"
+        ))
+    })?;
+    let id_readable: bool = client
+        .query_one(
+            "SELECT pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT')",
+            &[&table],
+        )
+        .await
+        .map_err(|e| {
+            RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges: {e}"))
+        })?
+        .get(0);
+    let mut problems = Vec::new();
+    let mut ungranted = Vec::new();
+    for row in rows {
+        let name: String = row.get(0);
+        let type_name: Option<String> = row.get(1);
+        let fits: Option<bool> = row.get(2);
+        let (may_update, may_select): (bool, bool) = (row.get(3), row.get(4));
+        let Some((_, wanted, add)) = COLUMNS.iter().find(|(column, _, _)| *column == name) else {
+            continue;
+        };
+        match type_name {
+            None => problems.push(format!(
+                "the table has no column {name} (add it: ALTER TABLE {table} ADD COLUMN {add};)"
+            )),
+            Some(type_name) if fits != Some(true) => problems.push(format!(
+                "column {name} is of type {type_name}, expected {wanted}"
+            )),
+            Some(_) => {
+                if !may_update {
+                    ungranted.push(format!("UPDATE ({name})"));
+                }
+                if !may_select && name == "status" {
+                    ungranted.push("SELECT (status)".to_owned());
+                }
+            }
+        }
+    }
+    if !id_readable {
+        ungranted.push("SELECT (id)".to_owned());
+    }
+    if !ungranted.is_empty() {
+        problems.push(format!(
+            "the relay's role may not {} (grant it: GRANT {} ON {table} TO <the relay's role>;)",
+            ungranted.join(", "),
+            ungranted.join(", ")
+        ));
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(RelayError::setup(anyhow::anyhow!(
+        "--mark-published (OUTBOX_RELAY_MARK_PUBLISHED) sets status, published_at and attempts on relayed rows of {table}, but {}; \
+         fix that or turn --mark-published off",
+        problems.join("; ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(id: i64) -> Item<Lsn> {
+        let row = outbox::OutboxRow {
+            id,
+            entity_id: "e".into(),
+            event_type: "T".into(),
+            payload: bytes::Bytes::from_static(b"{}"),
+            created_at_ms: 0,
+        };
+        Item::Event(row.into_event(
+            "outbox",
+            std::num::NonZeroU64::MIN,
+            outbox::Position {
+                commit_lsn: Lsn(0),
+                index: 0,
+            },
+        ))
+    }
+
+    #[test]
+    fn update_is_idempotent_and_takes_an_int8_array() {
+        let sql = update_sql(&TableName {
+            schema: "public".into(),
+            name: "outbox_events".into(),
+        });
+        assert!(sql.contains("id = ANY($1::int8[])"), "{sql}");
+        assert!(sql.contains("status IS DISTINCT FROM 'published'"), "{sql}");
+        assert!(sql.contains("attempts = attempts + 1"), "{sql}");
+    }
+
+    #[tokio::test]
+    async fn u1_acknowledged_ids_are_offered_per_commit_and_coalesced_while_the_queue_is_full() {
+        let (queue, mut receiver) = mpsc::channel(1);
+        let (_marked_tx, marked) = watch::channel(Lsn(0));
+        let mut marking = Marking {
+            queue,
+            marked,
+            handed: VecDeque::new(),
+            open: Vec::new(),
+            waiting: Offer::default(),
+            offered: Lsn(0),
+            _task: AbortOnDropHandle::new(tokio::spawn(async {})),
+        };
+        marking.handed(&[
+            Item::Begin { commit_time_us: 0 },
+            event(1),
+            event(2),
+            Item::Commit(Lsn(0x10)),
+            Item::Begin { commit_time_us: 0 },
+            event(3),
+            Item::Commit(Lsn(0x20)),
+            Item::Idle(Lsn(0x28)),
+            Item::Begin { commit_time_us: 0 },
+            event(4),
+            Item::Commit(Lsn(0x30)),
+        ]);
+        marking.acknowledged(Lsn(0x10));
+        let first = receiver.try_recv().unwrap();
+        assert_eq!((first.ids, first.through), (vec![1, 2], Lsn(0x10)));
+        // The queue holds one offer: the second fills it, the third coalesces.
+        marking.acknowledged(Lsn(0x20));
+        marking.acknowledged(Lsn(0x30));
+        assert_eq!(marking.waiting(), 1, "id 4 waits for room");
+        let second = receiver.try_recv().unwrap();
+        assert_eq!((second.ids, second.through), (vec![3], Lsn(0x20)));
+        marking.offer();
+        let third = receiver.try_recv().unwrap();
+        assert_eq!((third.ids, third.through), (vec![4], Lsn(0x30)));
+        assert_eq!(marking.waiting(), 0);
+    }
+}

@@ -1,0 +1,278 @@
+//! `--retention-grace`: rows both older than the grace period and confirmed by the slot are
+//! deleted, a small batch at a time, while this relay streams (and so holds the lease).
+//!
+//! # The criterion
+//! A row is confirmed when its transaction's commit lies at or below the slot's
+//! `confirmed_flush_lsn`: the relay stored its event in the stream (I1). The relay does not
+//! know the commit LSN of a row, so a round reads it from a snapshot instead:
+//!
+//! 1. `BEGIN ISOLATION LEVEL REPEATABLE READ`; the first statement reads
+//!    `W = pg_current_wal_insert_lsn()`. The snapshot is taken when that statement starts,
+//!    so every commit the snapshot sees ended at or below `W`.
+//! 2. Read the slot's `confirmed_flush_lsn` (shared memory, not the snapshot) until it is
+//!    at least `W`, for at most the interval or [`CONFIRM_WAIT`], whichever is shorter; if
+//!    it is not, the round ends (the next starts one interval later). A steadily written table always has a commit above the
+//!    slot's position, so a round waits for the relay's next status update rather than
+//!    giving up at once.
+//! 3. In the same snapshot: `SELECT id … WHERE created_at < now() - grace ORDER BY id LIMIT
+//!    batch`. Every row it returns committed at or below `W ≤ confirmed`: confirmed.
+//! 4. Commit; `DELETE … WHERE id = ANY($1)` in a short transaction of its own (row locks
+//!    on those rows only: writers are never blocked); repeat while a batch was full.
+//!
+//! Rows committed before the slot existed count as confirmed by this definition. The
+//! relay's backfill published them (`--backfill pending|all`), except, with `--backfill
+//! pending`, rows that were not pending, and with `--backfill none`, every one of them:
+//! those were never relayed, and retention deletes them like the others.
+//!
+//! # Invariants
+//! - X1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
+//!   below the slot's confirmed position are deleted.
+//! - X2 Only while streaming: the task belongs to the session (like the heartbeat, H1) and
+//!   is aborted with it, so a standby or a relay that lost its lease deletes nothing.
+//! - X3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
+//!   key; a partitioned table's root routes them to its partitions.
+//! - X4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//!   Delete messages anyway.
+//! - X6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
+//!   `id` and `created_at`, or the relay refuses to start (exit 2) naming the `GRANT`.
+//! - X5 A failing round is logged (once per failing spell) and retried at the next
+//!   interval; it never ends the session.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgoutput::Lsn;
+use replication::ConnInfo;
+use tokio_postgres::{Client, IsolationLevel};
+use tokio_util::task::AbortOnDropHandle;
+use tracing::{debug, info, warn};
+
+use crate::config::{table_sql, Config, RetentionConfig};
+use crate::error::{RelayError, Result};
+use crate::metrics::Metrics;
+
+/// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
+/// position (step 2): past the relay's status interval (10 s at most) and an ack.
+pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
+/// How often a round reads the slot while it waits.
+const CONFIRM_POLL: Duration = Duration::from_millis(100);
+
+/// The running retention task; dropping it stops the task (X2).
+#[derive(Debug)]
+pub struct Retention {
+    _task: AbortOnDropHandle<()>,
+}
+
+/// Starts retention for a streaming session; `None` when retention is off.
+pub fn start(config: &Config, metrics: Arc<Metrics>) -> Option<Retention> {
+    let settings = config.retention?;
+    let task = Task {
+        database: config.database.clone(),
+        slot: config.slot.clone(),
+        select_sql: select_sql(&table_sql(&config.table)),
+        delete_sql: delete_sql(&table_sql(&config.table)),
+        settings,
+        metrics,
+    };
+    Some(Retention {
+        _task: AbortOnDropHandle::new(tokio::spawn(task.run())),
+    })
+}
+
+/// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
+/// missing table is left to [`crate::bootstrap`], which names it.
+pub async fn check(client: &Client, config: &Config) -> Result<()> {
+    if config.retention.is_none() {
+        return Ok(());
+    }
+    let table = table_sql(&config.table);
+    let row = client
+        .query_one(
+            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'),                     pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT')                       AND pg_catalog.has_column_privilege($1::text::regclass, 'created_at', 'SELECT'),                     pg_catalog.to_regclass($1) IS NULL",
+            &[&table],
+        )
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
+    let (may_delete, may_read, missing): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    if missing || (may_delete && may_read) {
+        return Ok(());
+    }
+    let mut grants = Vec::new();
+    if !may_delete {
+        grants.push("DELETE");
+    }
+    if !may_read {
+        grants.push("SELECT (id, created_at)");
+    }
+    Err(RelayError::setup(anyhow::anyhow!(
+        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {};          grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
+        grants.join(" or "),
+        grants.join(", ")
+    )))
+}
+
+/// Old rows, in id order (`$1`: the grace in seconds, `$2`: the batch).
+fn select_sql(table: &str) -> String {
+    format!(
+        "SELECT id::int8 FROM {table} \
+          WHERE created_at < pg_catalog.now() - pg_catalog.make_interval(secs => $1::float8) \
+          ORDER BY id LIMIT $2"
+    )
+}
+
+fn delete_sql(table: &str) -> String {
+    format!("DELETE FROM {table} WHERE id = ANY($1::int8[])")
+}
+
+struct Task {
+    database: ConnInfo,
+    slot: String,
+    select_sql: String,
+    delete_sql: String,
+    settings: RetentionConfig,
+    metrics: Arc<Metrics>,
+}
+
+/// How a round ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Round {
+    /// Every old confirmed row is gone (or there was none).
+    Done { deleted: u64 },
+    /// The slot did not confirm the snapshot's WAL position in time.
+    Unconfirmed {
+        deleted: u64,
+        wal: Lsn,
+        confirmed: Option<Lsn>,
+    },
+}
+
+impl Task {
+    async fn run(self) {
+        let mut client: Option<Client> = None;
+        let mut failing = false;
+        let mut ticker = tokio::time::interval(self.settings.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            match self.round(&mut client).await {
+                Ok(round) => {
+                    if std::mem::take(&mut failing) {
+                        info!("retention works again");
+                    }
+                    match round {
+                        Round::Done { deleted: 0 } => debug!("retention: no old confirmed row"),
+                        Round::Done { deleted } => {
+                            info!(deleted, "retention deleted old confirmed rows");
+                        }
+                        Round::Unconfirmed {
+                            deleted,
+                            wal,
+                            confirmed,
+                        } => debug!(
+                            deleted,
+                            wal = %wal,
+                            confirmed_flush_lsn = ?confirmed.map(|lsn| lsn.to_string()),
+                            "retention: the slot has not confirmed everything committed; waiting for the next round"
+                        ),
+                    }
+                }
+                Err(error) => {
+                    client = None;
+                    if !std::mem::replace(&mut failing, true) {
+                        warn!(error = %error, "retention failed; retrying every {:?}", self.settings.interval);
+                    } else {
+                        debug!(error = %error, "retention failed again");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (X1, X3).
+    async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
+        let client = match client {
+            Some(client) if !client.is_closed() => client,
+            _ => client.insert(replication::connect_sql(&self.database).await?),
+        };
+        let mut deleted = 0;
+        loop {
+            let transaction = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await?;
+            // Step 1: the snapshot is taken as this statement starts.
+            let wal: Lsn = transaction
+                .query_one("SELECT pg_catalog.pg_current_wal_insert_lsn()::text", &[])
+                .await?
+                .get::<_, String>(0)
+                .parse()
+                .map_err(|e| anyhow::anyhow!("pg_current_wal_insert_lsn: {e}"))?;
+            // Step 2.
+            let waited_until =
+                tokio::time::Instant::now() + CONFIRM_WAIT.min(self.settings.interval);
+            let confirmed = loop {
+                let confirmed = transaction
+                    .query_opt(
+                        "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                        &[&self.slot],
+                    )
+                    .await?
+                    .and_then(|row| row.get::<_, Option<String>>(0))
+                    .map(|text| text.parse::<Lsn>())
+                    .transpose()
+                    .map_err(|e| anyhow::anyhow!("confirmed_flush_lsn: {e}"))?;
+                if confirmed.is_some_and(|confirmed| confirmed >= wal)
+                    || tokio::time::Instant::now() >= waited_until
+                {
+                    break confirmed;
+                }
+                tokio::time::sleep(CONFIRM_POLL).await;
+            };
+            if confirmed.is_none_or(|confirmed| confirmed < wal) {
+                transaction.commit().await?;
+                return Ok(Round::Unconfirmed {
+                    deleted,
+                    wal,
+                    confirmed,
+                });
+            }
+            // Step 3, in the same snapshot.
+            let grace = self.settings.grace.as_secs_f64();
+            let ids: Vec<i64> = transaction
+                .query(&self.select_sql, &[&grace, &self.settings.batch])
+                .await?
+                .iter()
+                .map(|row| row.get(0))
+                .collect();
+            transaction.commit().await?;
+            if ids.is_empty() {
+                return Ok(Round::Done { deleted });
+            }
+            // Step 4.
+            let rows = client.execute(&self.delete_sql, &[&ids]).await?;
+            deleted += rows;
+            self.metrics.retention_deleted(rows);
+            if (ids.len() as i64) < self.settings.batch {
+                return Ok(Round::Done { deleted });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn x3_statements_read_old_rows_by_id_and_delete_by_primary_key() {
+        let select = select_sql("\"public\".\"outbox_events\"");
+        assert!(select.contains("ORDER BY id LIMIT $2"), "{select}");
+        assert!(select.contains("created_at < pg_catalog.now()"), "{select}");
+        assert_eq!(
+            delete_sql("\"public\".\"outbox_events\""),
+            "DELETE FROM \"public\".\"outbox_events\" WHERE id = ANY($1::int8[])"
+        );
+    }
+}
