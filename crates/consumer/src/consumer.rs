@@ -232,6 +232,9 @@ impl Consumer {
     }
 }
 
+/// How long a stopping shard waits for the server to confirm its last ack (C7).
+pub const STOP_CONFIRM: Duration = Duration::from_secs(5);
+
 /// One shard: its consumer, its connection, its ordering marks.
 struct Worker<H> {
     shard: u64,
@@ -305,6 +308,8 @@ impl<H: Handler> Worker<H> {
             return Ok(());
         };
         debug!(shard = self.shard, "shard session started");
+        // C7: the last message acknowledged without confirmation, confirmed on stop.
+        let mut last_acked: Option<jetstream::Message> = None;
         loop {
             let next = tokio::select! {
                 biased;
@@ -313,6 +318,9 @@ impl<H: Handler> Worker<H> {
             };
             let Some(next) = next else {
                 self.hand_back(messages).await;
+                if let Some(message) = last_acked {
+                    self.confirm_ack(&message).await;
+                }
                 return Ok(());
             };
             let message = match next {
@@ -330,10 +338,20 @@ impl<H: Handler> Worker<H> {
                 // Unsubscribe before the ack, so that JetStream has nowhere to deliver the
                 // shard's next message once it sees the ack.
                 self.hand_back(messages).await;
-                self.reply(reply).await;
+                if matches!(reply.kind, AckKind::Ack) {
+                    self.confirm_ack(&reply.message).await;
+                } else {
+                    self.reply(&reply).await;
+                    if let Some(message) = last_acked {
+                        self.confirm_ack(&message).await;
+                    }
+                }
                 return Ok(());
             }
-            self.reply(reply).await;
+            self.reply(&reply).await;
+            if matches!(reply.kind, AckKind::Ack) {
+                last_acked = Some(reply.message);
+            }
         }
     }
 
@@ -571,7 +589,22 @@ impl<H: Handler> Worker<H> {
         Ok(Outcome::Committed)
     }
 
-    async fn reply(&self, reply: Reply) {
+    /// On stop (C7): acknowledges `message` again as a double ack and waits, at most
+    /// [`STOP_CONFIRM`], for the server to answer it, which it does once it processed this
+    /// ack and so every earlier one of the shard. Acknowledging a message twice is harmless.
+    async fn confirm_ack(&self, message: &jetstream::Message) {
+        match tokio::time::timeout(STOP_CONFIRM, message.double_ack()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                debug!(shard = self.shard, %error, "the last ack was not confirmed; if it was lost, the redelivery is recognised by its dedupe key");
+            }
+            Err(_) => {
+                debug!(shard = self.shard, "the last ack was not confirmed in time; if it was lost, the redelivery is recognised by its dedupe key");
+            }
+        }
+    }
+
+    async fn reply(&self, reply: &Reply) {
         if let Err(error) = reply.message.ack_with(reply.kind).await {
             // C1 holds either way: a redelivery finds out through the dedupe key.
             warn!(shard = self.shard, outbox_id = reply.outbox_id, %error, "could not answer JetStream; the message will be redelivered after ack_wait");

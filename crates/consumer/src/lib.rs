@@ -63,9 +63,13 @@
 //!   outbox id and both ordering keys, never its payload, and is still processed.
 //! - C7 On shutdown each shard finishes the message in hand (commit, or roll back), ends its
 //!   pull subscription, then answers it (ack or nak) and releases any message delivered but
-//!   not handled; the acks are flushed before [`Consumer::run`] returns. A restarted consumer
-//!   continues where this one stopped, without waiting for `ack_wait` (except for a message
-//!   that was on the wire at that instant).
+//!   not handled; its last ack is sent as a double ack and awaited (the server answers only
+//!   once it processed that ack, hence every earlier one of the shard: a socket flush alone
+//!   does not tell, and a connection closed with unread data may be reset and lose acks
+//!   still on the wire). A restarted consumer continues where this one stopped, without
+//!   redelivering what it handled and without waiting for `ack_wait` (except for a message
+//!   that was on the wire at that instant, or a confirmation that did not come within
+//!   [`STOP_CONFIRM`]: then the redelivery is recognised by its dedupe key, C1).
 
 mod config;
 mod consumer;
@@ -76,7 +80,7 @@ mod order;
 use std::future::Future;
 
 pub use config::Config;
-pub use consumer::{Consumer, Postgres, Stats};
+pub use consumer::{Consumer, Postgres, Stats, STOP_CONFIRM};
 pub use error::{Error, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
 pub use outbox::{Keys, Position};
