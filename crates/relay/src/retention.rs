@@ -88,7 +88,10 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
     let table = table_sql(&config.table);
     let row = client
         .query_one(
-            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'),                     pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT')                       AND pg_catalog.has_column_privilege($1::text::regclass, 'created_at', 'SELECT'),                     pg_catalog.to_regclass($1) IS NULL",
+            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'), \
+             pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT') \
+             AND pg_catalog.has_column_privilege($1::text::regclass, 'created_at', 'SELECT'), \
+             pg_catalog.to_regclass($1) IS NULL",
             &[&table],
         )
         .await
@@ -105,7 +108,8 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
         grants.push("SELECT (id, created_at)");
     }
     Err(RelayError::setup(anyhow::anyhow!(
-        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {};          grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
+        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {}; \
+         grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
         grants.join(" or "),
         grants.join(", ")
     )))
