@@ -509,3 +509,77 @@ authorization {{
     )
     .await;
 }
+
+/// The relay's publishing connection (sink C4) reports what the server refuses in its own
+/// words instead of waiting for acks that never come, and loses nothing: a user who may not
+/// publish to the prefix gets `Permissions Violation for Publish` in the relay's log and
+/// nothing is stored; once the server's configuration allows it (reloaded, the relay left
+/// running), the events are stored, once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_the_server_forbids_is_reported_in_its_words_and_relayed_once_allowed() {
+    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "publish_forbidden");
+    let (stream, prefix) = (case.stream.clone(), case.prefix.clone());
+    let dir = temp_dir();
+    let config = |publish: &str| {
+        format!(
+            r#"
+authorization {{
+  users = [
+    {{
+      user: relay, password: relay-s3cret,
+      permissions: {{
+        publish: {{ allow: [{publish}"$JS.API.STREAM.INFO.{stream}", "$JS.API.STREAM.CREATE.{stream}", "$JS.API.STREAM.MSG.GET.{stream}"] }},
+        subscribe: {{ allow: ["_INBOX.>"] }}
+      }}
+    }},
+    {{ user: admin, password: admin-s3cret }}
+  ]
+}}
+"#
+        )
+    };
+    let mut nats = nats_with_config(dir.path(), &config(""));
+    case.nats_url = nats.url();
+    let mut command = case.relay_command("run");
+    command.args(["--user", "relay", "--password", "relay-s3cret"]);
+    let relay = Process::spawn(&format!("relay-{}", case.name), command);
+    relay.wait_for_output("streaming outbox events", DEADLINE);
+    let mut sql = case.sql().await;
+    let ids = insert_transaction(&mut sql, 3, 2, &case.name).await;
+    relay.wait_for_output("Permissions Violation for Publish", DEADLINE);
+    let js = jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+            .connect(nats.url())
+            .await
+            .expect("the test's client connects"),
+    );
+    assert_eq!(
+        case.outbox_ids(&js).await,
+        Vec::<i64>::new(),
+        "nothing stored"
+    );
+
+    // Allowed from now on: the server restarts with the new configuration (a reload with
+    // SIGHUP leaves nats-server 2.9.10's JetStream API unanswered for this user); the relay's
+    // next session publishes what it could not.
+    write(
+        dir.path(),
+        "nats-server.conf",
+        &config(&format!("\"{prefix}.>\", ")),
+    );
+    nats.stop();
+    nats.start_again();
+    let js = jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+            .connect(nats.url())
+            .await
+            .expect("the test's client connects"),
+    );
+    case.wait_for_count(&js, 3, DEADLINE).await;
+    assert_eq!(
+        case.outbox_ids(&js).await,
+        ids,
+        "the committed events, once, in order"
+    );
+    drop(relay);
+}

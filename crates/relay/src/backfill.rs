@@ -325,6 +325,7 @@ pub async fn at_slot_creation(
         None,
         crate::pipeline::max_message_bytes(&tail, max_payload),
         source,
+        Arc::new(crate::nats::connector(&config.nats)?),
     );
     let stats = Arc::new(SinkStats::default());
     let (items_tx, items_rx) = mpsc::channel(4);

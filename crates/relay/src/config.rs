@@ -768,7 +768,7 @@ impl Config {
             nats_url,
             // The sink's acks arrive on one subscription per session (sink P10): room for a
             // whole window of them.
-            nats: nats.with_subscription_capacity(max_in_flight),
+            nats,
             table,
             slot,
             publication,

@@ -49,13 +49,7 @@ pub struct NatsOptions {
     credential: Option<Credential>,
     /// TLS files and mode.
     tls: Tls,
-    /// Messages a subscription may hold before async-nats drops them (async-nats's
-    /// default unless the window of publish acks needs more: [`Self::with_subscription_capacity`]).
-    subscription_capacity: usize,
 }
-
-/// async-nats's default subscription capacity.
-const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 64 * 1024;
 
 /// A credential and the options it came from, as the operator gave them (N3).
 #[derive(Debug, Clone)]
@@ -98,13 +92,6 @@ impl NatsOptions {
             Some(CredentialKind::Token(token)) => vec![token.expose().to_owned()],
             _ => vec![],
         }
-    }
-
-    /// Room for at least `messages` in each subscription: the sink's one subscription for a
-    /// session's acks holds up to a window of them (sink P10).
-    pub(crate) fn with_subscription_capacity(mut self, messages: usize) -> Self {
-        self.subscription_capacity = messages.max(DEFAULT_SUBSCRIPTION_CAPACITY);
-        self
     }
 
     /// The servers, without user information.
@@ -238,7 +225,6 @@ impl NatsOptions {
             servers,
             credential: given.pop(),
             tls,
-            subscription_capacity: DEFAULT_SUBSCRIPTION_CAPACITY,
         })
     }
 }
@@ -276,8 +262,7 @@ impl fmt::Display for NatsOptions {
 pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
     let mut connect = async_nats::ConnectOptions::new()
         .name("outbox-relay")
-        .connection_timeout(CONNECT_TIMEOUT)
-        .subscription_capacity(options.subscription_capacity);
+        .connection_timeout(CONNECT_TIMEOUT);
     if let Some(credential) = &options.credential {
         let unusable = |why: String| {
             RelayError::permanent(anyhow::anyhow!(
@@ -318,6 +303,108 @@ pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
             None => RelayError::transient(anyhow::anyhow!(message)),
         }
     })
+}
+
+/// The sink's publishing connection (`sink::conn`): the same servers, credential and TLS
+/// files as [`connect`], read now (N4), so both connections present the same identity.
+pub fn connector(options: &NatsOptions) -> Result<sink::Connector> {
+    let unusable = |given_by: &str, why: String| {
+        RelayError::permanent(anyhow::anyhow!(
+            "cannot use the NATS credentials of {given_by}: {why}"
+        ))
+    };
+    let auth = match &options.credential {
+        None => sink::conn::Auth::None,
+        Some(credential) => match &credential.kind {
+            CredentialKind::UserPassword { user, password } => sink::conn::Auth::UserPassword {
+                user: user.clone(),
+                password: password.expose().to_owned(),
+            },
+            CredentialKind::Token(token) => sink::conn::Auth::Token(token.expose().to_owned()),
+            CredentialKind::Nkey(path) => sink::conn::Auth::Nkey(
+                read_seed(path)
+                    .map_err(|why| unusable(&credential.given_by, why))?
+                    .expose()
+                    .to_owned(),
+            ),
+            CredentialKind::Creds(path) => {
+                let text = read_creds(path).map_err(|why| unusable(&credential.given_by, why))?;
+                let (jwt, seed) = split_creds(text.expose())
+                    .map_err(|why| unusable(&credential.given_by, why))?;
+                sink::conn::Auth::Jwt { jwt, seed }
+            }
+        },
+    };
+    let tls = if options.tls.ca.is_some() || options.tls.client.is_some() {
+        Some(tls_config(&options.tls)?)
+    } else {
+        None
+    };
+    Ok(sink::Connector {
+        servers: options.servers.clone(),
+        auth,
+        tls,
+        tls_required: options.tls.required(),
+        tls_first: options.tls.first,
+        name: "outbox-relay".into(),
+        timeout: CONNECT_TIMEOUT,
+    })
+}
+
+/// The TLS configuration of the options' CA and client certificate files, as async-nats
+/// builds it: the CA file's certificates as roots (the system's when none is given), the
+/// client certificate presented when given.
+fn tls_config(tls: &Tls) -> Result<std::sync::Arc<rustls::ClientConfig>> {
+    let unusable = |given_by: &str, why: String| {
+        RelayError::permanent(anyhow::anyhow!("cannot use {given_by}: {why}"))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    match &tls.ca {
+        Some((path, given_by)) => {
+            for certificate in read_certificates(path).map_err(|why| unusable(given_by, why))? {
+                roots
+                    .add(certificate)
+                    .map_err(|e| unusable(given_by, format!("not a usable CA certificate: {e}")))?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| RelayError::permanent(anyhow::anyhow!("no usable TLS protocol version: {e}")))?
+    .with_root_certificates(roots);
+    let config = match &tls.client {
+        Some((cert, key, given_by)) => {
+            let chain = read_certificates(cert).map_err(|why| unusable(given_by, why))?;
+            let key = read_key(key).map_err(|why| unusable(given_by, why))?;
+            builder.with_client_auth_cert(chain, key).map_err(|e| {
+                unusable(
+                    given_by,
+                    format!("the key does not fit the certificate: {e}"),
+                )
+            })?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(std::sync::Arc::new(config))
+}
+
+/// The user JWT and nkey seed of a `.creds` file's text (checked by [`read_creds`]): the
+/// first line after `-----BEGIN NATS USER JWT-----` and after `-----BEGIN USER NKEY SEED-----`.
+fn split_creds(text: &str) -> Result<(String, String), String> {
+    let after = |marker: &str| {
+        let mut lines = text.lines().map(str::trim);
+        lines.find(|line| line.contains(marker))?;
+        lines.find(|line| !line.is_empty()).map(str::to_owned)
+    };
+    match (after("BEGIN NATS USER JWT"), after("BEGIN USER NKEY SEED")) {
+        (Some(jwt), Some(seed)) => Ok((jwt, seed)),
+        _ => Err("is not a NATS credentials file (user JWT and nkey seed)".into()),
+    }
 }
 
 /// What to fix when `error` is a refusal retrying cannot cure (N3), naming the options.

@@ -297,6 +297,7 @@ pub(crate) fn sink_options(
     resume_after: Option<outbox::Position>,
     max_message_bytes: usize,
     source: String,
+    connector: Arc<sink::Connector>,
 ) -> SinkOptions {
     SinkOptions {
         max_in_flight: config.max_in_flight,
@@ -310,6 +311,7 @@ pub(crate) fn sink_options(
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source,
         ack_timeout: config.ack_timeout,
+        connector,
     }
 }
 
@@ -323,6 +325,8 @@ struct Prepared {
     resume: sink::resume::Resume,
     source: String,
     max_message_bytes: usize,
+    /// The sink's publishing connection, its files read for this session (N4).
+    connector: Arc<sink::Connector>,
 }
 
 /// While this relay holds the lease: one session, with the slot monitor beside it.
@@ -384,6 +388,7 @@ async fn prepare(
     let server = nats.server_info();
     info!(server = %server.server_name, version = %server.version, max_payload = server.max_payload, "connected to NATS");
     let max_payload = server.max_payload;
+    let connector = Arc::new(crate::nats::connector(&config.nats)?);
     metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
     // The checks run on the lease's control connection.
@@ -455,6 +460,7 @@ async fn prepare(
         resume,
         source,
         max_message_bytes,
+        connector,
     })
 }
 
@@ -512,6 +518,7 @@ fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader
         prepared.resume.skip_through,
         prepared.max_message_bytes,
         prepared.source,
+        prepared.connector,
     );
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(

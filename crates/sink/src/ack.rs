@@ -91,10 +91,16 @@ impl std::error::Error for ParseError {}
 
 /// The answer to a publish, classified as async-nats classifies it (K3).
 pub fn read(message: &async_nats::Message) -> Result<PubAck<'_>, PublishError> {
-    if message.status == Some(StatusCode::NO_RESPONDERS) {
+    read_parts(message.status.map(|s| s.as_u16()), &message.payload)
+}
+
+/// [`read`] of an answer's status code (the `NATS/1.0 503` of its header block, if any) and
+/// payload, as the sink's own connection receives them (`crate::conn`).
+pub fn read_parts(status: Option<u16>, payload: &[u8]) -> Result<PubAck<'_>, PublishError> {
+    if status == Some(StatusCode::NO_RESPONDERS.as_u16()) {
         return Err(PublishError::new(PublishErrorKind::StreamNotFound));
     }
-    match parse(&message.payload) {
+    match parse(payload) {
         Ok(Reply::Ack(ack)) => Ok(ack),
         Ok(Reply::Error(error)) => Err(error.into_publish_error()),
         Err(error) => Err(PublishError::with_source(PublishErrorKind::Other, error)),

@@ -15,6 +15,12 @@
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
 //! - L1–L3 ([`latency`]): what the acker times, once per transaction or run of events.
+//! - W1–W5 ([`wire`]): the NATS protocol's framing is read totally and zero-copy; a prefix
+//!   of an operation is incomplete, never invalid, and invalid is final; `HPUB`'s sizes are
+//!   the real ones.
+//! - C1–C5 ([`conn`]): the publishing connection speaks every authentication and TLS mode
+//!   the relay is configured with, is subscribed before it publishes, and is never re-used
+//!   after it fails.
 //!
 //! The ack tracker is generic over the position type; the publisher writes an event's
 //! position (from `outbox`) into its headers as text. Nothing here speaks to Postgres or
@@ -22,12 +28,15 @@
 //! not on `pgoutput` or `replication`.
 
 pub mod ack;
+pub mod conn;
 pub mod latency;
 pub mod message;
 pub mod publisher;
 pub mod resume;
 pub mod tracker;
+pub mod wire;
 
+pub use conn::Connector;
 pub use latency::{Latency, LatencySnapshot, LATENCY_BUCKETS_US};
 pub use message::{
     control_line_len, publish_message, wire_size, Fence, Limits, DEFAULT_MAX_CONTROL_LINE,

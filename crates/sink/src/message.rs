@@ -7,21 +7,28 @@
 //!   values are percent-encoded and the message says `Outbox-Encoding: percent`
 //!   ([`outbox::encoding`]); every other row's values are written verbatim. This holds for
 //!   dead-letter records too.
-//! - M2 `event_wire_size` is exactly [`wire_size`] of what `into_message` builds (plus
-//!   the fence header), computed from lengths alone (a proptest locks it, hostile rows
-//!   included); [`control_line_len`] is at least the `HPUB` line async-nats writes for it.
+//! - M2 The size the sink checks is the size of the header block it sends plus the payload,
+//!   which equals [`wire_size`] of the same headers as a map (plus the fence's; a proptest
+//!   locks it, hostile rows included); [`control_line_len`] is at least the `HPUB` line
+//!   the sink writes for it.
 //! - M3 A dead-letter record is cut to what fits (`fit_dead_letter`): its long text
 //!   fields are truncated, then dropped, and the record says `"truncated": true`; if even
 //!   the smallest record does not fit, the caller gets an error, never a record the server
 //!   would refuse. Its `Nats-Msg-Id` depends on the event alone (not on the cut), so every
 //!   replay de-duplicates.
+//! - M4 The sink writes each header block itself: `NATS/1.0`, the relay's `Nats-*` headers
+//!   (the fence's, then `Nats-Msg-Id`), then the `Outbox-*` ones, one line each. The
+//!   server finds the relay's own `Nats-*` headers before any other line, whatever a
+//!   header value holds (with M1, a belt and braces).
 
 use std::fmt::Write as _;
 
 use async_nats::{HeaderMap, Subject};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use outbox::{encoding, OutboxEvent};
 use sha2::{Digest, Sha256};
+
+use crate::wire;
 
 /// nats-server's default `max_control_line`. The server does not announce its configured
 /// value (its INFO has no such field), so the relay budgets the default.
@@ -49,21 +56,13 @@ pub(crate) mod name {
 
     pub const NATS_MSG_ID: HeaderName = HeaderName::from_static(h::NATS_MSG_ID);
     pub const OUTBOX_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ID);
-    pub const OUTBOX_ENTITY_ID: HeaderName = HeaderName::from_static(h::OUTBOX_ENTITY_ID);
-    pub const OUTBOX_EVENT_TYPE: HeaderName = HeaderName::from_static(h::OUTBOX_EVENT_TYPE);
-    pub const OUTBOX_PARTITION_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_PARTITION_KEY);
-    pub const OUTBOX_ORDERING_KEY: HeaderName = HeaderName::from_static(h::OUTBOX_ORDERING_KEY);
-    pub const OUTBOX_SHARD: HeaderName = HeaderName::from_static(h::OUTBOX_SHARD);
     pub const OUTBOX_COMMIT_LSN: HeaderName = HeaderName::from_static(h::OUTBOX_COMMIT_LSN);
     pub const OUTBOX_TX_INDEX: HeaderName = HeaderName::from_static(h::OUTBOX_TX_INDEX);
     pub const OUTBOX_SOURCE: HeaderName = HeaderName::from_static(h::OUTBOX_SOURCE);
     pub const OUTBOX_ENCODING: HeaderName = HeaderName::from_static(h::OUTBOX_ENCODING);
     pub const OUTBOX_DEAD_LETTER_REASON: HeaderName =
         HeaderName::from_static(h::OUTBOX_DEAD_LETTER_REASON);
-    pub const EXPECTED_LAST_SEQUENCE: HeaderName =
-        HeaderName::from_static(EXPECTED_LAST_SEQUENCE_STR);
     pub const EXPECTED_LAST_SEQUENCE_STR: &str = "Nats-Expected-Last-Sequence";
-    pub const EXPECTED_LAST_MSG_ID: HeaderName = HeaderName::from_static(EXPECTED_LAST_MSG_ID_STR);
     pub const EXPECTED_LAST_MSG_ID_STR: &str = "Nats-Expected-Last-Msg-Id";
 }
 
@@ -91,15 +90,25 @@ impl Fence {
         }
     }
 
-    /// Puts the fence headers into `map` (a message's headers, its own `Nats-Msg-Id`
-    /// included) and moves the fence past this message.
-    pub(crate) fn apply(&mut self, map: &mut HeaderMap) {
-        map.insert(name::EXPECTED_LAST_SEQUENCE, int(self.sequence));
-        if let Some(last) = self.last_msg_id.take() {
-            map.insert(name::EXPECTED_LAST_MSG_ID, last);
+    /// Writes the fence's header lines (`Nats-Expected-Last-Sequence`, and
+    /// `Nats-Expected-Last-Msg-Id` from the session's second publish on) into a header block.
+    pub(crate) fn write(&self, block: &mut BytesMut) {
+        wire::header_line(
+            block,
+            name::EXPECTED_LAST_SEQUENCE_STR,
+            itoa::Buffer::new().format(self.sequence).as_bytes(),
+        );
+        if let Some(last) = &self.last_msg_id {
+            wire::header_line(block, name::EXPECTED_LAST_MSG_ID_STR, last.as_bytes());
         }
+    }
+
+    /// Moves the fence past a publish whose `Nats-Msg-Id` is `msg_id`.
+    pub(crate) fn advance(&mut self, msg_id: &[u8]) {
         self.sequence += 1;
-        self.last_msg_id = map.get(name::NATS_MSG_ID).map(|id| id.as_str().to_owned());
+        let last = self.last_msg_id.get_or_insert_with(String::new);
+        last.clear();
+        last.push_str(&String::from_utf8_lossy(msg_id));
     }
 }
 
@@ -132,15 +141,6 @@ fn value(text: String, hostile: bool) -> String {
         encoding::encode(&text)
     } else {
         text
-    }
-}
-
-/// The length of [`value`]`(text, hostile)`.
-fn value_len(text: &str, hostile: bool) -> usize {
-    if hostile {
-        encoding::encoded_len(text)
-    } else {
-        text.len()
     }
 }
 
@@ -185,79 +185,122 @@ pub fn publish_message(event: &OutboxEvent) -> async_nats::jetstream::message::P
         .payload(payload)
 }
 
-/// [`wire_size`] of the message `into_message` builds, with the fence header, from the
-/// lengths alone (M2). `hostile` is [`encoding::row_is_hostile`] of the event.
-pub(crate) fn event_wire_size(
+/// Calls `put` with each of `event`'s headers in the order they go on the wire, its
+/// `Nats-Msg-Id` first (M1, M4). `hostile` is [`encoding::row_is_hostile`] of the event.
+fn event_headers(
     event: &OutboxEvent,
     hostile: bool,
     commit_lsn: &str,
     source: Option<&str>,
-    fence: Option<&Fence>,
-) -> usize {
+    mut put: impl FnMut(&'static str, &str),
+) {
     use outbox::headers as h;
-    let k = &event.keys;
-    b"NATS/1.0\r\n\r\n".len()
-        + line(h::NATS_MSG_ID, value_len(&k.dedupe_key, hostile))
-        + line(h::OUTBOX_ID, digits(event.id))
-        + line(h::OUTBOX_ENTITY_ID, value_len(&event.entity_id, hostile))
-        + line(h::OUTBOX_EVENT_TYPE, value_len(&event.event_type, hostile))
-        + line(
-            h::OUTBOX_PARTITION_KEY,
-            value_len(&k.partition_key, hostile),
-        )
-        + line(h::OUTBOX_ORDERING_KEY, k.ordering_key.len())
-        + line(h::OUTBOX_SHARD, digits(event.shard))
-        + line(h::OUTBOX_COMMIT_LSN, commit_lsn.len())
-        + line(h::OUTBOX_TX_INDEX, digits(event.position.index))
-        + if hostile {
-            line(h::OUTBOX_ENCODING, encoding::PERCENT.len())
+    fn cow(text: &str, hostile: bool) -> std::borrow::Cow<'_, str> {
+        if hostile {
+            encoding::encode(text).into()
         } else {
-            0
+            text.into()
         }
-        + source.map_or(0, |s| line(h::OUTBOX_SOURCE, s.len()))
-        + fence_len(fence)
-        + event.payload.len()
+    }
+    let row = |text| cow(text, hostile);
+    let k = &event.keys;
+    put(h::NATS_MSG_ID, &row(&k.dedupe_key));
+    put(h::OUTBOX_ID, itoa::Buffer::new().format(event.id));
+    put(h::OUTBOX_ENTITY_ID, &row(&event.entity_id));
+    put(h::OUTBOX_EVENT_TYPE, &row(&event.event_type));
+    put(h::OUTBOX_PARTITION_KEY, &row(&k.partition_key));
+    put(h::OUTBOX_ORDERING_KEY, &k.ordering_key);
+    put(h::OUTBOX_SHARD, itoa::Buffer::new().format(event.shard));
+    put(h::OUTBOX_COMMIT_LSN, commit_lsn);
+    put(
+        h::OUTBOX_TX_INDEX,
+        itoa::Buffer::new().format(event.position.index),
+    );
+    if hostile {
+        put(h::OUTBOX_ENCODING, encoding::PERCENT);
+    }
+    if let Some(source) = source {
+        put(h::OUTBOX_SOURCE, source);
+    }
 }
 
-/// The subject, headers and payload for `event`, moving its strings into the header values
-/// instead of copying them. `hostile` is [`encoding::row_is_hostile`] of the event (M1).
+/// The subject, headers and payload for `event`, for publishing through async-nats
+/// (`publish_message`: replay, tests). `hostile` is [`encoding::row_is_hostile`] of the
+/// event (M1).
 pub(crate) fn into_message(
     event: OutboxEvent,
     hostile: bool,
     commit_lsn: &str,
     source: Option<&str>,
 ) -> (Subject, HeaderMap, Bytes) {
-    let OutboxEvent {
-        id,
-        entity_id,
-        event_type,
-        keys,
-        shard,
-        subject,
-        payload,
-        position,
-        created_at_ms: _,
-    } = event;
     let mut map = HeaderMap::new();
-    map.insert(name::NATS_MSG_ID, value(keys.dedupe_key, hostile));
-    map.insert(name::OUTBOX_ID, int(id));
-    map.insert(name::OUTBOX_ENTITY_ID, value(entity_id, hostile));
-    map.insert(name::OUTBOX_EVENT_TYPE, value(event_type, hostile));
-    map.insert(
-        name::OUTBOX_PARTITION_KEY,
-        value(keys.partition_key, hostile),
-    );
-    map.insert(name::OUTBOX_ORDERING_KEY, keys.ordering_key);
-    map.insert(name::OUTBOX_SHARD, int(shard));
-    map.insert(name::OUTBOX_COMMIT_LSN, commit_lsn);
-    map.insert(name::OUTBOX_TX_INDEX, int(position.index));
-    if hostile {
-        map.insert(name::OUTBOX_ENCODING, encoding::PERCENT);
+    event_headers(&event, hostile, commit_lsn, source, |name, value| {
+        map.insert(async_nats::HeaderName::from_static(name), value);
+    });
+    (Subject::from(event.subject), map, event.payload)
+}
+
+/// Writes `event`'s header block (`NATS/1.0`, the fence's lines, then [`event_headers`],
+/// then the blank line) into `block`, which the sink publishes as is (M4). Returns where
+/// the `Nats-Msg-Id` value lies in `block`, for the fence's chain.
+pub(crate) fn write_event_block(
+    block: &mut BytesMut,
+    event: &OutboxEvent,
+    hostile: bool,
+    commit_lsn: &str,
+    source: Option<&str>,
+    fence: Option<&Fence>,
+) -> std::ops::Range<usize> {
+    block.extend_from_slice(wire::HEADER_START);
+    if let Some(fence) = fence {
+        fence.write(block);
     }
-    if let Some(source) = source {
-        map.insert(name::OUTBOX_SOURCE, source);
+    let mut msg_id = 0..0;
+    event_headers(event, hostile, commit_lsn, source, |name, value| {
+        if name == outbox::headers::NATS_MSG_ID {
+            let at = block.len() + name.len() + 2;
+            msg_id = at..at + value.len();
+        }
+        wire::header_line(block, name, value.as_bytes());
+    });
+    block.extend_from_slice(wire::HEADER_END);
+    msg_id
+}
+
+/// Writes a header block for `map` (a dead-letter record): `NATS/1.0`, the fence's lines,
+/// the map's `Nats-*` headers, then the others, then the blank line (M4). Returns where the
+/// `Nats-Msg-Id` value lies in `block`.
+pub(crate) fn write_map_block(
+    block: &mut BytesMut,
+    map: &HeaderMap,
+    fence: Option<&Fence>,
+) -> std::ops::Range<usize> {
+    block.extend_from_slice(wire::HEADER_START);
+    if let Some(fence) = fence {
+        fence.write(block);
     }
-    (Subject::from(subject), map, payload)
+    let mut msg_id = 0..0;
+    for nats_first in [true, false] {
+        for (name, values) in map.iter() {
+            let name: &str = name.as_ref();
+            if name
+                .get(..5)
+                .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+                != nats_first
+            {
+                continue;
+            }
+            for value in values {
+                if name == outbox::headers::NATS_MSG_ID {
+                    let at = block.len() + name.len() + 2;
+                    msg_id = at..at + value.as_str().len();
+                }
+                wire::header_line(block, name, value.as_str().as_bytes());
+            }
+        }
+    }
+    block.extend_from_slice(wire::HEADER_END);
+    msg_id
 }
 
 /// How much of a dead-letter record is kept (M3), fullest first.
@@ -469,10 +512,11 @@ mod tests {
     }
 
     proptest! {
-        /// M2: the size check, computed from lengths, equals the serialised size of what is
-        /// sent, for benign and hostile rows alike.
+        /// M2, M4: the header block the sink writes holds exactly the headers of
+        /// `into_message` (and the fence's), the relay's `Nats-*` ones first, and its size is
+        /// what `wire_size` counts; the range it returns is the `Nats-Msg-Id` value.
         #[test]
-        fn size_from_lengths_equals_the_serialised_size(
+        fn the_written_block_is_the_messages_headers_nats_first(
             entity_id in "[a-zA-Z0-9:ü \r\n-]{0,40}|(?i)[a-z ]{0,5}nats-msg-id[:a-z ]{0,5}",
             event_type in "[a-zA-Z.* ]{0,20}|(?i)nats-expected-last-sequence[a-z\0]{0,3}",
             id in any::<i64>(),
@@ -483,13 +527,28 @@ mod tests {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let mut fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id });
-            let computed = event_wire_size(&event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
-            let (_, mut map, payload) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
-            if let Some(fence) = fence.as_mut() {
-                fence.apply(&mut map);
+            let fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id });
+            let mut block = BytesMut::new();
+            let msg_id = write_event_block(&mut block, &event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
+            let (_, map, _) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
+            prop_assert_eq!(block.len(), wire_size(&map, 0) + fence_len(fence.as_ref()));
+            let id = get(&map, headers::NATS_MSG_ID).unwrap();
+            prop_assert_eq!(&block[msg_id], id.as_bytes());
+            let text = std::str::from_utf8(&block).unwrap();
+            let inner = text.strip_prefix("NATS/1.0\r\n").and_then(|t| t.strip_suffix("\r\n\r\n")).unwrap();
+            let lines: Vec<(&str, &str)> = inner.split("\r\n").map(|l| l.split_once(": ").unwrap()).collect();
+            let nats = lines.iter().take_while(|(name, _)| name.starts_with("Nats-")).count();
+            prop_assert!(lines[nats..].iter().all(|(name, _)| !name.starts_with("Nats-")), "{:?}", lines);
+            for (name, value) in &lines {
+                let expected = match *name {
+                    name::EXPECTED_LAST_SEQUENCE_STR => fence.as_ref().map(|f| f.sequence.to_string()),
+                    name::EXPECTED_LAST_MSG_ID_STR => fence.as_ref().and_then(|f| f.last_msg_id.clone()),
+                    name => get(&map, name),
+                };
+                prop_assert_eq!(Some(*value), expected.as_deref());
             }
-            prop_assert_eq!(computed, wire_size(&map, payload.len()));
+            let fence_lines = fence.as_ref().map_or(0, |f| 1 + usize::from(f.last_msg_id.is_some()));
+            prop_assert_eq!(lines.len(), map.iter().count() + fence_lines);
         }
 
         /// M1: whatever the row, no header value contains `nats-` in any case, and the

@@ -3,16 +3,19 @@
 //!
 //! ```text
 //!  input (bounded) ─► publisher ──(sequence n, permit)──► acker ─► AckTracker ─► watermark (watch)
-//!                       │  HPUB subject {inbox}.n             ▲ awaits acks in order,
-//!                       │  to the connection                  │ one task of its own
-//!                       │                  nats-server ─► SUB {inbox}.*  (one per session)
+//!                       │  HPUB subject {inbox}.n frames        ▲ awaits acks in order,
+//!                       │  (crate::conn's writer task)          │ one task of its own
+//!                       │                  nats-server ─► SUB {inbox}.*  (crate::conn's reader)
 //!                       └── window: a semaphore of max_in_flight permits, released by the acker
 //! ```
-//! Publishes are plain NATS publishes with a reply subject of the session's own
-//! (`Client::publish_with_reply_and_headers`), not async-nats's JetStream request machinery,
-//! which costs a random inbox, a oneshot channel, a timer and a serde parse per publish
-//! (docs/performance.md, proposal 4): the acker matches the answers by their sequence
-//! (P10) and reads them with [`crate::ack`].
+//! Publishes are frames the publisher writes itself ([`crate::message`] M4, [`crate::wire`])
+//! on the session's own connection ([`crate::conn`]), not async-nats's publishing API, whose
+//! header map and command per message were a quarter of the relay's CPU, nor its JetStream
+//! request machinery (a random inbox, a oneshot channel, a timer and a serde parse per
+//! publish): the acker matches the answers by their sequence (P10), read with [`crate::ack`].
+//! Frames gather in a buffer handed to the connection's writer at the end of each input
+//! batch, every [`FLUSH_BYTES`], and before the publisher would wait (for room in the window,
+//! in the acker's queue), so no publish waits on one the connection has not been given.
 //!
 //! # Invariants
 //! - P1 The watermark only moves through [`AckTracker`] (see its A1–A4): a publish that
@@ -54,19 +57,18 @@
 //!   again after a failed session is counted once per ack. With [`SinkStats::timed`] the
 //!   acker also times commit → stored and created → stored ([`crate::latency`] L1–L3).
 //! - P10 An answer counts only for the publish it answers. A session subscribes once to
-//!   `{inbox}.*`, `inbox` a fresh inbox under the client's inbox prefix (so NATS
-//!   permissions that allow the client's inboxes allow it), and publishes its n-th message
+//!   `{inbox}.*` on its connection, `inbox` a fresh inbox under the client's inbox prefix
+//!   (so NATS permissions that allow the client's inboxes allow it), and publishes its n-th message
 //!   (n from 1) with the reply subject `{inbox}.n`. The acker awaits the answer for the
 //!   oldest unacknowledged publish by its n: an answer that arrives early (within the
 //!   window) is kept for its publish, any other (no publish of this session awaits it) is
 //!   ignored, and when none came [`SinkOptions::ack_timeout`] after the acker started
 //!   waiting for it, the publish timed out (one deadline, for the oldest publish only). The
-//!   subscription holds at most `max_in_flight` answers (P2), within async-nats's default
-//!   subscription capacity (65 536; the relay's connection raises it for a larger window);
-//!   an answer dropped anyway times out, which P1 and P3 make safe.
+//!   connection's answers wait in a channel of the window's size and a little more (P2);
+//!   when the connection fails, the publishes still awaited fail with its reason (C3),
+//!   which P1 and P3 make safe.
 
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -74,18 +76,18 @@ use std::task::Poll;
 use std::time::Duration;
 
 use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
-use async_nats::{HeaderMap, Subject};
-use bytes::Bytes;
-use futures::StreamExt;
+use bytes::{Bytes, BytesMut};
 use outbox::{encoding, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
+use crate::conn::{Acked, Answer, Connection, Connector};
 use crate::latency::{Latency, TxnClock};
-use crate::message::{event_wire_size, fit_dead_letter, into_message, Excess, Fence, Limits};
+use crate::message::{fit_dead_letter, write_event_block, write_map_block, Excess, Fence, Limits};
 use crate::tracker::{AckTracker, Ticket, TrackerError};
+use crate::wire;
 
 /// The metric counting events acknowledged as duplicates of another event (P8).
 pub const REUSED_ID_METRIC: &str = "outbox_relay_reused_id_total";
@@ -120,6 +122,8 @@ pub struct SinkOptions {
     /// How long the acker waits for the oldest publish's answer (P10), and the longest a
     /// publish may wait for room in the connection's queue.
     pub ack_timeout: Duration,
+    /// How the session opens its publishing connection ([`crate::conn`]).
+    pub connector: Arc<Connector>,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs (P9).
@@ -283,9 +287,18 @@ pub enum SinkError {
         /// What async-nats reported.
         source: async_nats::jetstream::stream::RawMessageError,
     },
-    /// The session's subscription for JetStream's answers could not be made (P10).
-    #[error("cannot subscribe to JetStream's publish acks: {0}")]
-    Subscribe(#[source] async_nats::SubscribeError),
+    /// The session's publishing connection could not be opened (C1, C2).
+    #[error("cannot open the publishing connection to NATS: {0}")]
+    Connect(String),
+    /// The session's publishing connection failed or the server closed it before the event
+    /// was acknowledged (C3, C4).
+    #[error("the publishing connection to NATS closed before outbox event id={id} was acknowledged: {why}")]
+    Closed {
+        /// The outbox row id.
+        id: i64,
+        /// Why, in the server's words when it said any.
+        why: String,
+    },
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
@@ -436,23 +449,30 @@ where
         Some((Arc::downgrade(&window), options.max_in_flight.max(1)));
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
-    // P10: one subscription for the session's answers. The SUB goes through the
-    // connection's queue before any publish, so the server knows it before the first
-    // answer.
-    let client = jetstream.client();
-    let mut reply_prefix = client.new_inbox();
-    let subscriber = client
-        .subscribe(format!("{reply_prefix}.*"))
-        .await
-        .map_err(SinkError::Subscribe)?;
+    // P10, C2: the session's own connection, subscribed to `{inbox}.*` before any publish.
+    let mut reply_prefix = jetstream.client().new_inbox();
     reply_prefix.push('.');
+    let Connection {
+        frames,
+        answers,
+        info,
+        tasks: _tasks,
+    } = options
+        .connector
+        .open(&reply_prefix, options.max_in_flight.max(1))
+        .await
+        .map_err(SinkError::Connect)?;
+    let mut limits = options.limits;
+    if info.max_payload > 0 {
+        limits.max_message_bytes = limits.max_message_bytes.min(info.max_payload);
+    }
     let acks = Acks {
-        subscriber,
-        prefix: reply_prefix.clone(),
+        answers,
         window: options.max_in_flight.max(1) as u64,
         timeout: options.ack_timeout,
         deadline: Box::pin(tokio::time::sleep(options.ack_timeout)),
         early: BTreeMap::new(),
+        closed: None,
     };
     let mut sequence: u64 = 0;
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
@@ -475,6 +495,14 @@ where
     // The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
     // commit LSN is 0/0 too).
     let mut commit_lsn: (Option<outbox::Lsn>, String) = (None, String::new());
+    // Frames not yet handed to the writer, and one message's header block.
+    let mut out = Frames {
+        buffer: BytesMut::with_capacity(FLUSH_BYTES * 2),
+        frames,
+        timeout: options.ack_timeout,
+        last_id: 0,
+    };
+    let mut block = BytesMut::with_capacity(1024);
 
     let publishing = async {
         while let Some(batch) = input.recv().await {
@@ -491,9 +519,18 @@ where
                             stats.skipped.fetch_add(1, Ordering::Relaxed);
                             AckItem::Stored
                         } else {
-                            // The semaphore is never closed, so acquire cannot fail.
-                            let Ok(permit) = window.clone().acquire_owned().await else {
-                                return Ok(());
+                            // Nothing waits on a frame still in `out`: hand them to the
+                            // writer before waiting for room in the window.
+                            let permit = match window.clone().try_acquire_owned() {
+                                Ok(permit) => permit,
+                                Err(_) => {
+                                    out.flush().await?;
+                                    // The semaphore is never closed, so acquire cannot fail.
+                                    let Ok(permit) = window.clone().acquire_owned().await else {
+                                        return Ok(());
+                                    };
+                                    permit
+                                }
                             };
                             let (id, position, created_at_ms) =
                                 (event.id, event.position, event.created_at_ms);
@@ -503,23 +540,20 @@ where
                             }
                             // An empty map answers without hashing.
                             let instead = dead_letter_instead.get(&position).map(String::as_str);
-                            let (subject, headers, payload, dead_letter) =
-                                prepare(event, &commit_lsn.1, &options, &mut fence, instead)?;
+                            let (subject, payload, dead_letter) = prepare(
+                                event,
+                                &commit_lsn.1,
+                                &options,
+                                limits,
+                                &mut fence,
+                                instead,
+                                &mut block,
+                            )?;
                             sequence += 1;
-                            let mut reply =
-                                String::with_capacity(reply_prefix.len() + MAX_SEQUENCE_DIGITS);
-                            reply.push_str(&reply_prefix);
-                            reply.push_str(itoa::Buffer::new().format(sequence));
-                            send(
-                                &client,
-                                subject,
-                                reply,
-                                headers,
-                                payload,
-                                options.ack_timeout,
-                            )
-                            .await
-                            .map_err(|source| SinkError::Publish { id, source })?;
+                            out.push(id, &subject, &reply_prefix, sequence, &block, &payload);
+                            if out.buffer.len() >= FLUSH_BYTES {
+                                out.flush().await?;
+                            }
                             AckItem::Publish {
                                 id,
                                 position,
@@ -531,11 +565,20 @@ where
                         }
                     }
                 };
-                if ack_tx.send(item).await.is_err() {
+                match ack_tx.try_send(item) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(item)) => {
+                        // The acker may be awaiting a frame still in `out`.
+                        out.flush().await?;
+                        if ack_tx.send(item).await.is_err() {
+                            return Ok(());
+                        }
+                    }
                     // The acker stopped: its result says why.
-                    return Ok(());
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
                 }
             }
+            out.flush().await?;
         }
         Ok::<(), SinkError>(())
     };
@@ -552,7 +595,10 @@ where
         // and confirmed as far as whole transactions go) before the error ends the run.
         // Aborting the acker here would drop them unflushed, and a relay halting on every
         // restart would never deliver the events before the poison one.
-        Err(error) if error.poison_id().is_some() => flatten(acker.await).and(Err(error)),
+        Err(error) if error.poison_id().is_some() => {
+            let flushed = out.flush().await;
+            flatten(acker.await).and(flushed).and(Err(error))
+        }
         Err(error) => {
             acker.abort();
             Err(error)
@@ -560,49 +606,80 @@ where
     }
 }
 
-/// Digits of the largest `u64`: the longest sequence in a reply subject.
-const MAX_SEQUENCE_DIGITS: usize = 20;
+/// Why a session's publishing connection failed, when it did not say.
+const CONNECTION_CLOSED: &str = "the connection is closed";
 
-/// Hands one publish to the connection's queue. The queue takes it at once unless it is
-/// full (the connection is down or behind): only then is a timer armed, with the bound
-/// async-nats's `send_publish` sets on that wait. Errors are those `send_publish` gives, so
-/// [`SinkError::poison_id`] sees an oversized message as before.
-async fn send(
-    client: &async_nats::Client,
-    subject: Subject,
-    reply: String,
-    headers: HeaderMap,
-    payload: Bytes,
+/// Bytes of frames the publisher gathers before handing them to the writer, unless it
+/// would wait first (then it hands them over at once).
+const FLUSH_BYTES: usize = 64 * 1024;
+
+/// The publisher's frames not yet handed to the connection's writer (M4).
+struct Frames {
+    buffer: BytesMut,
+    frames: mpsc::Sender<Bytes>,
     timeout: Duration,
-) -> Result<(), PublishError> {
-    let mut sending =
-        std::pin::pin!(client.publish_with_reply_and_headers(subject, reply, headers, payload));
-    let sent = match std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await {
-        Poll::Ready(sent) => sent,
-        Poll::Pending => tokio::time::timeout(timeout, sending)
-            .await
-            .map_err(|_| PublishError::new(PublishErrorKind::TimedOut))?,
-    };
-    sent.map_err(|error| {
-        use std::error::Error as _;
-        match error.kind() {
-            async_nats::client::PublishErrorKind::MaxPayloadExceeded => PublishError::with_source(
-                PublishErrorKind::MaxPayloadExceeded,
-                error
-                    .source()
-                    .map_or_else(|| error.to_string(), ToString::to_string),
-            ),
-            _ => PublishError::with_source(PublishErrorKind::Other, error),
-        }
-    })
+    /// The newest event in `buffer`, to name in an error.
+    last_id: i64,
 }
 
-/// The acker's side of P10: the session's subscription and what it holds back.
+impl Frames {
+    /// Appends one `HPUB` frame: its line, the header block, the payload.
+    fn push(
+        &mut self,
+        id: i64,
+        subject: &str,
+        reply_prefix: &str,
+        sequence: u64,
+        block: &[u8],
+        payload: &[u8],
+    ) {
+        wire::hpub_line(
+            &mut self.buffer,
+            subject,
+            reply_prefix,
+            sequence,
+            block.len(),
+            payload.len(),
+        );
+        self.buffer.extend_from_slice(block);
+        self.buffer.extend_from_slice(payload);
+        self.buffer.extend_from_slice(b"\r\n");
+        self.last_id = id;
+    }
+
+    /// Hands the frames to the writer. Its queue takes them at once unless it is full (the
+    /// connection is behind): only then is a timer armed, bounded by the ack timeout.
+    async fn flush(&mut self) -> Result<(), SinkError> {
+        if self.buffer.is_empty() {
+            return Ok(());
+        }
+        let chunk = self.buffer.split().freeze();
+        let id = self.last_id;
+        let closed = || SinkError::Closed {
+            id,
+            why: CONNECTION_CLOSED.into(),
+        };
+        match self.frames.try_send(chunk) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(closed()),
+            Err(mpsc::error::TrySendError::Full(chunk)) => {
+                match tokio::time::timeout(self.timeout, self.frames.send(chunk)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(_)) => Err(closed()),
+                    Err(_) => Err(SinkError::Publish {
+                        id,
+                        source: PublishError::new(PublishErrorKind::TimedOut),
+                    }),
+                }
+            }
+        }
+    }
+}
+
+/// The acker's side of P10: the connection's answers and what it holds back.
 #[derive(Debug)]
 struct Acks {
-    subscriber: async_nats::Subscriber,
-    /// `{inbox}.`: an answer's subject is this and the publish's sequence.
-    prefix: String,
+    answers: mpsc::Receiver<Answer>,
     /// `max_in_flight`: an answer for a sequence this far or further ahead of the oldest
     /// unacknowledged publish answers nothing in flight.
     window: u64,
@@ -612,23 +689,33 @@ struct Acks {
     deadline: Pin<Box<Sleep>>,
     /// Answers that came before an older publish's (not expected from one stream, which
     /// answers in order; kept, never dropped, should a server do otherwise).
-    early: BTreeMap<u64, async_nats::Message>,
+    early: BTreeMap<u64, Result<Acked, PublishError>>,
+    /// Why the connection closed, once it did (C3).
+    closed: Option<String>,
 }
 
 impl Acks {
-    /// The answer to publish `sequence`, the oldest unacknowledged one (P10).
-    async fn next(&mut self, sequence: u64) -> Result<async_nats::Message, PublishError> {
+    /// The answer to publish `sequence` (outbox row `id`), the oldest unacknowledged one
+    /// (P10).
+    async fn next(&mut self, sequence: u64, id: i64) -> Result<Acked, SinkError> {
+        let answered =
+            |ack: Result<Acked, PublishError>| ack.map_err(|source| SinkError::Ack { id, source });
         if !self.early.is_empty() {
-            if let Some(message) = self.early.remove(&sequence) {
-                return Ok(message);
+            if let Some(answer) = self.early.remove(&sequence) {
+                return answered(answer);
             }
         }
         let mut armed = false;
         loop {
-            let polled =
-                std::future::poll_fn(|cx| Poll::Ready(self.subscriber.poll_next_unpin(cx))).await;
-            let message = match polled {
-                Poll::Ready(message) => message,
+            if let Some(why) = &self.closed {
+                return Err(SinkError::Closed {
+                    id,
+                    why: why.clone(),
+                });
+            }
+            let polled = std::future::poll_fn(|cx| Poll::Ready(self.answers.poll_recv(cx))).await;
+            let answer = match polled {
+                Poll::Ready(answer) => answer,
                 Poll::Pending => {
                     if !armed {
                         self.deadline.as_mut().reset(Instant::now() + self.timeout);
@@ -636,69 +723,80 @@ impl Acks {
                     }
                     tokio::select! {
                         biased;
-                        message = self.subscriber.next() => message,
+                        answer = self.answers.recv() => answer,
                         () = self.deadline.as_mut() => {
-                            return Err(PublishError::new(PublishErrorKind::TimedOut));
+                            return answered(Err(PublishError::new(PublishErrorKind::TimedOut)));
                         }
                     }
                 }
             };
-            // The subscription ends only with the client.
-            let Some(message) = message else {
-                return Err(PublishError::new(PublishErrorKind::BrokenPipe));
-            };
-            match self.sequence_of(&message) {
-                Some(answered) if answered == sequence => return Ok(message),
-                Some(answered) if answered > sequence && answered - sequence < self.window => {
-                    self.early.insert(answered, message);
+            let (answer_to, ack) = match answer {
+                Some(Answer::Ack { sequence, ack }) => (sequence, ack),
+                Some(Answer::Closed(why)) => {
+                    self.closed = Some(why);
+                    continue;
                 }
-                answered => debug!(
+                None => {
+                    self.closed = Some(CONNECTION_CLOSED.into());
+                    continue;
+                }
+            };
+            if answer_to == sequence {
+                return answered(ack);
+            }
+            if answer_to > sequence && answer_to - sequence < self.window {
+                self.early.insert(answer_to, ack);
+            } else {
+                debug!(
                     awaited = sequence,
-                    ?answered,
-                    subject = %message.subject,
+                    answered = answer_to,
                     "ignoring an answer no publish of this session awaits"
-                ),
+                );
             }
         }
     }
-
-    fn sequence_of(&self, message: &async_nats::Message) -> Option<u64> {
-        message
-            .subject
-            .as_str()
-            .strip_prefix(self.prefix.as_str())?
-            .parse()
-            .ok()
-    }
 }
 
-/// The subject and message for `event`: the event itself, or its dead-letter record when it
-/// is beyond the limits or `instead` gives a reason to (P7, P8; then `true`); fenced in
-/// strict mode (P5). `commit_lsn` is the event's commit LSN, formatted once per
-/// transaction by the caller.
+/// Writes `event`'s header block into `block` (the event's own, or its dead-letter record's
+/// when it is beyond the limits or `instead` gives a reason to (P7, P8; then `true`)),
+/// fenced in strict mode (P5), and returns the subject and payload to publish it with.
+/// `commit_lsn` is the event's commit LSN, formatted once per transaction by the caller.
 fn prepare(
     event: OutboxEvent,
     commit_lsn: &str,
     options: &SinkOptions,
+    limits: Limits,
     fence: &mut Option<Fence>,
     instead: Option<&str>,
-) -> Result<(Subject, HeaderMap, Bytes, bool), SinkError> {
+    block: &mut BytesMut,
+) -> Result<(String, Bytes, bool), SinkError> {
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
-    // Room for the fence header too, so the size check covers what is actually sent.
-    let size = event_wire_size(&event, hostile, commit_lsn, Some(source), fence.as_ref());
+    block.clear();
     let problem = match instead {
         Some(reason) => Err((PoisonKind::ReusedId, reason.to_owned())),
-        None => options
-            .limits
-            .check(size, event.payload.len(), event.subject.len())
-            .map_err(|(excess, reason)| (PoisonKind::from(excess), reason)),
-    };
-    let (subject, mut map, payload, dead_letter) = match problem {
-        Ok(()) => {
-            let (subject, map, payload) = into_message(event, hostile, commit_lsn, Some(source));
-            (subject, map, payload, false)
+        None => {
+            let msg_id = write_event_block(
+                block,
+                &event,
+                hostile,
+                commit_lsn,
+                Some(source),
+                fence.as_ref(),
+            );
+            // M2: the size checked is the size of what is sent.
+            limits
+                .check(
+                    block.len() + event.payload.len(),
+                    event.payload.len(),
+                    event.subject.len(),
+                )
+                .map(|()| msg_id)
+                .map_err(|(excess, reason)| (PoisonKind::from(excess), reason))
         }
+    };
+    let (subject, payload, msg_id, dead_letter) = match problem {
+        Ok(msg_id) => (event.subject, event.payload, msg_id, false),
         Err((kind, reason)) if options.poison == PoisonPolicy::Halt => {
             return Err(SinkError::Poison {
                 id: event.id,
@@ -715,7 +813,7 @@ fn prepare(
                 source,
                 subject,
                 fence.as_ref(),
-                options.limits,
+                limits,
             )
             .map_err(|why| SinkError::Poison {
                 id: event.id,
@@ -723,13 +821,15 @@ fn prepare(
                 reason: format!("{reason}; {why}"),
             })?;
             warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
-            (Subject::from(subject), map, payload, true)
+            block.clear();
+            let msg_id = write_map_block(block, &map, fence.as_ref());
+            (subject.to_owned(), payload, msg_id, true)
         }
     };
     if let Some(fence) = fence.as_mut() {
-        fence.apply(&mut map);
+        fence.advance(block.get(msg_id).unwrap_or_default());
     }
-    Ok((subject, map, payload, dead_letter))
+    Ok((subject, payload, dead_letter))
 }
 
 fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Result<(), SinkError> {
@@ -791,12 +891,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 if let Some(clock) = &mut clock {
                     clock.awaiting();
                 }
-                let answer = acks
-                    .next(sequence)
-                    .await
-                    .map_err(|source| SinkError::Ack { id, source })?;
-                let ack =
-                    crate::ack::read(&answer).map_err(|source| SinkError::Ack { id, source })?;
+                let ack = acks.next(sequence, id).await?;
                 if ack.duplicate {
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
                     duplicates

@@ -409,8 +409,9 @@ fn event(prefix: &str, id: i64, index: u32) -> outbox::OutboxEvent {
     row.into_event(prefix, std::num::NonZeroU64::new(12).unwrap(), position)
 }
 
-fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOptions {
+fn options(nats: &Nats, fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOptions {
     sink::SinkOptions {
+        connector: std::sync::Arc::new(sink::Connector::plain(nats.url())),
         max_in_flight: 16,
         fence,
         resume_after: None,
@@ -481,7 +482,8 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
 
     // Stored, in strict mode from an empty stream.
     let events: Vec<_> = (1..=3).map(|id| event("PATH", id, id as u32 - 1)).collect();
-    let (result, watermark, stats) = session(&js, options(Some(0), timeout), events.clone()).await;
+    let (result, watermark, stats) =
+        session(&js, options(&nats, Some(0), timeout), events.clone()).await;
     result.unwrap();
     assert_eq!(watermark, 1, "the transaction is confirmed");
     assert_eq!(stats.stored.load(std::sync::atomic::Ordering::Relaxed), 3);
@@ -499,7 +501,7 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
 
     // A replay: acknowledged as a duplicate of the same event, confirmed, nothing stored.
     let (result, watermark, stats) =
-        session(&js, options(None, timeout), vec![events[0].clone()]).await;
+        session(&js, options(&nats, None, timeout), vec![events[0].clone()]).await;
     result.unwrap();
     assert_eq!(watermark, 1);
     assert_eq!(
@@ -518,8 +520,12 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
     );
 
     // A stale fence (the stream's last sequence is 3): refused, classified as before.
-    let (result, watermark, stats) =
-        session(&js, options(Some(0), timeout), vec![event("PATH", 4, 0)]).await;
+    let (result, watermark, stats) = session(
+        &js,
+        options(&nats, Some(0), timeout),
+        vec![event("PATH", 4, 0)],
+    )
+    .await;
     assert_eq!(ack_error_kind(&result), PublishErrorKind::WrongLastSequence);
     let error = result.unwrap_err();
     assert!(error.is_fence_refusal(), "{error}");
@@ -529,8 +535,12 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
     assert_eq!(stored(&js, "PATH").await, 3);
 
     // No stream on the subject: the server's no-responders status.
-    let (result, watermark, _) =
-        session(&js, options(None, timeout), vec![event("NOSTREAM", 5, 0)]).await;
+    let (result, watermark, _) = session(
+        &js,
+        options(&nats, None, timeout),
+        vec![event("NOSTREAM", 5, 0)],
+    )
+    .await;
     assert_eq!(ack_error_kind(&result), PublishErrorKind::StreamNotFound);
     let error = result.unwrap_err();
     assert!(error.is_transient() && !error.is_fence_refusal() && error.poison_id().is_none());
@@ -572,7 +582,7 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     let events: Vec<_> = (1..=4).map(|id| event("ECHO", id, id as u32 - 1)).collect();
     let (result, watermark, stats) = session(
         &js,
-        options(None, std::time::Duration::from_secs(5)),
+        options(&nats, None, std::time::Duration::from_secs(5)),
         events,
     )
     .await;
@@ -588,7 +598,7 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     let started = std::time::Instant::now();
     let (result, watermark, stats) = session(
         &js,
-        options(None, std::time::Duration::from_millis(300)),
+        options(&nats, None, std::time::Duration::from_millis(300)),
         vec![event("SILENT", 9, 0)],
     )
     .await;
