@@ -187,14 +187,7 @@ impl Connector {
         hello.extend_from_slice(b"CONNECT ");
         hello.extend_from_slice(connect.as_bytes());
         hello.extend_from_slice(b"\r\nPING\r\n");
-        stream
-            .write_all(&hello)
-            .await
-            .map_err(|e| format!("cannot send CONNECT: {e}"))?;
-        stream
-            .flush()
-            .await
-            .map_err(|e| format!("cannot send CONNECT: {e}"))?;
+        send(&mut stream, &hello, "cannot send CONNECT").await?;
         // C2: PONG, or the server's refusal.
         loop {
             let answer = read_op(&mut stream, &mut buffer, |op| match op {
@@ -210,14 +203,7 @@ impl Connector {
             }
         }
         let subscribe = format!("SUB {reply_prefix}* {SID}\r\n");
-        stream
-            .write_all(subscribe.as_bytes())
-            .await
-            .map_err(|e| format!("cannot subscribe: {e}"))?;
-        stream
-            .flush()
-            .await
-            .map_err(|e| format!("cannot subscribe: {e}"))?;
+        send(&mut stream, subscribe.as_bytes(), "cannot subscribe").await?;
         if !buffer.is_empty() {
             return Err("the server sent more than PONG before we subscribed".into());
         }
@@ -403,6 +389,15 @@ fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 type Stream = Box<dyn Io>;
+
+/// Writes and flushes `bytes`; an error says `what` failed.
+async fn send(stream: &mut Stream, bytes: &[u8], what: &str) -> Result<(), String> {
+    stream
+        .write_all(bytes)
+        .await
+        .map_err(|e| format!("{what}: {e}"))?;
+    stream.flush().await.map_err(|e| format!("{what}: {e}"))
+}
 
 /// Reads until one operation is whole and hands it to `take`; `PING` is answered on the way
 /// (a server may ping before we are done). `Ok(None)`: an operation `take` did not want.

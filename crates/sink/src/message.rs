@@ -251,20 +251,11 @@ pub(crate) fn write_event_block(
     source: Option<&str>,
     fence: Option<&Fence>,
 ) -> std::ops::Range<usize> {
-    block.extend_from_slice(wire::HEADER_START);
-    if let Some(fence) = fence {
-        fence.write(block);
-    }
-    let mut msg_id = 0..0;
-    event_headers(event, hostile, commit_lsn, source, |name, value| {
-        if name == outbox::headers::NATS_MSG_ID {
-            let at = block.len() + name.len() + 2;
-            msg_id = at..at + value.len();
-        }
-        wire::header_line(block, name, value.as_bytes());
-    });
-    block.extend_from_slice(wire::HEADER_END);
-    msg_id
+    write_block(block, fence, |lines| {
+        event_headers(event, hostile, commit_lsn, source, |name, value| {
+            lines.put(name, value);
+        });
+    })
 }
 
 /// Writes a header block for `map` (a dead-letter record): `NATS/1.0`, the fence's lines,
@@ -275,30 +266,56 @@ pub(crate) fn write_map_block(
     map: &HeaderMap,
     fence: Option<&Fence>,
 ) -> std::ops::Range<usize> {
+    write_block(block, fence, |lines| {
+        for nats_first in [true, false] {
+            for (name, values) in map.iter() {
+                let name: &str = name.as_ref();
+                if name
+                    .get(..5)
+                    .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+                    == nats_first
+                {
+                    for value in values {
+                        lines.put(name, value.as_str());
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// A header block being written: its lines, and where its `Nats-Msg-Id` value lies.
+struct Lines<'a> {
+    block: &'a mut BytesMut,
+    msg_id: std::ops::Range<usize>,
+}
+
+impl Lines<'_> {
+    fn put(&mut self, name: &str, value: &str) {
+        if name == outbox::headers::NATS_MSG_ID {
+            let at = self.block.len() + name.len() + 2;
+            self.msg_id = at..at + value.len();
+        }
+        wire::header_line(self.block, name, value.as_bytes());
+    }
+}
+
+/// `NATS/1.0`, the fence's lines, what `lines` puts, the blank line (M4).
+fn write_block(
+    block: &mut BytesMut,
+    fence: Option<&Fence>,
+    lines: impl FnOnce(&mut Lines<'_>),
+) -> std::ops::Range<usize> {
     block.extend_from_slice(wire::HEADER_START);
     if let Some(fence) = fence {
         fence.write(block);
     }
-    let mut msg_id = 0..0;
-    for nats_first in [true, false] {
-        for (name, values) in map.iter() {
-            let name: &str = name.as_ref();
-            if name
-                .get(..5)
-                .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
-                != nats_first
-            {
-                continue;
-            }
-            for value in values {
-                if name == outbox::headers::NATS_MSG_ID {
-                    let at = block.len() + name.len() + 2;
-                    msg_id = at..at + value.as_str().len();
-                }
-                wire::header_line(block, name, value.as_str().as_bytes());
-            }
-        }
-    }
+    let mut writing = Lines {
+        block,
+        msg_id: 0..0,
+    };
+    lines(&mut writing);
+    let msg_id = writing.msg_id;
     block.extend_from_slice(wire::HEADER_END);
     msg_id
 }

@@ -606,3 +606,126 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     assert!(started.elapsed() >= std::time::Duration::from_millis(300));
     assert_eq!((watermark, stats.acked()), (0, 0));
 }
+
+/// The headers a relayed event carries, from the frozen contract (`outbox::headers`), written
+/// out independently of the sink: what the stored message must hold.
+fn contract_headers(event: &outbox::OutboxEvent, source: &str) -> Vec<(&'static str, String)> {
+    use outbox::headers as h;
+    let hostile = outbox::encoding::row_is_hostile(&event.entity_id, &event.event_type);
+    let row = |text: &str| {
+        if hostile {
+            outbox::encoding::encode(text)
+        } else {
+            text.to_owned()
+        }
+    };
+    let mut headers = vec![
+        (h::NATS_MSG_ID, row(&event.keys.dedupe_key)),
+        (h::OUTBOX_ID, event.id.to_string()),
+        (h::OUTBOX_ENTITY_ID, row(&event.entity_id)),
+        (h::OUTBOX_EVENT_TYPE, row(&event.event_type)),
+        (h::OUTBOX_PARTITION_KEY, row(&event.keys.partition_key)),
+        (h::OUTBOX_ORDERING_KEY, event.keys.ordering_key.clone()),
+        (h::OUTBOX_SHARD, event.shard.to_string()),
+        (h::OUTBOX_COMMIT_LSN, event.position.commit_lsn.to_string()),
+        (h::OUTBOX_TX_INDEX, event.position.index.to_string()),
+        (h::OUTBOX_SOURCE, source.to_owned()),
+    ];
+    if hostile {
+        headers.push((h::OUTBOX_ENCODING, outbox::encoding::PERCENT.to_owned()));
+    }
+    headers
+}
+
+/// The sink's hand-written frames against the real server, property-tested (sink M2, M4,
+/// W5): for rows of any shape (hostile ones included) and payloads around the stream's
+/// `max_msg_size`, the server counts exactly the size the contract gives (`NATS/1.0`, one
+/// `Name: value` line per header, the blank line, the payload): every message at or under
+/// the limit is stored with exactly the contract's headers and the payload, every one over
+/// it is refused for its size (poison, nothing confirmed), and the connection never
+/// misreads a frame (a wrong byte count would corrupt every later frame of the session).
+#[test]
+fn frames_the_sink_writes_are_stored_as_the_contract_says_to_the_byte() {
+    use proptest::prelude::*;
+    const LIMIT: usize = 2000;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let nats = Nats::start();
+    let js = runtime.block_on(context(&nats, "FRAMES", LIMIT as i32));
+    let next_id = std::cell::Cell::new(0i64);
+    let (fitted, refused) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    let rows = (
+        "[a-zA-Z0-9:ü -]{1,40}|(?i)[a-z ]{0,5}nats-msg-id[:a-z ]{0,5}",
+        "[A-Za-z]{1,20}|Nats-Expected-Last-Sequence|Order Paid",
+        LIMIT - 700..LIMIT + 100,
+        any::<u32>(),
+    );
+    runner
+        .run(&rows, |(entity_id, event_type, payload_len, index)| {
+            next_id.set(next_id.get() + 1);
+            let row = outbox::OutboxRow {
+                id: next_id.get(),
+                entity_id,
+                event_type,
+                payload: Bytes::from(vec![b'p'; payload_len]),
+                created_at_ms: 1_700_000_000_000 + next_id.get(),
+            };
+            let position = outbox::Position {
+                commit_lsn: outbox::Lsn(0x1000 + next_id.get() as u64),
+                index,
+            };
+            let event = row.into_event("FRAMES", std::num::NonZeroU64::new(12).unwrap(), position);
+            let headers = contract_headers(&event, "test");
+            let size = b"NATS/1.0\r\n\r\n".len()
+                + headers
+                    .iter()
+                    .map(|(name, value)| name.len() + 2 + value.len() + 2)
+                    .sum::<usize>()
+                + payload_len;
+            let timeout = std::time::Duration::from_secs(5);
+            runtime.block_on(async {
+                let before = stored(&js, "FRAMES").await;
+                let (result, watermark, _) =
+                    session(&js, options(&nats, None, timeout), vec![event.clone()]).await;
+                if size <= LIMIT {
+                    prop_assert!(result.is_ok(), "{size} bytes: {result:?}");
+                    prop_assert_eq!(watermark, 1);
+                    let stream = js.get_stream("FRAMES").await.unwrap();
+                    let message = stream.get_raw_message(before + 1).await.unwrap();
+                    prop_assert_eq!(message.subject.as_str(), event.subject.as_str());
+                    prop_assert_eq!(&message.payload, &event.payload);
+                    for (name, value) in &headers {
+                        prop_assert_eq!(
+                            message.headers.get(*name).map(|v| v.as_str()),
+                            Some(value.as_str()),
+                            "{}",
+                            name
+                        );
+                    }
+                    prop_assert_eq!(message.headers.iter().count(), headers.len());
+                    fitted.set(fitted.get() + 1);
+                } else {
+                    let error = result.unwrap_err();
+                    prop_assert!(error.poison_id() == Some(event.id), "{size} bytes: {error}");
+                    prop_assert_eq!(watermark, 0);
+                    prop_assert_eq!(stored(&js, "FRAMES").await, before);
+                    refused.set(refused.get() + 1);
+                }
+                Ok(())
+            })
+        })
+        .unwrap();
+    assert!(
+        fitted.get() >= 5 && refused.get() >= 5,
+        "both sides of the limit were tried: {} stored, {} refused",
+        fitted.get(),
+        refused.get()
+    );
+}
