@@ -82,6 +82,9 @@ pub struct CpuPerEvent {
     /// The same for its walsender and for nats-server.
     pub walsender_waited: f64,
     pub nats_waited: f64,
+    /// Seconds per event the hypervisor ran something else on the machine's CPUs while the
+    /// VM wanted them (`steal` of `/proc/stat`, all CPUs).
+    pub stolen: f64,
 }
 
 fn now_nanos() -> i128 {
@@ -146,6 +149,7 @@ pub async fn live(
     ];
     let switches_before = procfs::context_switches(relay.pid())?;
     let syscalls_before = procfs::io_syscalls(relay.pid())?;
+    let stolen_before = procfs::stolen_seconds()?;
     // --metrics: scraped every second while the events flow, as Prometheus would.
     let scraper = bench.metrics_port.map(|port| {
         tokio::spawn(async move {
@@ -210,6 +214,7 @@ pub async fn live(
     ];
     let switches = procfs::context_switches(relay.pid())? - switches_before;
     let syscalls = procfs::io_syscalls(relay.pid())? - syscalls_before;
+    let stolen = procfs::stolen_seconds()? - stolen_before;
     let cpu_stored = [
         procfs::cpu_seconds(relay.pid())?,
         procfs::cpu_seconds(walsender)?,
@@ -232,6 +237,7 @@ pub async fn live(
         relay_waited: per_event(waited[0]),
         walsender_waited: per_event(waited[1]),
         nats_waited: per_event(waited[2]),
+        stolen: per_event(stolen),
     };
     let stored = stored_times(bench, &case.stream, WARM_UP + total).await;
     let mut latencies: Vec<f64> = commits

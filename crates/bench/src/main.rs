@@ -532,6 +532,7 @@ async fn live_latency(
         ("relay waiting for a CPU", figures.cpu.relay_waited),
         ("walsender waiting for a CPU", figures.cpu.walsender_waited),
         ("nats-server waiting for a CPU", figures.cpu.nats_waited),
+        ("CPU stolen from the VM by its host", figures.cpu.stolen),
     ] {
         results.record(&label, who, Unit::MicrosPerEvent, seconds * 1e6);
     }

@@ -101,7 +101,8 @@ pub fn context_switches(pid: u32) -> Result<u64> {
 }
 
 /// Read-type and write-type system calls the process made so far (`syscr + syscw` of
-/// `/proc/<pid>/io`: read, recv, write, send and their vector forms).
+/// `/proc/<pid>/io`: read, write and their vector forms; a socket's recv and send do not
+/// count).
 pub fn io_syscalls(pid: u32) -> Result<u64> {
     let path = format!("/proc/{pid}/io");
     let text = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
@@ -113,6 +114,19 @@ pub fn io_syscalls(pid: u32) -> Result<u64> {
         })
         .map(|v| v.trim().parse::<u64>().unwrap_or(0))
         .sum())
+}
+
+/// Seconds of CPU time the hypervisor has taken from this VM so far, all CPUs together
+/// (the `steal` field of `/proc/stat`'s `cpu` line, in clock ticks).
+pub fn stolen_seconds() -> Result<f64> {
+    let text = std::fs::read_to_string("/proc/stat").context("read /proc/stat")?;
+    let ticks = text
+        .lines()
+        .find_map(|line| line.strip_prefix("cpu "))
+        .and_then(|fields| fields.split_whitespace().nth(7))
+        .and_then(|steal| steal.parse::<u64>().ok())
+        .unwrap_or(0);
+    Ok(ticks as f64 * seconds_per_tick())
 }
 
 /// Seconds the process's live threads have spent runnable but waiting for a CPU so far
