@@ -277,7 +277,7 @@ impl Connector {
 }
 
 /// What the session needs of the server's `INFO`.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Info {
     pub(crate) max_payload: usize,
     tls_required: bool,
