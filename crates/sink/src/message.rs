@@ -160,7 +160,7 @@ pub fn wire_size(headers: &HeaderMap, payload_len: usize) -> usize {
 }
 
 /// The length of the `HPUB {subject} {reply} {header bytes} {total bytes}\r\n` line
-/// async-nats writes for a JetStream publish, which nats-server checks against its
+/// the sink writes for a publish ([`crate::wire::hpub_line`]), which nats-server checks against its
 /// `max_control_line`. Conservative by the 7 bytes of `HPUB ` and `\r\n`, which the
 /// server does not count.
 pub fn control_line_len(subject_len: usize, headers_len: usize, total_len: usize) -> usize {
@@ -656,7 +656,7 @@ mod tests {
         assert_eq!(get("Outbox-Id").as_deref(), Some("42"));
     }
 
-    /// The `HPUB` line async-nats writes, measured on its own serialisation rules: exactly
+    /// The `HPUB` line of a publish, measured on the protocol's serialisation rules: exactly
     /// for the budgeted reply subject, at most for the sink's longest one (P10).
     #[test]
     fn control_line_counts_the_hpub_line() {

@@ -246,7 +246,8 @@ pub enum SinkError {
     Publish {
         /// The outbox row id.
         id: i64,
-        /// What async-nats reported.
+        /// Why, in async-nats's error type (the frame could not be handed to the
+        /// connection in time, or the connection is gone).
         source: async_nats::jetstream::context::PublishError,
     },
     /// JetStream refused the message, or no ack came in time.
@@ -254,7 +255,7 @@ pub enum SinkError {
     Ack {
         /// The outbox row id.
         id: i64,
-        /// What async-nats reported.
+        /// The server's answer, classified as async-nats classifies it (K3), or a timeout.
         source: async_nats::jetstream::context::PublishError,
     },
     /// An event JetStream can never accept, under [`PoisonPolicy::Halt`] (or whose
