@@ -325,8 +325,11 @@ pub async fn at_slot_creation(
         None,
         crate::pipeline::max_message_bytes(&tail, max_payload),
         source,
-        Arc::new(crate::nats::connector(&config.nats)?),
     );
+    let publishing = crate::nats::connector(&config.nats)?
+        .open(&jetstream.client(), config.max_in_flight)
+        .await
+        .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
     let stats = Arc::new(SinkStats::default());
     let (items_tx, items_rx) = mpsc::channel(4);
     let (watermark_tx, _watermark) = watch::channel(Position {
@@ -335,6 +338,7 @@ pub async fn at_slot_creation(
     });
     let mut sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         jetstream.clone(),
+        publishing,
         options,
         items_rx,
         watermark_tx,

@@ -44,6 +44,9 @@
 //!   session's set-up (lease, connections, bootstrap, tail) is immediate: nothing was
 //!   published; every connect is bounded besides (Postgres `connect_timeout`, 10 s by
 //!   default; NATS 5 s). Tested: `relay.rs` (SIGTERM), `connect.rs` (hanging connects).
+//! - I13 A session opens every connection it needs, the sink's publishing connection too,
+//!   before it logs `streaming outbox events`: what follows that line needs no new handshake.
+//!   Tested: `faults.rs` (acks held from that line on).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -297,7 +300,6 @@ pub(crate) fn sink_options(
     resume_after: Option<outbox::Position>,
     max_message_bytes: usize,
     source: String,
-    connector: Arc<sink::Connector>,
 ) -> SinkOptions {
     SinkOptions {
         max_in_flight: config.max_in_flight,
@@ -311,7 +313,6 @@ pub(crate) fn sink_options(
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source,
         ack_timeout: config.ack_timeout,
-        connector,
     }
 }
 
@@ -325,8 +326,8 @@ struct Prepared {
     resume: sink::resume::Resume,
     source: String,
     max_message_bytes: usize,
-    /// The sink's publishing connection, its files read for this session (N4).
-    connector: Arc<sink::Connector>,
+    /// The sink's publishing connection, opened with the files read for this session (N4).
+    publishing: sink::Connection,
 }
 
 /// While this relay holds the lease: one session, with the slot monitor beside it.
@@ -388,7 +389,7 @@ async fn prepare(
     let server = nats.server_info();
     info!(server = %server.server_name, version = %server.version, max_payload = server.max_payload, "connected to NATS");
     let max_payload = server.max_payload;
-    let connector = Arc::new(crate::nats::connector(&config.nats)?);
+    let connector = crate::nats::connector(&config.nats)?;
     metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
     // The checks run on the lease's control connection.
@@ -427,6 +428,11 @@ async fn prepare(
         });
     }
     let max_message_bytes = max_message_bytes(&tail, max_payload);
+    // I13: open before the session says it streams: a session that streams can publish.
+    let publishing = connector
+        .open(&jetstream.client(), config.max_in_flight)
+        .await
+        .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
 
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
@@ -460,7 +466,7 @@ async fn prepare(
         resume,
         source,
         max_message_bytes,
-        connector,
+        publishing,
     })
 }
 
@@ -518,11 +524,11 @@ fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader
         prepared.resume.skip_through,
         prepared.max_message_bytes,
         prepared.source,
-        prepared.connector,
     );
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,
+        prepared.publishing,
         options,
         items_rx,
         watermark_tx,

@@ -130,18 +130,22 @@ impl Connector {
         }
     }
 
-    /// Connects to the first server that accepts us, subscribed to `{reply_prefix}*` (C2).
-    /// `answers` is the capacity of the answers' channel (the window, C5).
-    pub(crate) async fn open(
+    /// Opens a session's publishing connection: to the first server that accepts us,
+    /// subscribed to `{inbox}.*` (C2), `inbox` a fresh inbox of `client` (under its inbox
+    /// prefix). `window` is the session's window: the capacity of the answers' channel (C5).
+    /// Opened before the session says it streams, so a session that streams can publish.
+    pub async fn open(
         &self,
-        reply_prefix: &str,
-        answers: usize,
-    ) -> Result<Connection, String> {
+        client: &async_nats::Client,
+        window: usize,
+    ) -> Result<Connection, crate::SinkError> {
+        let mut reply_prefix = client.new_inbox();
+        reply_prefix.push('.');
         let mut failures = Vec::new();
         for server in &self.servers {
-            match tokio::time::timeout(self.timeout, self.open_one(server, reply_prefix)).await {
+            match tokio::time::timeout(self.timeout, self.open_one(server, &reply_prefix)).await {
                 Ok(Ok((stream, info))) => {
-                    return Ok(Connection::start(stream, info, reply_prefix, answers))
+                    return Ok(Connection::start(stream, info, reply_prefix, window))
                 }
                 Ok(Err(why)) => failures.push(format!("{}: {why}", redact(server))),
                 Err(_) => failures.push(format!(
@@ -151,11 +155,11 @@ impl Connector {
                 )),
             }
         }
-        Err(if failures.is_empty() {
+        Err(crate::SinkError::Connect(if failures.is_empty() {
             "no NATS server is configured".to_owned()
         } else {
             failures.join("; ")
-        })
+        }))
     }
 
     async fn open_one(&self, server: &str, reply_prefix: &str) -> Result<(Stream, Info), String> {
@@ -469,18 +473,22 @@ impl From<PubAck<'_>> for Acked {
     }
 }
 
-/// An open publishing connection: its writer's queue, its answers and its tasks.
+/// An open publishing connection ([`Connector::open`]), for one session of
+/// [`crate::run`]: its writer's queue, its answers, the server's `INFO`, the prefix of its
+/// reply subjects and its tasks.
 #[derive(Debug)]
-pub(crate) struct Connection {
+pub struct Connection {
     pub(crate) frames: mpsc::Sender<Bytes>,
     pub(crate) answers: mpsc::Receiver<Answer>,
     pub(crate) info: Info,
+    /// `{inbox}.`: publish number `n` asks for its answer on `{inbox}.{n}` (P10).
+    pub(crate) reply_prefix: String,
     /// The writer and reader tasks, aborted when dropped.
     pub(crate) tasks: (AbortOnDropHandle<()>, AbortOnDropHandle<()>),
 }
 
 impl Connection {
-    fn start(stream: Stream, info: Info, reply_prefix: &str, answers: usize) -> Connection {
+    fn start(stream: Stream, info: Info, reply_prefix: String, answers: usize) -> Connection {
         let (read, write) = tokio::io::split(stream);
         let (frames_tx, frames_rx) = mpsc::channel(WRITE_QUEUE);
         let (answers_tx, answers_rx) = mpsc::channel(answers.max(1) + 16);
@@ -493,13 +501,14 @@ impl Connection {
             read,
             frames_tx.clone(),
             answers_tx,
-            reply_prefix.to_owned(),
+            reply_prefix.clone(),
             info.max_payload,
         )));
         Connection {
             frames: frames_tx,
             answers: answers_rx,
             info,
+            reply_prefix,
             tasks: (writer, reader),
         }
     }

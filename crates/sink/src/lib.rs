@@ -36,7 +36,7 @@ pub mod resume;
 pub mod tracker;
 pub mod wire;
 
-pub use conn::Connector;
+pub use conn::{Connection, Connector};
 pub use latency::{Latency, LatencySnapshot, LATENCY_BUCKETS_US};
 pub use message::{
     control_line_len, publish_message, wire_size, Fence, Limits, DEFAULT_MAX_CONTROL_LINE,

@@ -83,7 +83,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
-use crate::conn::{Acked, Answer, Connection, Connector};
+use crate::conn::{Acked, Answer, Connection};
 use crate::latency::{Latency, TxnClock};
 use crate::message::{fit_dead_letter, write_event_block, write_map_block, Excess, Fence, Limits};
 use crate::tracker::{AckTracker, Ticket, TrackerError};
@@ -122,8 +122,6 @@ pub struct SinkOptions {
     /// How long the acker waits for the oldest publish's answer (P10), and the longest a
     /// publish may wait for room in the connection's queue.
     pub ack_timeout: Duration,
-    /// How the session opens its publishing connection ([`crate::conn`]).
-    pub connector: Arc<Connector>,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs (P9).
@@ -412,10 +410,12 @@ enum AckItem<P> {
     Idle(P),
 }
 
-/// Publishes `input` until it closes or an error occurs, publishing the confirmable
-/// position to `watermark` as acks arrive. See the module docs for the invariants.
+/// Publishes `input` on `connection` until it closes or an error occurs, publishing the
+/// confirmable position to `watermark` as acks arrive. See the module docs for the
+/// invariants.
 pub async fn run<P>(
     jetstream: Context,
+    connection: Connection,
     options: SinkOptions,
     input: mpsc::Receiver<Vec<Item<P>>>,
     watermark: watch::Sender<P>,
@@ -424,7 +424,15 @@ pub async fn run<P>(
 where
     P: Ord + Copy + Send + Sync + std::fmt::Debug + 'static,
 {
-    let result = publish(jetstream, options, input, watermark, stats.clone()).await;
+    let result = publish(
+        jetstream,
+        connection,
+        options,
+        input,
+        watermark,
+        stats.clone(),
+    )
+    .await;
     if result
         .as_ref()
         .is_err_and(|error| error.poison_id().is_some())
@@ -437,6 +445,7 @@ where
 /// [`run`], but for counting a halt on poison.
 async fn publish<P>(
     jetstream: Context,
+    connection: Connection,
     options: SinkOptions,
     mut input: mpsc::Receiver<Vec<Item<P>>>,
     watermark: watch::Sender<P>,
@@ -451,18 +460,13 @@ where
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
     let start = *watermark.borrow();
     // P10, C2: the session's own connection, subscribed to `{inbox}.*` before any publish.
-    let mut reply_prefix = jetstream.client().new_inbox();
-    reply_prefix.push('.');
     let Connection {
         frames,
         answers,
         info,
+        reply_prefix,
         tasks: _tasks,
-    } = options
-        .connector
-        .open(&reply_prefix, options.max_in_flight.max(1))
-        .await
-        .map_err(SinkError::Connect)?;
+    } = connection;
     let mut limits = options.limits;
     if info.max_payload > 0 {
         limits.max_message_bytes = limits.max_message_bytes.min(info.max_payload);

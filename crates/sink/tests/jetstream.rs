@@ -409,9 +409,8 @@ fn event(prefix: &str, id: i64, index: u32) -> outbox::OutboxEvent {
     row.into_event(prefix, std::num::NonZeroU64::new(12).unwrap(), position)
 }
 
-fn options(nats: &Nats, fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOptions {
+fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOptions {
     sink::SinkOptions {
-        connector: std::sync::Arc::new(sink::Connector::plain(nats.url())),
         max_in_flight: 16,
         fence,
         resume_after: None,
@@ -429,6 +428,7 @@ fn options(nats: &Nats, fence: Option<u64>, ack_timeout: std::time::Duration) ->
 /// One session of `sink::run` publishing `events` in one transaction that ends at 1: how it
 /// ended, the watermark (0 until confirmed) and its counters.
 async fn session(
+    nats: &Nats,
     js: &jetstream::Context,
     options: sink::SinkOptions,
     events: Vec<outbox::OutboxEvent>,
@@ -445,7 +445,19 @@ async fn session(
     batch.push(outbox::Item::Commit(1));
     items_tx.send(batch).await.unwrap();
     drop(items_tx);
-    let result = sink::run(js.clone(), options, items_rx, watermark_tx, stats.clone()).await;
+    let connection = sink::Connector::plain(nats.url())
+        .open(&js.client(), options.max_in_flight)
+        .await
+        .expect("open the publishing connection");
+    let result = sink::run(
+        js.clone(),
+        connection,
+        options,
+        items_rx,
+        watermark_tx,
+        stats.clone(),
+    )
+    .await;
     let watermark = *watermark_rx.borrow();
     (result, watermark, stats)
 }
@@ -483,7 +495,7 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
     // Stored, in strict mode from an empty stream.
     let events: Vec<_> = (1..=3).map(|id| event("PATH", id, id as u32 - 1)).collect();
     let (result, watermark, stats) =
-        session(&js, options(&nats, Some(0), timeout), events.clone()).await;
+        session(&nats, &js, options(Some(0), timeout), events.clone()).await;
     result.unwrap();
     assert_eq!(watermark, 1, "the transaction is confirmed");
     assert_eq!(stats.stored.load(std::sync::atomic::Ordering::Relaxed), 3);
@@ -501,7 +513,7 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
 
     // A replay: acknowledged as a duplicate of the same event, confirmed, nothing stored.
     let (result, watermark, stats) =
-        session(&js, options(&nats, None, timeout), vec![events[0].clone()]).await;
+        session(&nats, &js, options(None, timeout), vec![events[0].clone()]).await;
     result.unwrap();
     assert_eq!(watermark, 1);
     assert_eq!(
@@ -521,8 +533,9 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
 
     // A stale fence (the stream's last sequence is 3): refused, classified as before.
     let (result, watermark, stats) = session(
+        &nats,
         &js,
-        options(&nats, Some(0), timeout),
+        options(Some(0), timeout),
         vec![event("PATH", 4, 0)],
     )
     .await;
@@ -536,8 +549,9 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
 
     // No stream on the subject: the server's no-responders status.
     let (result, watermark, _) = session(
+        &nats,
         &js,
-        options(&nats, None, timeout),
+        options(None, timeout),
         vec![event("NOSTREAM", 5, 0)],
     )
     .await;
@@ -581,8 +595,9 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     });
     let events: Vec<_> = (1..=4).map(|id| event("ECHO", id, id as u32 - 1)).collect();
     let (result, watermark, stats) = session(
+        &nats,
         &js,
-        options(&nats, None, std::time::Duration::from_secs(5)),
+        options(None, std::time::Duration::from_secs(5)),
         events,
     )
     .await;
@@ -597,8 +612,9 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     client.flush().await.unwrap();
     let started = std::time::Instant::now();
     let (result, watermark, stats) = session(
+        &nats,
         &js,
-        options(&nats, None, std::time::Duration::from_millis(300)),
+        options(None, std::time::Duration::from_millis(300)),
         vec![event("SILENT", 9, 0)],
     )
     .await;
@@ -693,7 +709,7 @@ fn frames_the_sink_writes_are_stored_as_the_contract_says_to_the_byte() {
             runtime.block_on(async {
                 let before = stored(&js, "FRAMES").await;
                 let (result, watermark, _) =
-                    session(&js, options(&nats, None, timeout), vec![event.clone()]).await;
+                    session(&nats, &js, options(None, timeout), vec![event.clone()]).await;
                 if size <= LIMIT {
                     prop_assert!(result.is_ok(), "{size} bytes: {result:?}");
                     prop_assert_eq!(watermark, 1);
