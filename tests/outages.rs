@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use pgoutput::Lsn;
-use support::{insert_transaction, Case, DEADLINE};
+use support::{insert_transaction, Case, DEADLINE, STREAMING};
 use testkit::{Nats, Postgres};
 
 /// These tests restart servers: run them one at a time.
@@ -73,6 +73,55 @@ async fn events_committed_while_nats_is_down_are_not_confirmed_until_stored() {
         "nats_down: {} samples while down, highest {highest_sample} <= commit {commit_lsn}; after restart confirmed {advanced}",
         samples.len()
     );
+    drop(relay);
+}
+
+/// An idle relay whose nats-server dies ends its session when its publishing connection
+/// closes, not at its next event: the error is logged while nothing is being published, a
+/// new session streams once the server is back, and what comes next is stored once, in
+/// order, after what came before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_ends_its_session_when_nats_goes_away_not_at_its_next_event() {
+    let _serial = SERIAL.lock().await;
+    let pg = Postgres::start();
+    let mut nats = Nats::start();
+    let case = Case::new(&pg, &nats, "nats_idle");
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let js = case.jetstream().await;
+    let mut ids = insert_transaction(&mut sql, 10, 2, "before").await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    drop(js);
+
+    // Nothing is inserted from here until a new session streams.
+    nats.kill();
+    support::eventually(
+        "the idle relay to end its session on the closed publishing connection",
+        DEADLINE,
+        || async {
+            relay
+                .output()
+                .contains("the publishing connection to NATS closed:")
+                .then_some(())
+        },
+    )
+    .await;
+    nats.start_again();
+    support::eventually("a new session to stream", DEADLINE, || async {
+        (relay.output().matches(STREAMING).count() >= 2).then_some(())
+    })
+    .await;
+
+    let js = case.jetstream().await;
+    ids.extend(insert_transaction(&mut sql, 5, 1, "after").await);
+    case.wait_for_count(&js, 15, DEADLINE).await;
+    let stored: Vec<i64> = case
+        .messages(&js)
+        .await
+        .iter()
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(stored, ids, "every event once, in commit order");
     drop(relay);
 }
 

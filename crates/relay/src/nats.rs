@@ -348,6 +348,7 @@ pub fn connector(options: &NatsOptions) -> Result<sink::Connector> {
         tls_first: options.tls.first,
         name: "outbox-relay".into(),
         timeout: CONNECT_TIMEOUT,
+        ping_interval: sink::conn::PING_INTERVAL,
     })
 }
 

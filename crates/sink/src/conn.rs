@@ -25,14 +25,19 @@
 //! - C3 Nothing a session writes survives it: the connection is not re-established (no
 //!   publish is ever re-sent by this module); when it fails, the acker learns why
 //!   ([`Answer::Closed`], or the writer's channel closing) and the session ends (P3), and
-//!   the next session opens a new connection and re-syncs from the stream (P5, P6).
+//!   the next session opens a new connection and re-syncs from the stream (P5, P6). The
+//!   acker reads the connection while it awaits no answer too, so an idle session ends when
+//!   its connection closes, not at its next publish (`SinkError::Disconnected`).
 //! - C4 The server's `PING`s are answered, so an idle session stays connected; `-ERR` and
 //!   anything that is not the protocol close the connection and end the session with the
-//!   server's words, rather than a silent ack timeout.
+//!   server's words, rather than a silent ack timeout. The connection sends a `PING` of its
+//!   own every [`Connector::ping_interval`]; when [`PINGS_UNANSWERED`] went unanswered, the
+//!   server is gone without a word (a half-open connection) and the session ends with that.
 //! - C5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
 //!   in a channel of [`WRITE_QUEUE`] chunks; the read buffer holds at most one operation
 //!   beyond what was read (the server's answers are small; `max_payload` bounds them).
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +55,12 @@ use crate::wire::{self, Parsed, ServerOp};
 /// Chunks of frames the writer task may have queued (each is one batch of publishes, or a
 /// `PONG`).
 pub(crate) const WRITE_QUEUE: usize = 64;
+
+/// How often a connection `PING`s the server by default: async-nats's default (C4).
+pub const PING_INTERVAL: Duration = Duration::from_secs(60);
+
+/// `PING`s the connection may have sent unanswered; one more interval and it is closed (C4).
+pub const PINGS_UNANSWERED: u32 = 2;
 
 /// The subscription id of the session's answers.
 const SID: u64 = 1;
@@ -114,6 +125,8 @@ pub struct Connector {
     pub name: String,
     /// How long connecting to one server may take.
     pub timeout: Duration,
+    /// How often the connection `PING`s the server (C4).
+    pub ping_interval: Duration,
 }
 
 impl Connector {
@@ -127,6 +140,7 @@ impl Connector {
             tls_first: false,
             name: "outbox-relay".into(),
             timeout: Duration::from_secs(5),
+            ping_interval: PING_INTERVAL,
         }
     }
 
@@ -145,7 +159,13 @@ impl Connector {
         for server in &self.servers {
             match tokio::time::timeout(self.timeout, self.open_one(server, &reply_prefix)).await {
                 Ok(Ok((stream, info))) => {
-                    return Ok(Connection::start(stream, info, reply_prefix, window))
+                    return Ok(Connection::start(
+                        stream,
+                        info,
+                        reply_prefix,
+                        window,
+                        self.ping_interval,
+                    ))
                 }
                 Ok(Err(why)) => failures.push(format!("{}: {why}", redact(server))),
                 Err(_) => failures.push(format!(
@@ -488,14 +508,22 @@ pub struct Connection {
 }
 
 impl Connection {
-    fn start(stream: Stream, info: Info, reply_prefix: String, answers: usize) -> Connection {
+    fn start(
+        stream: Stream,
+        info: Info,
+        reply_prefix: String,
+        answers: usize,
+        ping_interval: Duration,
+    ) -> Connection {
         let (read, write) = tokio::io::split(stream);
         let (frames_tx, frames_rx) = mpsc::channel(WRITE_QUEUE);
         let (answers_tx, answers_rx) = mpsc::channel(answers.max(1) + 16);
+        let unanswered = Arc::new(AtomicU32::new(0));
         let writer = AbortOnDropHandle::new(tokio::spawn(write_frames(
             write,
             frames_rx,
             answers_tx.clone(),
+            (ping_interval, unanswered.clone()),
         )));
         let reader = AbortOnDropHandle::new(tokio::spawn(read_answers(
             read,
@@ -503,6 +531,7 @@ impl Connection {
             answers_tx,
             reply_prefix.clone(),
             info.max_payload,
+            unanswered,
         )));
         Connection {
             frames: frames_tx,
@@ -515,27 +544,45 @@ impl Connection {
 }
 
 /// The writer task: writes each queued chunk, and whatever else is queued behind it, then
-/// flushes (TLS buffers records).
+/// flushes (TLS buffers records); `PING`s every `ping.0`, counting in `ping.1` the ones
+/// the reader has not seen answered, and closes the connection when too many were not (C4).
 async fn write_frames(
     mut write: tokio::io::WriteHalf<Stream>,
     mut frames: mpsc::Receiver<Bytes>,
     answers: mpsc::Sender<Answer>,
+    ping: (Duration, Arc<AtomicU32>),
 ) {
+    let (interval, unanswered) = ping;
+    let mut pings = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    pings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let result = async {
-        while let Some(chunk) = frames.recv().await {
-            write.write_all(&chunk).await?;
-            while let Ok(chunk) = frames.try_recv() {
-                write.write_all(&chunk).await?;
+        loop {
+            tokio::select! {
+                chunk = frames.recv() => {
+                    let Some(chunk) = chunk else { return Ok(None) };
+                    write.write_all(&chunk).await?;
+                    while let Ok(chunk) = frames.try_recv() {
+                        write.write_all(&chunk).await?;
+                    }
+                }
+                _ = pings.tick() => {
+                    if unanswered.fetch_add(1, Ordering::Relaxed) >= PINGS_UNANSWERED {
+                        return Ok(Some(format!(
+                            "the NATS server answered none of the last {PINGS_UNANSWERED} PINGs, sent {interval:?} apart"
+                        )));
+                    }
+                    write.write_all(b"PING\r\n").await?;
+                }
             }
             write.flush().await?;
         }
-        Ok::<(), std::io::Error>(())
     };
-    if let Err(error) = result.await {
-        let _ = answers
-            .send(Answer::Closed(format!("cannot write to NATS: {error}")))
-            .await;
-    }
+    let why = match result.await {
+        Ok(None) => return,
+        Ok(Some(why)) => why,
+        Err::<_, std::io::Error>(error) => format!("cannot write to NATS: {error}"),
+    };
+    let _ = answers.send(Answer::Closed(why)).await;
 }
 
 /// The reader task: answers `PING`, hands every answer on the session's subscription to the
@@ -546,6 +593,7 @@ async fn read_answers(
     answers: mpsc::Sender<Answer>,
     reply_prefix: String,
     max_payload: usize,
+    unanswered: Arc<AtomicU32>,
 ) {
     let mut buffer = BytesMut::with_capacity(64 * 1024);
     let max_payload = if max_payload == 0 {
@@ -578,6 +626,7 @@ async fn read_answers(
                         return;
                     }
                 }
+                Reading::Pong => unanswered.store(0, Ordering::Relaxed),
                 Reading::Error(text) => {
                     closed = Some(format!("the NATS server said: {text}"));
                     break;
@@ -600,6 +649,8 @@ async fn read_answers(
 enum Reading {
     Answer(Answer),
     Ping,
+    /// The answer to one of our `PING`s (C4).
+    Pong,
     Error(String),
     Nothing,
 }
@@ -627,6 +678,7 @@ fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
             })
         }
         ServerOp::Ping => Reading::Ping,
+        ServerOp::Pong => Reading::Pong,
         ServerOp::Err(text) => Reading::Error(String::from_utf8_lossy(text).into_owned()),
         _ => Reading::Nothing,
     }

@@ -298,6 +298,10 @@ pub enum SinkError {
         /// Why, in the server's words when it said any.
         why: String,
     },
+    /// The session's publishing connection failed or the server closed it while the acker
+    /// awaited no answer (C3, C4): the session ends now, not at its next publish.
+    #[error("the publishing connection to NATS closed: {0}")]
+    Disconnected(String),
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
@@ -477,6 +481,7 @@ where
         timeout: options.ack_timeout,
         deadline: Box::pin(tokio::time::sleep(options.ack_timeout)),
         early: BTreeMap::new(),
+        awaited: 0,
         closed: None,
     };
     let mut sequence: u64 = 0;
@@ -695,6 +700,9 @@ struct Acks {
     /// Answers that came before an older publish's (not expected from one stream, which
     /// answers in order; kept, never dropped, should a server do otherwise).
     early: BTreeMap<u64, Result<Acked, PublishError>>,
+    /// The newest publish whose answer the acker awaited (0: none yet); answers read while
+    /// it awaits none are for publishes after it.
+    awaited: u64,
     /// Why the connection closed, once it did (C3).
     closed: Option<String>,
 }
@@ -703,6 +711,7 @@ impl Acks {
     /// The answer to publish `sequence` (outbox row `id`), the oldest unacknowledged one
     /// (P10).
     async fn next(&mut self, sequence: u64, id: i64) -> Result<Acked, SinkError> {
+        self.awaited = sequence;
         let answered =
             |ack: Result<Acked, PublishError>| ack.map_err(|source| SinkError::Ack { id, source });
         if !self.early.is_empty() {
@@ -749,14 +758,41 @@ impl Acks {
             if answer_to == sequence {
                 return answered(ack);
             }
-            if answer_to > sequence && answer_to - sequence < self.window {
-                self.early.insert(answer_to, ack);
-            } else {
-                debug!(
-                    awaited = sequence,
-                    answered = answer_to,
-                    "ignoring an answer no publish of this session awaits"
-                );
+            self.keep_early(sequence, answer_to, ack);
+        }
+    }
+
+    /// Keeps an answer to a publish in flight (`oldest`, the oldest unacknowledged one, and
+    /// the window after it) for its turn and ignores any other: no publish of this session
+    /// awaits it.
+    fn keep_early(&mut self, oldest: u64, answer_to: u64, ack: Result<Acked, PublishError>) {
+        if answer_to >= oldest && answer_to - oldest < self.window {
+            self.early.insert(answer_to, ack);
+        } else {
+            debug!(
+                oldest,
+                answered = answer_to,
+                "ignoring an answer no publish of this session awaits"
+            );
+        }
+    }
+
+    /// Reads the connection while the acker awaits no answer, keeping what comes early for
+    /// the publishes after [`Acks::awaited`], until the connection closes: returns why (C3).
+    /// Cancel-safe: an answer is kept as soon as it is read.
+    async fn closed(&mut self) -> String {
+        loop {
+            if let Some(why) = &self.closed {
+                return why.clone();
+            }
+            match self.answers.recv().await {
+                Some(Answer::Ack { sequence, ack }) => {
+                    // Every publish up to `awaited` is answered: the oldest in flight, if
+                    // any, is the next one.
+                    self.keep_early(self.awaited + 1, sequence, ack);
+                }
+                Some(Answer::Closed(why)) => self.closed = Some(why),
+                None => self.closed = Some(CONNECTION_CLOSED.into()),
             }
         }
     }
@@ -861,7 +897,14 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
             &stats.oldest_unconfirmed_us,
         )
     });
-    while let Some(item) = items.recv().await {
+    loop {
+        let item = tokio::select! {
+            biased;
+            item = items.recv() => item,
+            // C3: a connection that closes while the session is idle ends it now.
+            why = acks.closed() => return Err(SinkError::Disconnected(why)),
+        };
+        let Some(item) = item else { break };
         let moved = match item {
             AckItem::Begin { commit_time_us } => {
                 tracker.begin()?;

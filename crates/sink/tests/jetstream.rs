@@ -623,6 +623,120 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     assert_eq!((watermark, stats.acked()), (0, 0));
 }
 
+/// A session of `sink::run` whose publishing connection goes through a proxy (for the faults
+/// a server cannot produce), its input kept open.
+struct Proxied {
+    js: jetstream::Context,
+    proxy: testkit::Proxy,
+    items: tokio::sync::mpsc::Sender<Vec<outbox::Item<u64>>>,
+    watermark: tokio::sync::watch::Receiver<u64>,
+    stats: std::sync::Arc<sink::SinkStats>,
+    run: tokio::task::JoinHandle<Result<(), sink::SinkError>>,
+}
+
+impl Proxied {
+    async fn start(nats: &Nats, name: &str, ping_interval: std::time::Duration) -> Proxied {
+        let js = context(nats, name, 1024 * 1024).await;
+        let proxy = testkit::Proxy::start(format!("127.0.0.1:{}", nats.port()).parse().unwrap());
+        let mut connector = sink::Connector::plain(format!("nats://127.0.0.1:{}", proxy.port()));
+        connector.ping_interval = ping_interval;
+        let connection = connector
+            .open(&js.client(), 16)
+            .await
+            .expect("open the publishing connection");
+        let (items, items_rx) = tokio::sync::mpsc::channel(4);
+        let (watermark_tx, watermark) = tokio::sync::watch::channel(0u64);
+        let stats = std::sync::Arc::new(sink::SinkStats::default());
+        let run = tokio::spawn(sink::run(
+            js.clone(),
+            connection,
+            options(None, std::time::Duration::from_secs(30)),
+            items_rx,
+            watermark_tx,
+            stats.clone(),
+        ));
+        Proxied {
+            js,
+            proxy,
+            items,
+            watermark,
+            stats,
+            run,
+        }
+    }
+
+    /// How the session ended, within 30 s of being asked.
+    async fn end(self) -> Result<(), sink::SinkError> {
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(30), self.run)
+            .await
+            .expect("the session ends within 30 s")
+            .unwrap();
+        drop(self.items);
+        ended
+    }
+}
+
+/// C3: a session whose publishing connection closes while it publishes nothing ends with
+/// the connection's reason at once, not at its next publish; an event published before
+/// is confirmed first.
+#[tokio::test]
+async fn an_idle_session_ends_when_its_connection_closes() {
+    let nats = Nats::start();
+    let mut session = Proxied::start(&nats, "IDLE", sink::conn::PING_INTERVAL).await;
+    session
+        .items
+        .send(vec![
+            outbox::Item::Begin { commit_time_us: 0 },
+            outbox::Item::Event(event("IDLE", 1, 0)),
+            outbox::Item::Commit(1),
+        ])
+        .await
+        .unwrap();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        session.watermark.wait_for(|w| *w == 1),
+    )
+    .await
+    .expect("the event is confirmed within 30 s")
+    .unwrap();
+
+    // Idle from here; the input stays open.
+    session.proxy.cut();
+    let (js, stats) = (session.js.clone(), session.stats.clone());
+    let error = session.end().await.unwrap_err();
+    assert!(
+        matches!(error, sink::SinkError::Disconnected(_)) && error.is_transient(),
+        "{error:?}"
+    );
+    assert_eq!(
+        (
+            stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+            stored(&js, "IDLE").await
+        ),
+        (1, 1)
+    );
+}
+
+/// C4: a connection whose server stops answering without closing it (a half-open
+/// connection: the proxy holds every byte from the server) ends the session once
+/// `PINGS_UNANSWERED` of its PINGs went unanswered, while the session is idle.
+#[tokio::test]
+async fn a_server_that_stops_answering_pings_ends_an_idle_session() {
+    let nats = Nats::start();
+    let session = Proxied::start(&nats, "SILENT", std::time::Duration::from_millis(200)).await;
+    // Answered PINGs keep it open: five intervals pass while the server answers.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert!(
+        !session.run.is_finished(),
+        "answered PINGs keep the session open"
+    );
+    session.proxy.set_blackhole(true);
+    match session.end().await {
+        Err(sink::SinkError::Disconnected(why)) => assert!(why.contains("PINGs"), "{why}"),
+        other => panic!("expected the connection to be closed for unanswered PINGs: {other:?}"),
+    }
+}
+
 /// The headers a relayed event carries, from the frozen contract (`outbox::headers`), written
 /// out independently of the sink: what the stored message must hold.
 fn contract_headers(event: &outbox::OutboxEvent, source: &str) -> Vec<(&'static str, String)> {
