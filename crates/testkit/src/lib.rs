@@ -82,13 +82,28 @@ pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;
 pub use tls::Ca;
 
-/// A free TCP port on 127.0.0.1: binds port 0 and reads the port the kernel
-/// picked. Never returns the same port twice within one test process.
+/// A free TCP port on 127.0.0.1, outside the kernel's ephemeral range when the range leaves
+/// room below it: a port the kernel hands out for `bind(0)` may be given to any client
+/// socket's `connect` the moment it is released (a test once found its "free" port taken
+/// by a concurrent test's connection), while a port below the range is never picked by the
+/// kernel. Checked bindable, and never the same port twice within one test process.
 pub fn free_port() -> u16 {
     static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
-    for _ in 0..1000 {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .expect("testkit: bind 127.0.0.1:0 to find a free port");
+    static NEXT: Mutex<Option<u16>> = Mutex::new(None);
+    let (first, end) = ports_outside_the_ephemeral_range();
+    for _ in 0..2000 {
+        let candidate = if first < end {
+            let mut next = NEXT.lock().unwrap_or_else(PoisonError::into_inner);
+            // Start where another test process is unlikely to: by our pid.
+            let port = next.unwrap_or(first + (std::process::id() % u32::from(end - first)) as u16);
+            *next = Some(if port + 1 >= end { first } else { port + 1 });
+            port
+        } else {
+            0
+        };
+        let Ok(listener) = TcpListener::bind(("127.0.0.1", candidate)) else {
+            continue;
+        };
         let port = listener
             .local_addr()
             .expect("testkit: local_addr of a bound listener")
@@ -99,6 +114,22 @@ pub fn free_port() -> u16 {
         }
     }
     panic!("testkit: could not find a free loopback port that was not handed out before");
+}
+
+/// `[first, end)`: the ports from 20 000 to the start of the kernel's ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`), empty when the range starts at or below
+/// 21 000 (then [`free_port`] asks the kernel).
+fn ports_outside_the_ephemeral_range() -> (u16, u16) {
+    const FIRST: u16 = 20_000;
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(0);
+    if low > FIRST + 1_000 {
+        (FIRST, low)
+    } else {
+        (0, 0)
+    }
 }
 
 /// Poll `ready` every ~20 ms until it returns true; panics with
