@@ -898,13 +898,19 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
         )
     });
     loop {
-        let item = tokio::select! {
-            biased;
-            item = items.recv() => item,
-            // C3: a connection that closes while the session is idle ends it now.
-            why = acks.closed() => return Err(SinkError::Disconnected(why)),
+        let item = match items.try_recv() {
+            Ok(item) => item,
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) => tokio::select! {
+                biased;
+                item = items.recv() => match item {
+                    Some(item) => item,
+                    None => break,
+                },
+                // C3: a connection that closes while the session is idle ends it now.
+                why = acks.closed() => return Err(SinkError::Disconnected(why)),
+            },
         };
-        let Some(item) = item else { break };
         let moved = match item {
             AckItem::Begin { commit_time_us } => {
                 tracker.begin()?;
