@@ -19,7 +19,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use nkeys::KeyPair;
 use support::{insert_transaction, Case, DEADLINE};
-use testkit::{Ca, Nats, Postgres, Process};
+use testkit::{Ca, Nats, Postgres, Process, TlsFront};
 
 /// How long a refused relay may take to give up: one connection attempt, no retries.
 const REFUSAL_DEADLINE: Duration = Duration::from_secs(30);
@@ -423,6 +423,40 @@ async fn tls_with_a_private_ca_and_a_required_client_certificate_relays_and_wron
         ],
         &["--tlsca"],
         &[],
+    );
+}
+
+/// `--tlsfirst` (`nats_tlsfirst`): TLS before the server's `INFO`, for a nats-server with
+/// `handshake_first` or one behind a load balancer that terminates TLS. nats-server 2.9.10
+/// has no `handshake_first`, so a TLS-terminating front (the load balancer's part) stands
+/// before a plain server: it accepts nothing but a TLS handshake, so the events arrive only
+/// if both of the relay's connections (async-nats's and the publishing one) handshake first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_first_relays_through_a_front_that_terminates_tls() {
+    let dir = temp_dir();
+    let ca = Ca::new();
+    let ca_file = dir.path().join("ca.crt");
+    ca.write_cert(&ca_file);
+    let (cert, key) = ca.write_server(dir.path(), "front");
+    let nats = Nats::start();
+    let front = TlsFront::start(
+        format!("127.0.0.1:{}", nats.port()).parse().unwrap(),
+        &cert,
+        &key,
+    );
+    let url = format!("tls://127.0.0.1:{}", front.port());
+    let case = Case::with_nats_url(pg(), &url, "tls_first");
+    relays_events(
+        &case,
+        &["--tlsfirst", "--tlsca", ca_file.to_str().unwrap()],
+        &nats,
+        async_nats::ConnectOptions::new(),
+    )
+    .await;
+    assert!(
+        front.handshakes() >= 2,
+        "both of the relay's connections handshake first: {} handshakes",
+        front.handshakes()
     );
 }
 

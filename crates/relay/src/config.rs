@@ -65,6 +65,12 @@ impl OptionSpec {
         format!("{}, {} or the file key {}", self.flag(), self.env, self.key)
     }
 
+    /// Whether it is a yes/no option (those default to `false`): given as a bare flag
+    /// (`--mark-published`) it means `true`.
+    pub fn is_switch(&self) -> bool {
+        self.default == Some("false")
+    }
+
     /// Whether its value is (or may hold) a secret, never to be shown (C1).
     pub fn is_secret(&self) -> bool {
         key_is_secret(self.key)

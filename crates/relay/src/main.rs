@@ -173,13 +173,16 @@ fn cli() -> Command {
         if let Some(default) = spec.default {
             help.push_str(&format!(" [default: {default}]"));
         }
-        command = command.arg(
-            Arg::new(spec.key)
-                .long(flag)
-                .value_name("VALUE")
-                .global(true)
-                .help(help),
-        );
+        let mut arg = Arg::new(spec.key)
+            .long(flag)
+            .value_name("VALUE")
+            .global(true)
+            .help(help);
+        if spec.is_switch() {
+            // `--mark-published` alone means true; `--mark-published false` still parses.
+            arg = arg.num_args(0..=1).default_missing_value("true");
+        }
+        command = command.arg(arg);
     }
     command
 }
@@ -420,7 +423,9 @@ fn configuration_doc(command: &Command) -> String {
          Every option is a command-line flag, an environment variable and a key of the TOML file\n\
          given with `--config` (or `OUTBOX_RELAY_CONFIG`). Precedence: flag > environment > file >\n\
          default. An unknown `OUTBOX_RELAY_*` variable or file key and an invalid value stop the\n\
-         relay at start with a message naming them (exit 2). Secrets are never printed.\n\n\
+         relay at start with a message naming them (exit 2). Secrets are never printed. A yes/no\n\
+         option given as a bare flag means `true` (`--mark-published`; `--mark-published false`\n\
+         works too).\n\n\
          ## Commands\n\n| command | flags of its own | does |\n|---|---|---|\n",
     );
     for sub in command.get_subcommands() {
@@ -498,6 +503,33 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A yes/no option given bare means true, and still takes a value; other options
+    /// still need theirs.
+    #[test]
+    fn a_bare_switch_means_true() {
+        let matches = cli()
+            .try_get_matches_from([
+                "outbox-relay",
+                "run",
+                "--mark-published",
+                "--shared-stream",
+                "false",
+                "--tlsfirst",
+                "--slot",
+                "s",
+            ])
+            .unwrap();
+        let run = matches.subcommand_matches("run").unwrap();
+        let value = |key: &str| run.get_one::<String>(key).map(String::as_str);
+        assert_eq!(value("mark_published"), Some("true"));
+        assert_eq!(value("shared_stream"), Some("false"));
+        assert_eq!(value("nats_tlsfirst"), Some("true"));
+        assert_eq!(value("slot"), Some("s"));
+        assert!(cli()
+            .try_get_matches_from(["outbox-relay", "run", "--slot"])
+            .is_err());
+    }
 
     /// docs/configuration.md is what the command line defines: it cannot drift.
     #[test]

@@ -23,7 +23,8 @@
 //!   [`Postgres::start_again`], [`Nats::kill`], [`Nats::start_again`],
 //!   [`Process::signal`]. Restarts keep the port and the data directory.
 //!   [`Proxy`] produces network faults a real server cannot (cut
-//!   connections, held-back replies).
+//!   connections, held-back replies); [`TlsFront`] terminates TLS in front of
+//!   a plain server, as a load balancer does.
 //! * **Servers run as `postgres` when the tests run as root.** `initdb` and
 //!   `postgres` refuse to run as root, so when the effective uid is 0 they are
 //!   started with `CommandExt::uid/gid` of the `postgres` OS user (no `su`
@@ -65,6 +66,7 @@ mod prometheus;
 mod proxy;
 mod server;
 mod tls;
+mod tls_front;
 
 use std::collections::HashSet;
 use std::ffi::CStr;
@@ -81,6 +83,7 @@ pub use process::Process;
 pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;
 pub use tls::Ca;
+pub use tls_front::TlsFront;
 
 /// A free TCP port on 127.0.0.1, outside the kernel's ephemeral range when the range leaves
 /// room below it: a port the kernel hands out for `bind(0)` may be given to any client
