@@ -511,17 +511,13 @@ async fn config_shows_no_password_token_or_credentials() {
     assert!(!with_creds.contains(jwt_line), "{with_creds}");
 }
 
-/// docs/operations.md's runbook permissions are enough: a user who may publish only to the
-/// prefix and the stream's three JetStream APIs, and subscribe only to `_INBOX.>`, relays
-/// events. The sink's acks arrive on one subscription per session under the client's inbox
-/// prefix (sink P10), which that permission covers, like async-nats's request replies.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_runbooks_permissions_are_enough_to_relay() {
-    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "runbook_permissions");
-    let (stream, prefix) = (case.stream.clone(), case.prefix.clone());
-    let dir = temp_dir();
-    let nats = nats_with_config(
-        dir.path(),
+/// A nats-server whose user `relay` (password `relay-s3cret`) may publish only to `case`'s
+/// prefix and the stream's three JetStream APIs, and subscribe only to `{inbox}.>`; the user
+/// `admin` (password `admin-s3cret`) may do anything.
+fn nats_with_runbook_permissions(case: &Case, dir: &Path, inbox: &str) -> Nats {
+    let (stream, prefix) = (&case.stream, &case.prefix);
+    nats_with_config(
+        dir,
         &format!(
             r#"
 authorization {{
@@ -530,7 +526,7 @@ authorization {{
       user: relay, password: relay-s3cret,
       permissions: {{
         publish: {{ allow: ["{prefix}.>", "$JS.API.STREAM.INFO.{stream}", "$JS.API.STREAM.CREATE.{stream}", "$JS.API.STREAM.MSG.GET.{stream}"] }},
-        subscribe: {{ allow: ["_INBOX.>"] }}
+        subscribe: {{ allow: ["{inbox}.>"] }}
       }}
     }},
     {{ user: admin, password: admin-s3cret }}
@@ -538,11 +534,67 @@ authorization {{
 }}
 "#
         ),
-    );
+    )
+}
+
+/// docs/operations.md's runbook permissions are enough: a user who may publish only to the
+/// prefix and the stream's three JetStream APIs, and subscribe only to `_INBOX.>`, relays
+/// events. The sink's acks arrive on one subscription per session under the client's inbox
+/// prefix (sink P10), which that permission covers, like async-nats's request replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runbooks_permissions_are_enough_to_relay() {
+    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "runbook_permissions");
+    let dir = temp_dir();
+    let nats = nats_with_runbook_permissions(&case, dir.path(), "_INBOX");
     case.nats_url = nats.url();
     relays_events(
         &case,
         &["--user", "relay", "--password", "relay-s3cret"],
+        &nats,
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into()),
+    )
+    .await;
+}
+
+/// `--inbox-prefix`: a user who may subscribe only to its own inboxes (`_INBOX_relay.>`, so
+/// it cannot read other users' replies) relays events when the relay is given that prefix:
+/// both connections take their reply subjects under it. Without it, the relay says at once
+/// that the server refused its subscription, and which permission or option fixes it,
+/// instead of timing out on requests whose replies it may not receive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
+    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "inbox_prefix");
+    let dir = temp_dir();
+    let nats = nats_with_runbook_permissions(&case, dir.path(), "_INBOX_relay");
+    case.nats_url = nats.url();
+
+    let mut command = case.relay_command("run");
+    command.args(["--user", "relay", "--password", "relay-s3cret"]);
+    let refused = Process::spawn(&format!("refused-{}", case.name), command);
+    refused.wait_for_output("--inbox-prefix", DEADLINE);
+    let output = refused.output();
+    assert!(
+        output.contains("refused the subscription to _INBOX.")
+            && output.contains("Permissions Violation for Subscription")
+            && output.contains("subscribe permission on _INBOX.>"),
+        "{output}"
+    );
+    assert!(
+        !output.contains("timed out"),
+        "named before any request times out:\n{output}"
+    );
+    drop(refused);
+
+    relays_events(
+        &case,
+        &[
+            "--user",
+            "relay",
+            "--password",
+            "relay-s3cret",
+            "--inbox-prefix",
+            "_INBOX_relay",
+        ],
         &nats,
         async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into()),
     )

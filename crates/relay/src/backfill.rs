@@ -326,10 +326,9 @@ pub async fn at_slot_creation(
         crate::pipeline::max_message_bytes(&tail, max_payload),
         source,
     );
-    let publishing = crate::nats::connector(&config.nats)?
-        .open(&jetstream.client(), config.max_in_flight)
-        .await
-        .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
+    let publishing =
+        crate::nats::open_publishing(&crate::nats::connector(&config.nats)?, jetstream, config)
+            .await?;
     let stats = Arc::new(SinkStats::default());
     let (items_tx, items_rx) = mpsc::channel(4);
     let (watermark_tx, _watermark) = watch::channel(Position {

@@ -35,7 +35,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::config::{opt, parse_bool, ConfigError, NatsUrl, OptionSpec, RawConfig};
-use crate::error::{RelayError, Result};
+use crate::error::{RelayError, Result, Target};
 
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -49,6 +49,8 @@ pub struct NatsOptions {
     credential: Option<Credential>,
     /// TLS files and mode.
     tls: Tls,
+    /// The prefix of the relay's reply subjects (`{prefix}.{unique}`).
+    inbox_prefix: String,
 }
 
 /// A credential and the options it came from, as the operator gave them (N3).
@@ -225,7 +227,26 @@ impl NatsOptions {
             servers,
             credential: given.pop(),
             tls,
+            inbox_prefix: raw.parse(&opt::NATS_INBOX_PREFIX, parse_inbox_prefix)?,
         })
+    }
+}
+
+/// A subject prefix for replies: dot-separated tokens of printable ASCII without the
+/// wildcards `*` and `>`, as the server requires of a subscription's literal part.
+fn parse_inbox_prefix(text: &str) -> Result<String, String> {
+    let valid_token = |token: &str| {
+        !token.is_empty()
+            && token
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'*' && b != b'>' && b != b'.')
+    };
+    if text.split('.').all(valid_token) {
+        Ok(text.to_owned())
+    } else {
+        Err(format!(
+            "{text:?} is not a subject prefix: dot-separated tokens of printable ASCII without spaces, `*` or `>`, e.g. _INBOX_relay"
+        ))
     }
 }
 
@@ -262,7 +283,8 @@ impl fmt::Display for NatsOptions {
 pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
     let mut connect = async_nats::ConnectOptions::new()
         .name("outbox-relay")
-        .connection_timeout(CONNECT_TIMEOUT);
+        .connection_timeout(CONNECT_TIMEOUT)
+        .custom_inbox_prefix(options.inbox_prefix.clone());
     if let Some(credential) = &options.credential {
         let unusable = |why: String| {
             RelayError::permanent(anyhow::anyhow!(
@@ -303,6 +325,30 @@ pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
             None => RelayError::transient(anyhow::anyhow!(message)),
         }
     })
+}
+
+/// Opens a session's publishing connection with `connector`, its replies under the client's
+/// inbox prefix; a subscription the server forbids is an error that says which permission,
+/// or which option, fixes it.
+pub async fn open_publishing(
+    connector: &sink::Connector,
+    jetstream: &async_nats::jetstream::Context,
+    config: &crate::config::Config,
+) -> Result<sink::Connection> {
+    connector
+        .open(&jetstream.client(), config.max_in_flight)
+        .await
+        .map_err(|error| {
+            let fix = matches!(error, sink::SinkError::SubscriptionRefused { .. }).then(|| {
+                format!(
+                    ": give the NATS user subscribe permission on {prefix}.>, or set {} to a prefix it may subscribe to (then {{prefix}}.>)",
+                    opt::NATS_INBOX_PREFIX.how_to_set(),
+                    prefix = config.nats.inbox_prefix,
+                )
+            });
+            RelayError::transient(anyhow::anyhow!("{error}{}", fix.unwrap_or_default()))
+                .at(Target::Nats)
+        })
 }
 
 /// The sink's publishing connection (`sink::conn`): the same servers, credential and TLS
@@ -713,6 +759,25 @@ mod tests {
         .nats;
         assert!(options.tls.first && options.tls.required());
         assert_eq!(options.servers, ["tls://h:4222"]);
+    }
+
+    #[test]
+    fn the_inbox_prefix_is_a_literal_subject_prefix() {
+        assert_eq!(nats(&[]).unwrap().inbox_prefix, "_INBOX");
+        let given = nats(&[("OUTBOX_RELAY_NATS_INBOX_PREFIX", "_INBOX_relay.orders")]).unwrap();
+        assert_eq!(given.inbox_prefix, "_INBOX_relay.orders");
+        for bad in [
+            "", "a..b", "a.", ".a", "a b", "_INBOX.*", "_INBOX.>", "a\tb",
+        ] {
+            let error = nats(&[("OUTBOX_RELAY_NATS_INBOX_PREFIX", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains("OUTBOX_RELAY_NATS_INBOX_PREFIX")
+                    && error.contains("not a subject prefix"),
+                "{bad:?}: {error}"
+            );
+        }
     }
 
     #[test]

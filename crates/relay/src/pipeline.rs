@@ -392,6 +392,10 @@ async fn prepare(
     let connector = crate::nats::connector(&config.nats)?;
     metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
+    // I13: open before the session says it streams, so a session that streams can publish;
+    // first, so that a subscription the server forbids is named before any request of
+    // async-nats's waits for its reply in vain.
+    let publishing = crate::nats::open_publishing(&connector, &jetstream, config).await?;
     // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
         // The slot must still exist: recreating it would silently skip what was committed
@@ -428,11 +432,6 @@ async fn prepare(
         });
     }
     let max_message_bytes = max_message_bytes(&tail, max_payload);
-    // I13: open before the session says it streams: a session that streams can publish.
-    let publishing = connector
-        .open(&jetstream.client(), config.max_in_flight)
-        .await
-        .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
 
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);

@@ -167,7 +167,15 @@ impl Connector {
                         self.ping_interval,
                     ))
                 }
-                Ok(Err(why)) => failures.push(format!("{}: {why}", redact(server))),
+                Ok(Err(Failure::Other(why))) => {
+                    failures.push(format!("{}: {why}", redact(server)));
+                }
+                Ok(Err(Failure::Subscription(why))) => {
+                    return Err(crate::SinkError::SubscriptionRefused {
+                        subject: format!("{reply_prefix}*"),
+                        why,
+                    });
+                }
                 Err(_) => failures.push(format!(
                     "{}: no answer within {:?}",
                     redact(server),
@@ -182,7 +190,7 @@ impl Connector {
         }))
     }
 
-    async fn open_one(&self, server: &str, reply_prefix: &str) -> Result<(Stream, Info), String> {
+    async fn open_one(&self, server: &str, reply_prefix: &str) -> Result<(Stream, Info), Failure> {
         let address = Address::parse(server)?;
         let tcp = TcpStream::connect((address.host.as_str(), address.port))
             .await
@@ -213,23 +221,18 @@ impl Connector {
         hello.extend_from_slice(b"\r\nPING\r\n");
         send(&mut stream, &hello, "cannot send CONNECT").await?;
         // C2: PONG, or the server's refusal.
-        loop {
-            let answer = read_op(&mut stream, &mut buffer, |op| match op {
-                ServerOp::Pong => Some(Ok(())),
-                ServerOp::Err(text) => Some(Err(String::from_utf8_lossy(text).into_owned())),
-                _ => None,
-            })
-            .await?;
-            match answer {
-                Some(Ok(())) => break,
-                Some(Err(text)) => return Err(format!("the server refused us: {text}")),
-                None => continue,
-            }
+        if let Err(text) = pong(&mut stream, &mut buffer).await? {
+            return Err(Failure::Other(format!("the server refused us: {text}")));
         }
-        let subscribe = format!("SUB {reply_prefix}* {SID}\r\n");
+        // C2: the subscription, confirmed by the next PONG: a server that forbids it says so
+        // first (a permissions violation leaves the connection open).
+        let subscribe = format!("SUB {reply_prefix}* {SID}\r\nPING\r\n");
         send(&mut stream, subscribe.as_bytes(), "cannot subscribe").await?;
+        if let Err(text) = pong(&mut stream, &mut buffer).await? {
+            return Err(Failure::Subscription(text));
+        }
         if !buffer.is_empty() {
-            return Err("the server sent more than PONG before we subscribed".into());
+            return Err("the server sent more than PONG before we published".into());
         }
         Ok((stream, info))
     }
@@ -421,6 +424,42 @@ async fn send(stream: &mut Stream, bytes: &[u8], what: &str) -> Result<(), Strin
         .await
         .map_err(|e| format!("{what}: {e}"))?;
     stream.flush().await.map_err(|e| format!("{what}: {e}"))
+}
+
+/// Why a server could not be used.
+enum Failure {
+    /// It refused the session's subscription (a permission): every server of the account
+    /// will, so none is tried after it.
+    Subscription(String),
+    /// Anything else: the next server is tried.
+    Other(String),
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Self {
+        Failure::Other(why)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(why: &str) -> Self {
+        Failure::Other(why.to_owned())
+    }
+}
+
+/// Reads until the server's `PONG` (`Ok(Ok)`) or its `-ERR` (`Ok(Err)`, its words).
+async fn pong(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Result<(), String>, String> {
+    loop {
+        let answer = read_op(stream, buffer, |op| match op {
+            ServerOp::Pong => Some(Ok(())),
+            ServerOp::Err(text) => Some(Err(String::from_utf8_lossy(text).into_owned())),
+            _ => None,
+        })
+        .await?;
+        if let Some(answer) = answer {
+            return Ok(answer);
+        }
+    }
 }
 
 /// Reads until one operation is whole and hands it to `take`; `PING` is answered on the way

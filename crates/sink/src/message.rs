@@ -39,7 +39,8 @@ pub const DEFAULT_MAX_CONTROL_LINE: usize = 4096;
 /// session, the publish's number in the session: at most 20 digits), 50 bytes at most;
 /// the budget keeps the 52 bytes of async-nats's JetStream reply subjects
 /// (`_INBOX.{id}.{token}`), which the sink used before, so what counts as poison did not
-/// change. `tests/jetstream.rs` checks the sink's on the real server.
+/// change. `tests/jetstream.rs` checks the sink's on the real server. A session whose
+/// reply subjects are longer (a custom inbox prefix) budgets the difference (P7).
 pub const REPLY_SUBJECT_LEN: usize = "_INBOX.".len() + 22 + 1 + 22;
 
 /// A dead-letter record's `Nats-Msg-Id` longer than this uses a digest of the dedupe key.

@@ -289,6 +289,15 @@ pub enum SinkError {
     /// The session's publishing connection could not be opened (C1, C2).
     #[error("cannot open the publishing connection to NATS: {0}")]
     Connect(String),
+    /// The server refused the publishing connection's subscription to its replies (C2): a
+    /// permission the NATS user lacks.
+    #[error("the NATS server refused the subscription to {subject}, where the publish acks arrive: {why}")]
+    SubscriptionRefused {
+        /// The subscription's subject (`{inbox}.*`).
+        subject: String,
+        /// The server's words.
+        why: String,
+    },
     /// The session's publishing connection failed or the server closed it before the event
     /// was acknowledged (C3, C4).
     #[error("the publishing connection to NATS closed before outbox event id={id} was acknowledged: {why}")]
@@ -475,6 +484,12 @@ where
     if info.max_payload > 0 {
         limits.max_message_bytes = limits.max_message_bytes.min(info.max_payload);
     }
+    // P7: a reply subject longer than the budget's (a custom inbox prefix) leaves that much
+    // less of the control line; the session's longest is `{reply_prefix}{u64::MAX}`.
+    let reply_len = reply_prefix.len() + u64::MAX.to_string().len();
+    limits.max_control_line = limits
+        .max_control_line
+        .saturating_sub(reply_len.saturating_sub(crate::REPLY_SUBJECT_LEN));
     let acks = Acks {
         answers,
         window: options.max_in_flight.max(1) as u64,
