@@ -64,7 +64,7 @@ use tracing::{info, warn};
 
 use crate::bootstrap;
 use crate::config::{table_sql, Config};
-use crate::error::{RelayError, Result};
+use crate::error::{RelayError, Result, Target};
 
 /// Rows fetched from the cursor at a time.
 pub const FETCH_ROWS: usize = 1000;
@@ -582,7 +582,9 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
     }
     let jetstream =
         crate::pipeline::jetstream_context(crate::pipeline::connect_nats(config).await?, config);
-    bootstrap::stream(&jetstream, config).await?;
+    bootstrap::stream(&jetstream, config)
+        .await
+        .map_err(|e| e.at(Target::Nats))?;
     client
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await

@@ -253,7 +253,9 @@ async fn ensure(
     }
     if backfill {
         bootstrap::publication(client, config).await?;
-        bootstrap::stream(jetstream, config).await?;
+        bootstrap::stream(jetstream, config)
+            .await
+            .map_err(|e| e.at(Target::Nats))?;
         crate::backfill::at_slot_creation(client, jetstream, config).await?;
     }
     let slot = bootstrap::postgres(client, config).await?;
