@@ -338,16 +338,15 @@ pub async fn open_publishing(
     connector
         .open(&jetstream.client(), config.max_in_flight)
         .await
-        .map_err(|error| {
-            let fix = matches!(error, sink::SinkError::SubscriptionRefused { .. }).then(|| {
-                format!(
-                    ": give the NATS user subscribe permission on {prefix}.>, or set {} to a prefix it may subscribe to (then {{prefix}}.>)",
-                    opt::NATS_INBOX_PREFIX.how_to_set(),
-                    prefix = config.nats.inbox_prefix,
-                )
-            });
-            RelayError::transient(anyhow::anyhow!("{error}{}", fix.unwrap_or_default()))
-                .at(Target::Nats)
+        .map_err(|error| match error {
+            sink::SinkError::SubscriptionRefused { .. } => RelayError::transient(anyhow::anyhow!(
+                "{error}: give the NATS user subscribe permission on {prefix}.>, or set {} to a prefix it may subscribe to (then {{prefix}}.>)",
+                opt::NATS_INBOX_PREFIX.how_to_set(),
+                prefix = config.nats.inbox_prefix,
+            ))
+            .at(Target::Nats),
+            // The sink's own conversion: transient, NATS's, the error kept whole.
+            other => other.into(),
         })
 }
 
