@@ -40,13 +40,20 @@ pub fn compute_keys(id: i64, entity_id: &str, event_type: &str, created_at_epoch
     dedupe_key.push(':');
     // Writing to a String cannot fail.
     let _ = write!(dedupe_key, "{id}");
-    let mut ordering_key = String::with_capacity(34);
-    let _ = write!(ordering_key, "{created_at_epoch_ms:013}:{id:020}");
     Keys {
         dedupe_key,
         partition_key: entity_id.to_owned(),
-        ordering_key,
+        ordering_key: ordering_key(id, created_at_epoch_ms),
     }
+}
+
+/// The seed's `ordering_key` alone: `{created_at_ms:013}:{id:020}` (what a stored message's
+/// `Outbox-Ordering-Key` is checked against when only the row's id and time are at hand).
+pub fn ordering_key(id: i64, created_at_epoch_ms: i64) -> String {
+    let mut ordering_key = String::with_capacity(34);
+    // Writing to a String cannot fail.
+    let _ = write!(ordering_key, "{created_at_epoch_ms:013}:{id:020}");
+    ordering_key
 }
 
 /// The seed's `shard_for_key`: the first 8 bytes of SHA-256(key) as a big-endian `u64`,

@@ -32,6 +32,6 @@ pub use event::{
     SchemaError,
 };
 pub use framer::{FrameError, Framer, Item, KnownRelations, Notice, TableName};
-pub use keys::{compute_keys, shard_for_key, Keys};
+pub use keys::{compute_keys, ordering_key, shard_for_key, Keys};
 /// The LSN type of [`Position::commit_lsn`], so users of positions need not know the decoder.
 pub use pgoutput::Lsn;

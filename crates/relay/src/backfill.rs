@@ -168,13 +168,24 @@ fn marker_name(slot: &str) -> String {
 }
 
 fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
-    let transient = error
-        .code()
-        .is_none_or(|code| replication::sqlstate_is_transient(code.code()));
-    let text = match error.as_db_error() {
+    // 22021: a row holds bytes that are not UTF-8 (a SQL_ASCII database); every retry reads
+    // the same row.
+    let not_utf8 =
+        error.code() == Some(&tokio_postgres::error::SqlState::CHARACTER_NOT_IN_REPERTOIRE);
+    let transient = !not_utf8
+        && error
+            .code()
+            .is_none_or(|code| replication::sqlstate_is_transient(code.code()));
+    let mut text = match error.as_db_error() {
         Some(db) => format!("{what}: {} (SQLSTATE {})", db.message(), db.code().code()),
         None => format!("{what}: {error}"),
     };
+    if not_utf8 {
+        text.push_str(
+            ": a row of the range holds text that is not valid UTF-8 (a SQL_ASCII database stores any bytes), \
+             which the relay never publishes; repair or delete that row, or leave it out of the range",
+        );
+    }
     if transient {
         RelayError::transient(anyhow::anyhow!(text))
     } else {

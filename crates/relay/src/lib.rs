@@ -37,6 +37,7 @@ pub mod pipeline;
 pub mod replay;
 pub mod retention;
 pub mod status;
+pub mod stored;
 pub mod verify;
 
 pub use config::Config;

@@ -241,7 +241,7 @@ impl Metrics {
             ),
             (
                 "tail_rejected",
-                "Stored positions not used to skip because they lie beyond the server's WAL end (a restored database?)",
+                "Stored positions not used to skip because they lie beyond the server's WAL end or their rows do not check out against the table (a restored database, or a message the relay did not write)",
                 &counters.tail_rejected,
             ),
             (
@@ -334,7 +334,7 @@ impl Metrics {
     /// relies on `Nats-Msg-Id` de-duplication, within the duplicate window, for what it
     /// replays.
     fn tail_distrusted(&self, why: &sink::resume::Distrust, last_sequence: u64, source: &str) {
-        use sink::resume::{Distrust, Stored};
+        use sink::resume::Distrust;
         const FALLBACK: &str =
             "replayed events are de-duplicated by Nats-Msg-Id only, within the duplicate window";
         match why {
@@ -356,12 +356,15 @@ impl Metrics {
             }
             Distrust::BeyondWalEnd { stored, commit_lsn } => {
                 self.counters.tail_rejected.inc();
-                let what = match stored {
-                    Stored::Tail => "the stream's last message",
-                    Stored::Acknowledged => "what an earlier session acknowledged",
-                };
+                let what = stored_what(*stored);
                 warn!(commit_lsn = %commit_lsn, metric = TAIL_REJECTED_NAME,
                     "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
+            }
+            Distrust::NotTheRow { stored, why } => {
+                self.counters.tail_rejected.inc();
+                let what = stored_what(*stored);
+                warn!(last_sequence, reason = %why, metric = TAIL_REJECTED_NAME,
+                    "{what} is not the row the table holds under its outbox id (a database restored from a backup and written since, or a message not written by this relay); not skipping by it: {FALLBACK}. After a restore, check with `outbox-relay verify` (docs/guarantees.md)");
             }
         }
     }
@@ -467,6 +470,14 @@ impl Metrics {
 
 /// The `Content-Type` of [`Metrics::render`].
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// Which stored position a log line is about.
+fn stored_what(stored: sink::resume::Stored) -> &'static str {
+    match stored {
+        sink::resume::Stored::Tail => "the stream's last message",
+        sink::resume::Stored::Acknowledged => "what an earlier session acknowledged",
+    }
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)

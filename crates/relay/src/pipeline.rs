@@ -416,14 +416,29 @@ async fn prepare(
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
-    // P6, I6: what is stored already, by positions of this session's own history only.
+    // P6, I6: what is stored already, by positions of this session's own history only,
+    // whose rows check out against the table (sink::resume S4, crate::stored).
+    let strict = !config.shared_stream;
+    let tail_check = if strict {
+        crate::stored::check_tail(lease.client(), config, &tail).await?
+    } else {
+        Ok(())
+    };
+    let acknowledged = match metrics.sink().stored_through(&source) {
+        Some(acknowledged) if strict => Some((
+            acknowledged.position,
+            crate::stored::check_acknowledged(lease.client(), config, &acknowledged).await?,
+        )),
+        _ => None,
+    };
     let resume = sink::resume::plan(
         &tail,
         &sink::resume::Session {
             source: &source,
             wal_end: system.xlogpos,
-            acknowledged: metrics.sink().stored_through(&source),
-            strict: !config.shared_stream,
+            acknowledged,
+            tail_check,
+            strict,
         },
     );
     for why in &resume.distrust {

@@ -132,6 +132,14 @@ impl ReplicationConnection {
         };
         connection.startup(info, transport).await?;
         connection.check_pinned_settings()?;
+        if connection.parameter("server_encoding") == Some("SQL_ASCII") {
+            // R5: a SQL_ASCII database stores bytes unchecked; converting them to UTF-8
+            // would fail the whole stream at one row that is not UTF-8, so the session takes
+            // text as stored and the caller checks what it publishes.
+            connection
+                .simple_query("SET client_encoding = 'SQL_ASCII'")
+                .await?;
+        }
         tracing::debug!(
             target = %connection.target,
             backend_pid = connection.backend_pid,

@@ -45,7 +45,10 @@
 //!   and targets are shown by [`ConnInfo::redacted`].
 //! - R5 The session is pinned (`client_encoding=UTF8`, `DateStyle=ISO`, `TimeZone=UTC`,
 //!   `standard_conforming_strings=on`) and checked after startup: pgoutput's text output,
-//!   from which the relay derives keys, does not depend on server or role settings.
+//!   from which the relay derives keys, does not depend on server or role settings. In a
+//!   `SQL_ASCII` database, which stores bytes unchecked, the session then takes text as
+//!   stored (`client_encoding=SQL_ASCII`), so one row that is not UTF-8 cannot stop the
+//!   stream: the relay checks each value it publishes (`outbox` E1, `sink` P7).
 //! - R6 The end of a logical stream is always an error (transient): the server never ends
 //!   a healthy one on its own. So is, with [`ReplicationStream::set_idle_timeout`], a server
 //!   that stops answering heartbeats.

@@ -43,6 +43,7 @@ pub use message::{
     REPLY_SUBJECT_LEN,
 };
 pub use publisher::{
-    run, PoisonKind, PoisonPolicy, SinkError, SinkOptions, SinkStats, REUSED_ID_METRIC,
+    run, Acknowledged, PoisonKind, PoisonPolicy, SinkError, SinkOptions, SinkStats,
+    REUSED_ID_METRIC,
 };
 pub use tracker::{AckTracker, Ticket, TrackerError};

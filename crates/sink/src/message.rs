@@ -340,6 +340,21 @@ impl Cut {
 /// The dead-letter record's `Nats-Msg-Id`: `dead-letter:{dedupe_key}` (the key encoded when
 /// the row is hostile), or `dead-letter:sha256:{hex}` of the key when that would be longer
 /// than [`DEAD_LETTER_ID_MAX`] bytes. A function of the event alone (M3).
+/// The `Nats-Msg-Id` the relay writes for `event` (M1: percent-encoded for a header-hostile
+/// row).
+pub(crate) fn msg_id(event: &OutboxEvent) -> String {
+    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+    value(event.keys.dedupe_key.clone(), hostile)
+}
+
+/// The `Nats-Msg-Id` of `event`'s dead-letter record.
+pub(crate) fn dead_letter_msg_id(event: &OutboxEvent) -> String {
+    dead_letter_id(
+        event,
+        encoding::row_is_hostile(&event.entity_id, &event.event_type),
+    )
+}
+
 fn dead_letter_id(event: &OutboxEvent, hostile: bool) -> String {
     let key = &event.keys.dedupe_key;
     let id = format!("dead-letter:{}", value(key.clone(), hostile));

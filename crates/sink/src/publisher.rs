@@ -39,19 +39,24 @@
 //!   message) are already stored: they are counted as acknowledged without being published.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
 //!   stream's `max_msg_size`, or a publish line longer than the server's
-//!   `max_control_line`: [`Limits`], checked before publishing) is never dropped silently:
+//!   `max_control_line`: [`Limits`], checked before publishing), or that no consumer could
+//!   decode (a payload that is not valid UTF-8), is never dropped silently:
 //!   under [`PoisonPolicy::Halt`] [`run`] awaits the acks of everything published before it,
 //!   then ends with [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
 //!   [`PoisonPolicy::DeadLetter`] a small record with its id, keys and the reason takes its
 //!   place in the stream, in order, cut to what fits (M3); if even that cannot fit, [`run`]
 //!   halts.
 //! - P8 A `duplicate: true` ack is checked against the stream: the original (at the ack's
-//!   sequence) must carry this event's position. A different position means the outbox id
-//!   was reused (`TRUNCATE … RESTART IDENTITY`, a restored sequence) and the event would be
-//!   lost: strict mode stops ([`PoisonPolicy::Halt`]) or ends the session so that the next
-//!   one publishes a dead-letter record in its place ([`PoisonPolicy::DeadLetter`]); shared
-//!   mode counts it ([`SinkStats::reused_ids`]) and warns. Only duplicates pay for the
-//!   check.
+//!   sequence) must be this row's event, the same `Outbox-Id` and ordering key
+//!   ([`crate::resume::Claim::is_row`]; its position may differ: `outbox-relay replay` and
+//!   `backfill` publish a row before the relay streams it). Another row's means the outbox id
+//!   was reused (`TRUNCATE … RESTART IDENTITY`, a restored sequence), and in strict mode a
+//!   message without a row identity means another writer took the id; either way the event
+//!   would be lost: strict mode stops ([`PoisonPolicy::Halt`]) or ends the session so that
+//!   the next one publishes a dead-letter record in its place ([`PoisonPolicy::DeadLetter`]);
+//!   shared mode counts another row's ([`SinkStats::reused_ids`]) and warns, and takes an
+//!   identity-less original as another writer's copy of the event. Never confirmed as
+//!   stored. Only duplicates pay for the check.
 //! - P9 [`SinkStats`] counts each acknowledged event under one outcome (stored, duplicate,
 //!   dead-lettered; skipped when P6 skips it), when its ack arrives: an event published
 //!   again after a failed session is counted once per ack. With [`SinkStats::timed`] the
@@ -162,7 +167,20 @@ pub struct SinkStats {
     /// sequence, so re-publishing it would break the fence of everything behind it). Kept
     /// with the source it was learned from: positions of another source (another timeline
     /// after a fail-over) say nothing about this one.
-    stored_through: std::sync::Mutex<Option<(String, Position)>>,
+    stored_through: std::sync::Mutex<Option<(String, Acknowledged)>>,
+}
+
+/// The newest event a process saw acknowledged, with every earlier one of its session
+/// ([`SinkStats::stored_through`]): its position, and the row it was, for the next session
+/// to check against the table before it skips by it (`crate::resume` S4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Acknowledged {
+    /// The event's position.
+    pub position: Position,
+    /// Its outbox id.
+    pub id: i64,
+    /// Its row's `created_at` in milliseconds (the ordering key's first part).
+    pub created_at_ms: i64,
 }
 
 impl SinkStats {
@@ -207,14 +225,14 @@ impl SinkStats {
 
     /// See the field's docs: the position through which the stream holds every event of
     /// `source`, as far as this process saw acknowledged.
-    pub fn stored_through(&self, source: &str) -> Option<Position> {
+    pub fn stored_through(&self, source: &str) -> Option<Acknowledged> {
         match &*self.through_lock() {
-            Some((seen, position)) if seen == source => Some(*position),
+            Some((seen, acknowledged)) if seen == source => Some(*acknowledged),
             _ => None,
         }
     }
 
-    fn through_lock(&self) -> std::sync::MutexGuard<'_, Option<(String, Position)>> {
+    fn through_lock(&self) -> std::sync::MutexGuard<'_, Option<(String, Acknowledged)>> {
         self.stored_through
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -227,11 +245,15 @@ impl SinkStats {
             .clone()
     }
 
-    fn note_stored(&self, source: &str, position: Position) {
+    fn note_stored(&self, source: &str, acknowledged: Acknowledged) {
         let mut through = self.through_lock();
         match &mut *through {
-            Some((seen, through)) if seen == source => *through = (*through).max(position),
-            other => *other = Some((source.to_owned(), position)),
+            Some((seen, through)) if seen == source => {
+                if acknowledged.position > through.position {
+                    *through = acknowledged;
+                }
+            }
+            other => *other = Some((source.to_owned(), acknowledged)),
         }
     }
 }
@@ -327,6 +349,11 @@ pub enum PoisonKind {
     DeadLetterTooLarge,
     /// Acknowledged as a duplicate of another event (P8).
     ReusedId,
+    /// Its payload is not valid UTF-8 (P7).
+    NotUtf8,
+    /// Strict mode: acknowledged as a duplicate of a message that carries no row identity,
+    /// so not the relay's (P8): another writer used this event's `Nats-Msg-Id`.
+    ForeignDuplicate,
 }
 
 impl From<Excess> for PoisonKind {
@@ -358,6 +385,12 @@ impl SinkError {
             }
             SinkError::Poison { kind: PoisonKind::DeadLetterTooLarge, .. } => {
                 "neither this event nor a dead-letter record in its place fits what JetStream accepts; nothing after it is confirmed (raise the stream's max_msg_size or the server's max_payload; see docs/guarantees.md)"
+            }
+            SinkError::Poison { kind: PoisonKind::NotUtf8, .. } => {
+                "its payload is not valid UTF-8, which the relay never publishes; nothing after it is confirmed (the payload column holds bytes in another encoding: a SQL_ASCII database, or a client that bypassed encoding checks; the committed row reads the same on every replay, so run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record naming it in its place, then repair the row and publish it with `outbox-relay replay`; see docs/guarantees.md)"
+            }
+            SinkError::Poison { kind: PoisonKind::ForeignDuplicate, .. } => {
+                "this event would be dropped as a duplicate of a message another writer published on the stream's subjects; nothing after it is confirmed (strict mode needs the relay to be the stream's only writer: find the other writer and stop it, or give it its own subjects, or set OUTBOX_RELAY_SHARED_STREAM=true if it publishes the same events; to relay this event, restart once the duplicate window has passed, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
             }
             SinkError::Poison { kind: PoisonKind::ReusedId, .. } => {
                 "this event would be dropped as a duplicate; nothing after it is confirmed (outbox ids were reused within the stream's duplicate window, e.g. by TRUNCATE ... RESTART IDENTITY or a restored sequence: move the id sequence past every id relayed, SELECT setval(pg_get_serial_sequence('<table>', 'id'), <highest id relayed>), so new rows get new ids; to relay this event, restart once the duplicate window has passed, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
@@ -831,6 +864,17 @@ fn prepare(
     block.clear();
     let problem = match instead {
         Some(reason) => Err((PoisonKind::ReusedId, reason.to_owned())),
+        // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII
+        // database stores any bytes).
+        None if std::str::from_utf8(&event.payload).is_err() => Err((
+            PoisonKind::NotUtf8,
+            format!(
+                "its payload is not valid UTF-8 (from byte {}), so no consumer could decode it",
+                std::str::from_utf8(&event.payload)
+                    .err()
+                    .map_or(0, |e| e.valid_up_to())
+            ),
+        )),
         None => {
             let msg_id = write_event_block(
                 block,
@@ -960,11 +1004,16 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 if let Some(clock) = &mut clock {
                     clock.awaiting();
                 }
+                let acknowledged = Acknowledged {
+                    position,
+                    id,
+                    created_at_ms,
+                };
                 let ack = acks.next(sequence, id).await?;
                 if ack.duplicate {
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
                     duplicates
-                        .check(&ack.stream, ack.sequence, id, position, &stats)
+                        .check(&ack.stream, ack.sequence, &acknowledged, &stats)
                         .await?;
                 } else if dead_letter {
                     stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
@@ -977,7 +1026,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 }
                 // Acks are awaited in publish order, so every earlier publish of this
                 // session is acknowledged too.
-                stats.note_stored(&source, position);
+                stats.note_stored(&source, acknowledged);
                 tracker.ack(ticket)?
             }
         };
@@ -997,17 +1046,19 @@ struct Duplicates {
 
 impl Duplicates {
     /// Checks that the message JetStream holds under the event's id (`stream`'s message
-    /// `sequence`, as the duplicate ack names it) is the same event: the same position.
+    /// `sequence`, as the duplicate ack names it) is the same event: the row with the same
+    /// id and ordering key (`crate::resume::Claim::is_row`), whatever position it carries
+    /// (a replay or a backfill of the row published it without the streamed position).
     /// `Err` when it is another one and strict mode must not go on (P8), or when it cannot
     /// be read.
     async fn check(
         &self,
         stream: &str,
         sequence: u64,
-        id: i64,
-        position: Position,
+        event: &Acknowledged,
         stats: &SinkStats,
     ) -> Result<(), SinkError> {
+        let id = event.id;
         let stream = self
             .jetstream
             .get_stream_no_info(stream)
@@ -1034,21 +1085,53 @@ impl Duplicates {
             }
             Err(source) => return Err(SinkError::Verify { id, source }),
         };
-        let theirs = crate::resume::Mark::of(&original).position;
-        let Some(theirs) = theirs.filter(|&theirs| theirs != position) else {
-            // The same event (a replay), or a message without a position (another writer,
-            // e.g. a polling publisher during a migration): a legitimate duplicate.
+        let mark = crate::resume::Mark::of(&original);
+        if mark.claim.is_row(id, event.created_at_ms) {
+            // The same row's event: a replay of the relay's own publish, or of `outbox-relay
+            // replay`/`backfill`'s.
             debug!(
                 outbox_id = id,
                 sequence, "JetStream already held this event"
             );
             return Ok(());
+        }
+        let here = event.position;
+        let (kind, reason) = if mark.claim.is_anonymous() {
+            if !self.strict {
+                // Shared mode: another writer (e.g. a polling publisher during a migration)
+                // published it under the same id; that is what shared mode allows.
+                debug!(
+                    outbox_id = id,
+                    sequence,
+                    "JetStream already held a message with this event's id from another writer"
+                );
+                return Ok(());
+            }
+            (
+                PoisonKind::ForeignDuplicate,
+                format!(
+                    "JetStream acknowledged it as a duplicate of stream sequence {sequence}, a message the relay did not write for it (no Outbox-Id or ordering key): another writer published a message under this event's id within the duplicate window"
+                ),
+            )
+        } else {
+            let theirs = match mark.position {
+                Some(p) => format!("commit LSN {}, index {}", p.commit_lsn, p.index),
+                None => "no position".to_owned(),
+            };
+            (
+                PoisonKind::ReusedId,
+                format!(
+                    "JetStream acknowledged it as a duplicate of stream sequence {}, another event (outbox id {}, ordering key {}, {theirs}; this one is at commit LSN {}, index {}, ordering key {}): its outbox id was reused within the duplicate window",
+                    sequence,
+                    mark.claim.id.map_or_else(|| "none".to_owned(), |i| i.to_string()),
+                    mark.claim.ordering_key.as_deref().unwrap_or("none"),
+                    here.commit_lsn,
+                    here.index,
+                    outbox::ordering_key(id, event.created_at_ms),
+                ),
+            )
         };
         stats.reused_ids.fetch_add(1, Ordering::Relaxed);
-        let reason = format!(
-            "JetStream acknowledged it as a duplicate of stream sequence {}, another event (commit LSN {}, index {}; this one is at commit LSN {}, index {}): its outbox id was reused within the duplicate window",
-            sequence, theirs.commit_lsn, theirs.index, position.commit_lsn, position.index
-        );
         if !self.strict {
             warn!(
                 outbox_id = id,
@@ -1060,17 +1143,13 @@ impl Duplicates {
             return Ok(());
         }
         match self.poison {
-            PoisonPolicy::Halt => Err(SinkError::Poison {
-                id,
-                kind: PoisonKind::ReusedId,
-                reason,
-            }),
+            PoisonPolicy::Halt => Err(SinkError::Poison { id, kind, reason }),
             PoisonPolicy::DeadLetter => {
                 stats
                     .dead_letter_instead
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .insert(position, reason.clone());
+                    .insert(here, reason.clone());
                 Err(SinkError::ReusedId { id, reason })
             }
         }

@@ -1,9 +1,11 @@
 //! Where a session resumes (P6): what the stream's tail, and what this process already saw
 //! acknowledged, show stored; so what the session may skip, and where strict mode's fence
-//! starts.
+//! starts. And what a stored message says it is ([`Claim`]), so that no decision rests on a
+//! message read back from the stream before it is checked.
 //!
 //! Reading is [`read_tail`] (JetStream I/O); deciding is [`plan`], a pure function of what
-//! was read and of the session, unit-tested here.
+//! was read, of its check against the table (the caller's I/O) and of the session,
+//! unit-tested here.
 //!
 //! # Invariants
 //! - S1 A stored position is used to skip only if it belongs to the session's own history:
@@ -15,20 +17,28 @@
 //!   it was learned from, and only below the WAL end too.
 //! - S3 Strict mode's fence starts at the stream's last sequence whatever the tail says:
 //!   fencing never depends on trusting a position.
+//! - S4 A stored position is used to skip only once the row it claims to be was checked
+//!   against the table ([`Session::tail_check`], [`Session::acknowledged`]): the row with its
+//!   `Outbox-Id` exists and yields the same `Nats-Msg-Id` and ordering key. A database
+//!   restored from a backup and written past the old tail reuses the same ids, LSNs, source
+//!   and timeline; only the rows tell the two histories apart. A message that fails the check
+//!   is a [`Distrust::NotTheRow`].
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::StreamMessage};
-use outbox::{headers, Lsn, Position};
+use outbox::{headers, Lsn, OutboxEvent, Position};
 
 /// What the relay wrote into a stored message to identify it: its position in the commit
-/// order and the history it belongs to.
+/// order, the history it belongs to, and the row it was published for.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Mark {
     /// `Outbox-Commit-Lsn` and `Outbox-Tx-Index`, when both are present and valid.
     pub position: Option<Position>,
     /// `Outbox-Source`.
     pub source: Option<String>,
+    /// The row it claims to be.
+    pub claim: Claim,
 }
 
 impl Mark {
@@ -44,7 +54,85 @@ impl Mark {
                 _ => None,
             },
             source: header(headers::OUTBOX_SOURCE).map(str::to_owned),
+            claim: Claim::of(message),
         }
+    }
+}
+
+/// Which outbox row a stored message says it was published for: what the relay writes into
+/// every event message (`Outbox-Id`, `Nats-Msg-Id`, `Outbox-Ordering-Key`) and every
+/// dead-letter record (the ordering key in its body). Anyone who may publish on the stream's
+/// subjects can write these too, so a claim is only believed once checked against the row
+/// ([`Claim::check`], [`Claim::is_row`]; S4, P8).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Claim {
+    /// `Outbox-Id`.
+    pub id: Option<i64>,
+    /// `Nats-Msg-Id`, as stored (percent-encoded for a header-hostile row).
+    pub msg_id: Option<String>,
+    /// `Outbox-Ordering-Key`, or a dead-letter record's `ordering_key`.
+    pub ordering_key: Option<String>,
+    /// A dead-letter record (it carries `Outbox-Dead-Letter-Reason`).
+    pub dead_letter: bool,
+}
+
+impl Claim {
+    /// The claim of a message read back from the stream.
+    pub fn of(message: &StreamMessage) -> Claim {
+        let header = |name: &str| message.headers.get(name).map(|v| v.as_str());
+        let dead_letter = header(headers::OUTBOX_DEAD_LETTER_REASON).is_some();
+        let ordering_key = if dead_letter {
+            serde_json::from_slice::<serde_json::Value>(&message.payload)
+                .ok()
+                .and_then(|body| body.get("ordering_key")?.as_str().map(str::to_owned))
+        } else {
+            header(headers::OUTBOX_ORDERING_KEY).map(str::to_owned)
+        };
+        Claim {
+            id: header(headers::OUTBOX_ID).and_then(|id| id.parse().ok()),
+            msg_id: header(headers::NATS_MSG_ID).map(str::to_owned),
+            ordering_key,
+            dead_letter,
+        }
+    }
+
+    /// Whether the message carries no row identity at all (not written by the relay).
+    pub fn is_anonymous(&self) -> bool {
+        self.id.is_none() && self.ordering_key.is_none()
+    }
+
+    /// Whether the message is the event of the row with `id` created at `created_at_ms` (or
+    /// its dead-letter record): the same id and ordering key. With the `Nats-Msg-Id` the
+    /// server matched (event type, entity, id), that is every key of the row (P8).
+    pub fn is_row(&self, id: i64, created_at_ms: i64) -> bool {
+        self.id == Some(id)
+            && self.ordering_key.as_deref()
+                == Some(outbox::ordering_key(id, created_at_ms).as_str())
+    }
+
+    /// Whether the message is what the relay publishes for `event`, the row with the
+    /// claim's id read back from the table (S4): the same `Nats-Msg-Id` (of the event, or of
+    /// its dead-letter record) and ordering key. `Err` says what differs, for the log.
+    pub fn check(&self, event: &OutboxEvent) -> Result<(), String> {
+        let msg_id = if self.dead_letter {
+            crate::message::dead_letter_msg_id(event)
+        } else {
+            crate::message::msg_id(event)
+        };
+        let ordering_key = &event.keys.ordering_key;
+        if self.id == Some(event.id)
+            && self.msg_id.as_deref() == Some(msg_id.as_str())
+            && self.ordering_key.as_deref() == Some(ordering_key.as_str())
+        {
+            return Ok(());
+        }
+        Err(format!(
+            "outbox id {} in the table gives Nats-Msg-Id {msg_id:?} and ordering key {ordering_key}, \
+             the message carries {:?} and {}",
+            event.id,
+            self.msg_id.as_deref().unwrap_or("none"),
+            self.ordering_key.as_deref().unwrap_or("none"),
+        ))
     }
 }
 
@@ -121,15 +209,23 @@ pub async fn read_tail(
     Ok(tail)
 }
 
+/// The outcome of checking a stored position's row against the table (S4): `Err` says what
+/// was found instead (no such row, other keys).
+pub type Verdict = Result<(), String>;
+
 /// What the session is, for [`plan`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Session<'a> {
     /// Its `Outbox-Source`.
     pub source: &'a str,
     /// The server's WAL end when the session started (`IDENTIFY_SYSTEM`).
     pub wal_end: Lsn,
-    /// What earlier sessions of this process saw acknowledged from `source`.
-    pub acknowledged: Option<Position>,
+    /// What earlier sessions of this process saw acknowledged from `source`, with its
+    /// row's check against the table.
+    pub acknowledged: Option<(Position, Verdict)>,
+    /// The tail's row checked against the table ([`Claim::check`]); consulted only for a
+    /// tail of the session's own source.
+    pub tail_check: Verdict,
     /// Strict mode (the relay is the stream's only writer).
     pub strict: bool,
 }
@@ -167,6 +263,15 @@ pub enum Distrust {
         /// Its commit LSN.
         commit_lsn: Lsn,
     },
+    /// The row the position was stored for is not in the table as it was published (S4): a
+    /// database restored from a backup and written past the old tail, or a message the
+    /// relay did not write.
+    NotTheRow {
+        /// Which position.
+        stored: Stored,
+        /// What the check found.
+        why: String,
+    },
 }
 
 /// A session's resume plan.
@@ -201,9 +306,10 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
         Some(Ok(Mark {
             position: Some(position),
             source,
+            ..
         })) => {
             if source.as_deref() == Some(session.source) {
-                Ok(Some((Stored::Tail, *position)))
+                Ok(Some((Stored::Tail, *position, &session.tail_check)))
             } else {
                 Err(Distrust::OtherSource {
                     theirs: source.clone(),
@@ -215,21 +321,30 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
         resume.distrust.push(why);
         None
     });
-    let acknowledged = session.acknowledged.map(|p| (Stored::Acknowledged, p));
-    // Both only below the WAL end (S1, S2).
+    let acknowledged = session
+        .acknowledged
+        .as_ref()
+        .map(|(position, check)| (Stored::Acknowledged, *position, check));
+    // Both only below the WAL end (S1, S2), and only once their rows checked out (S4).
     let trusted =
         [from_tail, acknowledged]
             .into_iter()
             .flatten()
-            .filter_map(|(stored, position)| {
-                if position.commit_lsn < session.wal_end {
-                    Some(position)
-                } else {
+            .filter_map(|(stored, position, check)| {
+                if position.commit_lsn >= session.wal_end {
                     resume.distrust.push(Distrust::BeyondWalEnd {
                         stored,
                         commit_lsn: position.commit_lsn,
                     });
                     None
+                } else if let Err(why) = check {
+                    resume.distrust.push(Distrust::NotTheRow {
+                        stored,
+                        why: why.clone(),
+                    });
+                    None
+                } else {
+                    Some(position)
                 }
             });
     // Skip through the further of the two (P6).
@@ -263,6 +378,7 @@ mod tests {
         Some(Ok(Mark {
             position: Some(position),
             source: Some(SOURCE.to_owned()),
+            claim: Claim::default(),
         }))
     }
 
@@ -270,7 +386,8 @@ mod tests {
         Session {
             source: SOURCE,
             wal_end: Lsn(1_000),
-            acknowledged,
+            acknowledged: acknowledged.map(|position| (position, Ok(()))),
+            tail_check: Ok(()),
             strict: true,
         }
     }
@@ -296,6 +413,7 @@ mod tests {
         let other = Some(Ok(Mark {
             position: Some(at(500, 3)),
             source: Some("7301/2/app/slot".to_owned()),
+            claim: Claim::default(),
         }));
         let resume = plan(&tail(other), &session(None));
         assert_eq!(resume.skip_through, None);
@@ -346,6 +464,117 @@ mod tests {
         );
         let resume = plan(&tail(Some(Ok(Mark::default()))), &session(None));
         assert_eq!(resume.distrust, vec![Distrust::NoPosition]);
+    }
+
+    /// S4: a database restored from a backup and written past the old tail has the same
+    /// source and a WAL end past the tail; only the rows tell the histories apart.
+    #[test]
+    fn a_position_whose_row_does_not_check_out_is_not_used() {
+        let mut restored = session(Some(at(600, 0)));
+        restored.tail_check = Err("no row with outbox id 300".into());
+        restored.acknowledged = Some((at(600, 0), Err("no row with outbox id 310".into())));
+        let resume = plan(&tail(ours(at(500, 3))), &restored);
+        assert_eq!(resume.skip_through, None);
+        assert_eq!(
+            resume.fence,
+            Some(42),
+            "the fence never depends on the tail"
+        );
+        assert_eq!(
+            resume.distrust,
+            vec![
+                Distrust::NotTheRow {
+                    stored: Stored::Tail,
+                    why: "no row with outbox id 300".into()
+                },
+                Distrust::NotTheRow {
+                    stored: Stored::Acknowledged,
+                    why: "no row with outbox id 310".into()
+                },
+            ]
+        );
+        // One that checks out still counts.
+        restored.acknowledged = Some((at(400, 1), Ok(())));
+        let resume = plan(&tail(ours(at(500, 3))), &restored);
+        assert_eq!(resume.skip_through, Some(at(400, 1)));
+    }
+
+    /// The row check is only for a tail the session could use: another source's tail is
+    /// reported as such whatever the check says.
+    #[test]
+    fn the_source_is_judged_before_the_row() {
+        let mut unchecked = session(None);
+        unchecked.tail_check = Err("not checked".into());
+        let other = Some(Ok(Mark {
+            position: Some(at(500, 3)),
+            source: None,
+            claim: Claim::default(),
+        }));
+        let resume = plan(&tail(other), &unchecked);
+        assert_eq!(
+            resume.distrust,
+            vec![Distrust::OtherSource { theirs: None }]
+        );
+    }
+
+    fn event(id: i64, entity_id: &str, event_type: &str, created_at_ms: i64) -> OutboxEvent {
+        outbox::OutboxRow {
+            id,
+            entity_id: entity_id.into(),
+            event_type: event_type.into(),
+            payload: bytes::Bytes::from_static(b"{}"),
+            created_at_ms,
+        }
+        .into_event("outbox", std::num::NonZeroU64::new(8).unwrap(), at(500, 0))
+    }
+
+    fn claim_of(event: &OutboxEvent) -> Claim {
+        Claim {
+            id: Some(event.id),
+            msg_id: Some(crate::message::msg_id(event)),
+            ordering_key: Some(event.keys.ordering_key.clone()),
+            dead_letter: false,
+        }
+    }
+
+    /// S4, P8: what the relay wrote for a row checks out against that row, its
+    /// dead-letter record too, and a hostile row's encoded id too; another row's does not.
+    #[test]
+    fn a_claim_checks_out_only_against_the_row_it_was_written_for() {
+        let row = event(300, "order-1", "order.created", 1_700_000_000_123);
+        assert_eq!(claim_of(&row).check(&row), Ok(()));
+        assert!(claim_of(&row).is_row(300, 1_700_000_000_123));
+
+        // The same id, written again after a restore: another time, or another entity.
+        let later = event(300, "order-1", "order.created", 1_700_000_099_000);
+        assert!(claim_of(&row).check(&later).is_err());
+        assert!(!claim_of(&row).is_row(300, 1_700_000_099_000));
+        let other = event(300, "order-2", "order.created", 1_700_000_000_123);
+        let why = claim_of(&row).check(&other).unwrap_err();
+        assert!(why.contains("order.created:order-2:300"), "{why}");
+
+        let hostile = event(7, "nats-x", "t", 5);
+        let claim = claim_of(&hostile);
+        assert_ne!(
+            claim.msg_id.as_deref(),
+            Some(hostile.keys.dedupe_key.as_str())
+        );
+        assert_eq!(claim.check(&hostile), Ok(()));
+
+        let record = Claim {
+            msg_id: Some(crate::message::dead_letter_msg_id(&row)),
+            dead_letter: true,
+            ..claim_of(&row)
+        };
+        assert_eq!(record.check(&row), Ok(()));
+
+        let forged = Claim {
+            msg_id: Some(row.keys.dedupe_key.clone()),
+            ..Claim::default()
+        };
+        assert!(forged.is_anonymous());
+        assert!(forged.check(&row).is_err());
+        assert!(!forged.is_row(300, 1_700_000_000_123));
     }
 
     #[test]

@@ -1,0 +1,245 @@
+//! Trust nothing unverified (issue 18, cases 2 and 5), against real Postgres 15 and
+//! nats-server processes: a message the relay did not write never makes it skip a real event
+//! (`sink::resume` S4, `relay::stored` V1, `sink::publisher` P8), and a payload no consumer
+//! could decode goes to the poison policy naming its id (P7).
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use async_nats::HeaderMap;
+use pgoutput::Lsn;
+use support::{insert_transaction, servers, Case, Stored, DEADLINE};
+use testkit::{Postgres, Process};
+
+fn new_case(name: &str) -> Case {
+    let s = servers();
+    Case::new(&s.pg, &s.nats, name)
+}
+
+fn start_relay(case: &Case) -> Process {
+    tokio::task::block_in_place(|| case.start_relay())
+}
+
+/// Waits for the relay process to exit on its own.
+fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
+    tokio::task::block_in_place(|| relay.wait_exit(DEADLINE))
+}
+
+fn stop(relay: &mut Process) {
+    tokio::task::block_in_place(|| relay.terminate(DEADLINE));
+}
+
+async fn wal_lsn(sql: &tokio_postgres::Client) -> Lsn {
+    sql.query_one("select pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get::<_, String>(0)
+        .parse()
+        .unwrap()
+}
+
+/// The outbox ids of the relay's event messages (what carries an `Outbox-Ordering-Key`), in
+/// stream order.
+fn event_ids(messages: &[Stored]) -> Vec<i64> {
+    messages
+        .iter()
+        .filter(|m| m.headers.contains_key("Outbox-Ordering-Key"))
+        .map(Stored::outbox_id)
+        .collect()
+}
+
+async fn publish(js: &async_nats::jetstream::Context, subject: String, headers: HeaderMap) {
+    js.publish_with_headers(subject, headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+/// Case 2, the tail: a message of another writer that carries the relay's own
+/// `Outbox-Source` and a position past every unrelayed event, below the server's WAL end. It
+/// names an outbox id the table does not hold, so the session does not skip by it: every row
+/// is published once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_tail_with_the_relays_own_source_skips_no_real_event() {
+    let case = new_case("forged_tail");
+    let js = case.jetstream().await;
+    let mut sql = case.sql().await;
+    let mut relay = start_relay(&case);
+    let mut expected = insert_transaction(&mut sql, 10, 3, "before").await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    stop(&mut relay);
+    let source = case.messages(&js).await[0]
+        .header("Outbox-Source")
+        .to_owned();
+    assert!(!source.is_empty());
+
+    // Rows the slot has not confirmed, then a message claiming to be past all of them.
+    for i in 0..4 {
+        expected.extend(insert_transaction(&mut sql, 5, 3, &format!("after{i}")).await);
+    }
+    let past_them = wal_lsn(&sql).await;
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "copied-by-a-tool-1");
+    headers.insert("Outbox-Source", source.as_str());
+    headers.insert("Outbox-Commit-Lsn", past_them.to_string().as_str());
+    headers.insert("Outbox-Tx-Index", "0");
+    headers.insert("Outbox-Id", "999999");
+    headers.insert("Outbox-Ordering-Key", "1700000000000:00000000000000999999");
+    publish(&js, format!("{}.0.Forged", case.prefix), headers).await;
+    // The WAL end moves past the forged position, so only the row check can tell.
+    sql.batch_execute("create table filler (n int); insert into filler values (1)")
+        .await
+        .unwrap();
+
+    let relay = start_relay(&case);
+    case.wait_for_count(&js, expected.len() as u64 + 1, DEADLINE)
+        .await;
+    let messages = case.messages(&js).await;
+    let published: Vec<i64> = event_ids(&messages)
+        .into_iter()
+        .filter(|&id| id != 999_999)
+        .collect();
+    assert_eq!(published, expected, "every row once, in order");
+    let output = relay.output();
+    assert!(
+        output.contains("is not the row the table holds under its outbox id")
+            && output.contains("no row with outbox id 999999"),
+        "the relay says why it does not skip by the tail:\n{output}"
+    );
+}
+
+/// Case 2, a duplicate's original: another writer published a message under a row's
+/// `Nats-Msg-Id` (no row identity) before the relay streamed the row. Strict mode does not
+/// take it for the event: `halt` stops naming the row and confirms nothing past it; with
+/// `dead-letter` a record takes its place and later events flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_original_without_a_position_is_poison_not_a_stored_event() {
+    let mut case = new_case("forged_original");
+    let js = case.jetstream().await;
+    let mut sql = case.sql().await;
+    let mut relay = start_relay(&case);
+    let before = insert_transaction(&mut sql, 5, 2, "before").await;
+    case.wait_for_count(&js, 5, DEADLINE).await;
+    stop(&mut relay);
+
+    let below_victim = wal_lsn(&sql).await;
+    let victim = insert_transaction(&mut sql, 1, 1, "victim").await[0];
+    let (dedupe_key,): (String,) = {
+        let row = sql
+            .query_one(
+                "select event_type || ':' || entity_id || ':' || id from outbox_events where id = $1",
+                &[&victim],
+            )
+            .await
+            .unwrap();
+        (row.get(0),)
+    };
+    let after = insert_transaction(&mut sql, 3, 1, "after").await;
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", dedupe_key.as_str());
+    publish(&js, format!("{}.0.Forged", case.prefix), headers).await;
+
+    let mut relay = case.spawn_relay();
+    let status = wait_for_exit(&mut relay);
+    let output = relay.output();
+    assert!(
+        !status.success()
+            && output.contains(&format!("outbox event id={victim}"))
+            && output.contains("another writer"),
+        "halt names the row and the other writer: {status:?}\n{output}"
+    );
+    let confirmed = case.confirmed_flush_lsn(&sql).await;
+    assert!(
+        confirmed <= below_victim,
+        "nothing confirmed past the row: confirmed {confirmed}, the row's transaction after {below_victim}"
+    );
+    assert_eq!(event_ids(&case.messages(&js).await), before);
+
+    case.extra_env
+        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    let _relay = start_relay(&case);
+    case.wait_for_count(&js, 5 + 1 + 1 + 3, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let record = messages
+        .iter()
+        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
+        .expect("a dead-letter record");
+    assert_eq!(record.outbox_id(), victim);
+    let mut relayed = before.clone();
+    relayed.extend(&after);
+    assert_eq!(
+        event_ids(&messages),
+        relayed,
+        "every other row once, in order"
+    );
+}
+
+/// Case 5: a payload that is not valid UTF-8 (a `SQL_ASCII` database stores any bytes) goes
+/// to the poison policy naming its id, never to consumers as is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_is_not_utf8_goes_to_the_poison_policy_naming_its_id() {
+    let s = servers();
+    let mut case = new_case("not_utf8");
+    let database = format!("{}_ascii", case.database);
+    s.pg.psql(
+        "postgres",
+        &format!(
+            "CREATE DATABASE {database} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'"
+        ),
+    );
+    s.pg.psql(&database, support::SCHEMA_SQL);
+    case.pg_url = Postgres::url(&s.pg, &database);
+    case.database = database;
+    let js = case.jetstream().await;
+    let mut sql = case.sql().await;
+    // The slot exists before the rows: they are streamed, not backfilled.
+    let init = case.relay_command("init").output().unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let before = insert_transaction(&mut sql, 3, 1, "before").await;
+    let below_poison = wal_lsn(&sql).await;
+    let poison: i64 = sql
+        .query_one(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values ('latin1', 'Latin1', 'tmp', 'tmp', 'tmp', E'{\"name\": \"Jos\\351\"}'::jsonb) returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let after = insert_transaction(&mut sql, 3, 1, "after").await;
+
+    let mut relay = case.spawn_relay();
+    let status = wait_for_exit(&mut relay);
+    let output = relay.output();
+    assert!(
+        !status.success()
+            && output.contains(&format!("outbox event id={poison}"))
+            && output.contains("not valid UTF-8"),
+        "halt names the row: {status:?}\n{output}"
+    );
+    assert!(case.confirmed_flush_lsn(&sql).await <= below_poison);
+    assert_eq!(event_ids(&case.messages(&js).await), before);
+
+    case.extra_env
+        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    let _relay = start_relay(&case);
+    case.wait_for_count(&js, 3 + 1 + 3, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let record = messages
+        .iter()
+        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
+        .expect("a dead-letter record");
+    assert_eq!(record.outbox_id(), poison);
+    assert!(record.header("Outbox-Dead-Letter-Reason").contains("UTF-8"));
+    let mut relayed = before.clone();
+    relayed.extend(&after);
+    assert_eq!(event_ids(&messages), relayed);
+    for message in &messages {
+        assert!(
+            std::str::from_utf8(&message.payload).is_ok(),
+            "every message consumers get decodes"
+        );
+    }
+}
