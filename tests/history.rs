@@ -25,6 +25,10 @@ enum Restore {
     SameTimeline,
     /// Back to a cold backup, then promoted: timeline 2, WAL end pushed past the tail.
     NewTimeline,
+    /// Back to a cold backup, same timeline, then written past the old tail before the
+    /// relay restarts (issue 18 case 1): same source, WAL end beyond the tail, the tail's
+    /// outbox id reused by a new row; only the rows tell the histories apart.
+    WrittenPastTheTail,
 }
 
 /// Relays some rows, takes a cold backup, relays `LOST_ROWS` more (the stream's tail now
@@ -58,10 +62,14 @@ async fn relay_after_losing_history(restore: Restore) {
     pg.stop();
     pg.restore(&backup);
     match restore {
-        Restore::SameTimeline => pg.start_again(),
+        Restore::SameTimeline | Restore::WrittenPastTheTail => pg.start_again(),
         Restore::NewTimeline => pg.start_on_new_timeline(),
     }
     let sql = case.sql().await;
+    if restore == Restore::WrittenPastTheTail {
+        relay_after_writing_past_the_tail(&case, &js, &sql, tail).await;
+        return;
+    }
     let new_ids: Vec<i64> = sql
         .query(
             "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
@@ -122,8 +130,8 @@ async fn relay_after_losing_history(restore: Restore) {
     );
     let output = relay.output();
     let why = match restore {
-        Restore::SameTimeline => "beyond the server's WAL end",
         Restore::NewTimeline => "another timeline",
+        _ => "beyond the server's WAL end",
     };
     assert!(
         output.contains(why),
@@ -131,6 +139,71 @@ async fn relay_after_losing_history(restore: Restore) {
     );
     eprintln!(
         "{restore:?}: tail of the lost history at {tail}, new history's {NEW_ROWS} events below it all published"
+    );
+}
+
+/// After the restore (same timeline): rows of the new history in small transactions until
+/// the WAL end lies past the lost tail and the tail's outbox id names a new row, so that new
+/// events lie on both sides of the tail's position. The restarted relay must publish every
+/// one of them once, in order: before the tail was checked against the table, every new
+/// event at or below it was skipped and confirmed.
+async fn relay_after_writing_past_the_tail(
+    case: &Case,
+    js: &async_nats::jetstream::Context,
+    sql: &tokio_postgres::Client,
+    tail: Lsn,
+) {
+    let lost = case.messages(js).await;
+    let tail_id = lost.last().unwrap().outbox_id();
+    let mut new_ids: Vec<i64> = Vec::new();
+    let (mut below, mut above) = (0, 0);
+    while wal_lsn(sql).await <= tail || new_ids.last().is_none_or(|&id| id < tail_id) {
+        let ids: Vec<i64> = sql
+            .query(
+                "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+                 select 'restored-' || i, 'AfterRestore', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', '{}'::jsonb \
+                   from generate_series(1, 10) as i returning id",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        new_ids.extend(ids);
+        if wal_lsn(sql).await <= tail {
+            below += 1;
+        } else {
+            above += 1;
+        }
+    }
+    assert!(
+        below > 0 && above > 0,
+        "new transactions on both sides of the lost tail ({below} below, {above} above)"
+    );
+
+    let relay = case.start_relay();
+    let expected = lost.len() + new_ids.len();
+    case.wait_for_count(js, expected as u64, DEADLINE).await;
+    let messages = case.messages(js).await;
+    let published: Vec<i64> = messages
+        .iter()
+        .filter(|m| m.header("Outbox-Event-Type") == "AfterRestore")
+        .map(|m| m.outbox_id())
+        .collect();
+    assert_eq!(
+        published, new_ids,
+        "every event of the new history, once, in order"
+    );
+    let output = relay.output();
+    assert!(
+        output.contains("is not the row the table holds under its outbox id")
+            && output.contains(&format!("outbox id {tail_id} in the table gives")),
+        "the relay says why it does not skip by the tail:\n{output}"
+    );
+    eprintln!(
+        "WrittenPastTheTail: tail of the lost history at {tail} (outbox id {tail_id}); {} new events ({below} transactions below it, {above} above) all published once",
+        new_ids.len()
     );
 }
 
@@ -155,4 +228,12 @@ async fn tail_beyond_the_wal_end_is_not_used_to_skip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_from_another_timeline_is_not_used_to_skip() {
     relay_after_losing_history(Restore::NewTimeline).await;
+}
+
+/// A database restored from a cold backup and written past the old tail before the relay
+/// restarts (issue 18 case 1): the tail has the session's own source and lies below the WAL
+/// end, but its outbox id now names another row; it is not used to skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_of_a_restored_database_written_past_it_is_not_used_to_skip() {
+    relay_after_losing_history(Restore::WrittenPastTheTail).await;
 }

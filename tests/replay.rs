@@ -245,3 +245,56 @@ async fn a_strict_relay_beside_another_writer_skips_no_event() {
     .await;
     drop(relay);
 }
+
+/// Issue 18 case 4: rows replayed (`--force`) before the relay streamed them, then streamed
+/// within the duplicate window. The originals are `replay`'s messages, at position 0/0
+/// without a source; the sink recognises each as the same row's event (P8) instead of
+/// reporting reused ids, and every row ends up in the stream once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_replayed_before_the_relay_streams_them_are_recognised_as_the_same_events() {
+    let case = new_case("replay_ahead", &[]);
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let first = insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let ahead = insert_transaction(&mut sql, 10, 2, "b").await;
+    // The stopped relay's lease goes a moment after it exits: replay until it is free.
+    let replayed = eventually(
+        "a forced replay of the unstreamed rows",
+        DEADLINE,
+        || async {
+            let replay = run(
+                &case,
+                "replay",
+                &["--from-id", &ahead[0].to_string(), "--force"],
+            );
+            (replay.code == 0).then(|| counted(&replay.stdout, "stored again"))
+        },
+    )
+    .await;
+    assert_eq!(replayed, 10);
+
+    let mut relay = case.start_relay();
+    let after = insert_transaction(&mut sql, 5, 2, "c").await;
+    case.wait_for_count(&js, 25, DEADLINE).await;
+    let mut expected = first.clone();
+    expected.extend(&ahead);
+    expected.extend(&after);
+    let mut ids = case.outbox_ids(&js).await;
+    assert_eq!(
+        ids, expected,
+        "every row once, the replayed ones where replay put them"
+    );
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 25);
+    let output = relay.output();
+    assert!(
+        !output.contains("ids were reused")
+            && !output.contains("reused_id")
+            && relay.try_status().is_none(),
+        "no false 'reused id', the relay goes on:\n{output}"
+    );
+}
