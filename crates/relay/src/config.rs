@@ -984,7 +984,8 @@ fn startup_warnings(
         warnings.push(format!(
             "Postgres: sslmode={} does not verify the server's certificate and host name, so an \
              attacker on the network path can pose as the server and ask for the password in \
-             clear text or as md5 (which logs in as well); set sslmode=verify-full (with \
+             clear text, or as md5 (a salted hash open to offline guessing); set \
+             sslmode=verify-full (with \
              sslrootcert), or at least require_auth=scram-sha-256 (SCRAM never reveals the \
              password, though without verify-full the attacker can still read the session): \
              docs/operations.md, Hardened connections",
