@@ -973,9 +973,12 @@ fn startup_warnings(
     }
 
     // Credentials that would travel without verified TLS.
-    let weak_auth = database
-        .require_auth()
-        .is_none_or(|r| r.allows(AuthMethod::Password) || r.allows(AuthMethod::Md5));
+    // channel_binding=require accepts SCRAM-SHA-256-PLUS only, which binds the exchange to
+    // the TLS channel: neither the password nor the session goes to a server in the middle.
+    let weak_auth = database.channel_binding() != replication::ChannelBinding::Require
+        && database
+            .require_auth()
+            .is_none_or(|r| r.allows(AuthMethod::Password) || r.allows(AuthMethod::Md5));
     if database.password().is_some()
         && !database.is_unix_socket()
         && database.sslmode() != replication::SslMode::VerifyFull
@@ -1780,6 +1783,18 @@ pub(crate) mod tests {
             None,
         );
         assert_eq!(w, [] as [String; 0], "no password, nothing to reveal");
+        let w = warnings(
+            &[],
+            &[
+                (
+                    "DATABASE_URL",
+                    "postgres://relay:Q9-long-random-pw@db/app?sslmode=require&channel_binding=require",
+                ),
+                HARDENED_NATS,
+            ],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0], "SCRAM-SHA-256-PLUS only");
         let w = warnings(
             &[],
             &[
