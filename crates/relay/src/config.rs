@@ -22,6 +22,15 @@
 //!   of defence for text the relay does not format itself.
 //! - C2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
 //!   must not silently fall back to a default.
+//! - C3 `NATS_URL` is never split inside a credential: a list where a ',' may have split
+//!   one (an entry without its own scheme and with user information, right after an entry
+//!   without: `nats://relay:2024,Spring!@h`) is refused with the advice to percent-encode
+//!   (`%2C`), and redacted whole; `ws://` and `wss://` URLs, which the relay cannot speak,
+//!   are refused too (exit 2 at start, both).
+//! - C4 What is allowed but risky is said once at start, one line each, never quoting a
+//!   secret ([`Config::warnings`]): secrets on the command line, secret files group or
+//!   others can read (libpq's rule), secrets too weak for the log scrubber, credentials
+//!   that would travel without verified TLS.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -31,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{DiscardPolicy, StorageType};
-use replication::ConnInfo;
+use replication::{AuthMethod, ConnInfo};
 
 /// One option: its file key, flag, environment variable and default.
 #[derive(Debug, Clone, Copy)]
@@ -104,7 +113,7 @@ pub mod opt {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
             "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
-            "NATS server URL(s), comma-separated; user:password@ or token@ in a URL authenticates (percent-encoded)");
+            "NATS server URL(s), comma-separated: nats:// or tls:// (the relay speaks the NATS TCP protocol, not ws://); user:password@ or token@ in a URL authenticates (percent-encoded, a ',' as %2C)");
         // NATS authentication and TLS: the `nats` CLI's flag names (crate::nats).
         NATS_USER = ("nats_user", "OUTBOX_RELAY_NATS_USER", None,
             "NATS user name (with --password)", flag = "user");
@@ -213,6 +222,8 @@ pub enum Origin {
 pub struct RawConfig {
     values: BTreeMap<&'static str, (String, Origin)>,
     libpq_env: BTreeMap<String, String>,
+    /// The `--config` file, when it holds a secret (whether or not another source wins).
+    secret_file: Option<PathBuf>,
 }
 
 impl fmt::Debug for RawConfig {
@@ -308,6 +319,9 @@ impl RawConfig {
                         )))
                     }
                 };
+                if value_holds_secret(spec, &value) {
+                    raw.secret_file = Some(path.to_owned());
+                }
                 raw.offer(spec, value, Origin::File(path.to_owned()));
             }
         }
@@ -397,6 +411,19 @@ fn key_is_secret(key: &str) -> bool {
         || ["password", "token", "secret"]
             .iter()
             .any(|w| key.contains(w))
+}
+
+/// Whether `value` of `spec` holds a secret: a password or token option; a Postgres
+/// connection string with a password (or one that does not parse); NATS URLs with
+/// credentials.
+fn value_holds_secret(spec: &OptionSpec, value: &str) -> bool {
+    if spec.key == opt::DATABASE_URL.key {
+        ConnInfo::parse_with_env(value, |_| None).map_or(true, |info| info.password().is_some())
+    } else if spec.key == opt::NATS_URL.key {
+        !NatsUrl(value.to_owned()).secrets().is_empty()
+    } else {
+        spec.is_secret()
+    }
 }
 
 /// A raw value as it may be shown: NATS URLs without their credentials, other secrets as
@@ -522,9 +549,31 @@ fn nats_host_port_ok(rest: &str) -> bool {
     !host_port.is_empty() && port.is_some_and(|port| port.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// Where a ',' may have split a credential of a NATS URL list: the number (from 1) of an
+/// entry without a scheme of its own that has user information (an `@` after the comma
+/// before any `/`), right after an entry without user information.
+/// `nats://relay:2024,Spring!@h:4222` reads as the server `relay` on port 2024, then
+/// `Spring!@h:4222`, whose user information is the password's tail;
+/// `nats://h1:4222,relay:pw@h2:4222` looks the same, so both are refused, with the fix for
+/// each reading. An entry with its own scheme (`,tls://relay:pw@h2`) starts a server.
+fn comma_in_credentials(text: &str) -> Option<usize> {
+    let has_user_info = |entry: &str| split_nats_url(entry.trim()).1.is_some();
+    let entries: Vec<&str> = text.split(',').collect();
+    entries
+        .windows(2)
+        .position(|pair| {
+            !has_user_info(pair[0]) && !pair[1].contains("://") && has_user_info(pair[1])
+        })
+        .map(|before| before + 2)
+}
+
 /// NATS URLs (comma-separated, with or without a scheme) with every user info replaced by
-/// `<redacted>`; an entry that does not even look like `host:port` is redacted whole.
+/// `<redacted>`; an entry that does not even look like `host:port` is redacted whole, and
+/// so is a list where a ',' may have split a credential ([`comma_in_credentials`]).
 pub fn redact_nats_urls(text: &str) -> String {
+    if comma_in_credentials(text).is_some() {
+        return "<redacted>".to_owned();
+    }
     text.split(',')
         .map(|entry| match split_nats_url(entry) {
             (scheme, Some(_), rest) => format!("{scheme}<redacted>@{rest}"),
@@ -602,6 +651,8 @@ pub struct Config {
     pub mark_published: bool,
     /// Deleting old confirmed rows ([`crate::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,
+    /// What to warn about at start, one line each ([`startup_warnings`]).
+    pub warnings: Vec<String>,
 }
 
 /// Retention's settings ([`crate::retention`]).
@@ -645,15 +696,19 @@ impl Config {
         let nats_url = raw.parse(&NATS_URL, |v| {
             for (i, url) in v.split(',').enumerate() {
                 let url = url.trim();
-                let scheme_ok = ["nats://", "tls://", "ws://", "wss://"]
-                    .iter()
-                    .any(|s| url.starts_with(s))
+                if ["ws://", "wss://"].iter().any(|s| url.starts_with(s)) {
+                    return Err(format!(
+                        "server {} of the list is a WebSocket URL (ws:// or wss://), which the \
+                         relay cannot use: it speaks the NATS TCP protocol only; give the \
+                         server's client port (4222 by default, not its websocket port) as \
+                         nats://host:4222, or tls://host:4222 for TLS",
+                        i + 1
+                    ));
+                }
+                let scheme_ok = ["nats://", "tls://"].iter().any(|s| url.starts_with(s))
                     || !url.contains("://");
                 if url.is_empty() || !scheme_ok {
-                    return Err(
-                        "expected nats://host:port (or tls://, ws://, wss://), comma-separated"
-                            .into(),
-                    );
+                    return Err("expected nats://host:port (or tls://), comma-separated".into());
                 }
                 // Not quoted: the text may hold a password.
                 if !nats_host_port_ok(split_nats_url(url).2) {
@@ -665,9 +720,20 @@ impl Config {
                     ));
                 }
             }
+            if let Some(entry) = comma_in_credentials(v) {
+                return Err(format!(
+                    "server {entry} of the list has user information (user:password@ or \
+                     token@) but server {} does not, so a ',' may have split a credential: a \
+                     ',' in a user name, password or token must be percent-encoded as %2C; \
+                     separate servers need the same credentials in every URL (or --user and \
+                     --password, or --token, instead)",
+                    entry - 1
+                ));
+            }
             Ok(NatsUrl(v.to_owned()))
         })?;
         let nats = crate::nats::NatsOptions::from_raw(raw, &nats_url)?;
+        let warnings = startup_warnings(raw, &database, &nats_url, &nats);
         let table = raw.parse(&TABLE, |v| {
             let (schema, name) = v.split_once('.').unwrap_or(("public", v));
             if schema.is_empty() || name.is_empty() {
@@ -800,8 +866,148 @@ impl Config {
             backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
             mark_published,
             retention,
+            warnings,
         })
     }
+}
+
+/// What is risky but allowed, for the log at start, one line each: the Postgres
+/// connection's own warnings ([`ConnInfo::warnings`]); secrets given on the command line
+/// (any user of the machine reads them in `ps`); files holding secrets that group or others
+/// can read (libpq's rule, [`replication::conninfo::exposed_secret_file`]); secrets too
+/// weak for the log scrubber ([`crate::logging::weakness`]); credentials that would travel
+/// without verified TLS. Never a secret itself.
+fn startup_warnings(
+    raw: &RawConfig,
+    database: &ConnInfo,
+    nats_url: &NatsUrl,
+    nats: &crate::nats::NatsOptions,
+) -> Vec<String> {
+    use opt::*;
+    let mut warnings: Vec<String> = database.warnings().to_vec();
+    let from = |spec: &OptionSpec| {
+        raw.values
+            .get(spec.key)
+            .map(|(value, origin)| (value, origin))
+    };
+
+    // Secrets on the command line.
+    let on_command_line = |spec: &OptionSpec, holds: &str, instead: &str| {
+        format!(
+            "{} {holds} on the command line, where every user of this machine can read it \
+             (ps, /proc/<pid>/cmdline): set {instead} instead",
+            spec.flag()
+        )
+    };
+    for spec in [&NATS_PASSWORD, &NATS_TOKEN] {
+        if matches!(from(spec), Some((_, Origin::Flag))) {
+            let instead = format!(
+                "{} or the file key {} (in a file only the relay's user can read)",
+                spec.env, spec.key
+            );
+            warnings.push(on_command_line(spec, "is given", &instead));
+        }
+    }
+    if matches!(from(&DATABASE_URL), Some((_, Origin::Flag)))
+        && database.source("password") == &replication::Source::ConnString
+    {
+        warnings.push(on_command_line(
+            &DATABASE_URL,
+            "holds a password and is given",
+            "DATABASE_URL, or keep the password out of the URL and give it in PGPASSWORD or a \
+             password file (PGPASSFILE, ~/.pgpass)",
+        ));
+    }
+    if matches!(from(&NATS_URL), Some((_, Origin::Flag))) && !nats_url.secrets().is_empty() {
+        warnings.push(on_command_line(
+            &NATS_URL,
+            "holds credentials and is given",
+            "NATS_URL, or give the credentials with OUTBOX_RELAY_NATS_USER and \
+             OUTBOX_RELAY_NATS_PASSWORD (or OUTBOX_RELAY_NATS_TOKEN)",
+        ));
+    }
+
+    // Files holding secrets that group or others can read.
+    let exposed = |path: &Path, what: String, holds: &str| {
+        replication::conninfo::exposed_secret_file(path, &what, true)
+            .map(|warning| format!("{warning}: it holds {holds}"))
+    };
+    if let Some(path) = &raw.secret_file {
+        warnings.extend(exposed(path, "config file".to_owned(), "a secret"));
+    }
+    for (spec, holds) in [
+        (&NATS_NKEY, "the NATS user's nkey seed"),
+        (&NATS_CREDS, "the NATS user's nkey seed"),
+        (&NATS_TLSKEY, "the NATS client certificate's private key"),
+    ] {
+        if let Some((path, _)) = from(spec) {
+            let name = raw.name(spec).unwrap_or_else(|| spec.flag());
+            warnings.extend(exposed(Path::new(path), format!("{name} file"), holds));
+        }
+    }
+
+    // Secrets the log scrubber cannot take out of free text.
+    let mut names = vec![database.user()];
+    names.extend(nats.user());
+    let mut secrets: Vec<(String, &str)> = Vec::new();
+    if let Some(password) = database.password() {
+        secrets.push((
+            format!(
+                "the Postgres password (from the {})",
+                database.source("password")
+            ),
+            password.expose(),
+        ));
+    }
+    if let Some((what, secret)) = nats.credential_secret() {
+        secrets.push((what, secret));
+    }
+    for (what, secret) in secrets {
+        if let Some(weakness) = crate::logging::weakness(secret, &names) {
+            warnings.push(format!(
+                "{what} is {weakness}: the log scrubber takes it out of a library's log line or \
+                 error only where it stands as a URL's user information, so such text may show \
+                 it; use a long random secret"
+            ));
+        }
+    }
+
+    // Credentials that would travel without verified TLS.
+    // channel_binding=require accepts SCRAM-SHA-256-PLUS only, which binds the exchange to
+    // the TLS channel: neither the password nor the session goes to a server in the middle.
+    let weak_auth = database.channel_binding() != replication::ChannelBinding::Require
+        && database
+            .require_auth()
+            .is_none_or(|r| r.allows(AuthMethod::Password) || r.allows(AuthMethod::Md5));
+    if database.password().is_some()
+        && !database.is_unix_socket()
+        && database.sslmode() != replication::SslMode::VerifyFull
+        && weak_auth
+    {
+        warnings.push(format!(
+            "Postgres: sslmode={} does not verify the server's certificate and host name, so an \
+             attacker on the network path can pose as the server and ask for the password in \
+             clear text, or as md5 (a salted hash open to offline guessing); set \
+             sslmode=verify-full (with \
+             sslrootcert), or at least require_auth=scram-sha-256 (SCRAM never reveals the \
+             password, though without verify-full the attacker can still read the session): \
+             docs/operations.md, Hardened connections",
+            database.sslmode()
+        ));
+    }
+    if let Some(given_by) = nats.credential_in_clear() {
+        warnings.push(format!(
+            "NATS: the credentials of {given_by} are sent as written over a server URL without \
+             verified TLS (nats:// or no scheme, and no {} or {}), so an attacker on the network \
+             path reads them, or strips the server's TLS offer first; use tls:// URLs or {} \
+             (the server's certificate is then verified): docs/operations.md, Hardened \
+             connections",
+            NATS_TLSCA.flag(),
+            NATS_TLSFIRST.flag(),
+            NATS_TLSCA.flag(),
+        ));
+    }
+    warnings
 }
 
 impl Config {
@@ -816,6 +1022,14 @@ impl Config {
                 .map(|password| password.expose().to_owned()),
         );
         secrets
+    }
+
+    /// The user names (Postgres, NATS): a secret equal to one is weak for the log scrubber
+    /// (`crate::logging::weakness`).
+    pub fn user_names(&self) -> Vec<&str> {
+        let mut names = vec![self.database.user()];
+        names.extend(self.nats.user());
+        names
     }
 }
 
@@ -1282,7 +1496,7 @@ pub(crate) mod tests {
         for (url, secret) in [
             ("user:hunter2@nats:4222", "hunter2"),
             ("tok3n-hunter2@nats:4222", "tok3n-hunter2"),
-            ("nats://a:4222,u:hunter2@b:4222", "hunter2"),
+            ("nats://a:4222,nats://u:hunter2@b:4222", "hunter2"),
             ("tls://u:p%40ss-hunter2@nats:4222", "hunter2"),
         ] {
             let config = load(&[], &[DB, ("NATS_URL", url)], None).unwrap();
@@ -1305,6 +1519,328 @@ pub(crate) mod tests {
         assert!(e.0.contains("NATS_URL") && !e.0.contains("hunter2"), "{e}");
         assert!(e.0.contains("%2C"), "{e}");
         assert_eq!(redact_nats_urls("u:hunter2"), "<redacted>");
+    }
+
+    /// Issue 18 case 6: a ',' in a NATS credential is refused with the advice to
+    /// percent-encode it, never read as two servers; no part of the password is shown
+    /// anywhere, `outbox-relay config`'s redaction included.
+    #[test]
+    fn a_comma_in_nats_credentials_is_refused_not_split() {
+        for url in [
+            "nats://relay:2024,Spring!@h:4222",
+            "relay:2024,Spring!@h:4222",
+            "nats://relay:20,24@h:4222",
+            "nats://tq,kZq@h",
+            "nats://us,er:2024Spring@h",
+            // Credentials on a later server only, without a scheme: the same shape.
+            "nats://a:4222,u:2024Spring@b:4222",
+        ] {
+            let e = load(&[], &[DB, ("NATS_URL", url)], None).unwrap_err();
+            assert!(
+                e.0.contains("invalid NATS_URL") && e.0.contains("%2C"),
+                "{url}: {e}"
+            );
+            for part in ["2024", "Spring", "kZq", "us,er"] {
+                assert!(!e.0.contains(part), "{url}: {e}");
+            }
+            let shown = redact_nats_urls(url);
+            assert!(
+                !shown.contains("Spring") && !shown.contains("2024") && !shown.contains("kZq"),
+                "{shown}"
+            );
+        }
+        // Percent-encoded, it is one server and one password.
+        let config = load(
+            &[],
+            &[DB, ("NATS_URL", "nats://relay:2024%2CSpring!@h:4222")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.nats.servers(), ["nats://h:4222"]);
+        assert!(config.secrets().iter().any(|s| s == "2024,Spring!"));
+        // A server with its own scheme starts a new server.
+        let config = load(
+            &[],
+            &[DB, ("NATS_URL", "nats://a:4222,tls://u:2024Spring@b:4222")],
+            None,
+        )
+        .unwrap();
+        assert_eq!(config.nats.servers(), ["nats://a:4222", "tls://b:4222"]);
+    }
+
+    /// The warnings of a configuration that loads, for one risk each.
+    fn warnings(
+        flags: &[(&'static str, &str)],
+        env: &[(&str, &str)],
+        file: Option<&str>,
+    ) -> Vec<String> {
+        let config = load(flags, env, file).unwrap();
+        let shown = config.warnings.join("\n");
+        for secret in config.secrets() {
+            assert!(
+                !shown.contains(&secret),
+                "a warning shows a secret: {shown}"
+            );
+        }
+        config.warnings
+    }
+
+    /// The one warning containing `part` (each risk is said once), or a panic listing them.
+    fn the_warning<'a>(warnings: &'a [String], part: &str) -> &'a str {
+        let found: Vec<&String> = warnings.iter().filter(|w| w.contains(part)).collect();
+        assert_eq!(found.len(), 1, "{part:?} in {warnings:#?}");
+        found[0]
+    }
+
+    const HARDENED_DB: (&str, &str) = (
+        "DATABASE_URL",
+        "postgres://relay:Q9-long-random-pw@db/app?sslmode=verify-full&sslrootcert=/etc/ca.crt",
+    );
+    const HARDENED_NATS: (&str, &str) = ("NATS_URL", "tls://relay:W7-long-random-pw@nats:4222");
+
+    /// Issue 18 cases 6 and 9: a hardened configuration warns about nothing; each risk
+    /// gets one line that names it and the fix, never the secret.
+    #[test]
+    fn startup_warnings_name_each_risk_once() {
+        assert_eq!(
+            warnings(&[], &[HARDENED_DB, HARDENED_NATS], None),
+            [] as [String; 0]
+        );
+        assert_eq!(
+            warnings(
+                &[],
+                &[
+                    (
+                        "DATABASE_URL",
+                        "postgres://relay:Q9-long-random-pw@db/app?require_auth=scram-sha-256"
+                    ),
+                    (
+                        "NATS_URL",
+                        "nats://relay:W7-long-random-pw@nats:4222,tls://relay:W7-long-random-pw@n2"
+                    ),
+                    ("OUTBOX_RELAY_NATS_TLSFIRST", "true"),
+                ],
+                None
+            ),
+            [] as [String; 0],
+            "SCRAM required, and TLS demanded for every server"
+        );
+
+        // Secrets on the command line.
+        let w = warnings(
+            &[
+                ("nats_user", "relay"),
+                ("nats_password", "W7-long-random-pw"),
+            ],
+            &[HARDENED_DB, ("NATS_URL", "tls://nats:4222")],
+            None,
+        );
+        assert!(
+            the_warning(&w, "--password is given on the command line")
+                .contains("set OUTBOX_RELAY_NATS_PASSWORD or the file key nats_password"),
+            "{w:?}"
+        );
+        assert_eq!(w.len(), 1, "{w:?}");
+        let w = warnings(
+            &[("nats_token", "W7-long-random-pw")],
+            &[HARDENED_DB, ("NATS_URL", "tls://nats:4222")],
+            None,
+        );
+        the_warning(&w, "--token is given on the command line");
+        let w = warnings(
+            &[
+                ("database_url", HARDENED_DB.1),
+                ("nats_url", HARDENED_NATS.1),
+            ],
+            &[],
+            None,
+        );
+        assert!(
+            the_warning(
+                &w,
+                "--database-url holds a password and is given on the command line"
+            )
+            .contains("PGPASSWORD"),
+            "{w:?}"
+        );
+        the_warning(
+            &w,
+            "--nats-url holds credentials and is given on the command line",
+        );
+        assert_eq!(w.len(), 2, "{w:?}");
+        // Without a password in it, the URL on the command line is no secret.
+        let w = warnings(
+            &[(
+                "database_url",
+                "postgres://relay@db/app?sslmode=verify-full&sslrootcert=/ca",
+            )],
+            &[HARDENED_NATS],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0]);
+
+        // Files holding secrets that group or others can read.
+        let dir = tempfile::tempdir().unwrap();
+        let seed = dir.path().join("relay.nk");
+        let seed_text = nkeys::KeyPair::new_user().seed().unwrap();
+        testkit::write_file_mode(&seed, &seed_text, 0o644);
+        let seed_env = ("OUTBOX_RELAY_NATS_NKEY", seed.to_str().unwrap());
+        let w = warnings(
+            &[],
+            &[HARDENED_DB, ("NATS_URL", "tls://nats:4222"), seed_env],
+            None,
+        );
+        assert!(
+            the_warning(&w, "OUTBOX_RELAY_NATS_NKEY file")
+                .contains("has group or world access (mode 0644)")
+                && w[0].contains("or less (chmod 6")
+                && w[0].contains("nkey seed"),
+            "{w:?}"
+        );
+        testkit::write_file_mode(&seed, &seed_text, 0o600);
+        let w = warnings(
+            &[],
+            &[HARDENED_DB, ("NATS_URL", "tls://nats:4222"), seed_env],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0]);
+        // The config file, when it holds a secret (here one that the environment overrides).
+        let file = "nats_password = \"W7-long-random-pw\"\nnats_user = \"relay\"\n";
+        let w = warnings(
+            &[],
+            &[
+                HARDENED_DB,
+                ("NATS_URL", "tls://nats:4222"),
+                ("OUTBOX_RELAY_NATS_PASSWORD", "X8-other-pw"),
+            ],
+            Some(file),
+        );
+        the_warning(&w, "config file");
+        assert!(
+            w[0].contains("has group or world access") && w[0].contains("holds a secret"),
+            "{w:?}"
+        );
+        let w = warnings(&[], &[HARDENED_DB, HARDENED_NATS], Some("partitions = 3\n"));
+        assert_eq!(w, [] as [String; 0], "no secret in the file");
+
+        // Secrets too weak for the log scrubber.
+        let w = warnings(
+            &[],
+            &[
+                (
+                    "DATABASE_URL",
+                    "postgres://relay:relay@db/app?sslmode=verify-full&sslrootcert=/ca",
+                ),
+                ("NATS_URL", "tls://abc@nats:4222"),
+            ],
+            None,
+        );
+        assert!(
+            the_warning(
+                &w,
+                "the Postgres password (from the connection string) is the same as a user name"
+            )
+            .contains("log scrubber"),
+            "{w:?}"
+        );
+        the_warning(
+            &w,
+            "the NATS token (of the token in NATS_URL) is shorter than 4 characters (3)",
+        );
+        let w = warnings(
+            &[],
+            &[
+                HARDENED_DB,
+                ("NATS_URL", "tls://nats:4222"),
+                ("OUTBOX_RELAY_NATS_TOKEN", "Secret"),
+            ],
+            None,
+        );
+        the_warning(&w, "OUTBOX_RELAY_NATS_TOKEN) is a common word");
+
+        // Credentials without verified TLS.
+        for (url, mode) in [
+            ("postgres://relay:Q9-long-random-pw@db/app", "prefer"),
+            (
+                "postgres://relay:Q9-long-random-pw@db/app?sslmode=require",
+                "require",
+            ),
+            (
+                "postgres://relay:Q9-long-random-pw@db/app?sslmode=verify-ca&require_auth=md5",
+                "verify-ca",
+            ),
+        ] {
+            let w = warnings(&[], &[("DATABASE_URL", url), HARDENED_NATS], None);
+            assert!(
+                the_warning(&w, &format!("Postgres: sslmode={mode} does not verify"))
+                    .contains("require_auth=scram-sha-256"),
+                "{w:?}"
+            );
+        }
+        let w = warnings(
+            &[],
+            &[("DATABASE_URL", "postgres://relay@db/app"), HARDENED_NATS],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0], "no password, nothing to reveal");
+        let w = warnings(
+            &[],
+            &[
+                (
+                    "DATABASE_URL",
+                    "postgres://relay:Q9-long-random-pw@db/app?sslmode=require&channel_binding=require",
+                ),
+                HARDENED_NATS,
+            ],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0], "SCRAM-SHA-256-PLUS only");
+        let w = warnings(
+            &[],
+            &[
+                HARDENED_DB,
+                ("NATS_URL", "nats://relay:W7-long-random-pw@nats:4222"),
+            ],
+            None,
+        );
+        assert!(
+            the_warning(&w, "NATS: the credentials of the user:password in NATS_URL")
+                .contains("use tls:// URLs or --tlsca"),
+            "{w:?}"
+        );
+        let w = warnings(
+            &[],
+            &[
+                HARDENED_DB,
+                ("NATS_URL", "tls://a:4222,nats://b:4222"),
+                ("OUTBOX_RELAY_NATS_TOKEN", "W7-long-random-pw"),
+            ],
+            None,
+        );
+        the_warning(&w, "NATS: the credentials of OUTBOX_RELAY_NATS_TOKEN");
+        let seed_env = ("OUTBOX_RELAY_NATS_NKEY", seed.to_str().unwrap());
+        let w = warnings(
+            &[],
+            &[HARDENED_DB, ("NATS_URL", "nats://nats:4222"), seed_env],
+            None,
+        );
+        assert_eq!(w, [] as [String; 0], "an nkey reveals nothing");
+    }
+
+    /// Issue 18 case 8: WebSocket URLs are refused at start, saying what to use instead.
+    #[test]
+    fn websocket_nats_urls_are_refused() {
+        for url in ["ws://h:8080", "nats://a:4222, wss://u:p@h:443"] {
+            let e = load(&[], &[DB, ("NATS_URL", url)], None).unwrap_err();
+            assert!(
+                e.0.contains("WebSocket URL")
+                    && e.0.contains("NATS TCP protocol only")
+                    && e.0.contains("nats://host:4222")
+                    && e.0.contains("tls://"),
+                "{url}: {e}"
+            );
+            assert!(!e.0.contains(":p@"), "{e}");
+        }
 
         // TOML syntax errors locate the problem without echoing the line.
         for file in [

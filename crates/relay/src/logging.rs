@@ -13,10 +13,17 @@
 //! ([`register_secrets`], the configuration's [`crate::Config::secrets`]) in the forms a
 //! library may print it (as is, percent-encoded, JSON- or Rust-escaped) by `<redacted>`.
 //!
+//! A secret too weak to be replaced everywhere ([`weakness`]: shorter than
+//! [`MIN_SCRUBBED_LEN`], a common word such as `relay` or `secret`, or a user name) is
+//! replaced only where it stands as a URL's user information (`:{secret}@`, `//{secret}@`):
+//! replacing `relay` in every line would break the logs and show the secret all the same
+//! (`outbox-<redacted>`). The configuration warns about such secrets at start
+//! (`crate::config`), since free text that quotes them cannot be told from ordinary text.
+//!
 //! # Invariants
-//! - G1 No registered secret of [`MIN_SCRUBBED_LEN`] characters or more reaches stderr
-//!   through the log writer, [`scrub`] or the panic hook. (Shorter ones would match
-//!   ordinary text everywhere; they are still never printed by the relay's own code.)
+//! - G1 No registered secret that is not weak ([`weakness`]) reaches stderr through the log
+//!   writer, [`scrub`] or the panic hook; a weak one does not as a URL's user information.
+//!   (They are still never printed by the relay's own code.)
 
 use std::borrow::Cow;
 use std::ffi::OsStr;
@@ -28,8 +35,63 @@ use crate::config::LogFormat;
 /// Secrets shorter than this are not scrubbed from free text (see G1).
 pub const MIN_SCRUBBED_LEN: usize = 4;
 
-/// The forms of the registered secrets, longest first.
-static SECRETS: RwLock<Vec<String>> = RwLock::new(Vec::new());
+/// Words that appear in ordinary log text (the relay's own vocabulary, its defaults, the
+/// usual placeholder passwords): a secret equal to one, ignoring case, is weak (G1).
+const COMMON_WORDS: &[&str] = &[
+    "relay",
+    "outbox",
+    "outbox_relay",
+    "outbox-relay",
+    "secret",
+    "password",
+    "passwd",
+    "pass",
+    "token",
+    "postgres",
+    "nats",
+    "admin",
+    "root",
+    "user",
+    "test",
+    "changeme",
+    "change-me",
+    "default",
+    "stream",
+    "event",
+    "events",
+    "info",
+    "warn",
+    "error",
+    "debug",
+    "true",
+    "false",
+    "null",
+    "none",
+    "localhost",
+];
+
+/// Why `secret` cannot be scrubbed from free text (G1): too short, a common word, or one
+/// of `names` (user names, shown by the relay and libraries alike); `None` when it can.
+pub fn weakness(secret: &str, names: &[&str]) -> Option<String> {
+    let length = secret.chars().count();
+    if length < MIN_SCRUBBED_LEN {
+        Some(format!(
+            "shorter than {MIN_SCRUBBED_LEN} characters ({length})"
+        ))
+    } else if names.iter().any(|name| name.eq_ignore_ascii_case(secret)) {
+        Some("the same as a user name".to_owned())
+    } else if COMMON_WORDS
+        .iter()
+        .any(|word| word.eq_ignore_ascii_case(secret))
+    {
+        Some("a common word".to_owned())
+    } else {
+        None
+    }
+}
+
+/// What the scrubber looks for and what it writes instead, longest pattern first.
+static SECRETS: RwLock<Vec<(String, String)>> = RwLock::new(Vec::new());
 
 /// Whether log text gets ANSI colours: only on a terminal, and not when `NO_COLOR` is set
 /// to a non-empty value.
@@ -56,24 +118,37 @@ pub fn init(format: LogFormat, default_filter: &str) {
     }
 }
 
-/// Registers secrets for [`scrub`] (G1), and installs the panic hook that scrubs panic
+/// Registers secrets for [`scrub`] (G1), weak ones ([`weakness`], `names` being the user
+/// names) only as a URL's user information, and installs the panic hook that scrubs panic
 /// messages.
-pub fn register_secrets(secrets: impl IntoIterator<Item = String>) {
-    let mut forms: Vec<String> = Vec::new();
+pub fn register_secrets(secrets: impl IntoIterator<Item = String>, names: &[&str]) {
+    let mut forms: Vec<(String, String)> = Vec::new();
     for secret in secrets {
-        if secret.chars().count() < MIN_SCRUBBED_LEN {
+        if secret.is_empty() {
+            continue;
+        }
+        let encoded = replication::conninfo::percent_encode(&secret);
+        if weakness(&secret, names).is_some() {
+            for form in [&secret, &encoded] {
+                forms.push((format!(":{form}@"), ":<redacted>@".to_owned()));
+                forms.push((format!("//{form}@"), "//<redacted>@".to_owned()));
+            }
             continue;
         }
         let json = serde_json::to_string(&secret).unwrap_or_default();
         let debug = format!("{secret:?}");
-        forms.push(replication::conninfo::percent_encode(&secret));
-        forms.push(json.trim_matches('"').to_owned());
-        forms.push(debug.trim_matches('"').to_owned());
-        forms.push(secret);
+        for form in [
+            encoded,
+            json.trim_matches('"').to_owned(),
+            debug.trim_matches('"').to_owned(),
+            secret,
+        ] {
+            forms.push((form, "<redacted>".to_owned()));
+        }
     }
     let mut registered = SECRETS.write().unwrap_or_else(PoisonError::into_inner);
     registered.extend(forms);
-    registered.sort_by_key(|form| std::cmp::Reverse(form.len()));
+    registered.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.cmp(b)));
     registered.dedup();
     drop(registered);
     install_panic_hook();
@@ -82,12 +157,15 @@ pub fn register_secrets(secrets: impl IntoIterator<Item = String>) {
 /// `text` with every registered secret replaced by `<redacted>`.
 pub fn scrub(text: &str) -> Cow<'_, str> {
     let secrets = SECRETS.read().unwrap_or_else(PoisonError::into_inner);
-    if !secrets.iter().any(|secret| text.contains(secret.as_str())) {
+    if !secrets
+        .iter()
+        .any(|(pattern, _)| text.contains(pattern.as_str()))
+    {
         return Cow::Borrowed(text);
     }
     let mut text = text.to_owned();
-    for secret in secrets.iter() {
-        text = text.replace(secret.as_str(), "<redacted>");
+    for (pattern, replacement) in secrets.iter() {
+        text = text.replace(pattern.as_str(), replacement);
     }
     Cow::Owned(text)
 }
@@ -151,7 +229,7 @@ mod tests {
 
     #[test]
     fn scrub_replaces_every_form_of_a_registered_secret() {
-        register_secrets(["pa ss\"w/rd-7Q".to_owned(), "abc".to_owned()]);
+        register_secrets(["pa ss\"w/rd-7Q".to_owned(), "abc".to_owned()], &[]);
         for text in [
             "password pa ss\"w/rd-7Q in the clear",
             "url nats://u:pa%20ss%22w%2Frd-7Q@h:4222",
@@ -165,6 +243,35 @@ mod tests {
         assert_eq!(
             scrub("abc is too short to scrub"),
             "abc is too short to scrub"
+        );
+    }
+
+    /// Issue 18 case 6: a short or common secret, or one equal to a user name, is scrubbed
+    /// where it is a URL's user information, and ordinary text keeps its words (replacing
+    /// them would show the secret: `outbox-<redacted>`).
+    #[test]
+    fn weak_secrets_are_scrubbed_only_as_user_information() {
+        assert_eq!(
+            weakness("ab", &[]).as_deref(),
+            Some("shorter than 4 characters (2)")
+        );
+        assert_eq!(weakness("Relay", &[]).as_deref(), Some("a common word"));
+        assert_eq!(
+            weakness("orders", &["orders"]).as_deref(),
+            Some("the same as a user name")
+        );
+        assert_eq!(weakness("x7-Qw9!z", &["relay"]), None);
+        register_secrets(
+            ["relay".to_owned(), "p,w".to_owned(), "orders".to_owned()],
+            &["orders"],
+        );
+        assert_eq!(
+            scrub("outbox-relay connected to nats://relay:relay@h:4222 (token nats://relay@h)"),
+            "outbox-relay connected to nats://relay:<redacted>@h:4222 (token nats://<redacted>@h)"
+        );
+        assert_eq!(
+            scrub("nats://u:p%2Cw@h and postgres://orders:orders@db/orders"),
+            "nats://u:<redacted>@h and postgres://orders:<redacted>@db/orders"
         );
     }
 }

@@ -228,7 +228,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    logging::register_secrets(config.secrets());
+    logging::register_secrets(config.secrets(), &config.user_names());
     if subcommand == "config" {
         print!("{}", logging::scrub(&config::effective(&raw, &config)));
         return ExitCode::SUCCESS;
@@ -243,7 +243,7 @@ fn main() -> ExitCode {
         "info"
     };
     logging::init(config.log_format, default_filter);
-    for warning in config.database.warnings() {
+    for warning in &config.warnings {
         warn!("{warning}");
     }
     // One TLS crypto provider for the whole process (Postgres and NATS connections alike).

@@ -24,7 +24,10 @@
 //!   secret; every other connection failure is transient.
 //! - N4 Files are checked when the configuration loads (a missing or malformed file stops
 //!   the relay at start, exit 2) and read again at every connect, so a rotated file is used
-//!   from the next session on.
+//!   from the next session on. A seed, `.creds` or key file that group or others can read
+//!   is named in a warning at start (`crate::config` C4).
+//! - N5 Only `nats://` and `tls://` servers (or none) reach here: `crate::config` C3 refuses
+//!   `ws://`/`wss://` and a list whose ',' may lie inside a credential.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -101,6 +104,43 @@ impl NatsOptions {
         &self.servers
     }
 
+    /// The NATS user name, if the credential has one.
+    pub(crate) fn user(&self) -> Option<&str> {
+        match self.credential.as_ref().map(|c| &c.kind) {
+            Some(CredentialKind::UserPassword { user, .. }) => Some(user),
+            _ => None,
+        }
+    }
+
+    /// The password or token, with what it is and where it came from (for the start-up
+    /// warnings of `crate::config`, never printed).
+    pub(crate) fn credential_secret(&self) -> Option<(String, &str)> {
+        let credential = self.credential.as_ref()?;
+        let (what, secret) = match &credential.kind {
+            CredentialKind::UserPassword { password, .. } => ("password", password),
+            CredentialKind::Token(token) => ("token", token),
+            _ => return None,
+        };
+        Some((
+            format!("the NATS {what} (of {})", credential.given_by),
+            secret.expose(),
+        ))
+    }
+
+    /// Where a password or token came from, when it would be sent to a server without
+    /// verified TLS: a `nats://` (or scheme-less) URL, and no option that demands TLS
+    /// (`--tlsca`, `--tlscert`, `--tlsfirst`). An nkey or `.creds` credential signs a
+    /// challenge and reveals nothing.
+    pub(crate) fn credential_in_clear(&self) -> Option<&str> {
+        let credential = self.credential.as_ref()?;
+        let revealing = matches!(
+            credential.kind,
+            CredentialKind::UserPassword { .. } | CredentialKind::Token(_)
+        );
+        let plain_server = self.servers.iter().any(|s| !s.starts_with("tls://"));
+        (revealing && plain_server && !self.tls.required()).then_some(credential.given_by.as_str())
+    }
+
     /// Validates the NATS options of `raw` (`url` already parsed): splits the URLs' user
     /// information off, enforces N2, and checks every file (N4).
     pub(crate) fn from_raw(raw: &RawConfig, url: &NatsUrl) -> Result<NatsOptions, ConfigError> {
@@ -116,7 +156,7 @@ impl NatsOptions {
                     return Err(ConfigError(format!(
                         "{url_name} gives different credentials for different servers, but the relay sends one \
                          credential to every server: give the same user:password@ (or token@) in every URL, or use \
-                         --user and --password, or --token"
+                         --user and --password, or --token (a ',' in a credential must be percent-encoded as %2C)"
                     )));
                 }
                 from_url = Some(credential);

@@ -58,6 +58,13 @@
 //!   [`ConnInfo::describe`] contains it, and no parse error quotes it or a part of it
 //!   (the port of a URL, which a forgotten `@` would fill with the password, is never
 //!   quoted either).
+//! - R8 A parse error quotes nothing of a URL after its scheme: a component is named by
+//!   what it is (the host, the port, query parameter 2) and what is wrong with it, never
+//!   by its text, since an unencoded `&`, `=` or `@` in a password moves the password's
+//!   tail into any of them. The one exception is a query parameter's name that is one of
+//!   libpq's own keywords ([`LIBPQ_KEYWORDS`]): no password's tail looks like that by
+//!   accident. Values of the connection string (either notation) are never quoted either;
+//!   a `PG*` variable's value is (it holds that one value).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -257,7 +264,7 @@ impl FromStr for RequireAuth {
     fn from_str(text: &str) -> Result<Self, Error> {
         let mut listed = Vec::new();
         let mut negated = None;
-        for word in text.split(',') {
+        for (index, word) in text.split(',').enumerate() {
             let (negate, name) = match word.strip_prefix('!') {
                 Some(name) => (true, name),
                 None => (false, word),
@@ -272,9 +279,11 @@ impl FromStr for RequireAuth {
                 .into_iter()
                 .find(|m| m.as_str() == name)
                 .ok_or_else(|| {
+                    // Not quoted (R8): the value may be a password's tail.
                     Error::Config(format!(
-                        "invalid require_auth method {name:?}: expected password, md5, \
-                         scram-sha-256, gss, sspi or none, each optionally negated with !"
+                        "invalid require_auth: method {} of the list is not one of password, \
+                         md5, scram-sha-256, gss, sspi or none (each optionally negated with !)",
+                        index + 1
                     ))
                 })?;
             listed.push(method);
@@ -413,6 +422,54 @@ pub const NEUTRAL: &[(&str, &str, &[&str])] = &[
     ("sslsni", "PGSSLSNI", &["1"]),
     ("sslcertmode", "PGSSLCERTMODE", &["allow"]),
     ("client_encoding", "PGCLIENTENCODING", &["UTF8", "UTF-8"]),
+];
+
+/// libpq's connection keywords (PostgreSQL 17): a URL's query parameter so named may be
+/// quoted in an error (R8); any other name may be the tail of a password with an unencoded
+/// `&`, and is not.
+pub const LIBPQ_KEYWORDS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "passfile",
+    "require_auth",
+    "channel_binding",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "sslnegotiation",
+    "requiressl",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslcertmode",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "requirepeer",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "krbsrvname",
+    "gsslib",
+    "gssdelegation",
+    "service",
+    "target_session_attrs",
+    "load_balance_hosts",
 ];
 
 /// libpq environment variables of features the relay lacks: set, they are an error.
@@ -671,8 +728,23 @@ impl ConnInfo {
                     values.given.insert(parameter.name, pair.value);
                 }
             } else if let Some(neutral) = NEUTRAL.iter().find(|n| n.0 == pair.key) {
-                check_neutral(neutral, &pair.value, neutral.0)?;
+                check_neutral(neutral, &pair.value, None)?;
                 neutral_given.push(neutral.0);
+            } else if let Some(index) = pair
+                .url_query_index
+                .filter(|_| !LIBPQ_KEYWORDS.contains(&pair.key.as_str()))
+            {
+                // Not quoted (R8): `?password=hun&ter2=x` makes "ter2" a name.
+                return Err(Error::Config(format!(
+                    "unsupported parameter: query parameter {index} of the URL is not a libpq \
+                     parameter{} (its name is not shown: it may be the tail of a password with \
+                     an unencoded '&'; percent-encode '&', '=' and '#' in values as %26, %3D, \
+                     %23); supported: {}",
+                    closest_parameter(&pair.key)
+                        .map(|name| format!(" (did you mean {name}?)"))
+                        .unwrap_or_default(),
+                    supported_parameters()
+                )));
             } else if pair.follows_bare_password {
                 // The "key" may be the rest of a password that has a space in it.
                 return Err(Error::Config(
@@ -684,12 +756,7 @@ impl ConnInfo {
                 return Err(Error::Config(format!(
                     "unsupported parameter {:?}; supported: {}",
                     pair.key,
-                    PARAMETERS
-                        .iter()
-                        .map(|p| p.name)
-                        .chain(NEUTRAL.iter().map(|n| n.0))
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    supported_parameters()
                 )));
             }
         }
@@ -703,7 +770,7 @@ impl ConnInfo {
         }
         for neutral in NEUTRAL.iter().filter(|n| !neutral_given.contains(&n.0)) {
             if let Some(value) = env(neutral.1) {
-                check_neutral(neutral, &value, neutral.1)?;
+                check_neutral(neutral, &value, Some(neutral.1))?;
             }
         }
         let mut warnings: Vec<String> = PINNED_ENV
@@ -726,7 +793,8 @@ impl ConnInfo {
             .unwrap_or_else(|| DEFAULT_HOST.to_owned());
         if host.contains(',') {
             return Err(Error::Config(format!(
-                "multiple hosts ({host:?}) are not supported; give one host"
+                "host {} names multiple hosts, which is not supported; give one host",
+                values.shown("host", &host)
             )));
         }
         let port = match values.take("port") {
@@ -735,7 +803,8 @@ impl ConnInfo {
                 Ok(port) if port != 0 => port,
                 _ => {
                     return Err(Error::Config(format!(
-                        "invalid port {port:?}: expected a number from 1 to 65535"
+                        "invalid port {}: expected a number from 1 to 65535",
+                        values.shown("port", &port)
                     )))
                 }
             },
@@ -758,11 +827,16 @@ impl ConnInfo {
             }
         }
 
-        let explicit_sslmode = values
-            .take("sslmode")
-            .map(|mode| mode.parse::<SslMode>())
-            .transpose()
-            .map_err(|e| Error::Config(e.to_string()))?;
+        let explicit_sslmode = match values.take("sslmode") {
+            None => None,
+            Some(mode) => Some(mode.parse::<SslMode>().map_err(|_| {
+                Error::Config(format!(
+                    "invalid sslmode {}: expected one of disable, prefer, require, verify-ca, \
+                     verify-full",
+                    values.shown("sslmode", &mode)
+                ))
+            })?),
+        };
         let sslrootcert = match values.take("sslrootcert") {
             Some(text) if text == "system" => Some(RootCerts::System),
             Some(path) => Some(RootCerts::File(PathBuf::from(path))),
@@ -800,7 +874,8 @@ impl ConnInfo {
             Some("require") => ChannelBinding::Require,
             Some(other) => {
                 return Err(Error::Config(format!(
-                    "invalid channel_binding {other:?}: expected disable, prefer or require"
+                    "invalid channel_binding {}: expected disable, prefer or require",
+                    values.shown("channel_binding", other)
                 )))
             }
         };
@@ -830,7 +905,8 @@ impl ConnInfo {
             Some(text) => {
                 let seconds = text.trim().parse::<i64>().map_err(|_| {
                     Error::Config(format!(
-                        "invalid connect_timeout {text:?}: expected a whole number of seconds"
+                        "invalid connect_timeout {}: expected a whole number of seconds",
+                        values.shown("connect_timeout", &text)
                     ))
                 })?;
                 // libpq: zero or negative waits forever; the minimum is 2 seconds.
@@ -880,20 +956,102 @@ impl Values<'_> {
         self.sources.insert(name, Source::Env(variable));
         Some(value)
     }
+
+    /// How an error shows `value`, just taken for `name` (R8): `PGPORT="abc"` when a variable
+    /// gave it; not at all when the connection string did.
+    fn shown(&self, name: &str, value: &str) -> String {
+        match self.sources.get(name) {
+            Some(Source::Env(variable)) => format!("{variable}={value:?}"),
+            _ => "(the connection string's value, not shown)".to_owned(),
+        }
+    }
 }
 
+/// Every parameter the relay accepts, for errors.
+fn supported_parameters() -> String {
+    PARAMETERS
+        .iter()
+        .map(|p| p.name)
+        .chain(NEUTRAL.iter().map(|n| n.0))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The supported parameter within two edits of `name` (a typo), if one is.
+fn closest_parameter(name: &str) -> Option<&'static str> {
+    PARAMETERS
+        .iter()
+        .map(|p| p.name)
+        .chain(NEUTRAL.iter().map(|n| n.0))
+        .map(|candidate| (edit_distance(name, candidate), candidate))
+        .filter(|(distance, _)| *distance <= 2)
+        .min()
+        .map(|(_, candidate)| candidate)
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != *cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
+/// A neutral parameter's value, from the connection string (`variable` `None`: never
+/// quoted, R8) or from `variable`.
 fn check_neutral(
     (name, _, accepted): &(&str, &str, &[&str]),
     value: &str,
-    given_as: &str,
+    variable: Option<&str>,
 ) -> Result<(), Error> {
     if value.is_empty() || accepted.iter().any(|a| a.eq_ignore_ascii_case(value)) {
         return Ok(());
     }
+    let given = match variable {
+        Some(variable) => format!("{variable}={value:?}"),
+        None => format!("{name} (the connection string's value, not shown)"),
+    };
     Err(Error::Config(format!(
-        "{given_as}={value:?} is not supported: outbox-relay always behaves as {name}={}",
+        "{given} is not supported: outbox-relay always behaves as {name}={}",
         accepted[0]
     )))
+}
+
+/// The warning for a file holding a secret (the password file, `sslkey`, and the relay's
+/// NATS seed, `.creds` and key files) that group or others can access, libpq's rule for
+/// the password file and `sslkey` (which `crate::tls` refuses): `None` when only its owner can, or when it is no plain file one can
+/// see. With `root_group_read`, a file root owns may also be group-readable (u=rw,g=r,
+/// 0640), as libpq allows for `sslkey` (a key shared with the service's group). `what`
+/// names the file as the operator gave it.
+pub fn exposed_secret_file(path: &Path, what: &str, root_group_read: bool) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    let mode = metadata.permissions().mode() & 0o777;
+    // The group and other bits that must be clear.
+    let (forbidden, allowed) = if root_group_read && metadata.uid() == 0 {
+        (0o037, "u=rw,g=r (0640)")
+    } else {
+        (0o077, "u=rw (0600)")
+    };
+    (metadata.is_file() && mode & forbidden != 0).then(|| {
+        format!(
+            "{what} {} has group or world access (mode {mode:04o}); permissions should be \
+             {allowed} or less (chmod {} {})",
+            path.display(),
+            if forbidden == 0o077 { "600" } else { "640" },
+            path.display()
+        )
+    })
 }
 
 /// The password of the first line of the password file at `path` that matches
@@ -908,13 +1066,8 @@ fn password_from_file(path: &Path, key: [&str; 4], warnings: &mut Vec<String>) -
         ));
         return None;
     }
-    if metadata.permissions().mode() & 0o077 != 0 {
-        warnings.push(format!(
-            "password file {} has group or world access; permissions should be u=rw (0600) \
-             or less; ignoring it (chmod 600 {} to use it)",
-            path.display(),
-            path.display()
-        ));
+    if let Some(exposed) = exposed_secret_file(path, "password file", false) {
+        warnings.push(format!("{exposed}; ignoring it"));
         return None;
     }
     let text = match std::fs::read_to_string(path) {
@@ -1019,6 +1172,9 @@ struct Pair {
     /// Key=value notation: the pair right after an unquoted password, whose "key" may be
     /// the rest of a password with a space in it (so errors must not quote it).
     follows_bare_password: bool,
+    /// A URL's query parameter: its place in the query string, from 1 (errors name it by
+    /// that, R8).
+    url_query_index: Option<usize>,
 }
 
 impl Pair {
@@ -1027,6 +1183,7 @@ impl Pair {
             key: key.to_owned(),
             value,
             follows_bare_password: false,
+            url_query_index: None,
         }
     }
 }
@@ -1071,23 +1228,24 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
     if let Some(path) = path {
         pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
     }
-    for param in query.into_iter().flat_map(|q| q.split('&')) {
+    let params = query.into_iter().flat_map(|q| q.split('&'));
+    for (index, param) in (1..).zip(params) {
         if param.is_empty() {
             continue;
         }
+        // Not quoted (R8): `?password=hun&ter2` makes "ter2" a parameter.
         let (key, value) = param.split_once('=').ok_or_else(|| {
             Error::Config(format!(
-                "URL query parameter {param:?} has no '=' and value"
+                "query parameter {index} of the URL has no '=' and value (not shown: it may be \
+                 the tail of a password with an unencoded '&'; percent-encode '&' in values as \
+                 %26)"
             ))
         })?;
-        let key = percent_decode(key, "query parameter name")?;
-        let what = if key == "password" {
-            "password"
-        } else {
-            "query parameter value"
-        };
-        let value = percent_decode(value, what)?;
-        pairs.push(Pair::new(&key, value));
+        let key = percent_decode(key, &format!("query parameter {index} (its name)"))?;
+        let value = percent_decode(value, &format!("query parameter {index} (its value)"))?;
+        let mut pair = Pair::new(&key, value);
+        pair.url_query_index = Some(index);
+        pairs.push(pair);
     }
     Ok(pairs)
 }
@@ -1160,16 +1318,9 @@ fn is_well_formed_after_userinfo(text: &str) -> bool {
         })
 }
 
-/// Decodes `%XX` escapes (`+` stays a plus, as in libpq). Errors quote the text except for
-/// the password.
+/// Decodes `%XX` escapes (`+` stays a plus, as in libpq). Errors name `what` and never
+/// quote the text (R8).
 fn percent_decode(text: &str, what: &str) -> Result<String, Error> {
-    let quoted = |text: &str| {
-        if what == "password" {
-            String::new()
-        } else {
-            format!(" {text:?}")
-        }
-    };
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -1181,8 +1332,8 @@ fn percent_decode(text: &str, what: &str) -> Result<String, Error> {
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
                 .ok_or_else(|| {
                     Error::Config(format!(
-                        "invalid percent-encoding in the URL's {what}{}",
-                        quoted(text)
+                        "invalid percent-encoding in the URL's {what}: '%' must be followed by \
+                         two hexadecimal digits (write a '%' itself as %25)"
                     ))
                 })?;
             out.push(hex);
@@ -1194,8 +1345,7 @@ fn percent_decode(text: &str, what: &str) -> Result<String, Error> {
     }
     String::from_utf8(out).map_err(|_| {
         Error::Config(format!(
-            "the URL's {what}{} is not UTF-8 after percent-decoding",
-            quoted(text)
+            "the URL's {what} is not UTF-8 after percent-decoding"
         ))
     })
 }
@@ -1282,6 +1432,7 @@ fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
             key,
             value,
             follows_bare_password: after_bare_password,
+            url_query_index: None,
         });
         after_bare_password = bare_password;
     }
@@ -1527,7 +1678,9 @@ mod tests {
         assert_eq!(info.host(), "h");
         let error = parse_err("host=h target_session_attrs=read-write");
         assert!(
-            error.contains("target_session_attrs=\"read-write\" is not supported"),
+            error.contains(
+                "target_session_attrs (the connection string's value, not shown) is not supported"
+            ) && !error.contains("read-write"),
             "{error}"
         );
         let error = ConnInfo::parse_with_env("", env_of(&[("PGGSSENCMODE", "require")]))
@@ -1594,8 +1747,11 @@ mod tests {
         );
         let error = parse_err("require_auth=md5,!password");
         assert!(error.contains("cannot mix"), "{error}");
-        let error = parse_err("require_auth=kerberos");
-        assert!(error.contains("\"kerberos\""), "{error}");
+        let error = parse_err("require_auth=md5,kerberos");
+        assert!(
+            error.contains("method 2 of the list") && !error.contains("kerberos"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -1668,7 +1824,11 @@ mod tests {
             "{error}"
         );
         let error = parse_err("port=abc");
-        assert!(error.contains("invalid port \"abc\""), "{error}");
+        assert!(error.contains("invalid port (the connection"), "{error}");
+        let error = ConnInfo::parse_with_env("", env_of(&[("PGPORT", "abc")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("invalid port PGPORT=\"abc\""), "{error}");
         let error = parse_err("port=0");
         assert!(error.contains("invalid port"), "{error}");
         let error = parse_err("sslmode=allow");
@@ -1684,6 +1844,112 @@ mod tests {
         assert!(error.contains("IPv6"), "{error}");
         let error = parse_err("postgres://h:abc/db");
         assert!(error.contains("invalid port in the URL"), "{error}");
+        // A typo in a URL's parameter: not quoted, but the likely name is suggested.
+        let error = parse_err("postgres://h/db?sslmdoe=require");
+        assert!(
+            error.contains("query parameter 1 of the URL")
+                && error.contains("did you mean sslmode?"),
+            "{error}"
+        );
+        assert!(!error.contains("sslmdoe"), "{error}");
+    }
+
+    /// Issue 18 case 6: a malformed URL's error quotes nothing after the scheme (R8), since
+    /// a password's unencoded '&', '=', '@' or '%' moves its tail into any component.
+    #[test]
+    fn malformed_url_errors_quote_no_part_of_the_url() {
+        for (text, expected) in [
+            // The issue's case: the password's tail became a parameter without '='.
+            (
+                "postgres://u@h/db?password=hun&ter2",
+                "query parameter 2 of the URL has no '='",
+            ),
+            (
+                "postgres://u@h/db?password=hun&ter2=x",
+                "query parameter 2 of the URL is not",
+            ),
+            (
+                "postgres://u@h/db?password=hun&ter2=%zz",
+                "query parameter 2 (its value)",
+            ),
+            (
+                "postgres://u@h/db?password=hun&%zzter2=x",
+                "query parameter 2 (its name)",
+            ),
+            (
+                "postgres://u@h/db?password=hun%zzter2",
+                "query parameter 1 (its value)",
+            ),
+            (
+                "postgres://u@h/db?password=hun&sslmode=ter2",
+                "invalid sslmode (the connection",
+            ),
+            (
+                "postgres://u@h/db?password=hun&port=ter2",
+                "invalid port (the connection",
+            ),
+            (
+                "postgres://u@h/db?password=hun&host=a,ter2",
+                "host (the connection string's value, not shown) names multiple",
+            ),
+            (
+                "postgres://u@h/db?password=hun&connect_timeout=ter2",
+                "invalid connect_timeout",
+            ),
+            (
+                "postgres://u@h/db?password=hun&channel_binding=ter2",
+                "invalid channel_binding",
+            ),
+            (
+                "postgres://u@h/db?password=hun&require_auth=ter2",
+                "method 1 of the list",
+            ),
+            (
+                "postgres://u@h/db?password=hun&gssencmode=ter2",
+                "gssencmode (the connection",
+            ),
+            ("postgres://u:hun@ter2%zz@h/db", "the URL's password"),
+            ("postgres://u:hun@h%zzter2/db", "the URL's host"),
+            ("postgres://u:hun@h/db%zzter2", "the URL's dbname"),
+            ("postgres://u:hun@h/db%C0ter2", "not UTF-8"),
+            (
+                "user=u password='hun' sslmode=ter2",
+                "invalid sslmode (the connection",
+            ),
+        ] {
+            let error = parse_err(text);
+            assert!(error.contains(expected), "{text}: {error}");
+            assert!(
+                !error.contains("ter2") && !error.contains("hun"),
+                "{text}: {error}"
+            );
+        }
+        // A libpq keyword the relay does not support is still named (no password's tail
+        // looks like one by accident).
+        let error = parse_err("postgres://u@h/db?options=-c%20x");
+        assert!(error.contains("\"options\""), "{error}");
+    }
+
+    #[test]
+    fn secret_files_with_group_or_world_access_are_named() {
+        let scratch = testkit::scratch_dir("exposed");
+        let key = scratch.path().join("client.key");
+        testkit::write_file_mode(&key, "key", 0o600);
+        assert_eq!(exposed_secret_file(&key, "sslkey", true), None);
+        testkit::write_file_mode(&key, "key", 0o700);
+        assert_eq!(exposed_secret_file(&key, "sslkey", true), None);
+        testkit::write_file_mode(&key, "key", 0o640);
+        let warning = exposed_secret_file(&key, "--nkey file", false).unwrap();
+        assert!(
+            warning.starts_with("--nkey file ")
+                && warning.contains("has group or world access (mode 0640)")
+                && warning.contains("chmod 600"),
+            "{warning}"
+        );
+        assert_eq!(
+            exposed_secret_file(&scratch.path().join("none"), "x", false),
+            None
+        );
     }
 
     #[test]

@@ -35,7 +35,6 @@
 //! connection and [`crate::connect_sql`]'s control connection.
 
 use std::io;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -195,22 +194,13 @@ fn client_certificate(
             cert_path.display()
         ))
     })?;
-    let metadata = std::fs::metadata(key_path)
+    std::fs::metadata(key_path)
         .map_err(|e| unreadable("private key file (sslkey)", key_path, &e))?;
-    let mode = metadata.permissions().mode();
-    let too_open = if metadata.uid() == 0 {
-        mode & 0o037 != 0
-    } else {
-        mode & 0o077 != 0
-    };
-    if too_open {
-        return Err(Error::TlsConfig(format!(
-            "private key file {} has group or world access; file must have permissions u=rw \
-             (0600) or less if owned by the current user, or permissions u=rw,g=r (0640) or less \
-             if owned by root (chmod 600 {})",
-            key_path.display(),
-            key_path.display()
-        )));
+    // libpq's rule: u=rw (0600) or less, u=rw,g=r (0640) when root owns it.
+    if let Some(exposed) =
+        crate::conninfo::exposed_secret_file(key_path, "private key file (sslkey)", true)
+    {
+        return Err(Error::TlsConfig(exposed));
     }
     let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| {
         Error::TlsConfig(format!(
@@ -419,6 +409,7 @@ impl ServerCertVerifier for ChainOnly {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn info(text: &str) -> ConnInfo {
         ConnInfo::parse_with_env(text, |_| None).unwrap()
