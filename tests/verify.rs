@@ -489,3 +489,65 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
         run.stdout
     );
 }
+
+/// N2: a relay whose role may not create the boundary's table (Postgres 15 grants no CREATE
+/// on `public` to other roles) warns once at the slot's creation, naming the fix, and relays
+/// all the same; verify then expects every row, as before, and says why once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_cannot_record_the_boundary_warns_once_and_relays_all_the_same() {
+    let case = new_case("verify_unrecorded");
+    let role = format!("r_{}", case.database);
+    servers().pg.psql(
+        &case.database,
+        &format!(
+            "create role {role} login replication; grant select on outbox_events to {role};
+             create publication {} for table outbox_events with (publish = 'insert');",
+            case.publication
+        ),
+    );
+    let sql = case.sql().await;
+    sql.execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload, status) \
+         select 'history', 'OrderCreated', 'tmp-' || i, 'tmp', 'tmp', '{}', \
+                case when i % 2 = 0 then 'published' else 'pending' end \
+           from generate_series(1, 10) as i",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut restricted = case.clone();
+    restricted.pg_url =
+        restricted
+            .pg_url
+            .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let mut relay = restricted.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 3, 1, "new").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 8, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let output = relay.output();
+    assert_eq!(
+        output
+            .matches("cannot record the slot's boundary in \"public\".\"outbox_relay_boundary\" (")
+            .count(),
+        1,
+        "{output}"
+    );
+    assert!(
+        output.contains("permission denied for schema public")
+            && output.contains("sql/boundary.sql"),
+        "{output}"
+    );
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(run.lines("missing: ").len(), 5, "{}", run.stdout);
+    let note = run.lines("note: no boundary is recorded for slot ");
+    assert_eq!(note.len(), 1, "{}", run.stdout);
+    assert!(
+        note[0].contains("\"public\".\"outbox_relay_boundary\" does not exist"),
+        "{}",
+        run.stdout
+    );
+}
