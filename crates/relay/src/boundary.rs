@@ -28,7 +28,10 @@
 //!   that the mode left out (the runs of consecutive ids among them). Ids are unique, so no
 //!   row committed after the snapshot can fall in a run: verify leaves out exactly the
 //!   recorded rows and expects every other, and a message missing for a backfilled or a
-//!   streamed row is reported by its id.
+//!   streamed row is reported by its id. The record costs 16 bytes per run: left-out ids
+//!   that are consecutive take one run; each gap in them (a rolled-back insert's id, a
+//!   pending row between two published ones) starts another. A million runs take 16 MB,
+//!   read once by verify.
 //! - N2 Recorded before the first row is backfilled, committed on its own, and replaced when an
 //!   interrupted backfill creates the slot again (the new snapshot's facts). The record
 //!   serves the audit, not the relay: failing to write it is a warning (once per slot
