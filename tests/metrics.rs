@@ -7,7 +7,10 @@
 //! - `/readyz` turns unready when nats-server is stopped and ready again once it is back,
 //!   and a standby's readiness says `standby`; `outbox-relay probe` exits 0 and 1 on them;
 //! - every metric the relay exposes is explained in docs/operations.md, and the alert rules
-//!   of docs/alerts.yml use only metrics it exposes.
+//!   of docs/alerts.yml use only metrics it exposes;
+//! - idle and slow connections cannot starve the endpoint (issue 18 case 7): `/healthz`
+//!   answers at once beside 100 idle and 10 dribbling ones, and with every exchange busy a
+//!   probe is told `503` at once rather than left waiting.
 
 #![allow(clippy::unwrap_used)]
 
@@ -253,6 +256,117 @@ async fn readyz_is_unready_while_nats_is_down_and_a_standby_says_standby() {
     })
     .await;
     drop(second_relay);
+}
+
+/// `GET path` that must answer within `PROMPTLY`; returns the answer and how long it took.
+async fn get_promptly(addr: SocketAddr, path: &str) -> ((u16, String), Duration) {
+    let started = std::time::Instant::now();
+    let answer = outbox_relay::http::get(addr, path, PROMPTLY).await;
+    let took = started.elapsed();
+    match answer {
+        Ok(answer) => (answer, took),
+        Err(error) => panic!("{path} did not answer promptly: {error} (after {took:?})"),
+    }
+}
+
+/// How soon a probe must be answered (the endpoint's exchange deadline is 5 s: an answer
+/// that waited for an idle connection to time out comes too late).
+const PROMPTLY: Duration = Duration::from_secs(2);
+
+/// `n` connections to `addr` that send nothing.
+async fn idle_connections(addr: SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut idle = Vec::with_capacity(n);
+    for _ in 0..n {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    idle
+}
+
+/// Issue 18 case 7: 20 idle connections kept `/healthz` from answering for seconds (a
+/// permit was taken before `accept`, and held 5 s by a client sending nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_answers_at_once_beside_idle_and_slow_connections() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut case = Case::new(&servers().pg, &servers().nats, "starved");
+    let addr = with_metrics(&mut case);
+    let _relay = case.start_relay();
+    assert_eq!(get(addr, "/healthz").await, Ok((200, "ok\n".into())));
+
+    // 100 idle connections, and 10 clients that dribble a request a byte at a time and never
+    // finish it.
+    let idle = idle_connections(addr, 100).await;
+    let mut slow = Vec::new();
+    for _ in 0..10 {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.push(tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
+                .iter()
+                .cycle()
+            {
+                if stream.write_all(&[*byte]).await.is_err() {
+                    break;
+                }
+                // The server closes the connection at its exchange deadline.
+                let mut buffer = [0u8; 64];
+                let read =
+                    tokio::time::timeout(Duration::from_millis(100), stream.read(&mut buffer))
+                        .await;
+                if let Ok(Ok(0) | Err(_)) = read {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < DEADLINE,
+                    "a dribbling client was never closed"
+                );
+            }
+            started.elapsed()
+        }));
+    }
+    for path in ["/healthz", "/readyz", "/healthz"] {
+        let ((status, body), took) = get_promptly(addr, path).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (
+                200,
+                if path == "/healthz" {
+                    "ok\n"
+                } else {
+                    "ready\n"
+                }
+            ),
+            "{path} after {took:?}"
+        );
+    }
+    let ((status, body), _) = get_promptly(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("outbox_relay_events_total"), "{body}");
+
+    // One exchange deadline bounds a dribbling client, however steadily it sends.
+    for client in slow {
+        let lasted = client.await.unwrap();
+        assert!(
+            lasted < Duration::from_secs(8),
+            "a dribbling client was served for {lasted:?}"
+        );
+    }
+
+    // Every exchange busy (128): a probe is told so at once, not queued behind them.
+    let more = idle_connections(addr, 140).await;
+    let ((status, body), took) = get_promptly(addr, "/healthz").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "busy: every metrics connection is in use, retry\n"),
+        "after {took:?}"
+    );
+
+    // The idle clients leave: served again.
+    drop((idle, more));
+    eventually("/healthz served again", DEADLINE, || async {
+        (get(addr, "/healthz").await == Ok((200, "ok\n".into()))).then_some(())
+    })
+    .await;
 }
 
 /// The metric families of a `/metrics` text.

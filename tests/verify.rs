@@ -1,7 +1,9 @@
 //! End-to-end tests of `outbox-relay verify` against real Postgres 15 and nats-server
 //! processes (testkit): zero problems after a healthy run (exit 0); a message deleted from
 //! the stream, a message published twice and a message with a wrong key, each found by its
-//! outbox id (exit 5); and the range flags.
+//! outbox id (exit 5); and the range flags. After the documented migration (issue 18 case
+//! 10) verify expects exactly the relay's rows: those already published when the slot was
+//! created are left out on one line, and a deleted message is named by its id.
 
 #![allow(clippy::unwrap_used)]
 
@@ -348,6 +350,203 @@ async fn verify_throughput() {
     assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
     assert!(
         run.stdout.contains(&format!("verify: OK: {rows} rows")),
+        "{}",
+        run.stdout
+    );
+}
+
+/// Issue 18 case 10, the documented migration (docs/migration.md): 1 000 rows in the table
+/// when the slot is created, 500 `pending` and 500 already `published` by the poller (the
+/// oldest 300, then every other one of the next 400, so the left-out ids come in many runs),
+/// and 100 new rows after it. The stream holds the relay's 600 messages: verify is
+/// consistent and says, on one line, that the 500 were left out and why; once one
+/// backfilled message is deleted it names exactly that id, first. A slot without a recorded
+/// boundary (an older relay's) is verified as before, and verify says so once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows() {
+    let mut case = new_case("verify_migrated");
+    let sql = case.sql().await;
+    sql.execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload, status, published_at) \
+         select 'history-' || (i % 20), 'OrderCreated', 'tmp-' || i, 'tmp', 'tmp', jsonb_build_object('n', i), \
+                case when p then 'published' else 'pending' end, case when p then now() end \
+           from (select i, i <= 300 or (i <= 700 and i % 2 = 1) as p from generate_series(1, 1000) as i) as rows \
+          order by i",
+        &[],
+    )
+    .await
+    .unwrap();
+    let published: Vec<i64> = sql
+        .query(
+            "select id from outbox_events where status = 'published' order by id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(published.len(), 500);
+    // Step 3 of the migration: the slot created with the default backfill (pending), in
+    // shared-stream mode.
+    case.extra_env
+        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let new = insert_transaction(&mut sql, 100, 5, "new").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 600, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let messages = case.messages(&js).await;
+    assert_eq!(messages.len(), 600);
+
+    let left_out = format!(
+        "left out: 500 rows (ids {}..={}), already published when slot {:?} was created with --backfill pending (it streams from ",
+        published[0],
+        published[499],
+        case.slot
+    );
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(run.lines(&left_out).len(), 1, "{}", run.stdout);
+    assert_eq!(run.stdout.lines().count(), 2, "{}", run.stdout);
+    assert!(
+        run.stdout.contains("verify: OK: 600 rows (ids 1..=1100)")
+            && run.stdout.contains(": 0 missing,")
+            && run.stdout.ends_with(", 500 left out\n"),
+        "{}",
+        run.stdout
+    );
+
+    // One backfilled message deleted, in the stretch where left-out and backfilled ids
+    // alternate: a pending row between two published ones.
+    let between = (published[0]..published[499])
+        .find(|id| {
+            !published.contains(id)
+                && published.contains(&(id - 1))
+                && published.contains(&(id + 1))
+        })
+        .unwrap();
+    let deleted = messages
+        .iter()
+        .find(|m| m.outbox_id() == between)
+        .expect("a pending row is backfilled");
+    let stream = js.get_stream(&case.stream).await.unwrap();
+    stream.delete_message(deleted.sequence).await.unwrap();
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{}", run.stdout);
+    assert_eq!(
+        lines[0],
+        format!("missing: id={between} no message on the stream")
+    );
+    assert!(lines[1].starts_with(&left_out), "{}", run.stdout);
+    assert!(
+        lines[2].starts_with(
+            "verify: DISCREPANCIES (exit 5): 600 rows (ids 1..=1100), 599 stream messages"
+        ) && lines[2]
+            .contains(" 1 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected")
+            && lines[2].ends_with(", 500 left out"),
+        "{}",
+        run.stdout
+    );
+    // A streamed row's message deleted too: named as well, in id order.
+    let streamed = messages.iter().find(|m| m.outbox_id() == new[50]).unwrap();
+    stream.delete_message(streamed.sequence).await.unwrap();
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(
+        run.lines("missing: "),
+        [
+            format!("missing: id={between} no message on the stream"),
+            format!("missing: id={} no message on the stream", new[50]),
+        ],
+        "{}",
+        run.stdout
+    );
+
+    // A slot whose boundary was never recorded (created by an older relay): every row is
+    // expected, as before, and verify says why once.
+    sql.execute("delete from outbox_relay_boundary", &[])
+        .await
+        .unwrap();
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(
+        run.lines(&format!(
+            "note: no boundary is recorded for slot {:?} (",
+            case.slot
+        ))
+        .len(),
+        1,
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains(" 502 missing,") && run.stdout.contains(", 0 left out\n"),
+        "{}",
+        run.stdout
+    );
+}
+
+/// N2: a relay whose role may not create the boundary's table (Postgres 15 grants no CREATE
+/// on `public` to other roles) warns once at the slot's creation, naming the fix, and relays
+/// all the same; verify then expects every row, as before, and says why once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_cannot_record_the_boundary_warns_once_and_relays_all_the_same() {
+    let case = new_case("verify_unrecorded");
+    let role = format!("r_{}", case.database);
+    servers().pg.psql(
+        &case.database,
+        &format!(
+            "create role {role} login replication; grant select on outbox_events to {role};
+             create publication {} for table outbox_events with (publish = 'insert');",
+            case.publication
+        ),
+    );
+    let sql = case.sql().await;
+    sql.execute(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload, status) \
+         select 'history', 'OrderCreated', 'tmp-' || i, 'tmp', 'tmp', '{}', \
+                case when i % 2 = 0 then 'published' else 'pending' end \
+           from generate_series(1, 10) as i",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut restricted = case.clone();
+    restricted.pg_url =
+        restricted
+            .pg_url
+            .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let mut relay = restricted.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 3, 1, "new").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 8, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let output = relay.output();
+    assert_eq!(
+        output
+            .matches("cannot record the slot's boundary in \"public\".\"outbox_relay_boundary\" (")
+            .count(),
+        1,
+        "{output}"
+    );
+    assert!(
+        output.contains("permission denied for schema public")
+            && output.contains("sql/boundary.sql"),
+        "{output}"
+    );
+
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(run.lines("missing: ").len(), 5, "{}", run.stdout);
+    let note = run.lines("note: no boundary is recorded for slot ");
+    assert_eq!(note.len(), 1, "{}", run.stdout);
+    assert!(
+        note[0].contains("\"public\".\"outbox_relay_boundary\" does not exist"),
         "{}",
         run.stdout
     );

@@ -44,6 +44,10 @@
 //!   outbox position: the slot was dropped and is created again, `outbox-relay init`) gets
 //!   no backfill: the table's rows are presumably in the stream, and a strict stream would
 //!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
+//! - F7 The rows the mode leaves out (with `pending`, those already `published` in the
+//!   snapshot) are recorded, with the mode and the consistent point, before the first row is
+//!   backfilled ([`crate::boundary`]), so that `outbox-relay verify` expects exactly the rows
+//!   on the relay's side of the slot.
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;
@@ -315,6 +319,12 @@ pub async fn at_slot_creation(
         ))
         .await
         .map_err(|e| sql_error("cannot read the table in the slot's snapshot", e))?;
+    // F7: what the slot's creation leaves out, recorded for verify before anything is
+    // backfilled (crate::boundary N2).
+    let boundary = crate::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
+        .await
+        .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    crate::boundary::record(client, config, &boundary).await;
     let filter = Filter {
         pending_only: mode == Mode::Pending,
         ..Filter::default()

@@ -9,11 +9,19 @@
 //! the relay links for it. What it does accept, it bounds.
 //!
 //! # Invariants
-//! - H1 One request per connection (`Connection: close`): its head must arrive within
-//!   [`READ_TIMEOUT`] and fit [`MAX_HEAD`] bytes, or the connection is answered 400/431
-//!   (or just closed) — a slow or malicious client holds one task for at most that long.
-//! - H2 At most [`MAX_CONNECTIONS`] requests are handled at once; others wait in the
-//!   listener's backlog. The relay's work never waits on a client.
+//! - H1 One request per connection (`Connection: close`), one deadline for the whole
+//!   exchange: the head must arrive, and the answer be written, within [`EXCHANGE_TIMEOUT`],
+//!   and the head fit [`MAX_HEAD`] bytes, or the connection is answered 400/431 (or just
+//!   closed). A client that sends nothing, dribbles bytes or never reads its answer holds
+//!   its task for at most that long. Each read scans only the bytes it added (and the three
+//!   before them) for the head's end: the work per request is linear in its size.
+//! - H2 Every connection is accepted at once; no permit is taken before `accept`. At most
+//!   [`MAX_CONNECTIONS`] exchanges run at once; a connection accepted while all are busy is
+//!   answered `503` at once (by one of at most [`MAX_REJECTING`] short tasks, each bounded
+//!   by [`REJECT_TIMEOUT`], which read what the client sent so that the answer is not lost
+//!   to a reset; beyond those it is closed). Idle or slow clients therefore never leave a
+//!   probe waiting: it is served, or told `503` at once. The relay's work never waits on a
+//!   client.
 //! - H3 Nothing served carries a secret: metric values are numbers with fixed labels, and
 //!   the readiness bodies are fixed texts.
 
@@ -30,12 +38,17 @@ use tracing::{debug, info};
 use crate::error::{RelayError, Result};
 use crate::metrics::{Metrics, Readiness, CONTENT_TYPE};
 
-/// How long a client may take to send its request head (H1).
-pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one exchange may take, reading the head and writing the answer (H1).
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest request head accepted (H1).
 pub const MAX_HEAD: usize = 8 * 1024;
-/// Requests handled at once (H2).
-pub const MAX_CONNECTIONS: usize = 16;
+/// Exchanges handled at once (H2): idle connections up to this many leave every probe
+/// served; each costs a task and at most [`MAX_HEAD`] bytes.
+pub const MAX_CONNECTIONS: usize = 128;
+/// Connections being answered `503` at once while all exchanges are busy (H2).
+pub const MAX_REJECTING: usize = 64;
+/// How long a `503` answer may take, its write and reading what the client sent (H2).
+pub const REJECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Listens on `addr` and serves `metrics` until the returned handle is dropped. A port of 0
 /// takes a free one; the log says which.
@@ -53,12 +66,10 @@ pub async fn start(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<AbortOnDro
 }
 
 async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let exchanges = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let rejecting = Arc::new(Semaphore::new(MAX_REJECTING));
     loop {
-        // The semaphore is never closed.
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
+        // H2: accept first, whatever is busy.
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(error) => {
@@ -68,59 +79,94 @@ async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
                 continue;
             }
         };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            if let Err(error) = handle(stream, &metrics).await {
-                debug!(peer = %peer, error = %error, "metrics request failed");
-            }
-            drop(slot);
-        });
+        if let Ok(permit) = exchanges.clone().try_acquire_owned() {
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                if let Err(error) = handle(stream, &metrics).await {
+                    debug!(peer = %peer, error = %error, "metrics request failed");
+                }
+                drop(permit);
+            });
+        } else if let Ok(permit) = rejecting.clone().try_acquire_owned() {
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(REJECT_TIMEOUT, reject(stream)).await;
+                drop(permit);
+            });
+        } else {
+            debug!(peer = %peer, "metrics connection closed: every exchange is busy");
+        }
     }
 }
 
-/// Reads one request and answers it (H1).
+/// Reads one request and answers it, all within [`EXCHANGE_TIMEOUT`] (H1).
 async fn handle(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    let head = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
-        Ok(Ok(Some(head))) => head,
-        Ok(Ok(None)) => {
-            let response = respond(431, "text/plain", "request head too large\n", false);
-            return stream.write_all(&response).await;
-        }
-        Ok(Err(error)) => return Err(error),
-        Err(_) => return Ok(()),
+    let exchange = async {
+        let response = match read_head(&mut stream).await? {
+            Some(head) => answer(&head, metrics),
+            None => respond(431, "text/plain", "request head too large\n", false),
+        };
+        stream.write_all(&response).await?;
+        stream.shutdown().await
     };
-    let response = answer(&head, metrics);
-    stream.write_all(&response).await?;
-    stream.shutdown().await
+    match tokio::time::timeout(EXCHANGE_TIMEOUT, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no complete exchange within {EXCHANGE_TIMEOUT:?}"),
+        )),
+    }
 }
 
-/// The request head up to its blank line; `None` if it exceeds [`MAX_HEAD`].
+/// Answers `503` without reading the request (H2), then reads what the client sends until
+/// it closes, so that closing does not reset the connection before the answer is read.
+async fn reject(mut stream: TcpStream) -> std::io::Result<()> {
+    let response = respond(
+        503,
+        "text/plain",
+        "busy: every metrics connection is in use, retry\n",
+        false,
+    );
+    stream.write_all(&response).await?;
+    stream.shutdown().await?;
+    let mut sink = [0u8; 1024];
+    while stream.read(&mut sink).await? > 0 {}
+    Ok(())
+}
+
+/// The request head up to its blank line; `None` if it exceeds [`MAX_HEAD`]. Each read's
+/// bytes are scanned once (H1).
 async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<String>> {
     let mut head = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];
     loop {
-        if let Some(end) = find_end(&head) {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let scanned = head.len();
+        head.extend_from_slice(&chunk[..n]);
+        if let Some(end) = find_end(&head, scanned) {
             head.truncate(end);
             return Ok(Some(String::from_utf8_lossy(&head).into_owned()));
         }
         if head.len() > MAX_HEAD {
             return Ok(None);
         }
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        head.extend_from_slice(&chunk[..n]);
     }
 }
 
-fn find_end(bytes: &[u8]) -> Option<usize> {
-    let crlf = bytes.windows(4).position(|w| w == b"\r\n\r\n");
-    let lf = bytes.windows(2).position(|w| w == b"\n\n");
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+/// Where the head in `bytes` ends (its blank line, `\r\n\r\n` or `\n\n`), given that
+/// `bytes[..scanned]` held no end: only the new bytes and the three before them are looked at.
+fn find_end(bytes: &[u8], scanned: usize) -> Option<usize> {
+    let from = scanned.saturating_sub(3);
+    bytes[from..]
+        .windows(2)
+        .enumerate()
+        .find_map(|(i, pair)| match pair {
+            b"\n\n" => Some(from + i),
+            [b'\r', b'\n'] if bytes[from + i..].starts_with(b"\r\n\r\n") => Some(from + i),
+            _ => None,
+        })
 }
 
 /// The response to a request head.
@@ -228,4 +274,22 @@ pub async fn get(
         .and_then(|code| code.parse().ok())
         .ok_or_else(|| format!("{addr} sent a malformed status line"))?;
     Ok((status, body.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_ends_at_its_first_blank_line_looking_only_at_new_bytes() {
+        let head = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+        assert_eq!(find_end(head, 0), Some(23));
+        assert_eq!(find_end(b"GET / HTTP/1.0\n\nrest", 0), Some(14));
+        assert_eq!(find_end(b"GET / HTTP/1.0\r\n\nrest", 0), Some(15));
+        assert_eq!(find_end(b"GET / HTTP/1.1\r\nHost: x\r\n", 0), None);
+        // An end split across reads is found from the three bytes before the new ones.
+        for scanned in 23..head.len() {
+            assert_eq!(find_end(head, scanned), Some(23), "{scanned}");
+        }
+    }
 }

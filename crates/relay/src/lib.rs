@@ -23,6 +23,7 @@
 
 pub mod backfill;
 pub mod bootstrap;
+pub mod boundary;
 pub mod config;
 pub mod error;
 pub mod heartbeat;

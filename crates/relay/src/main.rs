@@ -42,7 +42,8 @@ Exit status:
 const VERIFY_EXIT_CODES: &str = "\
 Exit status:
   0  every row in range has exactly one matching message, in commit order (dead-lettered rows,
-     listed, do not count as discrepancies)
+     listed, do not count as discrepancies; rows left out by design when the slot was created,
+     with --backfill pending those already published, are counted on one line, not checked)
   5  discrepancies: missing, duplicated, mismatched, out-of-order, unexpected or unpublishable
      events, each listed by outbox id
   1  the table or the stream could not be read

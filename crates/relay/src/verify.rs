@@ -22,6 +22,13 @@
 //! 4. Mismatches only: the row and the stored message (by sequence) are read again and
 //!    compared field by field, so the report says which field differs.
 //!
+//! Which rows are the relay's: every row, except those the slot's creation left out by
+//! design (with `--backfill pending`, the rows already `published` in the slot's snapshot),
+//! which [`crate::boundary`] recorded then. Those are neither expected nor checked; the
+//! report says how many and which ids, on one line. A slot without a record (created before
+//! the boundary was recorded, with `--backfill none`, or by hand) has every row expected, as
+//! before, and the report says once why rows may then be reported missing.
+//!
 //! # Invariants
 //! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
 //!   and is deleted by the server when idle; it publishes, changes and locks nothing.
@@ -36,6 +43,11 @@
 //!   payloads: payloads are compared through a digest.
 //! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
+//! - V6 Exactly the relay's rows are expected: a row is left out only when the slot's
+//!   recorded boundary names its id (`boundary` N1), never by a guess from its status or id;
+//!   every other row in range is checked. The real problems come first in the report, each
+//!   by outbox id, then what is informational (dead-lettered rows, the left-out rows'
+//!   count and id range, one line), then the summary.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -234,6 +246,8 @@ impl Expected {
     const PUBLISHABLE: u8 = 1;
     /// The relay cannot publish the row.
     const UNPUBLISHABLE: u8 = 2;
+    /// Left out by design when the slot was created (V6): not checked.
+    const LEFT_OUT: u8 = 3;
 }
 
 /// The position given to events built for comparison: positions are not compared.
@@ -492,11 +506,34 @@ pub struct Problem {
     pub detail: String,
 }
 
+/// The order problems are reported in (V6): discrepancies first, `dead-lettered` last.
+const KINDS: [&str; 7] = [
+    "missing",
+    "duplicated",
+    "mismatched",
+    "out of order",
+    "unexpected",
+    "unpublishable",
+    "dead-lettered",
+];
+
+fn rank(kind: &str) -> usize {
+    KINDS.iter().position(|k| *k == kind).unwrap_or(KINDS.len())
+}
+
 /// What verify found.
 #[derive(Debug, Default)]
 pub struct Report {
     /// Rows checked.
     pub rows: u64,
+    /// Rows in range left out by design when the slot was created (V6).
+    pub left_out: u64,
+    /// The lowest and highest id left out.
+    pub left_out_ids: Option<(i64, i64)>,
+    /// The slot's boundary as read (`None`: not read, the range held no row).
+    pub boundary: Option<crate::boundary::Read>,
+    /// The slot's name, for the report.
+    pub slot: String,
     /// Messages read from the stream.
     pub messages: u64,
     /// The lowest and highest id checked.
@@ -522,25 +559,52 @@ impl Report {
         }
     }
 
-    /// The problems (at most `max_listed` per kind) and the summary line.
+    /// The problems (at most `max_listed` per kind, discrepancies first), what was left
+    /// out and why, and the summary line (V6).
     pub fn render(&self, max_listed: usize) -> String {
         let mut out = String::new();
-        let mut listed: HashMap<&str, usize> = HashMap::new();
-        for problem in &self.problems {
-            let n = listed.entry(problem.kind).or_default();
-            *n += 1;
-            if *n <= max_listed {
+        let mut problems: Vec<&Problem> = self.problems.iter().collect();
+        problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
+        for kind in problems.chunk_by(|a, b| a.kind == b.kind) {
+            for problem in kind.iter().take(max_listed) {
                 let _ = writeln!(
                     out,
                     "{}: id={} {}",
                     problem.kind, problem.id, problem.detail
                 );
             }
-        }
-        for (kind, n) in &listed {
-            if *n > max_listed {
-                let _ = writeln!(out, "{kind}: ... and {} more", n - max_listed);
+            if kind.len() > max_listed {
+                let _ = writeln!(
+                    out,
+                    "{}: ... and {} more",
+                    kind[0].kind,
+                    kind.len() - max_listed
+                );
             }
+        }
+        match &self.boundary {
+            Some(crate::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
+                let ids = self
+                    .left_out_ids
+                    .map_or_else(String::new, |(lo, hi)| format!(" (ids {lo}..={hi})"));
+                let _ = writeln!(
+                    out,
+                    "left out: {} rows{ids}, already published when slot {:?} was created with --backfill {} \
+                     (it streams from {}): by design not the relay's, not checked",
+                    self.left_out, self.slot, boundary.mode, boundary.consistent_point
+                );
+            }
+            Some(crate::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
+                let _ = writeln!(
+                    out,
+                    "note: no boundary is recorded for slot {:?} ({why}), so every row is expected: \
+                     rows committed before the slot was created and never backfilled (a slot created by an \
+                     older relay, with --backfill none, or by hand) are reported missing; \
+                     verify from the first relayed id (--from-id) to leave them out",
+                    self.slot
+                );
+            }
+            _ => {}
         }
         let seconds = self.elapsed.as_secs_f64();
         let rate = if seconds > 0.0 {
@@ -560,7 +624,7 @@ impl Report {
             out,
             "verify: {verdict}: {} rows (ids {ids}), {} stream messages, {:.1} s ({:.0} rows/s): \
              {} missing, {} duplicated, {} mismatched, {} out of order, {} unexpected, \
-             {} unpublishable, {} dead-lettered",
+             {} unpublishable, {} dead-lettered, {} left out",
             self.rows,
             self.messages,
             seconds,
@@ -572,6 +636,7 @@ impl Report {
             self.count("unexpected"),
             self.count("unpublishable"),
             self.count("dead-lettered"),
+            self.left_out,
         );
         out
     }
@@ -861,8 +926,16 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             ..Report::default()
         });
     };
+    // V6: what the slot's creation left out.
+    let boundary = crate::boundary::read(&client, config).await;
+    let runs = match &boundary {
+        crate::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::boundary::Read::Absent(_) => crate::boundary::Boundary::default(),
+    };
     let mut report = Report {
         ids: Some((low, high)),
+        boundary: Some(boundary),
+        slot: config.slot.clone(),
         ..Report::default()
     };
 
@@ -907,14 +980,23 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         let mut expected: Vec<Expected> =
             Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
         let mut unpublishable: Vec<(i64, String)> = vec![];
+        let mut left_out = runs.cursor();
         while let Some(row) = rows.next().await {
             let row = row.map_err(read_error("cannot read the outbox table"))?;
             let id: i64 = row.get(0);
-            if !row.get::<_, bool>(5) {
+            // Rows arrive in id order, as the cursor wants them.
+            let state = if !row.get::<_, bool>(5) {
+                Expected::OUT_OF_RANGE
+            } else if left_out.left_out(id) {
+                Expected::LEFT_OUT
+            } else {
+                Expected::PUBLISHABLE
+            };
+            if state != Expected::PUBLISHABLE {
                 expected.push(Expected {
                     id,
                     digest: 0,
-                    state: Expected::OUT_OF_RANGE,
+                    state,
                 });
                 continue;
             }
@@ -968,6 +1050,12 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         let entry = index.get(id);
         entry.flags |= ROW;
         if row.state == Expected::OUT_OF_RANGE {
+            continue;
+        }
+        if row.state == Expected::LEFT_OUT {
+            report.left_out += 1;
+            let (lo, hi) = report.left_out_ids.get_or_insert((id, id));
+            (*lo, *hi) = ((*lo).min(id), (*hi).max(id));
             continue;
         }
         entry.flags |= IN_RANGE;
@@ -1091,7 +1179,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             detail,
         });
     }
-    problems.sort_by(|a, b| a.kind.cmp(b.kind).then(a.id.cmp(&b.id)));
+    problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
     report.problems = problems;
     report.elapsed = started.elapsed();
     Ok(report)
