@@ -9,7 +9,7 @@
 mod support;
 
 use pgoutput::Lsn;
-use support::{eventually, insert_transaction, Case, DEADLINE};
+use support::{eventually, insert_transaction, wal_lsn, Case, Stored, DEADLINE};
 use testkit::{Nats, Postgres};
 
 /// Rows the lost history relays: enough WAL that its tail lies well beyond what the new
@@ -119,13 +119,9 @@ async fn relay_after_losing_history(restore: Restore) {
     let expected = 10 + LOST_ROWS + NEW_ROWS;
     case.wait_for_count(&js, expected as u64, DEADLINE).await;
     let messages = case.messages(&js).await;
-    let published: Vec<i64> = messages
-        .iter()
-        .filter(|m| m.header("Outbox-Event-Type") == "AfterRestore")
-        .map(|m| m.outbox_id())
-        .collect();
     assert_eq!(
-        published, new_ids,
+        after_restore(&messages),
+        new_ids,
         "every event of the new history, once, in order"
     );
     let output = relay.output();
@@ -186,13 +182,9 @@ async fn relay_after_writing_past_the_tail(
     let expected = lost.len() + new_ids.len();
     case.wait_for_count(js, expected as u64, DEADLINE).await;
     let messages = case.messages(js).await;
-    let published: Vec<i64> = messages
-        .iter()
-        .filter(|m| m.header("Outbox-Event-Type") == "AfterRestore")
-        .map(|m| m.outbox_id())
-        .collect();
     assert_eq!(
-        published, new_ids,
+        after_restore(&messages),
+        new_ids,
         "every event of the new history, once, in order"
     );
     let output = relay.output();
@@ -207,13 +199,13 @@ async fn relay_after_writing_past_the_tail(
     );
 }
 
-async fn wal_lsn(sql: &tokio_postgres::Client) -> Lsn {
-    sql.query_one("select pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get::<_, String>(0)
-        .parse()
-        .unwrap()
+/// The outbox ids of the new history's events, in stream order.
+fn after_restore(messages: &[Stored]) -> Vec<i64> {
+    messages
+        .iter()
+        .filter(|m| m.header("Outbox-Event-Type") == "AfterRestore")
+        .map(Stored::outbox_id)
+        .collect()
 }
 
 /// A tail beyond the server's WAL end (a database restored from an older backup) is not

@@ -8,8 +8,7 @@
 mod support;
 
 use async_nats::HeaderMap;
-use pgoutput::Lsn;
-use support::{insert_transaction, servers, Case, Stored, DEADLINE};
+use support::{insert_transaction, servers, wal_lsn, Case, Stored, DEADLINE};
 use testkit::{Postgres, Process};
 
 fn new_case(name: &str) -> Case {
@@ -28,15 +27,6 @@ fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
 
 fn stop(relay: &mut Process) {
     tokio::task::block_in_place(|| relay.terminate(DEADLINE));
-}
-
-async fn wal_lsn(sql: &tokio_postgres::Client) -> Lsn {
-    sql.query_one("select pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get::<_, String>(0)
-        .parse()
-        .unwrap()
 }
 
 /// The outbox ids of the relay's event messages (what carries an `Outbox-Ordering-Key`), in

@@ -44,7 +44,7 @@ pub struct Mark {
 impl Mark {
     /// The mark of a message read back from the stream.
     pub fn of(message: &StreamMessage) -> Mark {
-        let header = |name: &str| message.headers.get(name).map(|v| v.as_str());
+        let header = |name| header(message, name);
         Mark {
             position: match (
                 header(headers::OUTBOX_COMMIT_LSN),
@@ -57,6 +57,11 @@ impl Mark {
             claim: Claim::of(message),
         }
     }
+}
+
+/// Header `name` of `message`.
+fn header<'a>(message: &'a StreamMessage, name: &str) -> Option<&'a str> {
+    message.headers.get(name).map(|v| v.as_str())
 }
 
 /// Which outbox row a stored message says it was published for: what the relay writes into
@@ -79,7 +84,7 @@ pub struct Claim {
 impl Claim {
     /// The claim of a message read back from the stream.
     pub fn of(message: &StreamMessage) -> Claim {
-        let header = |name: &str| message.headers.get(name).map(|v| v.as_str());
+        let header = |name| header(message, name);
         let dead_letter = header(headers::OUTBOX_DEAD_LETTER_REASON).is_some();
         let ordering_key = if dead_letter {
             serde_json::from_slice::<serde_json::Value>(&message.payload)

@@ -186,6 +186,16 @@ pub fn built_relay(profile: Option<&str>) -> Result<PathBuf, String> {
     Ok(relay)
 }
 
+/// The server's current WAL insert position (`pg_current_wal_lsn()`).
+pub async fn wal_lsn(sql: &tokio_postgres::Client) -> Lsn {
+    sql.query_one("select pg_current_wal_lsn()::text", &[])
+        .await
+        .expect("pg_current_wal_lsn()")
+        .get::<_, String>(0)
+        .parse()
+        .expect("an LSN")
+}
+
 /// One test's slice of the servers, and how to run the relay on it.
 #[derive(Debug, Clone)]
 pub struct Case {
