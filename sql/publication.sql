@@ -14,8 +14,10 @@
 create publication outbox_relay for table public.outbox_events
   with (publish = 'insert', publish_via_partition_root = true);
 
--- Events committed before the slot exists are not relayed: create it before the first
--- event you want in the stream (see docs/operations.md on migrating from a polling publisher).
+-- Events committed before the slot exists are not streamed: when the relay creates the slot
+-- itself it backfills them as --backfill says (pending by default); a slot created here gets
+-- no backfill, so create it before the first event you want in the stream, or use
+-- `outbox-relay backfill` (docs/migration.md on migrating from a polling publisher).
 select pg_create_logical_replication_slot('outbox_relay', 'pgoutput');
 
 -- Bound the WAL a stalled relay can make Postgres keep (Postgres 13+); past it the slot is

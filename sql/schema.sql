@@ -1,12 +1,14 @@
--- The outbox table, exactly as the seed design defines it
--- (shared/seed/deterministic-shard-aware-outbox.md, schema.sql).
+-- The outbox table, exactly as the seed defines it (the deterministic, shard-aware outbox
+-- design this project started from; README.md, "What it is").
 --
 -- outbox-relay reads id, entity_id, event_type, payload and created_at. It derives
 -- dedupe_key, partition_key and ordering_key from the row itself and never trusts the
 -- columns of those names (applications may fill them with placeholders); install
 -- sql/trigger.sql if you want the table to hold exactly what the relay publishes.
--- status, attempts, last_error and published_at belong to polling publishers; the relay
--- neither reads nor writes them.
+-- status, attempts, last_error and published_at belong to polling publishers. The relay
+-- reads status only when it creates its slot (--backfill pending: rows not yet 'published'
+-- are backfilled), and writes status, attempts and published_at only with --mark-published
+-- (docs/migration.md).
 
 create table if not exists outbox_events (
   id bigserial primary key,

@@ -92,7 +92,7 @@ pub use tokio_postgres::Transaction;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// `sql/consumer.sql`: the `processed_events` table.
-pub const SCHEMA_SQL: &str = include_str!("../../../sql/consumer.sql");
+pub const SCHEMA_SQL: &str = include_str!("../sql/consumer.sql");
 
 /// What to do with one event, inside the transaction that records its `dedupe_key`.
 ///

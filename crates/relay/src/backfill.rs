@@ -100,6 +100,18 @@ impl Mode {
     }
 }
 
+/// A time bound as SQL: a duration ago (`6h`, as `replay` and `verify` take it) or a
+/// timestamp Postgres reads.
+fn time_sql(text: &str) -> String {
+    match crate::config::parse_duration(text) {
+        Ok(ago) => format!(
+            "now() - {}::interval",
+            quote_literal(&format!("{} milliseconds", ago.as_millis()))
+        ),
+        Err(_) => format!("{}::timestamptz", quote_literal(text)),
+    }
+}
+
 /// Which rows to read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
@@ -109,7 +121,7 @@ pub struct Filter {
     pub from_id: Option<i64>,
     /// `id <= to_id`.
     pub to_id: Option<i64>,
-    /// `created_at >= since` (a timestamp Postgres parses, e.g. RFC 3339).
+    /// `created_at >= since` (a timestamp Postgres parses, e.g. RFC 3339, or a duration ago).
     pub since: Option<String>,
     /// `created_at < until`.
     pub until: Option<String>,
@@ -129,16 +141,10 @@ impl Filter {
             conditions.push(format!("id <= {id}"));
         }
         if let Some(since) = &self.since {
-            conditions.push(format!(
-                "created_at >= {}::timestamptz",
-                quote_literal(since)
-            ));
+            conditions.push(format!("created_at >= {}", time_sql(since)));
         }
         if let Some(until) = &self.until {
-            conditions.push(format!(
-                "created_at < {}::timestamptz",
-                quote_literal(until)
-            ));
+            conditions.push(format!("created_at < {}", time_sql(until)));
         }
         if conditions.is_empty() {
             String::new()
@@ -687,6 +693,15 @@ mod tests {
         assert_eq!(
             filter.where_sql(),
             " WHERE status = 'pending' AND id >= 3 AND id <= 9 AND created_at >= '2026-01-01T00:00:00Z'::timestamptz AND created_at < 'x''y'::timestamptz"
+        );
+        // A duration ago, as replay and verify take it.
+        let filter = Filter {
+            since: Some("1h30m".into()),
+            ..Filter::default()
+        };
+        assert_eq!(
+            filter.where_sql(),
+            " WHERE created_at >= now() - '5400000 milliseconds'::interval"
         );
     }
 }

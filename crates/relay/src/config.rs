@@ -212,9 +212,24 @@ pub enum Origin {
     Env,
     /// The TOML file.
     File(PathBuf),
+    /// One of the `nats` CLI's own environment variables ([`NATS_CLI_ENV`]).
+    NatsCliEnv(&'static str),
     /// The built-in default.
     Default,
 }
+
+/// The `nats` CLI's environment variables the relay honours, below its own variables and its
+/// config file: an operator's shell set up for `nats` works for the relay too, and
+/// `OUTBOX_RELAY_*` or the file still win.
+pub const NATS_CLI_ENV: [(&str, &OptionSpec); 7] = [
+    ("NATS_USER", &opt::NATS_USER),
+    ("NATS_PASSWORD", &opt::NATS_PASSWORD),
+    ("NATS_CREDS", &opt::NATS_CREDS),
+    ("NATS_NKEY", &opt::NATS_NKEY),
+    ("NATS_CA", &opt::NATS_TLSCA),
+    ("NATS_CERT", &opt::NATS_TLSCERT),
+    ("NATS_KEY", &opt::NATS_TLSKEY),
+];
 
 /// Raw option values by file key, each with its origin; and the environment libpq reads
 /// (`PG*`, `HOME`, `USER`), for the Postgres connection. Its `Debug` redacts secrets (C1).
@@ -325,6 +340,11 @@ impl RawConfig {
                 raw.offer(spec, value, Origin::File(path.to_owned()));
             }
         }
+        for (var, spec) in NATS_CLI_ENV {
+            if let Some(value) = env(var) {
+                raw.offer(spec, value, Origin::NatsCliEnv(var));
+            }
+        }
         for spec in opt::ALL {
             if let Some(default) = spec.default {
                 raw.offer(spec, default.to_owned(), Origin::Default);
@@ -339,6 +359,7 @@ impl RawConfig {
         Some(match origin {
             Origin::Flag => spec.flag(),
             Origin::Env => spec.env.to_owned(),
+            Origin::NatsCliEnv(var) => (*var).to_owned(),
             Origin::File(path) => format!("{} (in {})", spec.key, path.display()),
             Origin::Default => format!("{} (default)", spec.key),
         })
@@ -1038,6 +1059,7 @@ impl fmt::Display for Origin {
         match self {
             Origin::Flag => f.write_str("command-line flag"),
             Origin::Env => f.write_str("environment"),
+            Origin::NatsCliEnv(var) => write!(f, "the nats CLI's environment variable {var}"),
             Origin::File(path) => write!(f, "config file {}", path.display()),
             Origin::Default => f.write_str("default"),
         }
@@ -1050,7 +1072,9 @@ impl fmt::Display for Origin {
 pub fn effective(raw: &RawConfig, config: &Config) -> String {
     let mut lines = vec![
         "# outbox-relay: the effective configuration, and where each value came from".to_owned(),
-        "# (precedence: flag > environment > config file > default; secrets are <redacted>)"
+        "# (precedence: flag > environment > config file > the nats CLI's NATS_* variables > default;"
+            .to_owned(),
+        "# secrets are <redacted>)"
             .to_owned(),
     ];
     let quote = |value: &str| toml::Value::String(value.to_owned()).to_string();
@@ -1320,20 +1344,12 @@ pub fn parse_bool(text: &str) -> Result<bool, String> {
 /// Parses `500ms`, `90s`, `2m`, `1h`, `7d` (a bare number is seconds).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| "expected a duration like 500ms, 90s, 2m, 1h or 7d".to_owned())?;
-    let duration = match unit.trim() {
-        "ms" => Duration::from_millis(number),
-        "" | "s" => Duration::from_secs(number),
-        "m" | "min" => Duration::from_secs(number.saturating_mul(60)),
-        "h" => Duration::from_secs(number.saturating_mul(3600)),
-        "d" => Duration::from_secs(number.saturating_mul(86_400)),
-        _ => return Err(format!("unknown unit {unit:?}: use ms, s, m, h or d")),
+    // A bare number is seconds, as it always was; everything else is humantime's
+    // (`500ms`, `90s`, `2min`, `1h30m`, `7d`), which the ecosystem's tools read too.
+    let duration = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text)
+            .map_err(|e| format!("expected a duration like 500ms, 90s, 2min, 1h30m or 7d ({e})"))?,
     };
     if duration.is_zero() {
         return Err("must be greater than zero".into());
@@ -1376,6 +1392,32 @@ pub(crate) mod tests {
             &keys,
             file.map(|_| path.as_path()),
         )
+    }
+
+    /// The `nats` CLI's variables are honoured below the relay's own variables and its file,
+    /// and `config` names them as the origin.
+    #[test]
+    fn the_nats_clis_variables_are_honoured_below_the_relays_own() {
+        let base = [("DATABASE_URL", "postgres://u@h/db")];
+        let nats_cli = [("NATS_USER", "cli-user"), ("NATS_PASSWORD", "Cli-pw-4f1x")];
+        let env: Vec<(&str, &str)> = base.iter().chain(&nats_cli).copied().collect();
+        let raw = load_raw(&[], &env, None).unwrap();
+        assert_eq!(raw.name(&opt::NATS_USER).as_deref(), Some("NATS_USER"));
+        let config = Config::from_sources(&raw).unwrap();
+        assert_eq!(config.nats.user(), Some("cli-user"));
+        let shown = effective(&raw, &config);
+        assert!(
+            shown.contains("the nats CLI's environment variable NATS_USER")
+                && !shown.contains("Cli-pw-4f1x"),
+            "{shown}"
+        );
+
+        let mut ours = env.clone();
+        ours.push(("OUTBOX_RELAY_NATS_USER", "relay-user"));
+        let config = load(&[], &ours, None).unwrap();
+        assert_eq!(config.nats.user(), Some("relay-user"));
+        let config = load(&[], &env, Some("nats_user = \"file-user\"")).unwrap();
+        assert_eq!(config.nats.user(), Some("file-user"));
     }
 
     fn tempfile_dir() -> PathBuf {
@@ -2114,7 +2156,11 @@ pub(crate) mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(604_800)));
         assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("1.5s").is_err());
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(parse_duration("2min"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1_500)));
+        assert!(parse_duration("soon").is_err());
     }
 
     #[test]

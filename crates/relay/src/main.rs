@@ -113,13 +113,13 @@ fn cli() -> Command {
                     .help("Do not create the publication, slot or stream: fail if one is missing"),
             ),
         )
-        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream (with --backfill, publishing the rows already in the table), then exit"))
+        .subcommand(Command::new("init").about("Check the database and create the publication, slot and stream (creating the slot, backfill as --backfill says: pending rows by default), then exit"))
         .subcommand(
             Command::new("backfill")
                 .about("Publish the rows of the current table in an id or time range, with the same keys as streamed events, on an existing slot and stream; JetStream drops a row it holds within the duplicate window; refused into a strict stream without --force (docs/migration.md)")
                 .arg(Arg::new("from-id").long("from-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id >= ID"))
                 .arg(Arg::new("to-id").long("to-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id <= ID"))
-                .arg(Arg::new("since").long("since").value_name("TIME").help("Rows with created_at >= TIME (e.g. 2026-01-31T00:00:00Z)"))
+                .arg(Arg::new("since").long("since").value_name("TIME").help("Rows with created_at >= TIME (a timestamp, e.g. 2026-01-31T00:00:00Z, or a duration ago: 6h)"))
                 .arg(Arg::new("until").long("until").value_name("TIME").help("Rows with created_at < TIME"))
                 .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help("Publish into a strict stream too (appends old rows after newer events)")),
         )
@@ -167,7 +167,18 @@ fn cli() -> Command {
                         .help("/readyz (holds the lease, streams, NATS connected, lag under --max-lag-bytes), /healthz (the process serves) or /metrics"),
                 ),
         )
-        .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"));
+        .subcommand(Command::new("config").about("Print the effective configuration and where each value came from (flag, environment, file, default), secrets as <redacted>, then exit"))
+        .subcommand(
+            Command::new("completions")
+                .about("Print a shell completion script (e.g. outbox-relay completions bash > /etc/bash_completion.d/outbox-relay)")
+                .arg(
+                    Arg::new("shell")
+                        .required(true)
+                        .value_parser(clap::value_parser!(clap_complete::Shell))
+                        .help("bash, zsh, fish, elvish or powershell"),
+                ),
+        )
+        .subcommand(Command::new("man").about("Print the man page (roff), e.g. outbox-relay man > /usr/share/man/man1/outbox-relay.1"));
     for spec in opt::ALL {
         let flag: &'static str = Box::leak(spec.long().into_boxed_str());
         let mut help = format!("{} [env: {}]", spec.help, spec.env);
@@ -191,6 +202,28 @@ fn cli() -> Command {
 fn main() -> ExitCode {
     let matches = cli().get_matches();
     let (subcommand, sub_matches) = matches.subcommand().expect("a subcommand is required");
+    // Generated from the command line's definition: no configuration needed.
+    let mut generated = Vec::new();
+    match subcommand {
+        "completions" => {
+            if let Some(&shell) = sub_matches.get_one::<clap_complete::Shell>("shell") {
+                clap_complete::generate(shell, &mut cli(), "outbox-relay", &mut generated);
+            }
+        }
+        "man" => {
+            if let Err(e) = clap_mangen::Man::new(cli()).render(&mut generated) {
+                eprintln!("outbox-relay man: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+        _ => {}
+    }
+    if !generated.is_empty() {
+        use std::io::Write as _;
+        // A reader that stops early (`| head`) is no error.
+        let _ = std::io::stdout().write_all(&generated);
+        return ExitCode::SUCCESS;
+    }
     let mut flags = BTreeMap::new();
     for spec in opt::ALL {
         if let Some(value) = sub_matches
@@ -423,7 +456,10 @@ fn configuration_doc(command: &Command) -> String {
          \x20    Regenerate: UPDATE_DOCS=1 cargo test -p outbox-relay --bin outbox-relay configuration_doc -->\n\n\
          Every option is a command-line flag, an environment variable and a key of the TOML file\n\
          given with `--config` (or `OUTBOX_RELAY_CONFIG`). Precedence: flag > environment > file >\n\
-         default. An unknown `OUTBOX_RELAY_*` variable or file key and an invalid value stop the\n\
+         default; the `nats` CLI's own variables (`NATS_USER`, `NATS_PASSWORD`, `NATS_CREDS`,\n\
+         `NATS_NKEY`, `NATS_CA`, `NATS_CERT`, `NATS_KEY`) count too, below the file. Durations\n\
+         read as `90s`, `2min`, `1h30m` or `7d` (a bare number is seconds). An example file with\n\
+         every key: [deploy/outbox-relay.example.toml](../deploy/outbox-relay.example.toml). An unknown `OUTBOX_RELAY_*` variable or file key and an invalid value stop the\n\
          relay at start with a message naming them (exit 2). Secrets are never printed. A yes/no\n\
          option given as a bare flag means `true` (`--mark-published`; `--mark-published false`\n\
          works too).\n\n\
@@ -499,11 +535,307 @@ fn configuration_doc(command: &Command) -> String {
     doc
 }
 
+/// deploy/outbox-relay.example.toml, rendered from `config::opt`: every key, commented out,
+/// with its meaning, environment variable and default.
+#[cfg(test)]
+fn example_toml() -> String {
+    let mut out = String::from(
+        "# outbox-relay's configuration file: outbox-relay run --config FILE (or OUTBOX_RELAY_CONFIG).\n\
+         # Generated from the command line's definition (`config::opt`) by a test that fails when\n\
+         # this file differs; do not edit it by hand. Regenerate:\n\
+         #   UPDATE_DOCS=1 cargo test -p outbox-relay --bin outbox-relay example_toml\n\
+         #\n\
+         # Every key is commented out with its default; database_url is the one key without one.\n\
+         # Precedence: flag > environment variable > this file > the nats CLI's NATS_* variables >\n\
+         # default. Keep the file readable only by the relay's user if it holds a secret.\n",
+    );
+    for spec in opt::ALL {
+        out.push('\n');
+        let mut line = String::from("#");
+        for word in spec.help.split_whitespace() {
+            if line.len() + word.len() + 1 > 96 {
+                out.push_str(&line);
+                out.push('\n');
+                line = String::from("#");
+            }
+            line.push(' ');
+            line.push_str(word);
+        }
+        out.push_str(&line);
+        out.push('\n');
+        out.push_str(&format!(
+            "# (flag --{}, environment {})\n",
+            spec.long(),
+            spec.env
+        ));
+        let value = spec.default.unwrap_or("");
+        out.push_str(&format!(
+            "# {} = {}\n",
+            spec.key,
+            toml::Value::String(value.to_owned())
+        ));
+    }
+    out
+}
+
+/// Every `outbox-relay <command> --option` written in `text`: (command, option) pairs, for
+/// the test that keeps the docs' commands runnable.
+#[cfg(test)]
+fn commands_in(text: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for line in text.lines() {
+        for (at, _) in line.match_indices("outbox-relay ") {
+            let rest = &line[at + "outbox-relay ".len()..];
+            let end = rest
+                .find(['`', '#', '|', ';', '&', ')', '\'', '"'])
+                .unwrap_or(rest.len());
+            let mut words = rest[..end].split_whitespace();
+            let Some(command) = words.next() else {
+                continue;
+            };
+            for word in words {
+                if let Some(option) = word.strip_prefix("--") {
+                    let option = option.split('=').next().unwrap_or(option);
+                    found.push((
+                        command.to_owned(),
+                        option.trim_end_matches([',', '.']).to_owned(),
+                    ));
+                }
+            }
+        }
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// deploy/outbox-relay.example.toml is what `config::opt` defines: it cannot drift, and
+    /// its defaults, uncommented, are a valid configuration.
+    #[test]
+    fn example_toml_matches_the_options() {
+        let expected = example_toml();
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../deploy/outbox-relay.example.toml");
+        let actual = std::fs::read_to_string(&path).unwrap_or_default();
+        if actual != expected {
+            if std::env::var_os("UPDATE_DOCS").is_some() {
+                std::fs::write(&path, &expected).unwrap();
+            } else {
+                panic!(
+                    "deploy/outbox-relay.example.toml differs from the options: regenerate it with\n  \
+                     UPDATE_DOCS=1 cargo test -p outbox-relay --bin outbox-relay example_toml"
+                );
+            }
+        }
+        let uncommented: String = expected
+            .lines()
+            .filter_map(|line| line.strip_prefix("# "))
+            .filter(|line| {
+                opt::ALL
+                    .iter()
+                    .any(|spec| line.starts_with(&format!("{} = ", spec.key)))
+            })
+            .filter(|line| !line.ends_with("= \"\""))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        let dir = std::env::temp_dir().join(format!("outbox-relay-example-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("relay.toml");
+        std::fs::write(
+            &file,
+            format!("{uncommented}database_url = \"postgres://u@h/db\"\n"),
+        )
+        .unwrap();
+        let raw = RawConfig::load(&BTreeMap::new(), &|_| None, &[], Some(&file)).unwrap();
+        Config::from_sources(&raw).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn deploy_file(name: &str) -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../deploy")
+            .join(name);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    /// deploy/kubernetes/relay.yaml keeps what docs/operations.md relies on: two replicas
+    /// replaced one at a time, probes on /healthz (a standby's /readyz is 503 by design),
+    /// the metrics port the relay serves, non-root with a read-only root filesystem, the
+    /// database URL from a Secret, only variables the relay knows, a disruption budget.
+    #[test]
+    fn the_kubernetes_manifests_keep_what_the_docs_rely_on() {
+        use yaml_rust2::{Yaml, YamlLoader};
+        let docs = YamlLoader::load_from_str(&deploy_file("kubernetes/relay.yaml")).unwrap();
+        let of_kind = |kind: &str| {
+            docs.iter()
+                .find(|d| d["kind"].as_str() == Some(kind))
+                .unwrap_or_else(|| panic!("no {kind}"))
+                .clone()
+        };
+        let (config_map, deployment, budget) = (
+            of_kind("ConfigMap"),
+            of_kind("Deployment"),
+            of_kind("PodDisruptionBudget"),
+        );
+        let spec = &deployment["spec"];
+        assert_eq!(spec["replicas"].as_i64(), Some(2));
+        let rolling = &spec["strategy"]["rollingUpdate"];
+        assert_eq!(
+            (
+                rolling["maxSurge"].as_i64(),
+                rolling["maxUnavailable"].as_i64()
+            ),
+            (Some(0), Some(1))
+        );
+        let pod = &spec["template"]["spec"];
+        let container = &pod["containers"][0];
+        let command = container["args"][0].as_str().unwrap();
+        assert!(cli().find_subcommand(command).is_some(), "args: {command}");
+        for probe in ["livenessProbe", "readinessProbe"] {
+            assert_eq!(
+                container[probe]["httpGet"]["path"].as_str(),
+                Some("/healthz"),
+                "{probe}"
+            );
+            assert_eq!(
+                container[probe]["httpGet"]["port"].as_str(),
+                Some("metrics")
+            );
+        }
+        let data = config_map["data"].as_hash().unwrap();
+        let addr = data[&Yaml::from_str("OUTBOX_RELAY_METRICS_ADDR")]
+            .as_str()
+            .unwrap();
+        let port: i64 = addr.rsplit(':').next().unwrap().parse().unwrap();
+        assert_eq!(container["ports"][0]["containerPort"].as_i64(), Some(port));
+        assert_eq!(container["ports"][0]["name"].as_str(), Some("metrics"));
+        assert_eq!(
+            spec["template"]["metadata"]["annotations"]["prometheus.io/port"].as_str(),
+            Some(port.to_string().as_str())
+        );
+        for (name, _) in data {
+            let name = name.as_str().unwrap();
+            assert!(
+                opt::ALL.iter().any(|spec| spec.env == name),
+                "the ConfigMap sets {name}, which the relay does not read"
+            );
+        }
+        assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+        let security = &container["securityContext"];
+        assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
+        assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
+        assert_eq!(security["capabilities"]["drop"][0].as_str(), Some("ALL"));
+        let env = container["env"].as_vec().unwrap();
+        let database = env
+            .iter()
+            .find(|e| e["name"].as_str() == Some("DATABASE_URL"))
+            .expect("DATABASE_URL");
+        assert!(
+            !database["valueFrom"]["secretKeyRef"].is_badvalue(),
+            "DATABASE_URL from a Secret"
+        );
+        let shutdown = config::parse_duration(opt::SHUTDOWN_TIMEOUT.default.unwrap()).unwrap();
+        assert!(pod["terminationGracePeriodSeconds"].as_i64().unwrap() as u64 > shutdown.as_secs());
+        assert_eq!(budget["spec"]["maxUnavailable"].as_i64(), Some(1));
+        assert_eq!(budget["spec"]["selector"], spec["selector"]);
+    }
+
+    /// deploy/systemd/outbox-relay.service runs a command that exists, stops within its
+    /// drain, does not restart a configuration error, and keeps its hardening.
+    #[test]
+    fn the_systemd_unit_runs_the_relay_hardened() {
+        let unit = deploy_file("systemd/outbox-relay.service");
+        let value = |key: &str| {
+            unit.lines()
+                .find_map(|line| line.strip_prefix(&format!("{key}=")))
+                .unwrap_or_else(|| panic!("no {key}="))
+        };
+        let exec: Vec<&str> = value("ExecStart").split_whitespace().collect();
+        assert!(exec[0].ends_with("/outbox-relay"));
+        let tokens: Vec<&str> = std::iter::once("outbox-relay")
+            .chain(exec[1..].iter().copied())
+            .collect();
+        cli().try_get_matches_from(tokens).unwrap();
+        let stop: u64 = value("TimeoutStopSec").parse().unwrap();
+        let shutdown = config::parse_duration(opt::SHUTDOWN_TIMEOUT.default.unwrap()).unwrap();
+        assert!(stop > shutdown.as_secs());
+        assert_eq!(value("RestartPreventExitStatus"), "2");
+        for (key, expected) in [
+            ("NoNewPrivileges", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            ("PrivateTmp", "yes"),
+            ("DynamicUser", "yes"),
+            ("CapabilityBoundingSet", ""),
+            ("RestrictAddressFamilies", "AF_INET AF_INET6 AF_UNIX"),
+        ] {
+            assert_eq!(value(key), expected, "{key}");
+        }
+    }
+
+    /// Every `outbox-relay <command> --option` the README and the operator's docs show names a
+    /// command and an option that exist, so a newcomer's copy-paste parses.
+    #[test]
+    fn the_docs_commands_use_commands_and_options_that_exist() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let cli = cli();
+        let global: Vec<String> = cli
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_owned))
+            .collect();
+        let mut wrong = Vec::new();
+        let mut checked = 0;
+        for doc in [
+            "README.md",
+            "docs/operations.md",
+            "docs/migration.md",
+            "docs/upgrading.md",
+            "docs/guarantees.md",
+        ] {
+            let text = std::fs::read_to_string(root.join(doc)).unwrap();
+            // Every OUTBOX_RELAY_* variable named exists too.
+            for (at, _) in text.match_indices("OUTBOX_RELAY_") {
+                let name: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                checked += 1;
+                if name != "OUTBOX_RELAY_CONFIG"
+                    && !name.ends_with('_')
+                    && !opt::ALL.iter().any(|spec| spec.env == name)
+                {
+                    wrong.push(format!("{doc}: {name}"));
+                }
+            }
+            for (command, option) in commands_in(&text) {
+                let Some(sub) = cli.find_subcommand(&command) else {
+                    continue;
+                };
+                checked += 1;
+                let exists = option == "help"
+                    || global.contains(&option)
+                    || sub
+                        .get_arguments()
+                        .any(|a| a.get_long() == Some(option.as_str()));
+                if !exists {
+                    wrong.push(format!("{doc}: outbox-relay {command} --{option}"));
+                }
+            }
+        }
+        assert!(
+            checked > 30,
+            "only {checked} options found: is the extraction right?"
+        );
+        assert!(
+            wrong.is_empty(),
+            "options that do not exist:\n{}",
+            wrong.join("\n")
+        );
+    }
 
     /// A yes/no option given bare means true, and still takes a value; other options
     /// still need theirs.

@@ -1,0 +1,1 @@
+../../../sql/consumer.sql
