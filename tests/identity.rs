@@ -93,14 +93,6 @@ fn old_rows(rows: usize) -> String {
     )
 }
 
-/// The publication fix the refusal gives, as the operator runs it.
-fn add_table(case: &Case) -> String {
-    format!(
-        "alter publication {} add table outbox_events",
-        case.publication
-    )
-}
-
 /// Waits for the relay to exit by itself; returns its status and output.
 fn exited(relay: &mut Process) -> (ExitStatus, String) {
     let status = relay.wait_exit(EXIT_DEADLINE);
@@ -132,20 +124,6 @@ fn verify(case: &Case) -> Option<i32> {
     output.status.code()
 }
 
-/// `outbox-relay backfill --from-id <from> --force` (a strict stream), as the refusal says.
-fn backfill_from(case: &Case, from: i64) {
-    let output = case
-        .relay_command("backfill")
-        .args(["--from-id", &from.to_string(), "--force"])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
 /// A relay streaming 3 rows, confirmed; returns it, the rows' ids and the table's OID.
 async fn streaming(case: &Case, sql: &mut tokio_postgres::Client) -> (Process, Vec<i64>, u32) {
     let relay = case.start_relay();
@@ -173,6 +151,8 @@ async fn assert_refused(
         assert!(message.contains(name.as_str()), "{name:?} in {message}");
     }
     for fix in [
+        "LOCK TABLE \"public\".\"outbox_events\" IN SHARE MODE;",
+        "SELECT max(id) FROM \"public\".\"outbox_events\"; COMMIT;",
         "outbox-relay verify",
         "outbox-relay backfill --from-id",
         "docs/operations.md",
@@ -197,23 +177,47 @@ async fn assert_refused(
     message
 }
 
-/// The operator's fix, as the refusal gives it: `publication_sql`, `verify` (discrepancies),
-/// `backfill --from-id` the first missing id, the relay started again; then 2 more rows,
-/// and every row of `tables` and `relayed` is in the stream exactly once, and `verify` is
+/// The operator's fix, as the refusal gives it: the publication fixed in a transaction that
+/// holds inserts back and reads the last id, `verify` (the hidden rows, `hidden`), `backfill
+/// --from-id --to-id` them, the relay started again; then 2 more rows, and every row of
+/// `tables` and `relayed` is in the stream exactly once, in order, and `verify` is
 /// satisfied.
 async fn fix_and_check(
     case: &Case,
     sql: &mut tokio_postgres::Client,
-    publication_sql: &str,
-    first_missing: i64,
+    hidden: &[i64],
     tables: &[&str],
     relayed: &[i64],
 ) {
-    if !publication_sql.is_empty() {
-        sql.batch_execute(publication_sql).await.unwrap();
-    }
-    assert_eq!(verify(case), Some(5), "verify lists the missing rows");
-    backfill_from(case, first_missing);
+    let last: i64 = sql
+        .simple_query(&format!(
+            "BEGIN; LOCK TABLE outbox_events IN SHARE MODE; \
+             ALTER PUBLICATION {} ADD TABLE outbox_events; \
+             SELECT max(id) FROM outbox_events; COMMIT;",
+            case.publication
+        ))
+        .await
+        .unwrap()
+        .iter()
+        .find_map(|message| match message {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(last, hidden[hidden.len() - 1]);
+    assert_eq!(verify(case), Some(5), "verify lists the hidden rows");
+    let output = case
+        .relay_command("backfill")
+        .args(["--from-id", &hidden[0].to_string()])
+        .args(["--to-id", &last.to_string()])
+        .arg("--force")
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let mut relay = case.start_relay();
     insert_transaction(sql, 2, 2, "after").await;
     let mut expected: BTreeSet<i64> = relayed.iter().copied().collect();
@@ -264,15 +268,7 @@ async fn replaced_under_a_running_relay(name: &str, change: &str, how: &str, tab
         floor,
     )
     .await;
-    fix_and_check(
-        &case,
-        &mut sql,
-        &add_table(&case),
-        unrelayed[0],
-        tables,
-        &relayed,
-    )
-    .await;
+    fix_and_check(&case, &mut sql, &unrelayed, tables, &relayed).await;
 }
 
 /// (a) FOR TABLE publication: the table dropped and created again.
@@ -373,6 +369,7 @@ async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start()
         ),
         "outbox-relay verify".to_owned(),
         "outbox-relay backfill".to_owned(),
+        "LOCK TABLE … IN SHARE MODE".to_owned(),
     ] {
         assert!(message.contains(&needle), "{needle:?} in {message}");
     }
@@ -381,15 +378,7 @@ async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start()
         stream_ids(&case).await,
         relayed.iter().map(|id| (*id, 1)).collect()
     );
-    fix_and_check(
-        &case,
-        &mut sql,
-        &add_table(&case),
-        unrelayed[0],
-        &["outbox_events"],
-        &relayed,
-    )
-    .await;
+    fix_and_check(&case, &mut sql, &unrelayed, &["outbox_events"], &relayed).await;
 }
 
 /// docs/operations.md's conversion to a partitioned table: the partitioned copy added to

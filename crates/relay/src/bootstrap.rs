@@ -597,9 +597,12 @@ impl PublicationFacts {
                 ". Postgres decodes each transaction with the publication as it was at the \
                  commit, so inserts it hid before the fix stay hidden (a table dropped and \
                  created again, or swapped in by rename, is not the table the publication \
-                 named): after the fix, `outbox-relay verify` lists the rows missing from the \
-                 stream and `outbox-relay backfill --from-id <the first missing id>` (with \
-                 --force on a strict stream) publishes them (docs/operations.md)",
+                 named): run the fix in a transaction that first holds inserts back (LOCK \
+                 TABLE … IN SHARE MODE) and last reads SELECT max(id), then, before the relay \
+                 starts, `outbox-relay verify` lists the rows missing from the stream and \
+                 `outbox-relay backfill --from-id <the first of them> --to-id <that max>` (with \
+                 --force on a strict stream) publishes those the publication hid \
+                 (docs/operations.md)",
             );
         }
         Some(message)

@@ -34,8 +34,11 @@
 //!   `/readyz` is not ready from the moment it is found) whose one line names the change
 //!   (both OIDs, or what the publication lost), the position the slot is confirmed
 //!   through, and the fix: `ALTER PUBLICATION … ADD TABLE …` when the publication does not
-//!   cover the table, then `outbox-relay verify` and `outbox-relay backfill` for the rows
-//!   written since, and docs/operations.md for the conversion to a partitioned table.
+//!   cover the table; the relay started again (it resumes from before the change, and
+//!   relays what the publication publishes); once caught up, `outbox-relay verify` for the
+//!   rows the publication hid and `outbox-relay backfill --from-id … --to-id …` for them
+//!   (rows the slot will never send, so the relay never streams them too); and
+//!   docs/operations.md for the conversion to a partitioned table.
 //! - V4 A check that fails to run (connection, timeout) vouches for nothing new and is
 //!   retried at the next one; it never ends the session (like the monitor's poll, W1).
 //! - V5 Retention deletes only from the OID the session streams ([`crate::retention`] X7).
@@ -164,6 +167,9 @@ struct State {
     streamed: Option<Identity>,
     /// The LSN read by the session's last passing check; `None` before the session began.
     read: Option<Lsn>,
+    /// Counts the sessions begun, so that a check that straddles a session's start vouches
+    /// for nothing.
+    session: u64,
 }
 
 /// A check's outcome.
@@ -207,6 +213,7 @@ impl Watch {
         let known = {
             let mut state = self.state();
             state.read = None;
+            state.session += 1;
             state.sql.clone()
         };
         let sql = match known {
@@ -248,10 +255,12 @@ impl Watch {
 
     /// Checks the identity of the running session (V2, V4); `Err`: it changed (V3).
     pub async fn check(&self, client: &Client, config: &Config) -> Result<Checked> {
-        let sql = {
+        // What the previous passing check read, taken before this check's query is sent:
+        // only then did this check's identity statement run after that read (V2).
+        let (sql, previous, session) = {
             let state = self.state();
             match (&state.sql, state.read) {
-                (Some(sql), Some(_)) => sql.clone(),
+                (Some(sql), Some(previous)) => (sql.clone(), previous, state.session),
                 _ => return Ok(Checked::NotBegun),
             }
         };
@@ -261,7 +270,11 @@ impl Watch {
             Err(_) => return Ok(Checked::Failed("timed out".to_owned())),
         };
         let mut state = self.state();
-        let (Some(streamed), Some(previous)) = (&state.streamed, state.read) else {
+        if state.session != session {
+            // A session began meanwhile: its own check is the baseline.
+            return Ok(Checked::NotBegun);
+        }
+        let Some(streamed) = &state.streamed else {
             return Ok(Checked::NotBegun);
         };
         if let Some(change) = Change::between(streamed, &identity) {
@@ -349,16 +362,22 @@ impl Change {
 /// The permanent error for `change` to `now` (V3).
 fn refusal(config: &Config, change: &Change, now: &Identity, confirmed: Lsn) -> RelayError {
     let table = &config.table;
-    let mut fix = Vec::new();
-    if change.fix_publication {
-        fix.push(publication_fix(config, now));
-    }
-    fix.push(format!(
-        "run `outbox-relay verify` to list the rows of {table} missing from stream {}, publish them with \
-         `outbox-relay backfill --from-id <the first missing id>` (with --force on a strict stream), \
-         and run `outbox-relay verify` again",
-        config.stream
-    ));
+    let fix = if change.fix_publication {
+        format!(
+            "{}; then `outbox-relay verify` lists the rows missing from stream {}, those up to that id hidden by \
+             the publication: publish them with `outbox-relay backfill --from-id <the first of them> --to-id <that id>` \
+             (with --force on a strict stream), start the relay (it resumes from before the change) and run \
+             `outbox-relay verify` again",
+            publication_fix(config, now),
+            config.stream
+        )
+    } else {
+        "start the relay again (it resumes from before the change and relays what the publication published), then \
+         run `outbox-relay verify`: rows it lists as missing were written before the publication covered the table; \
+         publish them with `outbox-relay backfill --from-id <the first> --to-id <the last>` (with --force on a strict \
+         stream)"
+            .to_owned()
+    };
     let confirmed = if confirmed > Lsn::ZERO {
         format!(
             "; slot {:?} is confirmed no further than {confirmed}, the last position an identity check vouched for",
@@ -368,52 +387,55 @@ fn refusal(config: &Config, change: &Change, now: &Identity, confirmed: Lsn) -> 
         String::new()
     };
     RelayError::permanent(anyhow::anyhow!(
-        "table {table} {}: {}, so the relay stops{confirmed}. To fix it, {}, then start the relay. To make the \
-         outbox table partitioned without losing events, follow docs/operations.md (\"Converting the outbox table \
-         to a partitioned one\")",
+        "table {table} {}: {}, so the relay stops{confirmed}. To fix it, {fix}. To make the outbox table partitioned \
+         without losing events, follow docs/operations.md (\"Converting the outbox table to a partitioned one\")",
         change.what,
         if change.fix_publication {
             format!("inserts into the table now named {table} are not decoded through publication {:?}", config.publication)
         } else {
             format!("the relay cannot vouch that every insert into the table now named {table} was decoded through publication {:?}", config.publication)
         },
-        fix.join(", ")
     ))
 }
 
-/// What makes the publication publish the table's inserts again, as it is `now`.
+/// What makes the publication publish the table's inserts again, as it is `now`: in one
+/// transaction that holds inserts back and reads the last id the publication hid.
 fn publication_fix(config: &Config, now: &Identity) -> String {
     let publication = replication::quote_identifier(&config.publication);
     let table = table_sql(&config.table);
-    if now.publication_oid.is_none() {
-        return format!(
-            "create the publication again (CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert', \
-             publish_via_partition_root = true);)"
-        );
-    }
-    if now.table_oid.is_none() {
-        return format!(
-            "create {table} again or rename the new table into its place, and make the publication publish it \
-             (ALTER PUBLICATION {publication} ADD TABLE {table};)"
-        );
-    }
     let mut sql = Vec::new();
-    if !(now.all_tables || now.membership.is_some() || now.schema_listed) {
+    let mut first = String::new();
+    if now.publication_oid.is_none() {
         sql.push(format!(
-            "ALTER PUBLICATION {publication} ADD TABLE {table};"
+            "CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert', publish_via_partition_root = true);"
         ));
+    } else {
+        if now.table_oid.is_none() {
+            first = format!("create {table} again or rename the new table into its place, then ");
+        }
+        if now.table_oid.is_none()
+            || !(now.all_tables || now.membership.is_some() || now.schema_listed)
+        {
+            sql.push(format!(
+                "ALTER PUBLICATION {publication} ADD TABLE {table};"
+            ));
+        }
+        if !now.insert {
+            sql.push(format!(
+                "ALTER PUBLICATION {publication} SET (publish = 'insert'); (with the other actions it publishes)"
+            ));
+        }
+        if now.partitioned && !now.via_root {
+            sql.push(format!(
+                "ALTER PUBLICATION {publication} SET (publish_via_partition_root = true);"
+            ));
+        }
     }
-    if !now.insert {
-        sql.push(format!(
-            "ALTER PUBLICATION {publication} SET (publish = 'insert'); keeping any other action it publishes"
-        ));
-    }
-    if now.partitioned && !now.via_root {
-        sql.push(format!(
-            "ALTER PUBLICATION {publication} SET (publish_via_partition_root = true);"
-        ));
-    }
-    format!("make the publication publish the table ({})", sql.join(" "))
+    format!(
+        "{first}publish the table in one transaction that holds inserts back and reads the last id the publication \
+         hid: BEGIN; LOCK TABLE {table} IN SHARE MODE; {} SELECT max(id) FROM {table}; COMMIT;",
+        sql.join(" ")
+    )
 }
 
 #[cfg(test)]
@@ -543,7 +565,8 @@ mod tests {
             "is confirmed no further than 1/10",
             "ALTER PUBLICATION \"outbox_pub\" ADD TABLE \"public\".\"outbox_events\";",
             "`outbox-relay verify`",
-            "`outbox-relay backfill --from-id <the first missing id>`",
+            "`outbox-relay backfill --from-id <the first of them> --to-id <that id>`",
+            "LOCK TABLE \"public\".\"outbox_events\" IN SHARE MODE;",
             "docs/operations.md",
         ] {
             assert!(text.contains(needle), "{needle:?} in {text}");
