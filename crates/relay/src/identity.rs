@@ -39,6 +39,9 @@
 //!   rows the publication hid and `outbox-relay backfill --from-id … --to-id …` for them
 //!   (rows the slot will never send, so the relay never streams them too); and
 //!   docs/operations.md for the conversion to a partitioned table.
+//!   A publication changed under the same table (inserts, coverage, via-root) is refused
+//!   by [`crate::bootstrap`]'s own check (B3, exit status 2, with its exact SQL) when it
+//!   hides inserts now, like at a session start.
 //! - V4 A check that fails to run (connection, timeout) vouches for nothing new and is
 //!   retried at the next one; it never ends the session (like the monitor's poll, W1).
 //! - V5 Retention deletes only from the OID the session streams ([`crate::retention`] X7).
@@ -230,22 +233,48 @@ impl Watch {
                 config.table
             ))
         })?;
-        let mut state = self.state();
-        let streamed = state.streamed.get_or_insert_with(|| identity.clone());
-        let change = Change::between(streamed, &identity).or_else(|| {
-            (!identity.publishes()).then(|| Change {
-                what: format!(
-                    "is not published under its own name by publication {:?} any more (changed during the start-up checks)",
-                    config.publication
-                ),
-                fix_publication: true,
-            })
-        });
-        if let Some(change) = change {
-            return Err(refusal(config, &change, &identity, *self.vouched.borrow()));
+        let change = {
+            let mut state = self.state();
+            let streamed = state.streamed.get_or_insert_with(|| identity.clone());
+            let change = Change::between(streamed, &identity).or_else(|| {
+                (!identity.publishes()).then(|| Change {
+                    what: format!(
+                        "is not published under its own name by publication {:?} any more (changed during the start-up checks)",
+                        config.publication
+                    ),
+                    fix_publication: true,
+                    publication_only: true,
+                })
+            });
+            if change.is_none() {
+                state.read = Some(read);
+            }
+            change
+        };
+        match change {
+            Some(change) => Err(self.refuse(client, config, &change, &identity).await),
+            None => Ok(()),
         }
-        state.read = Some(read);
-        Ok(())
+    }
+
+    /// The refusal of `change` to `now` (V3): a publication changed under the same table
+    /// is refused by [`crate::bootstrap`]'s check (B3: exit status 2, the exact SQL) when it
+    /// would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
+    async fn refuse(
+        &self,
+        client: &Client,
+        config: &Config,
+        change: &Change,
+        now: &Identity,
+    ) -> RelayError {
+        if change.publication_only {
+            if let Err(error) = crate::bootstrap::publication(client, config).await {
+                if !error.is_transient() {
+                    return error;
+                }
+            }
+        }
+        refusal(config, change, now, *self.vouched.borrow())
     }
 
     /// The session streams from `confirmed`: the reader's cap starts there (V2).
@@ -269,18 +298,24 @@ impl Watch {
             Ok(Err(error)) => return Ok(Checked::Failed(error)),
             Err(_) => return Ok(Checked::Failed("timed out".to_owned())),
         };
-        let mut state = self.state();
-        if state.session != session {
-            // A session began meanwhile: its own check is the baseline.
-            return Ok(Checked::NotBegun);
-        }
-        let Some(streamed) = &state.streamed else {
-            return Ok(Checked::NotBegun);
+        let change = {
+            let mut state = self.state();
+            if state.session != session {
+                // A session began meanwhile: its own check is the baseline.
+                return Ok(Checked::NotBegun);
+            }
+            let Some(streamed) = &state.streamed else {
+                return Ok(Checked::NotBegun);
+            };
+            let change = Change::between(streamed, &identity);
+            if change.is_none() {
+                state.read = Some(read.max(previous));
+            }
+            change
         };
-        if let Some(change) = Change::between(streamed, &identity) {
-            return Err(refusal(config, &change, &identity, *self.vouched.borrow()));
+        if let Some(change) = change {
+            return Err(self.refuse(client, config, &change, &identity).await);
         }
-        state.read = Some(read.max(previous));
         self.vouched.send_if_modified(|vouched| {
             let moved = previous > *vouched;
             *vouched = (*vouched).max(previous);
@@ -298,6 +333,8 @@ pub struct Change {
     /// Whether the publication no longer publishes the table's inserts, so that
     /// `ALTER PUBLICATION … ADD TABLE` (or another fix of the publication) is needed.
     pub fix_publication: bool,
+    /// The same table and publication: only the publication's settings or coverage changed.
+    pub publication_only: bool,
 }
 
 impl Change {
@@ -355,6 +392,10 @@ impl Change {
         Some(Change {
             what: what.join("; "),
             fix_publication: !now.publishes(),
+            publication_only: now.table_oid.is_some()
+                && now.publication_oid.is_some()
+                && streamed.table_oid == now.table_oid
+                && streamed.publication_oid == now.publication_oid,
         })
     }
 }
