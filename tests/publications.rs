@@ -577,6 +577,9 @@ async fn a_publication_changed_under_a_relay_is_refused_at_its_next_session_star
     for (i, (change, problem)) in changes.iter().enumerate() {
         let (message, before) = if i == 0 {
             // A new session of the same process: end its walsender (and wait for it to go).
+            // The running session's identity watch (relay::identity V3) may see the change
+            // first and refuse it with the same check: either way, exit status 2 and B3's
+            // message.
             sql.batch_execute(change).await.unwrap();
             sql.execute(
                 "select pg_terminate_backend(active_pid, 30000) from pg_replication_slots where slot_name = $1",
@@ -588,7 +591,6 @@ async fn a_publication_changed_under_a_relay_is_refused_at_its_next_session_star
             let status = relay.wait_exit(DEADLINE);
             let output = strip_ansi(&relay.output());
             assert_eq!(status.code(), Some(2), "{output}");
-            assert!(output.contains("relay session ended"), "{output}");
             (refusal_of(&case, &output), before)
         } else {
             // A restart.

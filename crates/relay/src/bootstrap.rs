@@ -211,7 +211,7 @@ const VIA_ROOT_VERSION: i32 = 130_000;
 /// The first Postgres version with row filters, column lists and `TABLES IN SCHEMA`.
 const PG15: i32 = 150_000;
 
-async fn server_version(client: &Client) -> Result<i32> {
+pub(crate) async fn server_version(client: &Client) -> Result<i32> {
     let version: String = client
         .query_one("SHOW server_version_num", &[])
         .await
@@ -498,6 +498,9 @@ impl PublicationFacts {
                 ));
             }
             fixes.push(Fix::Sql(format!("{alter} ADD TABLE {table_sql};")));
+            // A table dropped and created again, or swapped in by rename, is no longer the
+            // table the publication names: its inserts so far were hidden (issue 18).
+            hid_rows = true;
         }
         if self.partitioned && self.via_root != Some(true) {
             match self.via_root {
@@ -592,8 +595,14 @@ impl PublicationFacts {
         if hid_rows {
             message.push_str(
                 ". Postgres decodes each transaction with the publication as it was at the \
-                 commit, so inserts it hid before the fix stay hidden: compare the table with \
-                 the stream for rows committed meanwhile (docs/operations.md)",
+                 commit, so inserts it hid before the fix stay hidden (a table dropped and \
+                 created again, or swapped in by rename, is not the table the publication \
+                 named): run the fix in a transaction that first holds inserts back (LOCK \
+                 TABLE … IN SHARE MODE) and last reads SELECT max(id), then, before the relay \
+                 starts, `outbox-relay verify` lists the rows missing from the stream and \
+                 `outbox-relay backfill --from-id <the first of them> --to-id <that max>` (with \
+                 --force on a strict stream) publishes those the publication hid \
+                 (docs/operations.md)",
             );
         }
         Some(message)

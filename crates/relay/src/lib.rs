@@ -7,7 +7,9 @@
 //! creates the publication, slot and stream; [`pipeline`] runs a session as a list of steps
 //! (lease, connections, checks, resume plan, reader and sink) and restarts it on failure;
 //! [`nats`] connects to NATS with the configured credential and TLS files; [`metrics`]
-//! counts and shows what happens, [`monitor`] polls the slot and logs backlog progress,
+//! counts and shows what happens, [`monitor`] polls the slot and logs backlog progress
+//! and checks the table's identity ([`identity`]: a table dropped, created again or swapped
+//! by rename stops the relay, and nothing is confirmed past what a check vouched for),
 //! and [`http`] serves both with health on `--metrics-addr`. Framing
 //! replication messages into events is `outbox::framer`'s; the resume policy is
 //! `sink::resume`'s; [`status`] reads and judges the slot, publication, lease and stream for
@@ -28,6 +30,7 @@ pub mod config;
 pub mod error;
 pub mod heartbeat;
 pub mod http;
+pub mod identity;
 pub mod lease;
 pub mod logging;
 pub mod mark;

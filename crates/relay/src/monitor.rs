@@ -10,8 +10,11 @@
 //!   the session's own checks judge the connection).
 //! - W2 At most one progress line per [`REPORT_EVERY`], and only while the slot lags by at
 //!   least [`BACKLOG_BYTES`]; one "caught up" line when it no longer does.
+//! - W3 The table's identity is checked on the same connection every
+//!   [`crate::identity::CHECK`] once the session began ([`crate::identity`] V1–V4): a check
+//!   that passes raises the reader's cap, one that cannot run is retried (like W1), and a
+//!   change ends the session with the refusal, the only way [`watch`] returns.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -19,7 +22,10 @@ use tokio::time::Instant;
 use tokio_postgres::Client;
 use tracing::{debug, info};
 
-use crate::metrics::{Metrics, SlotSample};
+use crate::config::Config;
+use crate::error::RelayError;
+use crate::identity::{self, Checked};
+use crate::metrics::{Metrics, Phase, SlotSample};
 
 /// How often the slot is polled.
 pub const POLL: Duration = Duration::from_secs(5);
@@ -35,16 +41,46 @@ const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_
        FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1";
 
 /// Polls `slot` on `client` every [`POLL`] for as long as it is awaited, the first time
-/// one [`POLL`] from now (W1).
+/// one [`POLL`] from now (W1), and checks the table's identity every
+/// [`identity::CHECK`] (W3); returns only when the identity changed, with the refusal
+/// (`/readyz` is not ready from then on).
 pub async fn watch(
     client: &Client,
-    slot: &str,
+    config: &Config,
+    identity: &identity::Watch,
     metrics: &Metrics,
     progress: &mut Progress,
-) -> Infallible {
+) -> RelayError {
+    let mut next_sample = Instant::now() + POLL;
+    let mut failing = false;
     loop {
-        tokio::time::sleep(POLL).await;
-        sample(client, slot, metrics, progress).await;
+        let every = if metrics.phase() == Phase::ShuttingDown {
+            identity::CHECK_DRAINING
+        } else {
+            identity::CHECK
+        };
+        tokio::time::sleep(every.min(next_sample.saturating_duration_since(Instant::now()))).await;
+        match identity.check(client, config).await {
+            Ok(Checked::Vouched(lsn)) => {
+                if std::mem::take(&mut failing) {
+                    debug!(vouched = %lsn, "the table's identity is checked again");
+                }
+            }
+            Ok(Checked::NotBegun) => {}
+            Ok(Checked::Failed(error)) => {
+                if !std::mem::replace(&mut failing, true) {
+                    debug!(error = %error, "cannot check the table's identity; the slot is not confirmed further until a check passes");
+                }
+            }
+            Err(refusal) => {
+                metrics.set_phase(Phase::ShuttingDown);
+                return refusal;
+            }
+        }
+        if Instant::now() >= next_sample {
+            next_sample = Instant::now() + POLL;
+            sample(client, &config.slot, metrics, progress).await;
+        }
     }
 }
 

@@ -17,7 +17,9 @@
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
 //!   (with `--mark-published`, the lower of that and the position through which every
-//!   acknowledged row is marked published: [`crate::mark`] U2). On
+//!   acknowledged row is marked published: [`crate::mark`] U2), capped by the LSN the
+//!   table's identity checks vouched for ([`crate::identity`] V2; a drain waits for them
+//!   to vouch for its watermark, up to the drain deadline). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
 //! - I3 Status goes out at least every `min(10 s, wal_sender_timeout / 2)` whatever the
@@ -67,6 +69,7 @@ use crate::bootstrap;
 use crate::config::Config;
 use crate::error::{RelayError, Result, Target};
 use crate::heartbeat;
+use crate::identity;
 use crate::lease::Lease;
 use crate::metrics::{Event, Metrics, Phase};
 use crate::monitor;
@@ -114,6 +117,8 @@ async fn sessions(
     metrics: &Arc<Metrics>,
 ) -> Result<()> {
     let mut progress = monitor::Progress::default();
+    // V1: the identity the process streams, kept across its sessions.
+    let identity = identity::Watch::default();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut bootstrapped = false;
     loop {
@@ -123,7 +128,7 @@ async fn sessions(
             // A SIGTERM while the lease's connect hangs ends the process at once.
             () = shutdown.cancelled() => SessionEnd::ShutdownDuringSetUp,
             lease = Lease::acquire(config, shutdown, metrics) => match lease {
-                Ok(Some(lease)) => holding(config, shutdown, &mut bootstrapped, metrics, &lease, &mut progress).await,
+                Ok(Some(lease)) => holding(config, shutdown, &mut bootstrapped, metrics, &lease, &mut progress, &identity).await,
                 Ok(None) => SessionEnd::ShutdownDuringSetUp,
                 Err(error) => SessionEnd::Failed(error),
             },
@@ -340,13 +345,15 @@ async fn holding(
     metrics: &Arc<Metrics>,
     lease: &Lease,
     progress: &mut monitor::Progress,
+    identity: &identity::Watch,
 ) -> SessionEnd {
     metrics.set_phase(Phase::SettingUp);
     // M2: one sample before the session, however soon it fails.
     monitor::sample(lease.client(), &config.slot, metrics, progress).await;
     let end = tokio::select! {
-        end = session(config, shutdown, bootstrapped, metrics, lease) => end,
-        never = monitor::watch(lease.client(), &config.slot, metrics, progress) => match never {},
+        end = session(config, shutdown, bootstrapped, metrics, lease, identity) => end,
+        // V3: the table's identity changed: the session ends, nothing more is confirmed.
+        refusal = monitor::watch(lease.client(), config, identity, metrics, progress) => SessionEnd::Failed(refusal),
     };
     metrics.session_ended();
     end
@@ -359,6 +366,7 @@ async fn session(
     bootstrapped: &mut bool,
     metrics: &Arc<Metrics>,
     lease: &Lease,
+    identity: &identity::Watch,
 ) -> SessionEnd {
     let prepared = tokio::select! {
         biased;
@@ -367,10 +375,10 @@ async fn session(
         () = shutdown.cancelled() => return SessionEnd::ShutdownDuringSetUp,
         // I9: no session without the lease.
         () = lease.lost() => return SessionEnd::Failed(lease_lost(config)),
-        prepared = prepare(config, bootstrapped, metrics, lease) => prepared,
+        prepared = prepare(config, bootstrapped, metrics, lease, identity) => prepared,
     };
     match prepared {
-        Ok(prepared) => stream_events(config, shutdown, metrics, lease, prepared).await,
+        Ok(prepared) => stream_events(config, shutdown, metrics, lease, prepared, identity).await,
         Err(error) => SessionEnd::Failed(error),
     }
 }
@@ -386,6 +394,7 @@ async fn prepare(
     bootstrapped: &mut bool,
     metrics: &Metrics,
     lease: &Lease,
+    identity: &identity::Watch,
 ) -> Result<Prepared> {
     let nats = connect_nats(config).await?;
     let server = nats.server_info();
@@ -400,15 +409,23 @@ async fn prepare(
     let publishing = crate::nats::open_publishing(&connector, &jetstream, config).await?;
     // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
+        // V1: the table the process streamed, checked first, so that a table created again
+        // is named as such rather than as one the publication does not cover (B3).
+        identity.begin(lease.client(), config).await?;
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
         let mut checking = config.clone();
         checking.create = false;
         bootstrap::postgres(lease.client(), &checking).await?
     } else {
-        ensure(lease.client(), &jetstream, config, true).await?
+        let slot = ensure(lease.client(), &jetstream, config, true).await?;
+        // V1: the first session's identity, once the publication exists.
+        identity.begin(lease.client(), config).await?;
+        slot
     };
     *bootstrapped = true;
+    // V2: the reader's cap starts at the slot's position.
+    identity.resume_from(slot.confirmed_flush_lsn);
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
     info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
@@ -499,6 +516,7 @@ async fn stream_events(
     metrics: &Arc<Metrics>,
     lease: &Lease,
     prepared: Prepared,
+    identity: &identity::Watch,
 ) -> SessionEnd {
     info!(
         slot = %config.slot,
@@ -509,11 +527,14 @@ async fn stream_events(
         skip_through = ?prepared.resume.skip_through,
         "streaming outbox events"
     );
-    let (reader, sink) = start(config, metrics, prepared);
+    let (reader, sink) = start(config, metrics, prepared, identity.vouched());
     // H1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
     // X2: retention deletes only while this session streams under the lease.
-    let _retention = crate::retention::start(config, metrics.clone());
+    // X7: only from the table this session streams.
+    let _retention = identity
+        .table_oid()
+        .and_then(|table_oid| crate::retention::start(config, metrics.clone(), table_oid));
     metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
         biased;
@@ -531,7 +552,12 @@ async fn stream_events(
 type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
 
 /// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
-fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader, SinkTask) {
+fn start(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    prepared: Prepared,
+    vouched: watch::Receiver<Lsn>,
+) -> (Reader, SinkTask) {
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
     let options = sink_options(
@@ -561,6 +587,7 @@ fn start(config: &Config, metrics: &Arc<Metrics>, prepared: Prepared) -> (Reader
     });
     let reader = Reader {
         marking,
+        vouched,
         stream: prepared.stream,
         framer,
         items: Some(items_tx),
@@ -632,9 +659,10 @@ enum Step {
     Watermark {
         sink_running: bool,
     },
-    /// The marker marked more (`marker_running: false`: its task is gone).
-    Marked {
-        marker_running: bool,
+    /// A cap on the confirmed position moved: the marker marked more or a check of the
+    /// table's identity passed (`running: false`: what raises it is gone).
+    Cap {
+        running: bool,
     },
     Tick,
     Handed,
@@ -644,6 +672,9 @@ enum Step {
 struct Reader {
     /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
     marking: Option<crate::mark::Marking>,
+    /// The LSN the table's identity checks vouched for: nothing past it is confirmed
+    /// ([`crate::identity`] V2).
+    vouched: watch::Receiver<Lsn>,
     stream: ReplicationStream,
     framer: Framer,
     items: Option<mpsc::Sender<Vec<Item<Lsn>>>>,
@@ -691,8 +722,8 @@ impl Reader {
                 _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
                 // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
                 changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
-                // PRIORITY 2b: the marker marked more (U2: confirmation waits for it).
-                changed = marked_changed(&mut self.marking) => Step::Marked { marker_running: changed.is_ok() },
+                // PRIORITY 2b: a cap moved (U2, V2: confirmation waits for them).
+                changed = cap_changed(&mut self.marking, &mut self.vouched) => Step::Cap { running: changed.is_ok() },
                 // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
                 () = &mut timer => Step::Tick,
                 // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
@@ -742,18 +773,14 @@ impl Reader {
                 let watermark = *self.confirmed.borrow_and_update();
                 self.on_watermark(watermark);
             }
-            Step::Marked {
-                marker_running: true,
-            } => {
+            Step::Cap { running: true } => {
                 let watermark = *self.confirmed.borrow();
                 if let Some(marking) = &mut self.marking {
                     marking.offer();
                 }
                 self.on_watermark(watermark);
             }
-            Step::Marked {
-                marker_running: false,
-            } => {
+            Step::Cap { running: false } => {
                 return Err(RelayError::transient(anyhow::anyhow!(
                     "the task marking rows published stopped"
                 )));
@@ -765,6 +792,7 @@ impl Reader {
                 let watermark = *self.confirmed.borrow();
                 if !intake_open {
                     self.settle_marking(watermark).await;
+                    self.settle_vouched(watermark).await;
                 }
                 self.on_watermark(watermark);
                 self.send_status().await?;
@@ -806,9 +834,10 @@ impl Reader {
     }
 
     /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
-    /// position to confirm is the watermark (I1), or with `--mark-published` the lower of
-    /// it and the marked position (U2).
+    /// position to confirm is the watermark (I1) capped by the LSN the identity checks
+    /// vouched for (V2) and, with `--mark-published`, by the marked position (U2).
     fn on_watermark(&mut self, watermark: Lsn) {
+        let vouched = *self.vouched.borrow_and_update();
         let flush = match &mut self.marking {
             Some(marking) => {
                 marking.acknowledged(watermark);
@@ -816,7 +845,7 @@ impl Reader {
             }
             None => watermark,
         };
-        self.feedback.update(flush);
+        self.feedback.update(flush.min(vouched));
     }
 
     /// Drained: gives the marker until the drain deadline to mark what the sink
@@ -840,6 +869,22 @@ impl Reader {
         if marking.marked() < watermark {
             warn!(marked = %marking.marked(), acknowledged = %watermark,
                 "rows acknowledged by JetStream were not all marked published before the shutdown deadline; the slot is confirmed only through the marked ones, so the next session marks the rest");
+        }
+    }
+
+    /// Drained: gives the identity checks (every [`identity::CHECK_DRAINING`] meanwhile)
+    /// until the drain deadline to vouch for the watermark (V2); what they did not vouch
+    /// for is not confirmed, and the next session replays it (stored already: skipped or
+    /// de-duplicated).
+    async fn settle_vouched(&mut self, watermark: Lsn) {
+        let deadline = self
+            .drain_until
+            .unwrap_or_else(|| TokioInstant::now() + SINK_GRACE);
+        while *self.vouched.borrow_and_update() < watermark {
+            match tokio::time::timeout_at(deadline, self.vouched.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
         }
     }
 
@@ -904,13 +949,27 @@ fn check_dedupe_window(
     }
 }
 
-/// Completes when the marker marked more; never without `--mark-published`.
-async fn marked_changed(
+/// Completes when a cap on the confirmed position moved: the marker marked more (never
+/// without `--mark-published`), or an identity check vouched for more (its sender lives as
+/// long as the process's sessions, so only the marker's end is an error).
+async fn cap_changed(
     marking: &mut Option<crate::mark::Marking>,
+    vouched: &mut watch::Receiver<Lsn>,
 ) -> std::result::Result<(), watch::error::RecvError> {
-    match marking {
-        Some(marking) => marking.changed().await,
-        None => std::future::pending().await,
+    let marked = async {
+        match marking {
+            Some(marking) => marking.changed().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        changed = marked => changed,
+        changed = vouched.changed() => {
+            if changed.is_err() {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
     }
 }
 

@@ -37,6 +37,13 @@
 //!   `id` and `created_at`, or the relay refuses to start (exit 2) naming the `GRANT`.
 //! - X5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
+//! - X7 Only the table the session streams ([`crate::identity`] V5): the snapshot's select
+//!   and every DELETE require `to_regclass('schema.table')` to be the OID the session's
+//!   identity check found (the DELETE resolves and locks the table before that condition
+//!   is evaluated, so a table renamed into its place meanwhile has nothing deleted), and
+//!   the slot's confirmed position that step 2 waits for is never past what an identity
+//!   check vouched for (V2): a row of a table created or swapped in since is never deleted.
+//!   A round that finds another table deletes nothing and says so.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,12 +70,15 @@ pub struct Retention {
     _task: AbortOnDropHandle<()>,
 }
 
-/// Starts retention for a streaming session; `None` when retention is off.
-pub fn start(config: &Config, metrics: Arc<Metrics>) -> Option<Retention> {
+/// Starts retention for a session streaming the table `table_oid`; `None` when
+/// retention is off.
+pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<Retention> {
     let settings = config.retention?;
     let task = Task {
         database: config.database.clone(),
         slot: config.slot.clone(),
+        table: table_sql(&config.table),
+        table_oid,
         select_sql: select_sql(&table_sql(&config.table)),
         delete_sql: delete_sql(&table_sql(&config.table)),
         settings,
@@ -115,22 +125,34 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
     )))
 }
 
-/// Old rows, in id order (`$1`: the grace in seconds, `$2`: the batch).
+/// Old rows, in id order (`$1`: the grace in seconds, `$2`: the batch), of the table only
+/// while its name is the OID `$4` (`$3`: the name; X7).
 fn select_sql(table: &str) -> String {
     format!(
         "SELECT id::int8 FROM {table} \
           WHERE created_at < pg_catalog.now() - pg_catalog.make_interval(secs => $1::float8) \
+            AND pg_catalog.to_regclass($3::text) = $4::int8::oid \
           ORDER BY id LIMIT $2"
     )
 }
 
+/// `$1`: the ids; `$2`, `$3`: the table's name and the OID it must have (X7).
 fn delete_sql(table: &str) -> String {
-    format!("DELETE FROM {table} WHERE id = ANY($1::int8[])")
+    format!(
+        "DELETE FROM {table} WHERE id = ANY($1::int8[]) \
+            AND pg_catalog.to_regclass($2::text) = $3::int8::oid"
+    )
 }
+
+/// Whether the table's name is still the OID the session streams (X7).
+const SAME_TABLE_SQL: &str = "SELECT pg_catalog.to_regclass($1::text) = $2::int8::oid";
 
 struct Task {
     database: ConnInfo,
     slot: String,
+    /// The table's name, in SQL, and the OID the session streams under it (X7).
+    table: String,
+    table_oid: u32,
     select_sql: String,
     delete_sql: String,
     settings: RetentionConfig,
@@ -148,6 +170,8 @@ enum Round {
         wal: Lsn,
         confirmed: Option<Lsn>,
     },
+    /// The table's name is another table than the one the session streams (X7).
+    OtherTable { deleted: u64 },
 }
 
 impl Task {
@@ -177,6 +201,12 @@ impl Task {
                             wal = %wal,
                             confirmed_flush_lsn = ?confirmed.map(|lsn| lsn.to_string()),
                             "retention: the slot has not confirmed everything committed; waiting for the next round"
+                        ),
+                        Round::OtherTable { deleted } => debug!(
+                            deleted,
+                            table = %self.table,
+                            table_oid = self.table_oid,
+                            "retention: the table's name no longer is the table this session streams; deleting nothing (the identity check stops the relay)"
                         ),
                     }
                 }
@@ -242,10 +272,22 @@ impl Task {
                     confirmed,
                 });
             }
-            // Step 3, in the same snapshot.
+            // Step 3, in the same snapshot, of the table the session streams only (X7).
+            let oid = i64::from(self.table_oid);
+            let same: Option<bool> = transaction
+                .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
+                .await?
+                .get(0);
+            if same != Some(true) {
+                transaction.commit().await?;
+                return Ok(Round::OtherTable { deleted });
+            }
             let grace = self.settings.grace.as_secs_f64();
             let ids: Vec<i64> = transaction
-                .query(&self.select_sql, &[&grace, &self.settings.batch])
+                .query(
+                    &self.select_sql,
+                    &[&grace, &self.settings.batch, &self.table, &oid],
+                )
                 .await?
                 .iter()
                 .map(|row| row.get(0))
@@ -254,8 +296,10 @@ impl Task {
             if ids.is_empty() {
                 return Ok(Round::Done { deleted });
             }
-            // Step 4.
-            let rows = client.execute(&self.delete_sql, &[&ids]).await?;
+            // Step 4 (X7: nothing if the name is another table's by now).
+            let rows = client
+                .execute(&self.delete_sql, &[&ids, &self.table, &oid])
+                .await?;
             deleted += rows;
             self.metrics.retention_deleted(rows);
             if (ids.len() as i64) < self.settings.batch {
@@ -274,9 +318,19 @@ mod tests {
         let select = select_sql("\"public\".\"outbox_events\"");
         assert!(select.contains("ORDER BY id LIMIT $2"), "{select}");
         assert!(select.contains("created_at < pg_catalog.now()"), "{select}");
-        assert_eq!(
-            delete_sql("\"public\".\"outbox_events\""),
-            "DELETE FROM \"public\".\"outbox_events\" WHERE id = ANY($1::int8[])"
+        let delete = delete_sql("\"public\".\"outbox_events\"");
+        assert!(
+            delete
+                .starts_with("DELETE FROM \"public\".\"outbox_events\" WHERE id = ANY($1::int8[])"),
+            "{delete}"
+        );
+        assert!(
+            delete.contains("to_regclass($2::text) = $3::int8::oid"),
+            "{delete}"
+        );
+        assert!(
+            select.contains("to_regclass($3::text) = $4::int8::oid"),
+            "{select}"
         );
     }
 }
