@@ -287,6 +287,22 @@ pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> S
     )
 }
 
+/// The history of the server's current timeline (sink::resume S5). One the relay cannot read
+/// as Postgres writes it trusts no ancestor timeline (S1 alone), and says so.
+async fn timeline_history(
+    connection: &mut ReplicationConnection,
+    timeline: u32,
+) -> Result<Vec<sink::resume::Switch>> {
+    let content = connection.timeline_history(timeline).await?;
+    Ok(
+        sink::resume::parse_timeline_history(&content).unwrap_or_else(|why| {
+            warn!(timeline, reason = %why,
+                "cannot read the server's timeline history; positions stored from earlier timelines are not used to skip");
+            Vec::new()
+        }),
+    )
+}
+
 /// The largest message the server and the stream accept.
 pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
     match tail.max_msg_size {
@@ -413,6 +429,8 @@ async fn prepare(
     let system = connection.identify_system().await?;
     info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
     let source = source(&system, config);
+    // S5: positions of an ancestor timeline count below where this timeline's history left it.
+    let history = timeline_history(&mut connection, system.timeline).await?;
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
@@ -436,6 +454,7 @@ async fn prepare(
         &sink::resume::Session {
             source: &source,
             wal_end: system.xlogpos,
+            history: &history,
             acknowledged,
             tail_check,
             strict,

@@ -17,6 +17,7 @@
 //!
 //! Then: plain SQL and replication commands on the simple-query protocol
 //! ([`ReplicationConnection::simple_query`], [`ReplicationConnection::identify_system`],
+//! [`ReplicationConnection::timeline_history`],
 //! [`ReplicationConnection::wal_sender_timeout`]), and
 //! [`ReplicationConnection::start_logical_replication`], which turns the connection into a
 //! [`ReplicationStream`].
@@ -380,6 +381,29 @@ impl ReplicationConnection {
             xlogpos: xlogpos.parse().map_err(|_| bad())?,
             dbname: dbname.clone(),
         })
+    }
+
+    /// The content of `timeline`'s history file (`TIMELINE_HISTORY`): its ancestor timelines
+    /// and where its history left each, one `parent_tli<TAB>switchpoint<TAB>reason` line
+    /// each. Timeline 1 has no ancestors and no file: `""`, without asking.
+    pub async fn timeline_history(&mut self, timeline: u32) -> Result<String, Error> {
+        if timeline <= 1 {
+            return Ok(String::new());
+        }
+        let rows = self
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"))
+            .await?;
+        match rows.as_slice() {
+            [row] => match row.as_slice() {
+                [_, Some(content)] => Ok(content.clone()),
+                _ => Err(Error::protocol(format!(
+                    "unexpected TIMELINE_HISTORY reply {rows:?}"
+                ))),
+            },
+            _ => Err(Error::protocol(format!(
+                "unexpected TIMELINE_HISTORY reply {rows:?}"
+            ))),
+        }
     }
 
     /// The server's `wal_sender_timeout` (`None` when disabled), to derive the status
