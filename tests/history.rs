@@ -311,14 +311,9 @@ async fn tail_below_the_switch_point_of_a_promotion_is_used_to_skip() {
         (case.confirmed_flush_lsn(&sql).await >= last_commit).then_some(())
     })
     .await;
-    let published: Vec<i64> = case
-        .messages(&js)
-        .await
-        .iter()
-        .map(|m| m.outbox_id())
-        .collect();
     assert_eq!(
-        published, ids,
+        case.outbox_ids(&js).await,
+        ids,
         "every event once, in order, across the promotion"
     );
     let output = relay.output();

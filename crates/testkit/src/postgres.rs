@@ -157,7 +157,7 @@ impl Postgres {
 
         // SIGQUIT: immediate shutdown, which still removes the shared memory.
         let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
-        let mut pg = Postgres {
+        let pg = Postgres {
             bin_dir,
             port: 0,
             auth: options.auth,
@@ -169,10 +169,7 @@ impl Postgres {
             server,
             dir,
         };
-        server::start_on_free_ports(|| {
-            pg.port = crate::free_port();
-            pg.launch()
-        });
+        let pg = pg.launched();
 
         if let Some(password) = &pg.password {
             // Over the socket (always trust); stored according to the
@@ -347,6 +344,67 @@ impl Postgres {
             .unwrap_or_else(|e| panic!("testkit: create {}: {e}", signal.display()));
         crate::chown_to_server(&signal);
         self.start_again();
+        self.promote();
+    }
+
+    /// A streaming standby of this server, on a free port of its own: a base backup
+    /// (`pg_basebackup -X stream -R`, with the physical replication slot `slot` created on
+    /// this server when given) started in recovery, with `settings` (e.g.
+    /// `hot_standby_feedback`, `sync_replication_slots`). Returns once it accepts queries;
+    /// [`Postgres::promote`] makes it a primary.
+    pub fn start_standby(&self, slot: Option<&str>, settings: Vec<(String, String)>) -> Postgres {
+        let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres standby");
+        crate::chown_to_server(dir.path());
+        let root = dir.path().to_path_buf();
+        let data_dir = root.join("data");
+        let mut backup = Command::new(self.bin_dir.join("pg_basebackup"));
+        backup
+            .arg("-d")
+            .arg(format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres",
+                self.port
+            ))
+            .arg("-D")
+            .arg(&data_dir)
+            .args(["-X", "stream", "-R", "--no-sync", "-c", "fast"])
+            .current_dir(&root)
+            .env_remove("PGDATA")
+            .stdin(Stdio::null());
+        if let Some(slot) = slot {
+            backup.args(["-C", "-S", slot]);
+        }
+        if let Some(password) = &self.password {
+            backup.env("PGPASSWORD", password);
+        }
+        run_as_server(backup, "pg_basebackup");
+        let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
+        Postgres {
+            bin_dir: self.bin_dir.clone(),
+            port: 0,
+            auth: self.auth,
+            password: self.password.clone(),
+            settings,
+            tls: None,
+            data_dir,
+            socket_dir: root,
+            server,
+            dir,
+        }
+        .launched()
+    }
+
+    /// Starts the server on a free port.
+    fn launched(mut self) -> Postgres {
+        server::start_on_free_ports(|| {
+            self.port = crate::free_port();
+            self.launch()
+        });
+        self
+    }
+
+    /// Promotes this standby (`pg_ctl promote`): a new timeline begins. Returns once it
+    /// accepts writes.
+    pub fn promote(&mut self) {
         let mut promote = Command::new(self.bin_dir.join("pg_ctl"));
         promote
             .arg("promote")
@@ -354,16 +412,7 @@ impl Postgres {
             .arg("-D")
             .arg(&self.data_dir)
             .stdin(Stdio::null());
-        as_server_user(&mut promote);
-        let output = promote
-            .output()
-            .unwrap_or_else(|e| panic!("testkit: run pg_ctl promote: {e}"));
-        assert!(
-            output.status.success(),
-            "testkit: pg_ctl promote failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        run_as_server(promote, "pg_ctl promote");
         crate::wait_until(
             "the promoted server to accept writes",
             START_TIMEOUT,
@@ -472,6 +521,20 @@ fn pg_bin_dir() -> PathBuf {
         );
     }
     dir
+}
+
+/// Runs `command` as the server user; panics, with its output, unless it succeeds.
+fn run_as_server(mut command: Command, what: &str) {
+    as_server_user(&mut command);
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("testkit: run {what}: {e}"));
+    assert!(
+        output.status.success(),
+        "testkit: {what} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 fn as_server_user(command: &mut Command) {
