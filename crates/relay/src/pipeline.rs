@@ -287,6 +287,25 @@ pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> S
     )
 }
 
+/// The slot is gone from the server a session reconnected to: after a fail-over (or a
+/// restore), a slot that is not a fail-over slot stays behind on the old primary. A new slot
+/// would start at the WAL end now and silently skip what was committed meanwhile, so the relay
+/// refuses and says how to recover.
+fn slot_left_behind(config: &Config) -> RelayError {
+    RelayError::setup(anyhow::anyhow!(
+        "replication slot {:?} does not exist on the server the relay reconnected to: after a \
+         fail-over (or a restore) a slot that is not a fail-over slot stays behind on the old \
+         primary, and the relay does not invent a position on the new one (a new slot starts at \
+         the WAL end now, so events committed meanwhile would be skipped silently). To recover: \
+         `outbox-relay init` creates the slot here; `outbox-relay verify --from-id <the stream's \
+         last outbox id, from outbox-relay status>` names the rows missing from the stream; \
+         `outbox-relay backfill --from-id <the first missing id> --force` publishes them. On \
+         Postgres 17 or newer run with --failover-slot and slot synchronization so that a \
+         fail-over keeps the slot (docs/operations.md, \"Fail-over\")",
+        config.slot
+    ))
+}
+
 /// The history of the server's current timeline (sink::resume S5). One the relay cannot read
 /// as Postgres writes it trusts no ancestor timeline (S1 alone), and says so.
 async fn timeline_history(
@@ -418,6 +437,9 @@ async fn prepare(
     let slot = if *bootstrapped {
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
+        if !bootstrap::slot_exists(lease.client(), &config.slot).await? {
+            return Err(slot_left_behind(config));
+        }
         let mut checking = config.clone();
         checking.create = false;
         bootstrap::postgres(lease.client(), &checking).await?

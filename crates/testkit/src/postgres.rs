@@ -276,6 +276,12 @@ impl Postgres {
             .shut_down(libc::SIGQUIT, "immediate shutdown (SIGQUIT)", STOP_TIMEOUT);
     }
 
+    /// `kill -9` of the postmaster, as when its host dies: no shutdown of any kind; its
+    /// backends exit as they notice its death. Returns once the postmaster has exited.
+    pub fn kill(&mut self) {
+        self.server.kill();
+    }
+
     /// Start the server again on the same port and data directory; returns
     /// once it accepts connections. Panics if it is still running.
     pub fn start_again(&mut self) {
