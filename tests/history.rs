@@ -1,12 +1,16 @@
 //! WAL histories (I6, issue 7 case 5): the stream's tail is used to skip replayed events
 //! only when it belongs to the server's own history. A restore from an older backup, or a
 //! fail-over that starts a new timeline, reuses LSNs: a tail from the lost history must
-//! never make the relay skip the new history's events. These tests stop, restore and
-//! promote their own Postgres.
+//! never make the relay skip the new history's events. But what a promotion keeps of the old
+//! timeline, below the switch point its timeline history names, is the new history too
+//! (sink::resume S5): a tail there is used to skip. These tests stop, restore and promote
+//! their own Postgres.
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
+
+use std::time::Duration;
 
 use pgoutput::Lsn;
 use support::{eventually, insert_transaction, wal_lsn, Case, Stored, DEADLINE};
@@ -23,7 +27,9 @@ const NEW_ROWS: usize = 20;
 enum Restore {
     /// Back to a cold backup, same timeline: the tail lies beyond the WAL end.
     SameTimeline,
-    /// Back to a cold backup, then promoted: timeline 2, WAL end pushed past the tail.
+    /// Back to a cold backup, then promoted: timeline 2, WAL end pushed past the tail. The old
+    /// primary wrote past the switch point (the lost rows, as async replication loses WAL):
+    /// the tail lies past it, on timeline 1 (S5).
     NewTimeline,
     /// Back to a cold backup, same timeline, then written past the old tail before the
     /// relay restarts (issue 18 case 1): same source, WAL end beyond the tail, the tail's
@@ -126,7 +132,7 @@ async fn relay_after_losing_history(restore: Restore) {
     );
     let output = relay.output();
     let why = match restore {
-        Restore::NewTimeline => "another timeline",
+        Restore::NewTimeline => "at or past the point where this server's history left it",
         _ => "beyond the server's WAL end",
     };
     assert!(
@@ -215,8 +221,9 @@ async fn tail_beyond_the_wal_end_is_not_used_to_skip() {
     relay_after_losing_history(Restore::SameTimeline).await;
 }
 
-/// A tail from another timeline (a fail-over or a point-in-time restore) is not used to
-/// skip, even once the new timeline's WAL has passed it.
+/// A tail from an earlier timeline past the switch point (the old primary wrote WAL the
+/// promoted server never received) is not used to skip (S5), even once the new timeline's WAL
+/// has passed it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_from_another_timeline_is_not_used_to_skip() {
     relay_after_losing_history(Restore::NewTimeline).await;
@@ -228,4 +235,85 @@ async fn tail_from_another_timeline_is_not_used_to_skip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_of_a_restored_database_written_past_it_is_not_used_to_skip() {
     relay_after_losing_history(Restore::WrittenPastTheTail).await;
+}
+
+/// Rows relayed before the promotion in [`tail_below_the_switch_point_of_a_promotion_is_used_to_skip`].
+const KEPT_ROWS: usize = 300;
+
+/// A promotion that kept everything the relay published (a clean switch-over, or a standby
+/// that had received it all): the stream's tail, on timeline 1, lies below the switch point of
+/// timeline 2's history, so it is the new timeline's history too (S5). The slot is rewound to
+/// before those rows (a copy taken earlier) and the duplicate window has passed, so only the
+/// tail's position can keep the replayed events out of the stream: each is stored once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_below_the_switch_point_of_a_promotion_is_used_to_skip() {
+    let mut pg = Postgres::start();
+    let nats = Nats::start();
+    let mut case = Case::new(&pg, &nats, "promoted");
+    case.extra_env
+        .push(("OUTBOX_RELAY_DUPLICATE_WINDOW".into(), "1s".into()));
+    let js = case.jetstream().await;
+
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let behind = format!("{}_behind", case.slot);
+    sql.execute(
+        "select pg_copy_logical_replication_slot($1, $2)",
+        &[&case.slot, &behind],
+    )
+    .await
+    .unwrap();
+    let mut ids = insert_transaction(&mut sql, KEPT_ROWS, 7, "kept").await;
+    case.wait_for_count(&js, KEPT_ROWS as u64, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    let tail = case.messages(&js).await.last().unwrap().commit_lsn();
+    drop(sql);
+
+    pg.stop();
+    pg.start_on_new_timeline();
+    let mut sql = case.sql().await;
+    let history = pg.psql("postgres", "select pg_walfile_name(pg_current_wal_lsn())");
+    assert!(
+        history.trim().starts_with("00000002"),
+        "timeline 2: {history}"
+    );
+    // Rewind the slot to before the kept rows: the relay replays all of them.
+    sql.execute("select pg_drop_replication_slot($1)", &[&case.slot])
+        .await
+        .unwrap();
+    sql.execute(
+        "select pg_copy_logical_replication_slot($1, $2)",
+        &[&behind, &case.slot],
+    )
+    .await
+    .unwrap();
+    sql.execute("select pg_drop_replication_slot($1)", &[&behind])
+        .await
+        .unwrap();
+    assert!(case.confirmed_flush_lsn(&sql).await < tail);
+    ids.extend(insert_transaction(&mut sql, NEW_ROWS, 3, "promoted").await);
+    let last_commit = wal_lsn(&sql).await;
+    // Past the duplicate window, so that de-duplication cannot hide a re-sent event: the
+    // condition waited for is the window's age itself.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let relay = case.start_relay();
+    case.wait_for_count(&js, ids.len() as u64, DEADLINE).await;
+    eventually("the slot to confirm the new rows", DEADLINE, || async {
+        (case.confirmed_flush_lsn(&sql).await >= last_commit).then_some(())
+    })
+    .await;
+    assert_eq!(
+        case.outbox_ids(&js).await,
+        ids,
+        "every event once, in order, across the promotion"
+    );
+    let output = relay.output();
+    assert!(
+        !output.contains("not skipping by"),
+        "the tail below the switch point is trusted:\n{output}"
+    );
+    eprintln!(
+        "promotion: tail at {tail} on timeline 1, below the switch point; {KEPT_ROWS} events replayed on timeline 2 skipped, {NEW_ROWS} new ones published once"
+    );
 }

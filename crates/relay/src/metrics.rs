@@ -354,6 +354,16 @@ impl Metrics {
                     metric = TAIL_UNREADABLE_NAME,
                     "the stream's last message was published from another source: another timeline of this database (after a fail-over or a point-in-time restore, LSNs are reused), or another database or slot writing to this stream (give each its own stream, or set OUTBOX_RELAY_SHARED_STREAM=true); not skipping by its position: {FALLBACK}");
             }
+            Distrust::PastSwitchPoint {
+                theirs,
+                commit_lsn,
+                switch_point,
+            } => {
+                self.counters.tail_rejected.inc();
+                warn!(last_sequence, tail_source = %theirs, source, commit_lsn = %commit_lsn,
+                    switch_point = %switch_point, metric = TAIL_REJECTED_NAME,
+                    "the stream's last message was published from an earlier timeline at or past the point where this server's history left it (WAL the old primary wrote that the promoted server never received); not skipping by it: {FALLBACK}. Check with `outbox-relay verify` (docs/guarantees.md)");
+            }
             Distrust::BeyondWalEnd { stored, commit_lsn } => {
                 self.counters.tail_rejected.inc();
                 let what = stored_what(*stored);

@@ -32,6 +32,7 @@
 //!   next due time: a fixed ticker beside a "due?" check once skipped every other period.
 //!   Tested: `outages.rs` (4 × `wal_sender_timeout` of held acks, update spacing).
 //! - I6 Replayed events are skipped only by a position of the session's own `Outbox-Source`
+//!   (or of an ancestor timeline below its switch point: sink::resume S5)
 //!   (cluster, timeline, database, slot) that lies below the server's WAL end
 //!   ([`sink::resume`] S1–S3). Tested: `history.rs`.
 //! - I7 Memory is bounded: at most one batch waits in the reader, `CHANNEL_BATCHES` batches
@@ -292,6 +293,74 @@ pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> S
     )
 }
 
+/// L1 with several hosts: the replication connection and the lease's control connection each
+/// took the first suitable host of the list; unless they reached the same server (the same
+/// postmaster start time), the lease would not guard the stream. A transient error: the next
+/// session connects again.
+async fn same_server(
+    connection: &mut ReplicationConnection,
+    lease: &Lease,
+    config: &Config,
+) -> Result<()> {
+    if config.database.hosts().len() < 2 {
+        return Ok(());
+    }
+    const STARTED: &str = "SELECT pg_catalog.pg_postmaster_start_time()::text";
+    let rows = connection.simple_query(STARTED).await?;
+    let streaming = rows.first().and_then(|row| row.first().cloned().flatten());
+    let leasing: Option<String> = lease
+        .client()
+        .query_one(STARTED, &[])
+        .await
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("{STARTED}: {e}")))?
+        .get(0);
+    if streaming.is_some() && streaming == leasing {
+        return Ok(());
+    }
+    Err(RelayError::transient(anyhow::anyhow!(
+        "the replication connection and the lease's control connection reached different \
+         servers of {} (target_session_attrs={}): the lease would not guard the stream; \
+         connecting again (use target_session_attrs=read-write)",
+        config.database.redacted(),
+        config.database.target_session_attrs()
+    )))
+}
+
+/// The slot is gone from the server a session reconnected to: after a fail-over (or a
+/// restore), a slot that is not a fail-over slot stays behind on the old primary. A new slot
+/// would start at the WAL end now and silently skip what was committed meanwhile, so the relay
+/// refuses and says how to recover.
+fn slot_left_behind(config: &Config) -> RelayError {
+    RelayError::setup(anyhow::anyhow!(
+        "replication slot {:?} does not exist on the server the relay reconnected to: after a \
+         fail-over (or a restore) a slot that is not a fail-over slot stays behind on the old \
+         primary, and the relay does not invent a position on the new one (a new slot starts at \
+         the WAL end now, so events committed meanwhile would be skipped silently). To recover: \
+         `outbox-relay init` creates the slot here; `outbox-relay verify --from-id <the stream's \
+         last outbox id, from outbox-relay status>` names the rows missing from the stream; \
+         `outbox-relay backfill --from-id <the first missing id> --force` publishes them. On \
+         Postgres 17 or newer run with --failover-slot and slot synchronization so that a \
+         fail-over keeps the slot (docs/operations.md, \"Fail-over\")",
+        config.slot
+    ))
+}
+
+/// The history of the server's current timeline (sink::resume S5). One the relay cannot read
+/// as Postgres writes it trusts no ancestor timeline (S1 alone), and says so.
+async fn timeline_history(
+    connection: &mut ReplicationConnection,
+    timeline: u32,
+) -> Result<Vec<sink::resume::Switch>> {
+    let content = connection.timeline_history(timeline).await?;
+    Ok(
+        sink::resume::parse_timeline_history(&content).unwrap_or_else(|why| {
+            warn!(timeline, reason = %why,
+                "cannot read the server's timeline history; positions stored from earlier timelines are not used to skip");
+            Vec::new()
+        }),
+    )
+}
+
 /// The largest message the server and the stream accept.
 pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
     match tail.max_msg_size {
@@ -414,6 +483,9 @@ async fn prepare(
         identity.begin(lease.client(), config).await?;
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
+        if !bootstrap::slot_exists(lease.client(), &config.slot).await? {
+            return Err(slot_left_behind(config));
+        }
         let mut checking = config.clone();
         checking.create = false;
         bootstrap::postgres(lease.client(), &checking).await?
@@ -430,6 +502,8 @@ async fn prepare(
     let system = connection.identify_system().await?;
     info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
     let source = source(&system, config);
+    // S5: positions of an ancestor timeline count below where this timeline's history left it.
+    let history = timeline_history(&mut connection, system.timeline).await?;
     let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
@@ -453,6 +527,7 @@ async fn prepare(
         &sink::resume::Session {
             source: &source,
             wal_end: system.xlogpos,
+            history: &history,
             acknowledged,
             tail_check,
             strict,
@@ -467,6 +542,7 @@ async fn prepare(
     }
     let max_message_bytes = max_message_bytes(&tail, max_payload);
 
+    same_server(&mut connection, lease, config).await?;
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
     let options = [

@@ -17,6 +17,7 @@
 //!
 //! Then: plain SQL and replication commands on the simple-query protocol
 //! ([`ReplicationConnection::simple_query`], [`ReplicationConnection::identify_system`],
+//! [`ReplicationConnection::timeline_history`],
 //! [`ReplicationConnection::wal_sender_timeout`]), and
 //! [`ReplicationConnection::start_logical_replication`], which turns the connection into a
 //! [`ReplicationStream`].
@@ -39,7 +40,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::auth::{self, AuthCheck, Transport};
-use crate::conninfo::{ChannelBinding, ConnInfo, SslMode};
+use crate::conninfo::{ChannelBinding, ConnInfo, SslMode, TargetSessionAttrs};
 use crate::stream::{parse_wal_sender_timeout, ReplicationStream};
 use crate::wire::{self, Authentication, BoxSocket, FrameReader, FrameWriter};
 use crate::{tls, Error};
@@ -100,10 +101,32 @@ const PINNED: &[(&str, &str)] = &[
 ];
 
 impl ReplicationConnection {
-    /// Connects and authenticates; see the module docs.
+    /// Connects and authenticates; see the module docs. With several hosts, the first that
+    /// connects and is what `target_session_attrs` asks for ([`connect_first`]).
     pub async fn connect(info: &ConnInfo) -> Result<Self, Error> {
-        let target = info.redacted();
-        with_connect_timeout(info, Self::connect_inner(info, target.clone())).await
+        connect_first(info, |target, attrs| async move {
+            let mut connection = Self::connect_inner(&target, target.redacted()).await?;
+            let Some(query) = attrs.check_query() else {
+                return Ok(Ok(connection));
+            };
+            let rows = connection.simple_query(query).await?;
+            let answer = match rows.first().map(Vec::as_slice) {
+                Some([Some(answer)]) => answer.clone(),
+                _ => {
+                    return Err(Error::protocol(format!(
+                        "unexpected reply {rows:?} to {query}"
+                    )))
+                }
+            };
+            match attrs.accepts(&answer) {
+                Ok(()) => Ok(Ok(connection)),
+                Err(instead) => {
+                    let _ = connection.close().await;
+                    Ok(Err(instead))
+                }
+            }
+        })
+        .await
     }
 
     async fn connect_inner(info: &ConnInfo, target: String) -> Result<Self, Error> {
@@ -382,6 +405,29 @@ impl ReplicationConnection {
         })
     }
 
+    /// The content of `timeline`'s history file (`TIMELINE_HISTORY`): its ancestor timelines
+    /// and where its history left each, one `parent_tli<TAB>switchpoint<TAB>reason` line
+    /// each. Timeline 1 has no ancestors and no file: `""`, without asking.
+    pub async fn timeline_history(&mut self, timeline: u32) -> Result<String, Error> {
+        if timeline <= 1 {
+            return Ok(String::new());
+        }
+        let rows = self
+            .simple_query(&format!("TIMELINE_HISTORY {timeline}"))
+            .await?;
+        match rows.as_slice() {
+            [row] => match row.as_slice() {
+                [_, Some(content)] => Ok(content.clone()),
+                _ => Err(Error::protocol(format!(
+                    "unexpected TIMELINE_HISTORY reply {rows:?}"
+                ))),
+            },
+            _ => Err(Error::protocol(format!(
+                "unexpected TIMELINE_HISTORY reply {rows:?}"
+            ))),
+        }
+    }
+
     /// The server's `wal_sender_timeout` (`None` when disabled), to derive the status
     /// interval from ([`crate::status_interval`]).
     pub async fn wal_sender_timeout(&mut self) -> Result<Option<Duration>, Error> {
@@ -526,6 +572,59 @@ pub(crate) async fn with_connect_timeout<T>(
             })?,
         None => connect.await,
     }
+}
+
+/// libpq's host loop, for both connections: tries each of `info`'s hosts in turn
+/// ([`ConnInfo::targets`]), each pass of its `target_session_attrs`
+/// ([`TargetSessionAttrs::passes`]) over them, each attempt within its own
+/// `connect_timeout`. `connect_one` connects to one host and checks it against the pass
+/// (`Ok(Err(what it is instead))` rejects it). With one host and `any`, its error is returned
+/// as it is; else [`Error::NoServer`] says what each host did.
+pub(crate) async fn connect_first<C, F, Fut>(
+    info: &ConnInfo,
+    mut connect_one: F,
+) -> Result<C, Error>
+where
+    F: FnMut(ConnInfo, TargetSessionAttrs) -> Fut,
+    Fut: std::future::Future<Output = Result<Result<C, &'static str>, Error>>,
+{
+    let wanted = info.target_session_attrs();
+    let passes = wanted.passes();
+    let targets = info.targets();
+    let single = passes.len() == 1 && targets.len() == 1 && wanted == TargetSessionAttrs::Any;
+    let mut tried = Vec::new();
+    let mut transient = false;
+    for &attrs in passes {
+        for target in &targets {
+            let name = format!("{}:{}", target.host(), target.port());
+            match with_connect_timeout(target, connect_one(target.clone(), attrs)).await {
+                Ok(Ok(connection)) => return Ok(connection),
+                Ok(Err(instead)) => {
+                    // A promotion may turn it into what is asked for.
+                    transient = true;
+                    tracing::debug!(host = %name, target_session_attrs = %attrs, "skipping a server that is {instead}");
+                    tried.push(format!("{name} is {instead}"));
+                }
+                Err(error) if single => return Err(error),
+                Err(error) => {
+                    transient |= error.is_transient();
+                    tracing::debug!(host = %name, error = %error, "cannot use this host; trying the next");
+                    tried.push(format!("{name}: {error}"));
+                }
+            }
+        }
+    }
+    let hosts: Vec<String> = info
+        .hosts()
+        .iter()
+        .map(|(host, port)| format!("{host}:{port}"))
+        .collect();
+    Err(Error::NoServer {
+        hosts: hosts.join(","),
+        attrs: wanted,
+        tried: tried.join("; "),
+        transient,
+    })
 }
 
 /// Opens the socket and negotiates TLS per `sslmode`.

@@ -22,9 +22,11 @@
 //! `passfile` (`PGPASSFILE`), `sslmode` (`PGSSLMODE`), `sslrootcert` (`PGSSLROOTCERT`, a
 //! PEM file or `system`), `sslcert` (`PGSSLCERT`), `sslkey` (`PGSSLKEY`), `channel_binding`
 //! (`PGCHANNELBINDING`), `require_auth` (`PGREQUIREAUTH`), `application_name`
-//! (`PGAPPNAME`) and `connect_timeout` (`PGCONNECT_TIMEOUT`). A few more are accepted with
+//! (`PGAPPNAME`), `connect_timeout` (`PGCONNECT_TIMEOUT`), `target_session_attrs`
+//! (`PGTARGETSESSIONATTRS`) and `load_balance_hosts` (`PGLOADBALANCEHOSTS`). A few more are
+//! accepted with
 //! the value that describes what the relay does anyway ([`NEUTRAL`], e.g.
-//! `target_session_attrs=any`), so that connection strings printed by managed services
+//! `gssencmode=disable`), so that connection strings printed by managed services
 //! work. Any other parameter is an error naming it, and so is a set environment variable
 //! of a libpq feature the relay lacks (`PGHOSTADDR`, `PGSERVICE`, `PGOPTIONS`, `PGSSLCRL`,
 //! ...): silently ignoring, say, a CRL would connect with weaker security than asked for.
@@ -40,8 +42,17 @@
 //! (the socket is `{host}/.s.PGSQL.{port}`); TLS is never used over a Unix socket (as in
 //! libpq), so `channel_binding=require` is refused there.
 //!
+//! Several hosts, as libpq takes them (multi-host connection strings, as Patroni and
+//! CloudNativePG hand them out): `host=a,b,c` with `port=5432` (one port for all) or
+//! `port=5432,5433,5434` (one each; an empty entry is the default), the same lists in
+//! `PGHOST`/`PGPORT`, or the URL form `postgres://a:5432,b:5433/db`. [`ConnInfo::targets`]
+//! gives one single-host `ConnInfo` per host, in order, or shuffled with
+//! `load_balance_hosts=random`; the connections try them in turn, each within its own
+//! `connect_timeout`, and take the first whose server is what `target_session_attrs` asks
+//! for ([`TargetSessionAttrs`], checked as libpq does).
+//!
 //! The password file (`passfile`, else `~/.pgpass`) is read when no password is given, with
-//! libpq's rules: `host:port:dbname:user:password` lines, `*` matching anything, `\`
+//! libpq's rules (for each host): `host:port:dbname:user:password` lines, `*` matching anything, `\`
 //! escaping `:` and `\`, the first matching line wins; a file that group or others can
 //! access is ignored with a warning ([`ConnInfo::warnings`]), as is one that is not a plain
 //! file.
@@ -303,6 +314,122 @@ impl FromStr for RequireAuth {
     }
 }
 
+/// libpq's `target_session_attrs`: which kind of server a connection accepts, among the
+/// hosts listed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum TargetSessionAttrs {
+    /// Any server.
+    #[default]
+    Any,
+    /// One that accepts read-write transactions by default (`transaction_read_only` off):
+    /// a primary, not a hot standby.
+    ReadWrite,
+    /// One that does not (`transaction_read_only` on).
+    ReadOnly,
+    /// One not in recovery (`pg_is_in_recovery()` false).
+    Primary,
+    /// One in recovery: a standby.
+    Standby,
+    /// A standby if one of the hosts is; else any server (a second pass over the hosts).
+    PreferStandby,
+}
+
+impl TargetSessionAttrs {
+    const ALL: [TargetSessionAttrs; 6] = [
+        TargetSessionAttrs::Any,
+        TargetSessionAttrs::ReadWrite,
+        TargetSessionAttrs::ReadOnly,
+        TargetSessionAttrs::Primary,
+        TargetSessionAttrs::Standby,
+        TargetSessionAttrs::PreferStandby,
+    ];
+
+    /// The libpq spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TargetSessionAttrs::Any => "any",
+            TargetSessionAttrs::ReadWrite => "read-write",
+            TargetSessionAttrs::ReadOnly => "read-only",
+            TargetSessionAttrs::Primary => "primary",
+            TargetSessionAttrs::Standby => "standby",
+            TargetSessionAttrs::PreferStandby => "prefer-standby",
+        }
+    }
+
+    /// The passes over the hosts, each with what it accepts: `prefer-standby` is a pass for
+    /// a standby, then one for any server (as in libpq).
+    pub fn passes(self) -> &'static [TargetSessionAttrs] {
+        match self {
+            TargetSessionAttrs::PreferStandby => {
+                &[TargetSessionAttrs::Standby, TargetSessionAttrs::Any]
+            }
+            TargetSessionAttrs::Any => &[TargetSessionAttrs::Any],
+            TargetSessionAttrs::ReadWrite => &[TargetSessionAttrs::ReadWrite],
+            TargetSessionAttrs::ReadOnly => &[TargetSessionAttrs::ReadOnly],
+            TargetSessionAttrs::Primary => &[TargetSessionAttrs::Primary],
+            TargetSessionAttrs::Standby => &[TargetSessionAttrs::Standby],
+        }
+    }
+
+    /// The query whose one boolean answer decides a pass (as libpq asks it), `None` for
+    /// `any`.
+    pub fn check_query(self) -> Option<&'static str> {
+        match self {
+            TargetSessionAttrs::Any | TargetSessionAttrs::PreferStandby => None,
+            TargetSessionAttrs::ReadWrite | TargetSessionAttrs::ReadOnly => {
+                Some("SHOW transaction_read_only")
+            }
+            TargetSessionAttrs::Primary | TargetSessionAttrs::Standby => {
+                Some("SELECT pg_catalog.pg_is_in_recovery()")
+            }
+        }
+    }
+
+    /// Whether a server whose answer to [`Self::check_query`] is `answer` (`on`/`off`,
+    /// `t`/`f`) is accepted; `Err` says what the server is instead, for the log.
+    pub fn accepts(self, answer: &str) -> Result<(), &'static str> {
+        let yes = matches!(answer.trim(), "on" | "t" | "true");
+        let (accepted, instead) = match self {
+            TargetSessionAttrs::Any | TargetSessionAttrs::PreferStandby => (true, ""),
+            TargetSessionAttrs::ReadWrite => (!yes, "read-only (transaction_read_only = on)"),
+            TargetSessionAttrs::ReadOnly => (yes, "read-write (transaction_read_only = off)"),
+            TargetSessionAttrs::Primary => (!yes, "a standby (in recovery)"),
+            TargetSessionAttrs::Standby => (yes, "a primary (not in recovery)"),
+        };
+        if accepted {
+            Ok(())
+        } else {
+            Err(instead)
+        }
+    }
+}
+
+impl fmt::Display for TargetSessionAttrs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// libpq's `load_balance_hosts`: the order in which the hosts are tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum LoadBalanceHosts {
+    /// In the order given.
+    #[default]
+    Disable,
+    /// In a random order, drawn for each connection.
+    Random,
+}
+
+impl LoadBalanceHosts {
+    /// The libpq spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadBalanceHosts::Disable => "disable",
+            LoadBalanceHosts::Random => "random",
+        }
+    }
+}
+
 /// The trusted roots for verifying the server's certificate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RootCerts {
@@ -409,6 +536,14 @@ const PARAMETERS: &[Parameter] = &[
         name: "connect_timeout",
         env: "PGCONNECT_TIMEOUT",
     },
+    Parameter {
+        name: "target_session_attrs",
+        env: "PGTARGETSESSIONATTRS",
+    },
+    Parameter {
+        name: "load_balance_hosts",
+        env: "PGLOADBALANCEHOSTS",
+    },
 ];
 
 /// Parameters (and their environment variables) accepted only with a value that describes
@@ -416,8 +551,6 @@ const PARAMETERS: &[Parameter] = &[
 /// ignoring ASCII case.
 pub const NEUTRAL: &[(&str, &str, &[&str])] = &[
     ("gssencmode", "PGGSSENCMODE", &["disable", "prefer"]),
-    ("target_session_attrs", "PGTARGETSESSIONATTRS", &["any"]),
-    ("load_balance_hosts", "PGLOADBALANCEHOSTS", &["disable"]),
     ("sslnegotiation", "PGSSLNEGOTIATION", &["postgres"]),
     ("sslsni", "PGSSLSNI", &["1"]),
     ("sslcertmode", "PGSSLCERTMODE", &["allow"]),
@@ -499,6 +632,10 @@ const DEFAULT_SOCKET_DIR: &str = "/var/run/postgresql";
 pub struct ConnInfo {
     host: String,
     port: u16,
+    /// Every host with its port, in the order given; `(host, port)` is the first.
+    hosts: Vec<(String, u16)>,
+    target_session_attrs: TargetSessionAttrs,
+    load_balance_hosts: LoadBalanceHosts,
     user: String,
     password: Option<Secret>,
     dbname: String,
@@ -516,12 +653,61 @@ pub struct ConnInfo {
 }
 
 impl ConnInfo {
-    /// Host name, IP address, or (starting with `/`) Unix socket directory.
+    /// Every host with its port, in the order given.
+    pub fn hosts(&self) -> &[(String, u16)] {
+        &self.hosts
+    }
+
+    /// Which kind of server the connection accepts.
+    pub fn target_session_attrs(&self) -> TargetSessionAttrs {
+        self.target_session_attrs
+    }
+
+    /// The order in which the hosts are tried.
+    pub fn load_balance_hosts(&self) -> LoadBalanceHosts {
+        self.load_balance_hosts
+    }
+
+    /// One single-host `ConnInfo` per host, in the order to try them (shuffled with
+    /// `load_balance_hosts=random`), each with its own password from the password file when
+    /// no password is given.
+    pub fn targets(&self) -> Vec<ConnInfo> {
+        let mut hosts = self.hosts.clone();
+        if self.load_balance_hosts == LoadBalanceHosts::Random {
+            shuffle(&mut hosts);
+        }
+        hosts
+            .into_iter()
+            .map(|(host, port)| {
+                let mut target = self.clone();
+                let from_file = matches!(self.source("password"), Source::PassFile(_));
+                if self.hosts.len() > 1 && (self.password.is_none() || from_file) {
+                    target.password = None;
+                    target.sources.remove("password");
+                    if let Some(path) = &self.passfile {
+                        let key = [host.as_str(), &port.to_string(), &self.dbname, &self.user];
+                        target.password = password_from_file(path, key, &mut Vec::new());
+                        if target.password.is_some() {
+                            target
+                                .sources
+                                .insert("password", Source::PassFile(path.clone()));
+                        }
+                    }
+                }
+                target.hosts = vec![(host.clone(), port)];
+                target.host = host;
+                target.port = port;
+                target
+            })
+            .collect()
+    }
+
+    /// Host name, IP address, or (starting with `/`) Unix socket directory: the first host.
     pub fn host(&self) -> &str {
         &self.host
     }
 
-    /// TCP port, or the number in the Unix socket's file name.
+    /// TCP port, or the number in the Unix socket's file name: the first host's.
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -621,19 +807,36 @@ impl ConnInfo {
     /// A URL for logs and errors, without the password:
     /// `postgres://user@host:port/dbname?sslmode=...`.
     pub fn redacted(&self) -> String {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
-        } else {
-            percent_encode(&self.host)
-        };
+        let hosts: Vec<String> = self
+            .hosts
+            .iter()
+            .map(|(host, port)| {
+                if host.contains(':') {
+                    format!("[{host}]:{port}")
+                } else {
+                    format!("{}:{port}", percent_encode(host))
+                }
+            })
+            .collect();
         let mut url = format!(
-            "postgres://{}@{}:{}/{}?sslmode={}",
+            "postgres://{}@{}/{}?sslmode={}",
             percent_encode(&self.user),
-            host,
-            self.port,
+            hosts.join(","),
             percent_encode(&self.dbname),
             self.sslmode
         );
+        if self.target_session_attrs != TargetSessionAttrs::Any {
+            url.push_str(&format!(
+                "&target_session_attrs={}",
+                self.target_session_attrs
+            ));
+        }
+        if self.load_balance_hosts != LoadBalanceHosts::Disable {
+            url.push_str(&format!(
+                "&load_balance_hosts={}",
+                self.load_balance_hosts.as_str()
+            ));
+        }
         if let Some(roots) = &self.sslrootcert {
             url.push_str("&sslrootcert=");
             url.push_str(&percent_encode(&roots.to_string()));
@@ -653,9 +856,12 @@ impl ConnInfo {
     /// as `<redacted>` (for `outbox-relay config`).
     pub fn describe(&self) -> Vec<(&'static str, String, Source)> {
         let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-        let values: [(&'static str, Option<String>); 14] = [
-            ("host", Some(self.host.clone())),
-            ("port", Some(self.port.to_string())),
+        let list = |f: &dyn Fn(&(String, u16)) -> String| {
+            self.hosts.iter().map(f).collect::<Vec<_>>().join(",")
+        };
+        let values: [(&'static str, Option<String>); 16] = [
+            ("host", Some(list(&|(host, _)| host.clone()))),
+            ("port", Some(list(&|(_, port)| port.to_string()))),
             ("user", Some(self.user.clone())),
             ("password", self.password.as_ref().map(Secret::to_string)),
             ("dbname", Some(self.dbname.clone())),
@@ -682,6 +888,14 @@ impl ConnInfo {
                     Some(limit) => format!("{}s", limit.as_secs()),
                     None => "0 (wait indefinitely)".to_owned(),
                 }),
+            ),
+            (
+                "target_session_attrs",
+                Some(self.target_session_attrs.to_string()),
+            ),
+            (
+                "load_balance_hosts",
+                Some(self.load_balance_hosts.as_str().to_owned()),
             ),
         ];
         values
@@ -788,23 +1002,74 @@ impl ConnInfo {
         let user = values
             .take("user")
             .unwrap_or_else(|| env("USER").unwrap_or_else(|| "postgres".to_owned()));
-        let host = values
-            .take("host")
-            .unwrap_or_else(|| DEFAULT_HOST.to_owned());
-        if host.contains(',') {
-            return Err(Error::Config(format!(
-                "host {} names multiple hosts, which is not supported; give one host",
-                values.shown("host", &host)
-            )));
-        }
-        let port = match values.take("port") {
-            None => DEFAULT_PORT,
-            Some(port) => match port.parse::<u16>() {
-                Ok(port) if port != 0 => port,
+        // libpq: an empty entry of either list is the default.
+        let host_list: Vec<String> = match values.take("host") {
+            None => vec![DEFAULT_HOST.to_owned()],
+            Some(list) => list
+                .split(',')
+                .map(|host| match host.trim() {
+                    "" => DEFAULT_HOST.to_owned(),
+                    host => host.to_owned(),
+                })
+                .collect(),
+        };
+        let port_list: Vec<u16> = match values.take("port") {
+            None => vec![DEFAULT_PORT],
+            Some(list) => list
+                .split(',')
+                .map(|port| match port.trim() {
+                    "" => Ok(DEFAULT_PORT),
+                    text => match text.parse::<u16>() {
+                        Ok(port) if port != 0 => Ok(port),
+                        _ => Err(Error::Config(format!(
+                            "invalid port {}: expected a number from 1 to 65535{}",
+                            values.shown("port", &list),
+                            if list.contains(',') {
+                                " for each host, comma-separated"
+                            } else {
+                                ""
+                            }
+                        ))),
+                    },
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let hosts: Vec<(String, u16)> = match (host_list.len(), port_list.len()) {
+            (_, 1) => host_list
+                .into_iter()
+                .map(|host| (host, port_list[0]))
+                .collect(),
+            (h, p) if h == p => host_list.into_iter().zip(port_list).collect(),
+            (h, p) => {
+                return Err(Error::Config(format!(
+                    "{p} ports for {h} hosts: give one port for all hosts, or one for each \
+                     (port=5432,5433 for host=a,b)"
+                )))
+            }
+        };
+        let (host, port) = hosts[0].clone();
+        let target_session_attrs = match values.take("target_session_attrs") {
+            None => TargetSessionAttrs::Any,
+            Some(text) => TargetSessionAttrs::ALL
+                .into_iter()
+                .find(|attrs| attrs.as_str().eq_ignore_ascii_case(text.trim()))
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "invalid target_session_attrs {}: expected any, read-write, read-only, \
+                         primary, standby or prefer-standby",
+                        values.shown("target_session_attrs", &text)
+                    ))
+                })?,
+        };
+        let load_balance_hosts = match values.take("load_balance_hosts") {
+            None => LoadBalanceHosts::Disable,
+            Some(text) => match text.trim().to_ascii_lowercase().as_str() {
+                "disable" => LoadBalanceHosts::Disable,
+                "random" => LoadBalanceHosts::Random,
                 _ => {
                     return Err(Error::Config(format!(
-                        "invalid port {}: expected a number from 1 to 65535",
-                        values.shown("port", &port)
+                        "invalid load_balance_hosts {}: expected disable or random",
+                        values.shown("load_balance_hosts", &text)
                     )))
                 }
             },
@@ -887,7 +1152,7 @@ impl ConnInfo {
                         .to_owned(),
                 ));
             }
-            if host.starts_with('/') {
+            if hosts.iter().any(|(host, _)| host.starts_with('/')) {
                 return Err(Error::Config(
                     "channel_binding=require needs TLS, which is not used over a Unix socket; \
                      connect over TCP"
@@ -919,6 +1184,9 @@ impl ConnInfo {
         Ok(ConnInfo {
             host,
             port,
+            hosts,
+            target_session_attrs,
+            load_balance_hosts,
             user,
             password,
             dbname,
@@ -1210,20 +1478,26 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
         Some((host_port, path)) => (host_port, Some(path)),
         None => (main, None),
     };
-    let (host, port) = split_host_port(host_port)?;
-    pairs.push(Pair::new("host", host));
-    if let Some(port) = port {
-        if !port.is_empty() {
-            if !port.bytes().all(|b| b.is_ascii_digit()) {
-                // Not quoted: without an '@', "user:password" lands here.
-                return Err(Error::Config(
-                    "invalid port in the URL: expected a number after the host's ':' (if the \
-                     URL has user:password, it needs an '@' before the host)"
-                        .to_owned(),
-                ));
-            }
-            pairs.push(Pair::new("port", port.to_owned()));
+    // `host1:port1,host2:port2`: libpq's lists, an entry without a port being the default.
+    let mut hosts = Vec::new();
+    let mut ports = Vec::new();
+    for host_port in host_port.split(',') {
+        let (host, port) = split_host_port(host_port)?;
+        let port = port.unwrap_or("");
+        if !port.bytes().all(|b| b.is_ascii_digit()) {
+            // Not quoted: without an '@', "user:password" lands here.
+            return Err(Error::Config(
+                "invalid port in the URL: expected a number after the host's ':' (if the \
+                 URL has user:password, it needs an '@' before the host)"
+                    .to_owned(),
+            ));
         }
+        hosts.push(host);
+        ports.push(port);
+    }
+    pairs.push(Pair::new("host", hosts.join(",")));
+    if ports.iter().any(|port| !port.is_empty()) {
+        pairs.push(Pair::new("port", ports.join(",")));
     }
     if let Some(path) = path {
         pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
@@ -1350,6 +1624,19 @@ fn percent_decode(text: &str, what: &str) -> Result<String, Error> {
     })
 }
 
+/// Shuffles `items` (Fisher-Yates) with the standard library's per-process random keys: the
+/// order of `load_balance_hosts=random` needs no cryptographic strength.
+fn shuffle<T>(items: &mut [T]) {
+    use std::hash::{BuildHasher, Hasher};
+    let state = std::collections::hash_map::RandomState::new();
+    for i in (1..items.len()).rev() {
+        let mut hasher = state.build_hasher();
+        hasher.write_usize(i);
+        let j = (hasher.finish() % (i as u64 + 1)) as usize;
+        items.swap(i, j);
+    }
+}
+
 /// Encodes everything but the URL's unreserved characters.
 pub fn percent_encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -1462,6 +1749,159 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |name| vars.get(name).cloned()
+    }
+
+    fn hosts(info: &ConnInfo) -> Vec<(&str, u16)> {
+        info.hosts()
+            .iter()
+            .map(|(host, port)| (host.as_str(), *port))
+            .collect()
+    }
+
+    /// libpq's multi-host lists, in both notations and the environment.
+    #[test]
+    fn several_hosts_with_one_port_or_one_each() {
+        let info = parse("host=a,b,c port=6432");
+        assert_eq!(hosts(&info), [("a", 6432), ("b", 6432), ("c", 6432)]);
+        assert_eq!((info.host(), info.port()), ("a", 6432));
+        let info = parse("host=a,,/tmp port=1,,3");
+        assert_eq!(hosts(&info), [("a", 1), ("localhost", 5432), ("/tmp", 3)]);
+        let info = parse("host=a,b");
+        assert_eq!(hosts(&info), [("a", 5432), ("b", 5432)]);
+        let info = parse("postgres://u@h1:5432,h2:5433/db?target_session_attrs=read-write");
+        assert_eq!(hosts(&info), [("h1", 5432), ("h2", 5433)]);
+        assert_eq!(info.dbname(), "db");
+        assert_eq!(info.target_session_attrs(), TargetSessionAttrs::ReadWrite);
+        let info = parse("postgresql://h1,[::1]:7,h3/db");
+        assert_eq!(hosts(&info), [("h1", 5432), ("::1", 7), ("h3", 5432)]);
+        let info = parse("postgres://h1,h2/db");
+        assert_eq!(hosts(&info), [("h1", 5432), ("h2", 5432)]);
+        let info = ConnInfo::parse_with_env(
+            "",
+            env_of(&[
+                ("PGHOST", "p1,p2"),
+                ("PGPORT", "5,6"),
+                ("PGTARGETSESSIONATTRS", "primary"),
+                ("PGLOADBALANCEHOSTS", "random"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(hosts(&info), [("p1", 5), ("p2", 6)]);
+        assert_eq!(info.source("host"), &Source::Env("PGHOST"));
+        assert_eq!(info.target_session_attrs(), TargetSessionAttrs::Primary);
+        assert_eq!(info.load_balance_hosts(), LoadBalanceHosts::Random);
+        let error = ConnInfo::parse_with_env("", env_of(&[("PGPORT", "5,x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("invalid port PGPORT=\"5,x\"") && error.contains("for each host"),
+            "{error}"
+        );
+        // The URL's ports are never quoted (R8).
+        let error = parse_err("postgres://h1:5432,h2:zq9/db");
+        assert!(
+            error.contains("invalid port in the URL") && !error.contains("zq9"),
+            "{error}"
+        );
+        // Unix sockets anywhere in the list cannot do channel binding.
+        let error = parse_err("host=h,/tmp channel_binding=require sslmode=require");
+        assert!(error.contains("Unix socket"), "{error}");
+    }
+
+    #[test]
+    fn targets_are_single_hosts_in_order_or_shuffled() {
+        let info = parse("host=a,b,c port=1,2,3 user=u dbname=d target_session_attrs=standby");
+        let targets = info.targets();
+        let each: Vec<_> = targets.iter().map(hosts).collect();
+        assert_eq!(each, [vec![("a", 1)], vec![("b", 2)], vec![("c", 3)]]);
+        assert!(targets
+            .iter()
+            .all(|t| t.target_session_attrs() == TargetSessionAttrs::Standby && t.dbname() == "d"));
+        let info = parse("host=a,b,c,d,e,f,g,h load_balance_hosts=random");
+        let mut orders = std::collections::BTreeSet::new();
+        for _ in 0..50 {
+            let order: Vec<String> = info.targets().iter().map(|t| t.host().to_owned()).collect();
+            let mut sorted = order.clone();
+            sorted.sort();
+            assert_eq!(sorted, ["a", "b", "c", "d", "e", "f", "g", "h"]);
+            orders.insert(order);
+        }
+        assert!(orders.len() > 1, "random order: always {orders:?}");
+        let error = parse_err("host=a load_balance_hosts=sometimes");
+        assert!(error.contains("expected disable or random"), "{error}");
+    }
+
+    /// libpq's target_session_attrs: the value names, the passes and what each accepts.
+    #[test]
+    fn target_session_attrs_as_libpq_defines_them() {
+        for attrs in TargetSessionAttrs::ALL {
+            let info = parse(&format!("host=h target_session_attrs={attrs}"));
+            assert_eq!(info.target_session_attrs(), attrs);
+        }
+        assert_eq!(
+            parse("host=h target_session_attrs=READ-WRITE").target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
+        let error = parse_err("host=h target_session_attrs=writable");
+        assert!(
+            error.contains(
+                "expected any, read-write, read-only, primary, standby or prefer-standby"
+            ) && !error.contains("writable"),
+            "{error}"
+        );
+        use TargetSessionAttrs as T;
+        assert_eq!(T::PreferStandby.passes(), [T::Standby, T::Any]);
+        assert_eq!(T::ReadWrite.passes(), [T::ReadWrite]);
+        let show = Some("SHOW transaction_read_only");
+        let recovery = Some("SELECT pg_catalog.pg_is_in_recovery()");
+        let queries: Vec<_> = T::ALL.into_iter().map(T::check_query).collect();
+        assert_eq!(queries, [None, show, show, recovery, recovery, None]);
+        // (attrs, the server's answer, accepted)
+        for (attrs, answer, accepted) in [
+            (T::ReadWrite, "off", true),
+            (T::ReadWrite, "on", false),
+            (T::ReadOnly, "on", true),
+            (T::ReadOnly, "off", false),
+            (T::Primary, "f", true),
+            (T::Primary, "t", false),
+            (T::Standby, "t", true),
+            (T::Standby, "f", false),
+            (T::Any, "on", true),
+        ] {
+            assert_eq!(attrs.accepts(answer).is_ok(), accepted, "{attrs} {answer}");
+        }
+        assert_eq!(
+            T::ReadWrite.accepts("on"),
+            Err("read-only (transaction_read_only = on)")
+        );
+    }
+
+    #[test]
+    fn several_hosts_are_shown_by_config_and_in_the_redacted_url() {
+        let info = parse(
+            "host=a,b port=1,2 password=secret target_session_attrs=read-write load_balance_hosts=random",
+        );
+        assert_eq!(
+            info.redacted(),
+            format!(
+                "postgres://{}@a:1,b:2/{}?sslmode=prefer&target_session_attrs=read-write&load_balance_hosts=random",
+                info.user(),
+                info.dbname()
+            )
+        );
+        let described: BTreeMap<&str, String> = info
+            .describe()
+            .into_iter()
+            .map(|(name, value, _)| (name, value))
+            .collect();
+        assert_eq!(described["host"], "a,b");
+        assert_eq!(described["port"], "1,2");
+        assert_eq!(described["target_session_attrs"], "read-write");
+        assert_eq!(described["load_balance_hosts"], "random");
+        assert!(!format!("{described:?}").contains("secret"));
+        // One host and the defaults: as before.
+        let info = parse("host=h port=7 user=u dbname=d");
+        assert_eq!(info.redacted(), "postgres://u@h:7/d?sslmode=prefer");
     }
 
     #[test]
@@ -1676,11 +2116,11 @@ mod tests {
             "host=h target_session_attrs=any gssencmode=disable client_encoding=utf8 sslsni=1",
         );
         assert_eq!(info.host(), "h");
-        let error = parse_err("host=h target_session_attrs=read-write");
+        let error = parse_err("host=h gssencmode=require");
         assert!(
-            error.contains(
-                "target_session_attrs (the connection string's value, not shown) is not supported"
-            ) && !error.contains("read-write"),
+            error
+                .contains("gssencmode (the connection string's value, not shown) is not supported")
+                && !error.contains("require"),
             "{error}"
         );
         let error = ConnInfo::parse_with_env("", env_of(&[("PGGSSENCMODE", "require")]))
@@ -1777,6 +2217,22 @@ mod tests {
         assert_eq!(info.password().map(Secret::expose), Some("escaped-host"));
         let info = ConnInfo::parse_with_env("host=elsewhere user=x", &env).unwrap();
         assert_eq!(info.password().map(Secret::expose), Some("fallback"));
+        // Each host of a list has its own line.
+        let info = ConnInfo::parse_with_env("host=db,other,elsewhere user=relay dbname=app", &env)
+            .unwrap();
+        let passwords: Vec<_> = info
+            .targets()
+            .iter()
+            .map(|target| target.password().map(|p| p.expose().to_owned()))
+            .collect();
+        assert_eq!(
+            passwords,
+            [
+                Some("pa:ss\\word".to_owned()),
+                Some("wrong-host".to_owned()),
+                Some("fallback".to_owned())
+            ]
+        );
         // A password given in the string or PGPASSWORD wins over the file.
         let info =
             ConnInfo::parse_with_env("host=db user=relay dbname=app password=given", &env).unwrap();
@@ -1838,8 +2294,8 @@ mod tests {
         );
         let error = parse_err("host");
         assert!(error.contains("missing \"=\""), "{error}");
-        let error = parse_err("host=a,b");
-        assert!(error.contains("multiple hosts"), "{error}");
+        let error = parse_err("host=a,b port=1,2,3");
+        assert!(error.contains("3 ports for 2 hosts"), "{error}");
         let error = parse_err("postgres://[::1/db");
         assert!(error.contains("IPv6"), "{error}");
         let error = parse_err("postgres://h:abc/db");
@@ -1889,8 +2345,12 @@ mod tests {
                 "invalid port (the connection",
             ),
             (
-                "postgres://u@h/db?password=hun&host=a,ter2",
-                "host (the connection string's value, not shown) names multiple",
+                "postgres://u@h/db?password=hun&port=1,ter2",
+                "invalid port (the connection",
+            ),
+            (
+                "postgres://u@h/db?password=hun&target_session_attrs=ter2",
+                "invalid target_session_attrs (the connection",
             ),
             (
                 "postgres://u@h/db?password=hun&connect_timeout=ter2",

@@ -17,7 +17,7 @@ use std::fmt;
 use std::io;
 use std::time::Duration;
 
-use crate::conninfo::SslMode;
+use crate::conninfo::{SslMode, TargetSessionAttrs};
 
 /// Everything that can go wrong while connecting, querying or streaming.
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +115,22 @@ pub enum Error {
     #[error("undecodable replication message: {0}")]
     Decode(#[from] pgoutput::DecodeError),
 
+    /// No host of a multi-host connection string gave a session, or none was the server
+    /// `target_session_attrs` asks for: what each host did. Transient when a host may yet
+    /// become usable (an I/O failure, a server of the wrong kind that a promotion may turn
+    /// into the right one); permanent when every host failed permanently.
+    #[error("no usable server (target_session_attrs={attrs}) among {hosts}: {tried}")]
+    NoServer {
+        /// The hosts, redacted (`a:5432,b:5433`).
+        hosts: String,
+        /// What the connection asked for.
+        attrs: TargetSessionAttrs,
+        /// Each host's failure, `host:port: why`, separated by `; `.
+        tried: String,
+        /// Whether retrying may help.
+        transient: bool,
+    },
+
     /// An error of the control-plane SQL connection ([`crate::connect_sql`]) that is not a
     /// server error. Transient unless caused by a permanent error of ours (TLS).
     #[error("{context}: {source}")]
@@ -144,6 +160,7 @@ impl Error {
             | Error::Protocol(_)
             | Error::Decode(_) => true,
             Error::Server(db) => db.is_transient(),
+            Error::NoServer { transient, .. } => *transient,
             Error::Sql { source, .. } => sql_error_is_transient(source),
         }
     }

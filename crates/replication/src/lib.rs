@@ -72,8 +72,8 @@ pub use connection::{
     ReplicationConnection,
 };
 pub use conninfo::{
-    AuthMethod, ChannelBinding, ConnInfo, ParseSslModeError, RequireAuth, RootCerts, Secret,
-    Source, SslMode, DEFAULT_CONNECT_TIMEOUT,
+    AuthMethod, ChannelBinding, ConnInfo, LoadBalanceHosts, ParseSslModeError, RequireAuth,
+    RootCerts, Secret, Source, SslMode, TargetSessionAttrs, DEFAULT_CONNECT_TIMEOUT,
 };
 pub use error::{sqlstate_is_transient, DbError, Error};
 pub use pgoutput::{Lsn, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData};

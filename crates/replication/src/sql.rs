@@ -22,7 +22,7 @@ use tokio_postgres::config::{
 };
 
 use crate::auth::{AuthCheck, AuthGuard, Transport};
-use crate::connection::{open, with_connect_timeout};
+use crate::connection::{connect_first, open};
 use crate::conninfo::{ChannelBinding, ConnInfo};
 use crate::error::DbError;
 use crate::wire::BoxSocket;
@@ -35,15 +35,45 @@ use crate::Error;
 /// The session is pinned like the replication session: `TimeZone=UTC`, `DateStyle=ISO`,
 /// `standard_conforming_strings=on` (which [`crate::quote_literal`] relies on), and the
 /// `application_name` of `info` if it has one.
+///
+/// With several hosts, the first that connects and is what `target_session_attrs` asks for
+/// (libpq's host loop, shared with the replication connection: `connect_first`).
 pub async fn connect_sql(info: &ConnInfo) -> Result<tokio_postgres::Client, Error> {
-    let target = info.redacted();
-    let (client, connection) = with_connect_timeout(info, connect(info, &target)).await?;
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::warn!(target = %target, error = %error, "sql connection failed");
+    connect_first(info, |target, attrs| async move {
+        let redacted = target.redacted();
+        let (client, connection) = connect(&target, &redacted).await?;
+        let task = tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::warn!(target = %redacted, error = %error, "sql connection failed");
+            }
+        });
+        let Some(query) = attrs.check_query() else {
+            return Ok(Ok(client));
+        };
+        let failed = |source| Error::Sql {
+            context: format!("{query} on {}", target.redacted()),
+            source,
+        };
+        let answer = client
+            .simple_query(query)
+            .await
+            .map_err(failed)?
+            .into_iter()
+            .find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .unwrap_or_default();
+        match attrs.accepts(&answer) {
+            Ok(()) => Ok(Ok(client)),
+            Err(instead) => {
+                drop(client);
+                task.abort();
+                Ok(Err(instead))
+            }
         }
-    });
-    Ok(client)
+    })
+    .await
 }
 
 type Connection = tokio_postgres::Connection<AuthGuard<BoxSocket>, AuthGuard<BoxSocket>>;

