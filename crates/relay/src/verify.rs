@@ -425,6 +425,8 @@ struct Seen<'a> {
     shard: &'a str,
     commit_lsn: &'a str,
     tx_index: &'a str,
+    /// `Outbox-Source`: the WAL history the position belongs to.
+    source: &'a str,
     /// `Outbox-Encoding: percent`: the row's values are percent-encoded (V2).
     encoded: bool,
 }
@@ -446,6 +448,7 @@ impl<'a> Seen<'a> {
                 h::OUTBOX_ORDERING_KEY => seen.ordering_key = value,
                 h::OUTBOX_SHARD => seen.shard = value,
                 h::OUTBOX_COMMIT_LSN => seen.commit_lsn = value,
+                h::OUTBOX_SOURCE => seen.source = value,
                 h::OUTBOX_TX_INDEX => seen.tx_index = value,
                 h::OUTBOX_ENCODING => seen.encoded = value == encoding::PERCENT,
                 _ => {}
@@ -829,8 +832,13 @@ fn read_stream(
         let mut out_of_order: Vec<(i64, String)> = vec![];
         let mut duplicates: Vec<(i64, u64)> = vec![];
         let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
-        let mut last_global: Option<(Position, i64)> = None;
-        let mut per_entity: HashMap<u64, (Position, i64)> = HashMap::new();
+        // Positions compare only within one WAL history (`Outbox-Source`): after a restore, a
+        // major-version upgrade or a fail-over's new history, LSNs start again lower, and the
+        // stream's order is still the commit order. Each history gets its own checks; the few
+        // sources a stream holds are kept in a list and found by comparison.
+        let mut sources: Vec<String> = Vec::new();
+        let mut last_global: HashMap<usize, (Position, i64)> = HashMap::new();
+        let mut per_entity: HashMap<(usize, u64), (Position, i64)> = HashMap::new();
         let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             if let Some(headers) = &message.headers {
                 let seen = Seen::of(headers);
@@ -856,7 +864,14 @@ fn read_stream(
                                 let at = |p: Position| {
                                     format!("(commit {}, index {})", p.commit_lsn, p.index)
                                 };
-                                let key = entity;
+                                let history = match sources.iter().position(|s| s == seen.source) {
+                                    Some(history) => history,
+                                    None => {
+                                        sources.push(seen.source.to_owned());
+                                        sources.len() - 1
+                                    }
+                                };
+                                let key = (history, entity);
                                 let mut problem = None;
                                 match per_entity.get_mut(&key) {
                                     Some((previous, previous_id)) if position < *previous => {
@@ -873,7 +888,9 @@ fn read_stream(
                                         per_entity.insert(key, (position, id));
                                     }
                                 }
-                                if let Some((previous, previous_id)) = last_global {
+                                let last_global = last_global.entry(history).or_insert((position, id));
+                                if (position, id) != *last_global {
+                                    let (previous, previous_id) = *last_global;
                                     if strict && position <= previous && problem.is_none() {
                                         problem = Some(format!(
                                             "at sequence {seq}: {} is not after the message before it \
@@ -883,8 +900,8 @@ fn read_stream(
                                         ));
                                     }
                                 }
-                                if last_global.is_none_or(|(p, _)| position > p) {
-                                    last_global = Some((position, id));
+                                if position > last_global.0 {
+                                    *last_global = (position, id);
                                 }
                                 out_of_order.extend(problem.map(|p| (id, p)));
                             }
