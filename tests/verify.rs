@@ -559,7 +559,6 @@ async fn a_relay_that_cannot_record_the_boundary_warns_once_and_relays_all_the_s
 /// order).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_compares_positions_within_one_wal_history_only() {
-    let s = servers();
     let mut case = new_case("verify_histories");
     let mut sql = case.sql().await;
     let js = case.jetstream().await;
