@@ -601,11 +601,12 @@ async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
     .await;
 }
 
-/// The relay's publishing connection (sink C4) reports what the server refuses in its own
-/// words instead of waiting for acks that never come, and loses nothing: a user who may not
-/// publish to the prefix gets `Permissions Violation for Publish` in the relay's log and
-/// nothing is stored; once the server's configuration allows it (reloaded, the relay left
-/// running), the events are stored, once, in order.
+/// The relay's publishing connection (sink C7, P11) reports what the server refuses in its
+/// own words instead of waiting for acks that never come, and loses nothing: a user who may
+/// not publish to the prefix makes the relay halt (the default poison policy) naming the
+/// first event, its subject and `Permissions Violation for Publish`, and nothing is stored;
+/// once the server's configuration allows it and the relay is started again, the events
+/// are stored, once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_the_server_forbids_is_reported_in_its_words_and_relayed_once_allowed() {
     let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "publish_forbidden");
@@ -633,11 +634,21 @@ authorization {{
     case.nats_url = nats.url();
     let mut command = case.relay_command("run");
     command.args(["--user", "relay", "--password", "relay-s3cret"]);
-    let relay = Process::spawn(&format!("relay-{}", case.name), command);
+    let mut relay = Process::spawn(&format!("relay-{}", case.name), command);
     relay.wait_for_output("streaming outbox events", DEADLINE);
     let mut sql = case.sql().await;
     let ids = insert_transaction(&mut sql, 3, 2, &case.name).await;
-    relay.wait_for_output("Permissions Violation for Publish", DEADLINE);
+    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
+    let output = relay.output();
+    assert!(!status.success(), "halts: {status:?}\n{output}");
+    for needle in [
+        format!("outbox event id={}", ids[0]),
+        "Permissions Violation for Publish".to_owned(),
+        format!("{prefix}."),
+        "allow the user to publish".to_owned(),
+    ] {
+        assert!(output.contains(&needle), "names {needle:?}:\n{output}");
+    }
     let js = jetstream::new(
         async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
             .connect(nats.url())
@@ -651,8 +662,8 @@ authorization {{
     );
 
     // Allowed from now on: the server restarts with the new configuration (a reload with
-    // SIGHUP leaves nats-server 2.9.10's JetStream API unanswered for this user); the relay's
-    // next session publishes what it could not.
+    // SIGHUP leaves nats-server 2.9.10's JetStream API unanswered for this user); the relay,
+    // started again, publishes what it could not.
     write(
         dir.path(),
         "nats-server.conf",
@@ -666,6 +677,9 @@ authorization {{
             .await
             .expect("the test's client connects"),
     );
+    let mut command = case.relay_command("run");
+    command.args(["--user", "relay", "--password", "relay-s3cret"]);
+    let relay = Process::spawn(&format!("relay-again-{}", case.name), command);
     holds_exactly(&case, &js, &ids).await;
     drop(relay);
 }
