@@ -1,6 +1,7 @@
 //! The publishing connection (sink C6, C7, P11, P12) against real nats-servers configured
 //! the way users run them: an account whose `max_payload` is below the server's (the INFO
-//! after CONNECT says so), and a user who may not publish one event type's subject. Each
+//! after CONNECT says so), a user who may not publish one event type's subject, and a
+//! cluster node put into lame-duck mode during a load run. Each
 //! case: nothing lost, nothing twice, commit order kept, the slot moving (dead-letter), or
 //! a halt naming the event (halt). Run on every nats-server of the matrix
 //! (`TESTKIT_NATS_SERVER`, `.ci/run`).
@@ -14,9 +15,13 @@ mod support;
 
 use std::path::Path;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use async_nats::jetstream;
-use support::{assert_matches_row, rows_by_id, Case, Stored, DEADLINE};
+use support::{
+    assert_matches_row, check_faithful, eventually, rows_by_id, Case, Stored, Writers, DEADLINE,
+};
+use testkit::cluster::NatsCluster;
 use testkit::{Nats, Postgres, Process};
 
 /// The account's `max_payload`: far above an ordinary event, below the big row's 8 KB and
@@ -307,4 +312,85 @@ async fn an_event_whose_subject_is_denied_halts_naming_it() {
     let mut run = Run::start("denied_halt", DENY_FORBIDDEN, &[], ("Forbidden", 10)).await;
     run.halted(&["Permissions Violation for Publish", ".Forbidden"])
         .await;
+}
+
+/// Which cluster node holds the relay's publishing connection (by its name in `/connz`).
+fn publisher_node(cluster: &NatsCluster) -> Option<usize> {
+    (0..3).find(|&i| {
+        cluster.is_running(i)
+            && cluster
+                .monitor_get(i, "/connz")
+                .is_ok_and(|(_, body)| body.contains("\"outbox-relay-publisher\""))
+    })
+}
+
+/// Issue 20, case 3: the node holding the publishing connection goes into lame-duck mode
+/// (`nats-server --signal ldm`) while writers commit: the session ends cleanly after its
+/// acknowledgements (logged at info, no failed session), the next one publishes on another
+/// node (the lame-duck one is dialled last), and the stream holds every committed row once,
+/// in commit order. The relay dials in the order given (`--no-randomize`), a node that does
+/// not lead the stream first: nats-server 2.12.8 stops JetStream on a node entering
+/// lame-duck mode before it tells its clients, so with the stream's leader there, publishes
+/// meet "no responders" until another node leads (a failed session, recovered; nothing
+/// lost), which is the leader-loss case of tests/cluster.rs, not this one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_in_lame_duck_mode_hands_the_session_over_without_a_failure() {
+    let cluster = NatsCluster::start();
+    let mut case = Case::with_nats_url(pg(), &cluster.urls(), "lame_duck");
+    let servers: Vec<String> = cluster.urls().split(',').map(str::to_owned).collect();
+    let js = jetstream::new(
+        async_nats::ConnectOptions::new()
+            .connect(servers)
+            .await
+            .expect("connect to the cluster"),
+    );
+    let leader = case.create_r3_stream(&js, &cluster).await;
+    let leader = cluster.node_index_by_name(&leader).unwrap();
+    let node = (leader + 1) % 3;
+    case.nats_url = [node, (node + 1) % 3, (node + 2) % 3]
+        .map(|i| cluster.url(i))
+        .join(",");
+    case.extra_env
+        .push(("OUTBOX_RELAY_NATS_NO_RANDOMIZE".into(), "true".into()));
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let writers = Writers::start(&case, 2, Duration::from_millis(50)).await;
+    case.wait_for_count(&js, 200, DEADLINE).await;
+    assert_eq!(
+        publisher_node(&cluster),
+        Some(node),
+        "--no-randomize: the first server given"
+    );
+    let before = case.stream_count(&js).await;
+    cluster.lame_duck(node);
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while !relay.output().contains("lame-duck mode") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay did not see node {node}'s lame-duck mode:\n{}\nnode {node}:\n{}",
+            relay.output(),
+            cluster.log(node)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let moved = eventually(
+        "the publishing connection on another node",
+        DEADLINE,
+        || async { publisher_node(&cluster).filter(|&n| n != node) },
+    )
+    .await;
+    case.wait_for_count(&js, before + 200, DEADLINE).await;
+
+    let log = writers.stop().await;
+    let committed = log.committed_rows() as u64;
+    case.wait_for_count(&js, committed, DEADLINE).await;
+    let messages = case.messages(&js).await;
+    let findings = check_faithful(&messages, &log);
+    eprintln!(
+        "lame_duck: node {node} into lame-duck mode with {before} stored; the publisher moved to node {moved}; {} rows committed; found {}",
+        committed,
+        findings.summary()
+    );
+    findings.assert_faithful();
+    no_failed_session(&relay);
+    drop(relay);
 }
