@@ -18,6 +18,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use support::nats_jwt::{creds, operator_config};
 use support::{
     assert_matches_row, check_faithful, eventually, rows_by_id, Case, Stored, Writers, DEADLINE,
 };
@@ -55,28 +56,27 @@ accounts {{
     Nats::start_with_args(&["-c", path.to_str().unwrap()])
 }
 
-/// A case on `nats` whose relay logs in as the account's user, with `env` besides.
-fn case_on(nats: &Nats, name: &str, env: &[(&str, &str)]) -> Case {
-    let mut case = Case::new(pg(), nats, name);
-    case.extra_env.extend(
-        [
-            ("OUTBOX_RELAY_NATS_USER", USER),
-            ("OUTBOX_RELAY_NATS_PASSWORD", PASSWORD),
-        ]
-        .iter()
-        .chain(env)
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-    );
-    case
+/// How the relay and the test's client log in: the relay's environment and the client's
+/// options.
+struct Login {
+    env: Vec<(String, String)>,
+    client: async_nats::ConnectOptions,
 }
 
-async fn jetstream_as_user(nats: &Nats) -> jetstream::Context {
-    jetstream::new(
-        async_nats::ConnectOptions::with_user_and_password(USER.into(), PASSWORD.into())
-            .connect(nats.url())
-            .await
-            .expect("the test's client connects"),
-    )
+impl Login {
+    /// The config-file account's user.
+    fn user() -> Login {
+        Login {
+            env: vec![
+                ("OUTBOX_RELAY_NATS_USER".into(), USER.into()),
+                ("OUTBOX_RELAY_NATS_PASSWORD".into(), PASSWORD.into()),
+            ],
+            client: async_nats::ConnectOptions::with_user_and_password(
+                USER.into(),
+                PASSWORD.into(),
+            ),
+        }
+    }
 }
 
 /// Inserts one row per `(event_type, payload bytes)` in one transaction; returns the ids.
@@ -216,9 +216,30 @@ impl Run {
             .tempdir()
             .unwrap();
         let nats = nats_with_account(dir.path(), permissions);
-        let case = case_on(&nats, name, env);
+        Run::on(nats, dir, Login::user(), name, env, odd).await
+    }
+
+    /// A run on `nats` (its files in `dir`), the relay logging in with `login`.
+    async fn on(
+        nats: Nats,
+        dir: tempfile::TempDir,
+        login: Login,
+        name: &str,
+        env: &[(&str, &str)],
+        odd: (&str, i32),
+    ) -> Run {
+        let mut case = Case::new(pg(), &nats, name);
+        case.extra_env.extend(login.env);
+        case.extra_env
+            .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
         let relay = tokio::task::block_in_place(|| case.start_relay());
-        let js = jetstream_as_user(&nats).await;
+        let js = jetstream::new(
+            login
+                .client
+                .connect(nats.url())
+                .await
+                .expect("the test's client connects"),
+        );
         let mut sql = case.sql().await;
         let (all, odd) = write_with_one_odd_row(&mut sql, odd).await;
         Run {
@@ -276,6 +297,41 @@ async fn an_event_over_the_accounts_max_payload_is_dead_lettered_in_place() {
         !run.relay.output().contains("Maximum Payload Violation"),
         "the event was never sent"
     );
+}
+
+/// Issue 20, case 1 with an operator/JWT account whose `payload` limit is below the
+/// server's (what hosted NATS and decentralised set-ups do): the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_over_a_jwt_accounts_max_payload_is_dead_lettered_in_place() {
+    let dir = tempfile::Builder::new()
+        .prefix("nats-conformance-")
+        .tempdir()
+        .unwrap();
+    let limit = i64::try_from(ACCOUNT_MAX_PAYLOAD).unwrap();
+    let (config, account) = operator_config(dir.path(), limit);
+    let path = dir.path().join("nats-server.conf");
+    std::fs::write(&path, config).unwrap();
+    let nats = Nats::start_with_args(&["-c", path.to_str().unwrap()]);
+    let creds_text = creds(&account, &nkeys::KeyPair::new_user());
+    let creds_file = dir.path().join("relay.creds");
+    std::fs::write(&creds_file, &creds_text).unwrap();
+    let login = Login {
+        env: vec![(
+            "OUTBOX_RELAY_NATS_CREDS".into(),
+            creds_file.to_str().unwrap().into(),
+        )],
+        client: async_nats::ConnectOptions::with_credentials(&creds_text).unwrap(),
+    };
+    let run = Run::on(
+        nats,
+        dir,
+        login,
+        "jwt_limit_dlq",
+        DEAD_LETTER,
+        ("OrderPaid", 8192),
+    )
+    .await;
+    run.dead_lettered(&ACCOUNT_MAX_PAYLOAD.to_string()).await;
 }
 
 /// Issue 20, case 1 under `halt`: the relay stops naming the event; nothing after it is in
@@ -352,6 +408,17 @@ async fn a_node_in_lame_duck_mode_hands_the_session_over_without_a_failure() {
         .join(",");
     case.extra_env
         .push(("OUTBOX_RELAY_NATS_NO_RANDOMIZE".into(), "true".into()));
+    // The test reads through the nodes that stay: a client on the lame duck would lose
+    // JetStream with it.
+    let js = jetstream::new(
+        async_nats::ConnectOptions::new()
+            .connect(vec![
+                cluster.url((node + 1) % 3),
+                cluster.url((node + 2) % 3),
+            ])
+            .await
+            .expect("connect to the other nodes"),
+    );
     let relay = tokio::task::block_in_place(|| case.start_relay());
     let writers = Writers::start(&case, 2, Duration::from_millis(50)).await;
     case.wait_for_count(&js, 200, DEADLINE).await;
