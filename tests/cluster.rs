@@ -66,19 +66,7 @@ async fn r3_stream_leader_killed_twice_nothing_lost_duplicated_or_reordered() {
     case.extra_env
         .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
     let js = cluster_jetstream(&cluster.urls()).await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        num_replicas: 3,
-        storage: jetstream::stream::StorageType::File,
-        ..Default::default()
-    })
-    .await
-    .expect("create the R3 stream");
-    let first_leader = eventually("the R3 stream to have a leader", DEADLINE, || async {
-        cluster.stream_leader(&case.stream)
-    })
-    .await;
+    let first_leader = case.create_r3_stream(&js, &cluster).await;
     eprintln!(
         "r3: cluster {:?} up, stream {} led by {first_leader}",
         cluster.node_names(),

@@ -12,12 +12,11 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_nats::jetstream;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine;
 use nkeys::KeyPair;
+use support::nats_jwt::{creds, operator_config};
 use support::{insert_transaction, Case, DEADLINE};
 use testkit::{Ca, Nats, Postgres, Process, TlsFront};
 
@@ -236,88 +235,11 @@ async fn nkey_seed_file_relays_and_another_users_seed_is_refused() {
     is_refused(&case, &[], &["OUTBOX_RELAY_NATS_NKEY"], &[&stranger, &seed]);
 }
 
-/// A JWT signed with `signer` (the header and signature NATS expects: `ed25519-nkey`).
-fn jwt(signer: &KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
-    static JTI: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let claims = serde_json::json!({
-        "jti": format!("TESTJTI{}{}", std::process::id(), JTI.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
-        "iat": now,
-        "iss": signer.public_key(),
-        "sub": subject,
-        "name": name,
-        "nats": nats,
-    });
-    let header = URL_SAFE_NO_PAD.encode(r#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
-    let payload = URL_SAFE_NO_PAD.encode(claims.to_string());
-    let signed = format!("{header}.{payload}");
-    let signature = signer.sign(signed.as_bytes()).unwrap();
-    format!("{signed}.{}", URL_SAFE_NO_PAD.encode(signature))
-}
-
-/// An account JWT with everything unlimited, JetStream too if `jetstream` (never for the
-/// system account).
-fn account_jwt(operator: &KeyPair, account: &KeyPair, name: &str, jetstream: bool) -> String {
-    let mut limits = serde_json::json!({
-        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
-        "wildcards": true, "conn": -1, "leaf": -1
-    });
-    if jetstream {
-        for key in ["mem_storage", "disk_storage", "streams", "consumer"] {
-            limits[key] = (-1).into();
-        }
-    }
-    jwt(
-        operator,
-        &account.public_key(),
-        name,
-        serde_json::json!({ "type": "account", "version": 2, "limits": limits }),
-    )
-}
-
-/// A `.creds` file's text: the user's JWT (signed by `account`) and seed.
-fn creds(account: &KeyPair, user: &KeyPair) -> String {
-    let user_jwt = jwt(
-        account,
-        &user.public_key(),
-        "relay",
-        serde_json::json!({ "type": "user", "version": 2, "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1 }),
-    );
-    format!(
-        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
-         ************************* IMPORTANT *************************\n\
-         NKEY Seed printed below can be used to sign and prove identity.\n\n\
-         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
-        user.seed().unwrap()
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creds_file_of_an_operator_set_up_relays_and_a_user_of_an_unknown_account_is_refused() {
     let dir = temp_dir();
-    let operator = KeyPair::new_operator();
-    let account = KeyPair::new_account();
-    let system = KeyPair::new_account();
-    let operator_jwt = jwt(
-        &operator,
-        &operator.public_key(),
-        "test-operator",
-        serde_json::json!({ "type": "operator", "version": 2, "system_account": system.public_key() }),
-    );
-    let operator_file = write(dir.path(), "operator.jwt", &operator_jwt);
-    let nats = nats_with_config(
-        dir.path(),
-        &format!(
-            "operator: {operator_file:?}\nsystem_account: {sys}\nresolver: MEMORY\nresolver_preload: {{\n  {acc}: {acc_jwt:?}\n  {sys}: {sys_jwt:?}\n}}\n",
-            sys = system.public_key(),
-            acc = account.public_key(),
-            acc_jwt = account_jwt(&operator, &account, "APP", true),
-            sys_jwt = account_jwt(&operator, &system, "SYS", false),
-        ),
-    );
+    let (config, account) = operator_config(dir.path(), -1);
+    let nats = nats_with_config(dir.path(), &config);
     let user = KeyPair::new_user();
     let creds_text = creds(&account, &user);
     let creds_file = write(dir.path(), "relay.creds", &creds_text);
@@ -601,11 +523,12 @@ async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
     .await;
 }
 
-/// The relay's publishing connection (sink C4) reports what the server refuses in its own
-/// words instead of waiting for acks that never come, and loses nothing: a user who may not
-/// publish to the prefix gets `Permissions Violation for Publish` in the relay's log and
-/// nothing is stored; once the server's configuration allows it (reloaded, the relay left
-/// running), the events are stored, once, in order.
+/// The relay's publishing connection (sink C7, P11) reports what the server refuses in its
+/// own words instead of waiting for acks that never come, and loses nothing: a user who may
+/// not publish to the prefix makes the relay halt (the default poison policy) naming the
+/// first event, its subject and `Permissions Violation for Publish`, and nothing is stored;
+/// once the server's configuration allows it and the relay is started again, the events
+/// are stored, once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_the_server_forbids_is_reported_in_its_words_and_relayed_once_allowed() {
     let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "publish_forbidden");
@@ -633,11 +556,21 @@ authorization {{
     case.nats_url = nats.url();
     let mut command = case.relay_command("run");
     command.args(["--user", "relay", "--password", "relay-s3cret"]);
-    let relay = Process::spawn(&format!("relay-{}", case.name), command);
+    let mut relay = Process::spawn(&format!("relay-{}", case.name), command);
     relay.wait_for_output("streaming outbox events", DEADLINE);
     let mut sql = case.sql().await;
     let ids = insert_transaction(&mut sql, 3, 2, &case.name).await;
-    relay.wait_for_output("Permissions Violation for Publish", DEADLINE);
+    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
+    let output = relay.output();
+    assert!(!status.success(), "halts: {status:?}\n{output}");
+    for needle in [
+        format!("outbox event id={}", ids[0]),
+        "Permissions Violation for Publish".to_owned(),
+        format!("{prefix}."),
+        "allow the user to publish".to_owned(),
+    ] {
+        assert!(output.contains(&needle), "names {needle:?}:\n{output}");
+    }
     let js = jetstream::new(
         async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
             .connect(nats.url())
@@ -651,8 +584,8 @@ authorization {{
     );
 
     // Allowed from now on: the server restarts with the new configuration (a reload with
-    // SIGHUP leaves nats-server 2.9.10's JetStream API unanswered for this user); the relay's
-    // next session publishes what it could not.
+    // SIGHUP leaves nats-server 2.9.10's JetStream API unanswered for this user); the relay,
+    // started again, publishes what it could not.
     write(
         dir.path(),
         "nats-server.conf",
@@ -666,6 +599,9 @@ authorization {{
             .await
             .expect("the test's client connects"),
     );
+    let mut command = case.relay_command("run");
+    command.args(["--user", "relay", "--password", "relay-s3cret"]);
+    let relay = Process::spawn(&format!("relay-again-{}", case.name), command);
     holds_exactly(&case, &js, &ids).await;
     drop(relay);
 }

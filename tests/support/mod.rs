@@ -6,3 +6,6 @@
 #![allow(unused_imports)]
 
 pub use testkit::harness::*;
+
+#[allow(dead_code)]
+pub mod nats_jwt;

@@ -133,6 +133,8 @@ pub mod opt {
             "PEM private key of --tlscert", flag = "tlskey");
         NATS_TLSFIRST = ("nats_tlsfirst", "OUTBOX_RELAY_NATS_TLSFIRST", Some("false"),
             "TLS handshake before the server's INFO, for servers configured with handshake_first (implies TLS)", flag = "tlsfirst");
+        NATS_NO_RANDOMIZE = ("nats_no_randomize", "OUTBOX_RELAY_NATS_NO_RANDOMIZE", Some("false"),
+            "Dial the NATS servers in the order given (and those the cluster advertises after them) instead of a random order per connection", flag = "no-randomize");
         NATS_INBOX_PREFIX = ("nats_inbox_prefix", "OUTBOX_RELAY_NATS_INBOX_PREFIX", Some("_INBOX"),
             "Subject prefix of the replies the relay subscribes to (its publish acks and requests' replies): the NATS user needs subscribe on {prefix}.> only", flag = "inbox-prefix");
         TABLE = ("table", "OUTBOX_RELAY_TABLE", Some("public.outbox_events"),

@@ -76,6 +76,14 @@ impl RelayError {
             .is_some_and(sink::SinkError::is_fence_refusal)
     }
 
+    /// Whether the session ended because its NATS server went into lame-duck mode (sink
+    /// P12): not a failure.
+    pub fn is_lame_duck(&self) -> bool {
+        self.error
+            .downcast_ref::<sink::SinkError>()
+            .is_some_and(sink::SinkError::is_lame_duck)
+    }
+
     /// Whether retrying can help.
     pub fn is_transient(&self) -> bool {
         self.kind == ErrorKind::Transient

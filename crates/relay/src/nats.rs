@@ -28,6 +28,13 @@
 //!   is named in a warning at start (`crate::config` C4).
 //! - N5 Only `nats://` and `tls://` servers (or none) reach here: `crate::config` C3 refuses
 //!   `ws://`/`wss://` and a list whose ',' may lie inside a credential.
+//! - N6 Both connections dial the servers in a random order per connection unless
+//!   `--no-randomize` (the `nats` CLI's name) says to keep the order given, and have
+//!   distinct names in the server's monitoring: `outbox-relay` (async-nats: requests,
+//!   stream management) and `outbox-relay-publisher` (`sink::conn`). The publishing
+//!   connection's learned `connect_urls` and lame-duck server outlive a session (C6). A
+//!   credential the server refuses on the publishing connection is permanent with the same
+//!   advice as on the control connection (N3).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -54,6 +61,10 @@ pub struct NatsOptions {
     tls: Tls,
     /// The prefix of the relay's reply subjects (`{prefix}.{unique}`).
     inbox_prefix: String,
+    /// `--no-randomize`: dial the servers in the order given (N6).
+    no_randomize: bool,
+    /// What the publishing connections learned of the cluster, kept across sessions (N6).
+    learned: std::sync::Arc<std::sync::Mutex<sink::conn::Learned>>,
 }
 
 /// A credential and the options it came from, as the operator gave them (N3).
@@ -268,6 +279,8 @@ impl NatsOptions {
             credential: given.pop(),
             tls,
             inbox_prefix: raw.parse(&opt::NATS_INBOX_PREFIX, parse_inbox_prefix)?,
+            no_randomize: raw.parse(&opt::NATS_NO_RANDOMIZE, parse_bool)?,
+            learned: Default::default(),
         })
     }
 }
@@ -357,6 +370,9 @@ pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
     if options.tls.first {
         connect = connect.tls_first();
     }
+    if options.no_randomize {
+        connect = connect.retain_servers_order();
+    }
     let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
     connect.connect(servers).await.map_err(|error| {
         let message = format!("cannot connect to NATS at {options}: {error}");
@@ -379,6 +395,14 @@ pub async fn open_publishing(
         .open(&jetstream.client(), config.max_in_flight)
         .await
         .map_err(|error| match error {
+            sink::SinkError::Refused {
+                kind: sink::Refusal::Authentication,
+                ..
+            } => RelayError::permanent(anyhow::anyhow!(
+                "{error}: {}",
+                auth_advice(&config.nats)
+            ))
+            .at(Target::Nats),
             sink::SinkError::SubscriptionRefused { .. } => RelayError::transient(anyhow::anyhow!(
                 "{error}: give the NATS user subscribe permission on {prefix}.>, or set {} to a prefix it may subscribe to (then {{prefix}}.>)",
                 opt::NATS_INBOX_PREFIX.how_to_set(),
@@ -431,9 +455,11 @@ pub fn connector(options: &NatsOptions) -> Result<sink::Connector> {
         tls,
         tls_required: options.tls.required(),
         tls_first: options.tls.first,
-        name: "outbox-relay".into(),
+        name: "outbox-relay-publisher".into(),
         timeout: CONNECT_TIMEOUT,
         ping_interval: sink::conn::PING_INTERVAL,
+        randomize: !options.no_randomize,
+        learned: options.learned.clone(),
     })
 }
 
@@ -454,7 +480,9 @@ fn tls_config(tls: &Tls) -> Result<std::sync::Arc<rustls::ClientConfig>> {
             }
         }
         None => {
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            roots = sink::conn::system_roots().map_err(|why| {
+                RelayError::permanent(anyhow::anyhow!("cannot set up TLS for NATS: {why}"))
+            })?;
         }
     }
     let builder = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
@@ -494,25 +522,30 @@ fn split_creds(text: &str) -> Result<(String, String), String> {
 }
 
 /// What to fix when `error` is a refusal retrying cannot cure (N3), naming the options.
+/// What to do when the server refuses the credential (N3), on either connection.
+fn auth_advice(options: &NatsOptions) -> String {
+    match &options.credential {
+        Some(credential) => format!(
+            "the server refused the credentials of {}: check them (the server's log says why)",
+            credential.given_by
+        ),
+        None => format!(
+            "the server requires authentication: set {} and {}, or {}, {} or {}, or put user:password@ in {}",
+            opt::NATS_USER.flag(),
+            opt::NATS_PASSWORD.flag(),
+            opt::NATS_TOKEN.flag(),
+            opt::NATS_NKEY.flag(),
+            opt::NATS_CREDS.flag(),
+            opt::NATS_URL.env
+        ),
+    }
+}
+
 fn refusal(options: &NatsOptions, error: &async_nats::ConnectError) -> Option<String> {
     use async_nats::ConnectErrorKind as Kind;
     match error.kind() {
         Kind::Authentication | Kind::AuthorizationViolation => {
-            return Some(match &options.credential {
-                Some(credential) => format!(
-                    "the server refused the credentials of {}: check them (the server's log says why)",
-                    credential.given_by
-                ),
-                None => format!(
-                    "the server requires authentication: set {} and {}, or {}, {} or {}, or put user:password@ in {}",
-                    opt::NATS_USER.flag(),
-                    opt::NATS_PASSWORD.flag(),
-                    opt::NATS_TOKEN.flag(),
-                    opt::NATS_NKEY.flag(),
-                    opt::NATS_CREDS.flag(),
-                    opt::NATS_URL.env
-                ),
-            });
+            return Some(auth_advice(options));
         }
         // Setting TLS up (reading the files, the server name) failed: not the network.
         Kind::Tls => {

@@ -146,6 +146,13 @@ async fn sessions(
         if shutdown.is_cancelled() {
             return Ok(());
         }
+        // sink P12: the server went into lame-duck mode and the session ended cleanly; the
+        // next one starts at once, on another server. Not a failure.
+        if error.is_lame_duck() {
+            info!(reason = %error, "NATS server in lame-duck mode: starting the next session on another server");
+            backoff.reset();
+            continue;
+        }
         // A session that got acknowledgements through, or ran a while, was healthy: the next
         // failure starts the backoff over.
         if metrics.sink().acked() != acked_before || started.elapsed() > Duration::from_secs(30) {

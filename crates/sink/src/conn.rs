@@ -36,9 +36,36 @@
 //! - C5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
 //!   in a channel of [`WRITE_QUEUE`] chunks; the read buffer holds at most one operation
 //!   beyond what was read (the server's answers are small; `max_payload` bounds them).
+//! - C6 Every `INFO` is applied, in the handshake and in the session: the one that follows
+//!   `CONNECT` carries the account's own `max_payload` (config-file accounts, operator/JWT
+//!   accounts, hosted NATS), and the session's [`Connection::max_payload`] is the lowest
+//!   the server announced, so the publisher checks events against it (P7). An in-session
+//!   `INFO` that lowers it further ends the session (the next one checks against it); one
+//!   with `ldm: true` (lame-duck mode) sets [`Connection::lame_duck`]: the publisher stops
+//!   taking events, what is in flight is acknowledged, and the session ends with
+//!   [`crate::SinkError::LameDuck`], not a failure; the next session dials that server last.
+//!   `connect_urls` join the candidates of later sessions ([`Learned`]), with the scheme
+//!   and, for an IP address, the TLS name of the configured servers.
+//! - C7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
+//!   Violation for Publish to <subject>` leaves the connection open, drops that publish
+//!   only, and reaches the acker as [`Answer::Denied`] behind every answer read before it
+//!   (P11); any other `-ERR` closes the connection and ends the session with the server's
+//!   words. In the handshake, a refused credential (`Authorization Violation`,
+//!   `Authentication Timeout`, expired or revoked user or account) and a server without
+//!   headers are permanent ([`crate::SinkError::Refused`]); in a session they end it (the
+//!   next handshake decides: a rotated `.creds` file is read again).
+//! - C8 The handshake reads on past the subscription's `PONG` only what arrived with it:
+//!   those bytes (a `PING`, an `INFO`) are the reader's first, not an error. The server's
+//!   `PING`s are answered by the writer ahead of any queued publish. `CONNECT` says
+//!   `tls_required: true` whenever the connection is TLS.
+//! - C9 Servers are dialled in a random order per session unless [`Connector::randomize`] is
+//!   off (`--no-randomize`, the `nats` CLI's and async-nats's name), each address a name
+//!   resolves to with its own [`Connector::timeout`]; each failed address is logged with its
+//!   reason, and all of them are in the error when none connected.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::context::PublishError;
@@ -46,14 +73,14 @@ use bytes::{Buf, Bytes, BytesMut};
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio_util::task::AbortOnDropHandle;
+use tracing::{info, warn};
 
 use crate::ack::{self, PubAck};
 use crate::wire::{self, Parsed, ServerOp};
 
-/// Chunks of frames the writer task may have queued (each is one batch of publishes, or a
-/// `PONG`).
+/// Chunks of frames the writer task may have queued (each is one batch of publishes).
 pub(crate) const WRITE_QUEUE: usize = 64;
 
 /// How often a connection `PING`s the server by default: async-nats's default (C4).
@@ -107,10 +134,21 @@ impl std::fmt::Debug for Auth {
     }
 }
 
+/// What the publishing connections learned of the servers, kept from one session to the
+/// next (C6): the `connect_urls` the servers advertise, and the server that last announced
+/// lame-duck mode.
+#[derive(Debug, Default)]
+pub struct Learned {
+    /// `host:port` of every server the cluster advertised.
+    connect_urls: Vec<String>,
+    /// `host:port` of the server that went into lame-duck mode, dialled last.
+    lame_duck: Option<String>,
+}
+
 /// Where and how the sink opens its publishing connection (C1).
 #[derive(Debug, Clone)]
 pub struct Connector {
-    /// Server URLs (`nats://host:port`, `tls://host:port` or `host[:port]`), tried in order.
+    /// Server URLs (`nats://host:port`, `tls://host:port` or `host[:port]`).
     pub servers: Vec<String>,
     /// The credential.
     pub auth: Auth,
@@ -123,10 +161,14 @@ pub struct Connector {
     pub tls_first: bool,
     /// The connection's name in the server's monitoring.
     pub name: String,
-    /// How long connecting to one server may take.
+    /// How long connecting to one address, and the handshake after it, may take (C9).
     pub timeout: Duration,
     /// How often the connection `PING`s the server (C4).
     pub ping_interval: Duration,
+    /// Dial the servers in a random order per session (C9); `false`: in the order given.
+    pub randomize: bool,
+    /// What earlier connections learned (C6), shared by the connectors of one relay.
+    pub learned: Arc<Mutex<Learned>>,
 }
 
 impl Connector {
@@ -138,9 +180,11 @@ impl Connector {
             tls: None,
             tls_required: false,
             tls_first: false,
-            name: "outbox-relay".into(),
+            name: "outbox-relay-publisher".into(),
             timeout: Duration::from_secs(5),
             ping_interval: PING_INTERVAL,
+            randomize: true,
+            learned: Arc::default(),
         }
     }
 
@@ -155,32 +199,51 @@ impl Connector {
     ) -> Result<Connection, crate::SinkError> {
         let mut reply_prefix = client.new_inbox();
         reply_prefix.push('.');
+        self.open_with(reply_prefix, window).await
+    }
+
+    /// [`Connector::open`] with the replies under `reply_prefix`.
+    async fn open_with(
+        &self,
+        reply_prefix: String,
+        window: usize,
+    ) -> Result<Connection, crate::SinkError> {
         let mut failures = Vec::new();
-        for server in &self.servers {
-            match tokio::time::timeout(self.timeout, self.open_one(server, &reply_prefix)).await {
-                Ok(Ok((stream, info))) => {
+        let candidates = self.candidates().map_err(crate::SinkError::Connect)?;
+        for address in &candidates {
+            match self.open_one(address, &reply_prefix).await {
+                Ok((stream, info, leftover)) => {
+                    let where_ = address.to_string();
+                    if self.learned().lame_duck.as_deref() == Some(where_.as_str()) {
+                        // It is the only one left: lame-duck mode has ended (or will).
+                        self.learned().lame_duck = None;
+                    }
                     return Ok(Connection::start(
-                        stream,
-                        info,
+                        Opened {
+                            stream,
+                            info,
+                            leftover,
+                            server: where_,
+                        },
                         reply_prefix,
                         window,
                         self.ping_interval,
-                    ))
+                        self.learned.clone(),
+                    ));
                 }
-                Ok(Err(Failure::Other(why))) => {
-                    failures.push(format!("{}: {why}", redact(server)));
-                }
-                Ok(Err(Failure::Subscription(why))) => {
+                Err(Failure::Other(why)) => failures.push(format!("{address}: {why}")),
+                Err(Failure::Subscription(why)) => {
                     return Err(crate::SinkError::SubscriptionRefused {
                         subject: format!("{reply_prefix}*"),
                         why,
                     });
                 }
-                Err(_) => failures.push(format!(
-                    "{}: no answer within {:?}",
-                    redact(server),
-                    self.timeout
-                )),
+                Err(Failure::Refused(kind, why)) => {
+                    return Err(crate::SinkError::Refused {
+                        kind,
+                        why: format!("{address}: {why}"),
+                    });
+                }
             }
         }
         Err(crate::SinkError::Connect(if failures.is_empty() {
@@ -190,51 +253,131 @@ impl Connector {
         }))
     }
 
-    async fn open_one(&self, server: &str, reply_prefix: &str) -> Result<(Stream, Info), Failure> {
-        let address = Address::parse(server)?;
-        let tcp = TcpStream::connect((address.host.as_str(), address.port))
+    fn learned(&self) -> std::sync::MutexGuard<'_, Learned> {
+        self.learned.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The servers this session dials, in order (C6, C9): the configured ones and those
+    /// the cluster advertised, shuffled unless [`Connector::randomize`] is off, the one in
+    /// lame-duck mode last.
+    fn candidates(&self) -> Result<Vec<Address>, String> {
+        let configured = self
+            .servers
+            .iter()
+            .map(|server| {
+                Address::parse(server).map_err(|why| format!("{}: {why}", redact(server)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let learned = self.learned();
+        let mut candidates = configured.clone();
+        if let Some(first) = configured.first() {
+            for url in &learned.connect_urls {
+                let Ok(mut address) = Address::parse(url) else {
+                    continue;
+                };
+                if candidates.iter().any(|known| known.same_server(&address)) {
+                    continue;
+                }
+                // The configured servers' scheme, and their TLS name for an IP address
+                // (a certificate names the host the operator configured).
+                address.tls = first.tls;
+                if address.host.parse::<std::net::IpAddr>().is_ok()
+                    && first.host.parse::<std::net::IpAddr>().is_err()
+                {
+                    address.tls_name = Some(first.host.clone());
+                }
+                candidates.push(address);
+            }
+        }
+        if self.randomize {
+            use rand::seq::SliceRandom as _;
+            candidates.shuffle(&mut rand::rng());
+        }
+        if let Some(lame) = &learned.lame_duck {
+            // A stable sort: the others keep their (shuffled) order.
+            candidates.sort_by_key(|address| address.to_string() == *lame);
+        }
+        Ok(candidates)
+    }
+
+    async fn open_one(
+        &self,
+        address: &Address,
+        reply_prefix: &str,
+    ) -> Result<(Stream, Info, BytesMut), Failure> {
+        let tcp = dial(&address.host, address.port, self.timeout).await?;
+        tokio::time::timeout(self.timeout, self.handshake(tcp, address, reply_prefix))
             .await
-            .map_err(|e| format!("cannot connect: {e}"))?;
+            .unwrap_or_else(|_| {
+                Err(Failure::Other(format!(
+                    "no answer within {:?}",
+                    self.timeout
+                )))
+            })
+    }
+
+    async fn handshake(
+        &self,
+        tcp: TcpStream,
+        address: &Address,
+        reply_prefix: &str,
+    ) -> Result<(Stream, Info, BytesMut), Failure> {
         tcp.set_nodelay(true)
             .map_err(|e| format!("cannot set TCP_NODELAY: {e}"))?;
         let mut stream: Stream = Box::new(tcp);
         let mut buffer = BytesMut::with_capacity(4096);
+        let tls_name = address.tls_name.as_deref().unwrap_or(&address.host);
         if self.tls_first {
-            stream = self.tls(stream, &address.host).await?;
+            stream = self.tls(stream, tls_name).await?;
         }
-        let info = match read_op(&mut stream, &mut buffer, |op| match op {
-            ServerOp::Info(json) => Some(Info::parse(json)),
+        let mut update = None;
+        let first = read_op(&mut stream, &mut buffer, |op| match op {
+            ServerOp::Info(json) => {
+                update = Some(json.to_vec());
+                Some(())
+            }
             _ => None,
         })
-        .await?
-        {
-            Some(info) => info?,
-            None => return Err("the server's first message is not INFO".into()),
+        .await?;
+        let mut info = match (first, update) {
+            (Some(()), Some(json)) => Info::parse(&json)?,
+            _ => return Err("the server's first message is not INFO".into()),
         };
-        if !self.tls_first && (self.tls_required || address.tls || info.tls_required) {
-            stream = self.tls(stream, &address.host).await?;
+        if !info.headers {
+            return Err(Failure::Refused(
+                crate::Refusal::NoHeaders,
+                "the server does not support message headers (\"headers\": false in its INFO), which every JetStream publish needs: remove no_header_support from its configuration, or upgrade it to nats-server 2.2 or later".to_owned(),
+            ));
         }
-        let connect = self.connect_json(&info)?;
+        let tls = self.tls_first || self.tls_required || address.tls || info.tls_required;
+        if !self.tls_first && tls {
+            stream = self.tls(stream, tls_name).await?;
+        }
+        let connect = self.connect_json(&info, tls)?;
         let mut hello = Vec::with_capacity(connect.len() + 64);
         hello.extend_from_slice(b"CONNECT ");
         hello.extend_from_slice(connect.as_bytes());
         hello.extend_from_slice(b"\r\nPING\r\n");
         send(&mut stream, &hello, "cannot send CONNECT").await?;
-        // C2: PONG, or the server's refusal.
-        if let Err(text) = pong(&mut stream, &mut buffer).await? {
-            return Err(Failure::Other(format!("the server refused us: {text}")));
+        // C2: PONG, or the server's refusal; C6: the INFO after CONNECT is applied.
+        if let Err(text) = pong(&mut stream, &mut buffer, &mut info).await? {
+            return Err(match classify(&text) {
+                ServerError::Authentication => Failure::Refused(
+                    crate::Refusal::Authentication,
+                    format!("the server refused us: {text}"),
+                ),
+                _ => Failure::Other(format!("the server refused us: {text}")),
+            });
         }
         // C2: the subscription, confirmed by the next PONG: a server that forbids it says so
         // first (a permissions violation leaves the connection open).
         let subscribe = format!("SUB {reply_prefix}* {SID}\r\nPING\r\n");
         send(&mut stream, subscribe.as_bytes(), "cannot subscribe").await?;
-        if let Err(text) = pong(&mut stream, &mut buffer).await? {
+        if let Err(text) = pong(&mut stream, &mut buffer, &mut info).await? {
             return Err(Failure::Subscription(text));
         }
-        if !buffer.is_empty() {
-            return Err("the server sent more than PONG before we published".into());
-        }
-        Ok((stream, info))
+        // C8: whatever came with the PONG is the reader's.
+        Ok((stream, info, buffer))
     }
 
     async fn tls(&self, stream: Stream, host: &str) -> Result<Stream, String> {
@@ -251,7 +394,7 @@ impl Connector {
         Ok(Box::new(tls))
     }
 
-    fn connect_json(&self, info: &Info) -> Result<String, String> {
+    fn connect_json(&self, info: &Info, tls: bool) -> Result<String, String> {
         let mut connect = async_nats::ConnectInfo {
             verbose: false,
             pedantic: false,
@@ -263,7 +406,7 @@ impl Connector {
             lang: "rust".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             protocol: async_nats::Protocol::Dynamic,
-            tls_required: self.tls_required || self.tls_first,
+            tls_required: tls,
             user: None,
             pass: None,
             auth_token: None,
@@ -303,41 +446,119 @@ impl Connector {
     }
 }
 
-/// What the session needs of the server's `INFO`.
-#[derive(Debug, Clone)]
+/// Resolves `host` and connects to each of its addresses in turn, each with its own
+/// `timeout` (C9); an address that failed is logged with why, before the next is tried.
+async fn dial(host: &str, port: u16, timeout: Duration) -> Result<TcpStream, String> {
+    let addresses: Vec<SocketAddr> =
+        match tokio::time::timeout(timeout, tokio::net::lookup_host((host, port))).await {
+            Ok(Ok(addresses)) => addresses.collect(),
+            Ok(Err(e)) => return Err(format!("cannot resolve {host}: {e}")),
+            Err(_) => return Err(format!("cannot resolve {host} within {timeout:?}")),
+        };
+    dial_addresses(host, &addresses, timeout).await
+}
+
+/// [`dial`] once `host` is resolved to `addresses`.
+async fn dial_addresses(
+    host: &str,
+    addresses: &[SocketAddr],
+    timeout: Duration,
+) -> Result<TcpStream, String> {
+    let mut failures = Vec::new();
+    for (n, address) in addresses.iter().enumerate() {
+        let why = match tokio::time::timeout(timeout, TcpStream::connect(address)).await {
+            Ok(Ok(tcp)) => return Ok(tcp),
+            Ok(Err(e)) => format!("cannot connect to {address}: {e}"),
+            Err(_) => format!("cannot connect to {address}: no answer within {timeout:?}"),
+        };
+        if n + 1 < addresses.len() {
+            warn!(host, address = %address, reason = %why, "NATS: trying the next address of the host");
+        }
+        failures.push(why);
+    }
+    Err(if failures.is_empty() {
+        format!("{host} resolves to no address")
+    } else {
+        failures.join(", ")
+    })
+}
+
+/// What the session keeps of the server's `INFO`s (C6).
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Info {
     pub(crate) max_payload: usize,
     tls_required: bool,
     nonce: String,
+    headers: bool,
+    ldm: bool,
+    connect_urls: Option<Vec<String>>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawInfo {
+    max_payload: Option<usize>,
+    tls_required: Option<bool>,
+    nonce: Option<String>,
+    headers: Option<bool>,
+    #[serde(default)]
+    ldm: bool,
+    connect_urls: Option<Vec<String>>,
 }
 
 impl Info {
+    /// The server's first `INFO`.
     fn parse(json: &[u8]) -> Result<Info, String> {
-        #[derive(serde::Deserialize)]
-        struct Raw {
-            #[serde(default)]
-            max_payload: usize,
-            #[serde(default)]
-            tls_required: bool,
-            #[serde(default)]
-            nonce: String,
-        }
-        let raw: Raw = serde_json::from_slice(json)
+        let mut info = Info::default();
+        info.update(json)?;
+        Ok(info)
+    }
+
+    /// Applies a later `INFO` (C6): what it says replaces what an earlier one said, except
+    /// that `max_payload` only goes down (an account's limit under the server's); `ldm` is
+    /// what the latest says.
+    fn update(&mut self, json: &[u8]) -> Result<(), String> {
+        let raw: RawInfo = serde_json::from_slice(json)
             .map_err(|e| format!("the server's INFO is not JSON: {e}"))?;
-        Ok(Info {
-            max_payload: raw.max_payload,
-            tls_required: raw.tls_required,
-            nonce: raw.nonce,
-        })
+        if let Some(max_payload) = raw.max_payload.filter(|&m| m > 0) {
+            self.max_payload = if self.max_payload == 0 {
+                max_payload
+            } else {
+                self.max_payload.min(max_payload)
+            };
+        }
+        if let Some(tls_required) = raw.tls_required {
+            self.tls_required = tls_required;
+        }
+        if let Some(nonce) = raw.nonce {
+            self.nonce = nonce;
+        }
+        if let Some(headers) = raw.headers {
+            self.headers = headers;
+        }
+        self.ldm = raw.ldm;
+        self.connect_urls = raw.connect_urls;
+        Ok(())
     }
 }
 
 /// A server URL taken apart.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Address {
     host: String,
     port: u16,
     tls: bool,
+    /// The name TLS verifies, when not `host` (an advertised IP address, C6).
+    tls_name: Option<String>,
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
 }
 
 impl Address {
@@ -380,7 +601,13 @@ impl Address {
             host: host.to_owned(),
             port,
             tls,
+            tls_name: None,
         })
+    }
+
+    /// The same server: host (ignoring case) and port.
+    fn same_server(&self, other: &Address) -> bool {
+        self.port == other.port && self.host.eq_ignore_ascii_case(&other.host)
     }
 }
 
@@ -398,11 +625,39 @@ fn redact(server: &str) -> String {
     }
 }
 
-/// The system's roots, for a server that needs TLS when the options name no CA (C1), as
-/// async-nats does.
-fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
+/// The system's trusted roots, for a server that needs TLS when the options name no CA
+/// (C1), as async-nats takes them; an error when none could be loaded, naming why (the
+/// loader's errors), and a warning for the certificates that could not be read when
+/// others could.
+pub fn system_roots() -> Result<rustls::RootCertStore, String> {
+    let found = rustls_native_certs::load_native_certs();
     let mut roots = rustls::RootCertStore::empty();
-    roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    let (added, unparsable) = roots.add_parsable_certificates(found.certs);
+    let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+    if added == 0 {
+        return Err(format!(
+            "no trusted root certificate was found on this system{}: install the ca-certificates package, set SSL_CERT_FILE, or give the CA file",
+            if errors.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", errors.join("; "))
+            }
+        ));
+    }
+    if !errors.is_empty() || unparsable > 0 {
+        warn!(
+            loaded = added,
+            unparsable,
+            errors = %errors.join("; "),
+            "some of the system's root certificates could not be loaded"
+        );
+    }
+    Ok(roots)
+}
+
+/// A TLS configuration with the system's roots (C1).
+fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
+    let roots = system_roots()?;
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -431,6 +686,8 @@ enum Failure {
     /// It refused the session's subscription (a permission): every server of the account
     /// will, so none is tried after it.
     Subscription(String),
+    /// It refused us for good (C7): none is tried after it.
+    Refused(crate::Refusal, String),
     /// Anything else: the next server is tried.
     Other(String),
 }
@@ -447,15 +704,65 @@ impl From<&str> for Failure {
     }
 }
 
-/// Reads until the server's `PONG` (`Ok(Ok)`) or its `-ERR` (`Ok(Err)`, its words).
-async fn pong(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Result<(), String>, String> {
+/// What an `-ERR` means (C7), as nats-server sends it and nats.go reads it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum ServerError<'a> {
+    /// `Permissions Violation for Publish to "<subject>"`: that publish is dropped, the
+    /// connection stays open.
+    PublishDenied(&'a str),
+    /// The credential is refused, timed out, expired or revoked.
+    Authentication,
+    /// Anything else (`Stale Connection`, `Slow Consumer`, `Maximum Payload Violation`, a
+    /// parser error...): the server closes the connection.
+    Closing,
+}
+
+/// Reads an `-ERR`'s text (C7).
+pub(crate) fn classify(text: &str) -> ServerError<'_> {
+    const DENIED: &str = "permissions violation for publish to ";
+    if let Some(prefix) = text.get(..DENIED.len()) {
+        if prefix.eq_ignore_ascii_case(DENIED) {
+            let subject = text.get(DENIED.len()..).unwrap_or_default().trim();
+            let subject = subject
+                .strip_prefix('"')
+                .and_then(|s| s.strip_suffix('"'))
+                .unwrap_or(subject);
+            return ServerError::PublishDenied(subject);
+        }
+    }
+    let lower = text.to_ascii_lowercase();
+    if lower.starts_with("authorization violation")
+        || lower.starts_with("authentication timeout")
+        || lower.contains("authentication expired")
+        || lower.contains("authentication revoked")
+    {
+        return ServerError::Authentication;
+    }
+    ServerError::Closing
+}
+
+/// Reads until the server's `PONG` (`Ok(Ok)`) or its `-ERR` (`Ok(Err)`, its words),
+/// applying every `INFO` on the way to `info` (C6).
+async fn pong(
+    stream: &mut Stream,
+    buffer: &mut BytesMut,
+    info: &mut Info,
+) -> Result<Result<(), String>, String> {
     loop {
+        let mut update = None;
         let answer = read_op(stream, buffer, |op| match op {
             ServerOp::Pong => Some(Ok(())),
             ServerOp::Err(text) => Some(Err(String::from_utf8_lossy(text).into_owned())),
+            ServerOp::Info(json) => {
+                update = Some(json.to_vec());
+                None
+            }
             _ => None,
         })
         .await?;
+        if let Some(json) = update {
+            info.update(&json)?;
+        }
         if let Some(answer) = answer {
             return Ok(answer);
         }
@@ -467,7 +774,7 @@ async fn pong(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Result<(), S
 async fn read_op<T>(
     stream: &mut Stream,
     buffer: &mut BytesMut,
-    take: impl Fn(ServerOp<'_>) -> Option<T>,
+    mut take: impl FnMut(ServerOp<'_>) -> Option<T>,
 ) -> Result<Option<T>, String> {
     loop {
         match wire::parse(buffer, MAX_INFO_LINE, MAX_INFO_LINE) {
@@ -505,6 +812,11 @@ pub(crate) enum Answer {
         sequence: u64,
         ack: Result<Acked, PublishError>,
     },
+    /// The server dropped a publish to `subject`, which the user may not publish to, and
+    /// said so in `why` (C7, P11).
+    Denied { subject: String, why: String },
+    /// The server went into lame-duck mode (C6).
+    LameDuck,
     /// The connection is gone: why (C3, C4).
     Closed(String),
 }
@@ -532,14 +844,29 @@ impl From<PubAck<'_>> for Acked {
     }
 }
 
+/// A handshake's result.
+struct Opened {
+    stream: Stream,
+    info: Info,
+    /// What arrived after the subscription's `PONG` (C8).
+    leftover: BytesMut,
+    /// `host:port`.
+    server: String,
+}
+
 /// An open publishing connection ([`Connector::open`]), for one session of
-/// [`crate::run`]: its writer's queue, its answers, the server's `INFO`, the prefix of its
-/// reply subjects and its tasks.
+/// [`crate::run`]: its writer's queue, its answers, what the server announced, the prefix
+/// of its reply subjects and its tasks.
 #[derive(Debug)]
 pub struct Connection {
     pub(crate) frames: mpsc::Sender<Bytes>,
     pub(crate) answers: mpsc::Receiver<Answer>,
-    pub(crate) info: Info,
+    /// The lowest `max_payload` the server announced (C6); 0: none.
+    pub(crate) max_payload: usize,
+    /// Set when the server announced lame-duck mode (C6).
+    pub(crate) lame_duck: Arc<AtomicBool>,
+    /// `host:port` of the server.
+    pub(crate) server: String,
     /// `{inbox}.`: publish number `n` asks for its answer on `{inbox}.{n}` (P10).
     pub(crate) reply_prefix: String,
     /// The writer and reader tasks, aborted when dropped.
@@ -547,49 +874,91 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// The server this connection is to (`host:port`).
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The lowest `max_payload` the server announced to this connection (C6); 0 when it
+    /// announced none.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
     fn start(
-        stream: Stream,
-        info: Info,
+        opened: Opened,
         reply_prefix: String,
         answers: usize,
         ping_interval: Duration,
+        learned: Arc<Mutex<Learned>>,
     ) -> Connection {
+        let Opened {
+            stream,
+            info,
+            leftover,
+            server,
+        } = opened;
+        if let Some(urls) = &info.connect_urls {
+            learned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .connect_urls
+                .clone_from(urls);
+        }
         let (read, write) = tokio::io::split(stream);
         let (frames_tx, frames_rx) = mpsc::channel(WRITE_QUEUE);
         let (answers_tx, answers_rx) = mpsc::channel(answers.max(1) + 16);
         let unanswered = Arc::new(AtomicU32::new(0));
+        let pongs = Arc::new(Pongs::default());
+        let lame_duck = Arc::new(AtomicBool::new(false));
         let writer = AbortOnDropHandle::new(tokio::spawn(write_frames(
             write,
             frames_rx,
             answers_tx.clone(),
             (ping_interval, unanswered.clone()),
+            pongs.clone(),
         )));
-        let reader = AbortOnDropHandle::new(tokio::spawn(read_answers(
+        let reader = AbortOnDropHandle::new(tokio::spawn(read_answers(Reader {
             read,
-            frames_tx.clone(),
-            answers_tx,
-            reply_prefix.clone(),
-            info.max_payload,
+            buffer: leftover,
+            answers: answers_tx,
+            reply_prefix: reply_prefix.clone(),
+            info: info.clone(),
             unanswered,
-        )));
+            pongs,
+            lame_duck: lame_duck.clone(),
+            learned,
+            server: server.clone(),
+        })));
         Connection {
             frames: frames_tx,
             answers: answers_rx,
-            info,
+            max_payload: info.max_payload,
+            lame_duck,
+            server,
             reply_prefix,
             tasks: (writer, reader),
         }
     }
 }
 
+/// The `PONG`s the writer owes the server (C8): they go out ahead of queued publishes.
+#[derive(Debug, Default)]
+struct Pongs {
+    owed: AtomicU32,
+    notify: Notify,
+}
+
 /// The writer task: writes each queued chunk, and whatever else is queued behind it, then
-/// flushes (TLS buffers records); `PING`s every `ping.0`, counting in `ping.1` the ones
-/// the reader has not seen answered, and closes the connection when too many were not (C4).
+/// flushes (TLS buffers records); `PONG`s first (C8); `PING`s every `ping.0`, counting in
+/// `ping.1` the ones the reader has not seen answered, and closes the connection when too
+/// many were not (C4).
 async fn write_frames(
     mut write: tokio::io::WriteHalf<Stream>,
     mut frames: mpsc::Receiver<Bytes>,
     answers: mpsc::Sender<Answer>,
     ping: (Duration, Arc<AtomicU32>),
+    pongs: Arc<Pongs>,
 ) {
     let (interval, unanswered) = ping;
     let mut pings = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
@@ -597,6 +966,12 @@ async fn write_frames(
     let result = async {
         loop {
             tokio::select! {
+                biased;
+                () = pongs.notify.notified() => {
+                    for _ in 0..pongs.owed.swap(0, Ordering::Relaxed) {
+                        write.write_all(b"PONG\r\n").await?;
+                    }
+                }
                 chunk = frames.recv() => {
                     let Some(chunk) = chunk else { return Ok(None) };
                     write.write_all(&chunk).await?;
@@ -624,27 +999,35 @@ async fn write_frames(
     let _ = answers.send(Answer::Closed(why)).await;
 }
 
-/// The reader task: answers `PING`, hands every answer on the session's subscription to the
-/// acker, read and owned, and ends with [`Answer::Closed`] (C3, C4).
-async fn read_answers(
-    mut read: tokio::io::ReadHalf<Stream>,
-    frames: mpsc::Sender<Bytes>,
+/// What the reader task holds.
+struct Reader {
+    read: tokio::io::ReadHalf<Stream>,
+    /// Starts with what the handshake read past its last `PONG` (C8).
+    buffer: BytesMut,
     answers: mpsc::Sender<Answer>,
     reply_prefix: String,
-    max_payload: usize,
+    info: Info,
     unanswered: Arc<AtomicU32>,
-) {
-    let mut buffer = BytesMut::with_capacity(64 * 1024);
-    let max_payload = if max_payload == 0 {
+    pongs: Arc<Pongs>,
+    lame_duck: Arc<AtomicBool>,
+    learned: Arc<Mutex<Learned>>,
+    server: String,
+}
+
+/// The reader task: has `PING`s answered, hands every answer on the session's subscription
+/// to the acker, read and owned, applies in-session `INFO`s (C6), and ends with
+/// [`Answer::Closed`] (C3, C4, C7).
+async fn read_answers(mut reader: Reader) {
+    let max_payload = if reader.info.max_payload == 0 {
         MAX_INFO_LINE
     } else {
-        max_payload
+        reader.info.max_payload
     };
     let why = loop {
         let mut closed = None;
         loop {
-            let (answer, used) = match wire::parse(&buffer, MAX_INFO_LINE, max_payload) {
-                Parsed::Op(op, used) => (answer_of(op, &reply_prefix), used),
+            let (answer, used) = match wire::parse(&reader.buffer, MAX_INFO_LINE, max_payload) {
+                Parsed::Op(op, used) => (answer_of(op, &reader.reply_prefix), used),
                 Parsed::Incomplete => break,
                 Parsed::Invalid(why) => {
                     closed = Some(format!(
@@ -653,36 +1036,84 @@ async fn read_answers(
                     break;
                 }
             };
-            buffer.advance(used);
-            match answer {
-                Reading::Answer(answer) => {
-                    if answers.send(answer).await.is_err() {
-                        return;
-                    }
-                }
+            reader.buffer.advance(used);
+            let answer = match answer {
+                Reading::Answer(answer) => answer,
                 Reading::Ping => {
-                    if frames.send(Bytes::from_static(b"PONG\r\n")).await.is_err() {
-                        return;
+                    reader.pongs.owed.fetch_add(1, Ordering::Relaxed);
+                    reader.pongs.notify.notify_one();
+                    continue;
+                }
+                Reading::Pong => {
+                    reader.unanswered.store(0, Ordering::Relaxed);
+                    continue;
+                }
+                Reading::Info(json) => match reader.apply(&json) {
+                    Ok(None) => continue,
+                    Ok(Some(answer)) => answer,
+                    Err(why) => {
+                        closed = Some(why);
+                        break;
                     }
-                }
-                Reading::Pong => unanswered.store(0, Ordering::Relaxed),
-                Reading::Error(text) => {
-                    closed = Some(format!("the NATS server said: {text}"));
-                    break;
-                }
-                Reading::Nothing => {}
+                },
+                Reading::Error(text) => match classify(&text) {
+                    ServerError::PublishDenied(subject) => Answer::Denied {
+                        subject: subject.to_owned(),
+                        why: text.clone(),
+                    },
+                    _ => {
+                        closed = Some(format!("the NATS server said: {text}"));
+                        break;
+                    }
+                },
+                Reading::Nothing => continue,
+            };
+            if reader.answers.send(answer).await.is_err() {
+                return;
             }
         }
         if let Some(why) = closed {
             break why;
         }
-        match read.read_buf(&mut buffer).await {
+        match reader.read.read_buf(&mut reader.buffer).await {
             Ok(0) => break "the NATS server closed the connection".to_owned(),
             Ok(_) => {}
             Err(error) => break format!("cannot read from NATS: {error}"),
         }
     };
-    let _ = answers.send(Answer::Closed(why)).await;
+    let _ = reader.answers.send(Answer::Closed(why)).await;
+}
+
+impl Reader {
+    /// Applies an in-session `INFO` (C6): `Ok(Some)` for the acker, `Err` ends the session.
+    fn apply(&mut self, json: &[u8]) -> Result<Option<Answer>, String> {
+        let before = self.info.max_payload;
+        let was_lame = self.info.ldm;
+        self.info.update(json)?;
+        if let Some(urls) = &self.info.connect_urls {
+            self.learned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .connect_urls
+                .clone_from(urls);
+        }
+        if self.info.max_payload < before {
+            return Err(format!(
+                "the NATS server lowered max_payload from {before} to {} bytes; the next session checks events against it",
+                self.info.max_payload
+            ));
+        }
+        if self.info.ldm && !was_lame {
+            info!(server = %self.server, "the NATS server is going into lame-duck mode: finishing what is in flight, the next session dials another server");
+            self.learned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .lame_duck = Some(self.server.clone());
+            self.lame_duck.store(true, Ordering::Relaxed);
+            return Ok(Some(Answer::LameDuck));
+        }
+        Ok(None)
+    }
 }
 
 enum Reading {
@@ -690,6 +1121,7 @@ enum Reading {
     Ping,
     /// The answer to one of our `PING`s (C4).
     Pong,
+    Info(Vec<u8>),
     Error(String),
     Nothing,
 }
@@ -718,6 +1150,7 @@ fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
         }
         ServerOp::Ping => Reading::Ping,
         ServerOp::Pong => Reading::Pong,
+        ServerOp::Info(json) => Reading::Info(json.to_vec()),
         ServerOp::Err(text) => Reading::Error(String::from_utf8_lossy(text).into_owned()),
         _ => Reading::Nothing,
     }
@@ -735,7 +1168,8 @@ mod tests {
             Address {
                 host: "127.0.0.1".into(),
                 port: 4333,
-                tls: false
+                tls: false,
+                tls_name: None,
             }
         );
         assert_eq!(
@@ -743,7 +1177,8 @@ mod tests {
             Address {
                 host: "nats.example.com".into(),
                 port: 4222,
-                tls: true
+                tls: true,
+                tls_name: None,
             }
         );
         assert_eq!(
@@ -751,7 +1186,8 @@ mod tests {
             Address {
                 host: "localhost".into(),
                 port: 5,
-                tls: false
+                tls: false,
+                tls_name: None,
             }
         );
         assert_eq!(
@@ -759,7 +1195,8 @@ mod tests {
             Address {
                 host: "::1".into(),
                 port: 4222,
-                tls: false
+                tls: false,
+                tls_name: None,
             }
         );
         assert!(a("ws://h:1").unwrap_err().contains("ws://"));
@@ -782,5 +1219,305 @@ mod tests {
         };
         assert!(!format!("{auth:?}").contains("hunter2"));
         assert!(!format!("{:?}", Auth::Token("t0ken".into())).contains("t0ken"));
+    }
+
+    #[test]
+    fn errors_are_classified_as_nats_server_means_them() {
+        assert_eq!(
+            classify("Permissions Violation for Publish to \"orders.x\""),
+            ServerError::PublishDenied("orders.x")
+        );
+        assert_eq!(
+            classify("permissions violation for publish to orders.y"),
+            ServerError::PublishDenied("orders.y")
+        );
+        for auth in [
+            "Authorization Violation",
+            "Authentication Timeout",
+            "User Authentication Expired",
+            "User Authentication Revoked",
+            "Account Authentication Expired",
+        ] {
+            assert_eq!(classify(auth), ServerError::Authentication, "{auth}");
+        }
+        for closing in [
+            "Stale Connection",
+            "Slow Consumer",
+            "Maximum Payload Violation",
+            "Permissions Violation for Subscription to \"x\"",
+            "Unknown Protocol Operation",
+            "",
+        ] {
+            assert_eq!(classify(closing), ServerError::Closing, "{closing}");
+        }
+    }
+
+    #[test]
+    fn infos_are_applied_and_max_payload_only_goes_down() {
+        let mut info =
+            Info::parse(br#"{"max_payload":1048576,"headers":true,"nonce":"n"}"#).unwrap();
+        assert_eq!(
+            (info.max_payload, info.headers, info.ldm),
+            (1_048_576, true, false)
+        );
+        info.update(br#"{"max_payload":4096,"connect_urls":["10.0.0.2:4222"]}"#)
+            .unwrap();
+        assert_eq!(info.max_payload, 4096);
+        assert_eq!(info.nonce, "n", "what an update omits is kept");
+        assert_eq!(
+            info.connect_urls.as_deref(),
+            Some(&["10.0.0.2:4222".to_owned()][..])
+        );
+        info.update(br#"{"max_payload":1048576,"ldm":true}"#)
+            .unwrap();
+        assert_eq!(info.max_payload, 4096, "the account's limit stays");
+        assert!(info.ldm);
+        assert!(info.update(b"{nope").is_err());
+        let none = Info::parse(b"{}").unwrap();
+        assert!(!none.headers, "a server that does not say has no headers");
+    }
+
+    fn connector(port: u16) -> Connector {
+        let mut connector = Connector::plain(format!("nats://127.0.0.1:{port}"));
+        connector.timeout = Duration::from_secs(5);
+        connector
+    }
+
+    /// A scripted server, for what a real one cannot be made to do on cue (two operations
+    /// in one read): each `(expect, answer)` reads until the client sent a line starting
+    /// with `expect` (none: nothing), then writes `answer` in one write. What the client
+    /// sent comes back when the script ends and the client closed or `tail` was read.
+    async fn scripted(
+        script: Vec<(Option<&'static str>, String)>,
+        tail: Option<&'static str>,
+    ) -> (u16, tokio::task::JoinHandle<String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut seen = String::new();
+            let mut buf = [0u8; 4096];
+            let read_until = |seen: &mut String, needle: &str, from: usize| {
+                seen.get(from..).is_some_and(|s| s.contains(needle))
+            };
+            let mut from = 0;
+            for (expect, answer) in script {
+                if let Some(expect) = expect {
+                    while !read_until(&mut seen, expect, from) {
+                        let n = socket.read(&mut buf).await.unwrap();
+                        assert!(n > 0, "the client closed before {expect:?}: {seen}");
+                        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    }
+                    from = seen.rfind(expect).unwrap() + expect.len();
+                }
+                socket.write_all(answer.as_bytes()).await.unwrap();
+            }
+            if let Some(tail) = tail {
+                while !read_until(&mut seen, tail, from) {
+                    let n = tokio::time::timeout(Duration::from_secs(10), socket.read(&mut buf))
+                        .await
+                        .expect("the client's tail in time")
+                        .unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            }
+            seen
+        });
+        (port, task)
+    }
+
+    const INFO_LINE: &str = "INFO {\"server_id\":\"S\",\"version\":\"2.12.8\",\"proto\":1,\"headers\":true,\"max_payload\":1048576} \r\n";
+
+    /// C6, C8: the account's INFO after CONNECT is applied; a PING in the same read as the
+    /// subscription's PONG is the reader's (answered), not a failed handshake; CONNECT names
+    /// the publishing connection and says no TLS for a plain one.
+    #[tokio::test]
+    async fn the_handshake_applies_the_account_info_and_hands_leftovers_to_the_reader() {
+        let (port, server) = scripted(
+            vec![
+                (None, INFO_LINE.to_owned()),
+                (
+                    Some("PING\r\n"),
+                    "PONG\r\nINFO {\"server_id\":\"S\",\"headers\":true,\"max_payload\":4096} \r\n"
+                        .to_owned(),
+                ),
+                (Some("PING\r\n"), "PONG\r\nPING\r\n".to_owned()),
+            ],
+            Some("PONG\r\n"),
+        )
+        .await;
+        let connection = connector(port)
+            .open_with("_INBOX.t.".to_owned(), 8)
+            .await
+            .expect("the handshake succeeds with a PING after the subscription's PONG");
+        assert_eq!(connection.max_payload(), 4096, "the account's max_payload");
+        let seen = server.await.unwrap();
+        assert!(
+            seen.contains("\"name\":\"outbox-relay-publisher\""),
+            "{seen}"
+        );
+        assert!(seen.contains("\"tls_required\":false"), "{seen}");
+        assert!(seen.contains("SUB _INBOX.t.* 1\r\n"), "{seen}");
+        assert!(
+            seen.ends_with("PONG\r\n"),
+            "the leftover PING was answered: {seen}"
+        );
+    }
+
+    /// What the connector makes of `script`: it must refuse with `kind` for good, in words
+    /// that contain `words`.
+    async fn refused(
+        script: Vec<(Option<&'static str>, String)>,
+        kind: crate::Refusal,
+        words: &str,
+    ) {
+        let (port, _server) = scripted(script, None).await;
+        let error = connector(port)
+            .open_with("_INBOX.t.".to_owned(), 8)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, crate::SinkError::Refused { kind: k, .. } if *k == kind),
+            "{error:?}"
+        );
+        assert!(!error.is_transient());
+        assert!(error.to_string().contains(words), "{error}");
+    }
+
+    /// C7: a server without headers, and a refused credential, are permanent.
+    #[tokio::test]
+    async fn no_headers_and_a_refused_credential_are_permanent() {
+        let no_headers =
+            "INFO {\"server_id\":\"S\",\"headers\":false,\"max_payload\":1048576} \r\n";
+        refused(
+            vec![(None, no_headers.to_owned())],
+            crate::Refusal::NoHeaders,
+            "headers",
+        )
+        .await;
+        refused(
+            vec![
+                (None, INFO_LINE.to_owned()),
+                (
+                    Some("PING\r\n"),
+                    "-ERR 'Authorization Violation'\r\n".to_owned(),
+                ),
+            ],
+            crate::Refusal::Authentication,
+            "Authorization Violation",
+        )
+        .await;
+    }
+
+    /// C6, C7: in a session, a denied publish reaches the acker and the connection stays
+    /// open; lame-duck mode is flagged and remembered; connect_urls join the candidates.
+    #[tokio::test]
+    async fn in_session_infos_and_denials() {
+        let (port, _server) = scripted(
+            vec![
+                (None, INFO_LINE.to_owned()),
+                (Some("PING\r\n"), "PONG\r\n".to_owned()),
+                (Some("PING\r\n"), "PONG\r\n".to_owned()),
+                (
+                    Some("HPUB"),
+                    "-ERR 'Permissions Violation for Publish to \"orders.x\"'\r\nINFO {\"ldm\":true,\"connect_urls\":[\"127.0.0.1:1\",\"127.0.0.1:2\"]} \r\n".to_owned(),
+                ),
+            ],
+            Some("never"),
+        )
+        .await;
+        let connector = connector(port);
+        let mut connection = connector
+            .open_with("_INBOX.t.".to_owned(), 8)
+            .await
+            .unwrap();
+        connection
+            .frames
+            .send(Bytes::from_static(
+                b"HPUB orders.x _INBOX.t.1 12 12\r\nNATS/1.0\r\n\r\n\r\n",
+            ))
+            .await
+            .unwrap();
+        match connection.answers.recv().await {
+            Some(Answer::Denied { subject, why }) => {
+                assert_eq!(subject, "orders.x");
+                assert!(why.contains("Permissions Violation"), "{why}");
+            }
+            other => panic!("expected the denial, got {other:?}"),
+        }
+        assert!(matches!(
+            connection.answers.recv().await,
+            Some(Answer::LameDuck)
+        ));
+        assert!(connection.lame_duck.load(Ordering::Relaxed));
+        let mut ordered = connector.clone();
+        ordered.randomize = false;
+        let candidates: Vec<String> = ordered
+            .candidates()
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            candidates,
+            [
+                "127.0.0.1:1".to_owned(),
+                "127.0.0.1:2".to_owned(),
+                format!("127.0.0.1:{port}"),
+            ],
+            "the advertised servers join; the lame-duck one is dialled last"
+        );
+    }
+
+    /// C9: a host's addresses are dialled one by one, each with its own timeout: one that
+    /// swallows the connection does not keep the next from being tried.
+    #[tokio::test]
+    async fn every_address_is_dialled_with_its_own_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let good = listener.local_addr().unwrap();
+        // A black hole: a listener that never accepts, its queue full, drops the SYN.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let full = socket.listen(0).unwrap();
+        let black_hole = full.local_addr().unwrap();
+        let mut fill = Vec::new();
+        while fill.len() < 8 {
+            match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(black_hole))
+                .await
+            {
+                Ok(Ok(tcp)) => fill.push(tcp),
+                _ => break,
+            }
+        }
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let started = std::time::Instant::now();
+        let tcp = dial_addresses(
+            "nats.example",
+            &[black_hole, closed, good],
+            Duration::from_millis(300),
+        )
+        .await
+        .expect("the last address connects");
+        assert_eq!(tcp.peer_addr().unwrap(), good);
+        assert!(started.elapsed() < Duration::from_secs(3));
+        let error = dial_addresses(
+            "nats.example",
+            &[black_hole, closed],
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            error.contains(&format!("{black_hole}: no answer within 300ms")),
+            "{error}"
+        );
+        assert!(error.contains(&closed.to_string()), "{error}");
+        drop(fill);
     }
 }

@@ -5,9 +5,9 @@
 //! # Invariants
 //! - A1–A4 ([`tracker`]): a position is confirmable only when it and everything before it
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
-//! - P1–P10 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
+//! - P1–P11 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
 //!   drains it, strict mode fences, nothing is dropped silently, an ack counts only for the
-//!   publish it answers.
+//!   publish it answers, a publish the server denies goes to the poison policy.
 //! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
 //!   classified as it classifies them.
 //! - S1–S3 ([`resume`]): a stored position is skipped through only if it is of the session's
@@ -18,9 +18,10 @@
 //! - W1–W5 ([`wire`]): the NATS protocol's framing is read totally and zero-copy; a prefix
 //!   of an operation is incomplete, never invalid, and invalid is final; `HPUB`'s sizes are
 //!   the real ones.
-//! - C1–C5 ([`conn`]): the publishing connection speaks every authentication and TLS mode
-//!   the relay is configured with, is subscribed before it publishes, and is never re-used
-//!   after it fails.
+//! - C1–C9 ([`conn`]): the publishing connection speaks every authentication and TLS mode
+//!   the relay is configured with, is subscribed before it publishes, is never re-used
+//!   after it fails, applies every `INFO` (the account's `max_payload`, lame-duck mode,
+//!   `connect_urls`), reads each `-ERR` as nats-server means it, and dials every address.
 //!
 //! The ack tracker is generic over the position type; the publisher writes an event's
 //! position (from `outbox`) into its headers as text. Nothing here speaks to Postgres or
@@ -43,7 +44,7 @@ pub use message::{
     REPLY_SUBJECT_LEN,
 };
 pub use publisher::{
-    run, Acknowledged, PoisonKind, PoisonPolicy, SinkError, SinkOptions, SinkStats,
+    run, Acknowledged, PoisonKind, PoisonPolicy, Refusal, SinkError, SinkOptions, SinkStats,
     REUSED_ID_METRIC,
 };
 pub use tracker::{AckTracker, Ticket, TrackerError};

@@ -72,6 +72,22 @@
 //!   connection's answers wait in a channel of the window's size and a little more (P2);
 //!   when the connection fails, the publishes still awaited fail with its reason (C3),
 //!   which P1 and P3 make safe.
+//! - P11 A publish the server denies (`Permissions Violation for Publish to <subject>`,
+//!   [`crate::conn`] C7: the server drops it and keeps the connection) is never taken for
+//!   slow: the acker honours every answer read before it, and when the oldest
+//!   unacknowledged publish is to a denied subject and no answer for it was read, it is the
+//!   denied one (permissions go by subject). Under [`PoisonPolicy::Halt`] the run ends with
+//!   [`SinkError::Poison`] naming its id and subject; under [`PoisonPolicy::DeadLetter`]
+//!   the subject is remembered (in [`SinkStats`], for the process's life: a permission
+//!   granted later takes a restart) and the session ends ([`SinkError::Denied`]); from the
+//!   next session on, every event to that subject is a dead-letter record in its place
+//!   (P7), and if the record's own subject is denied, the run halts. In strict mode the
+//!   fence refuses every publish after the denied one, so the record lands in its place; in
+//!   shared mode the events published behind it in the same window are stored before it.
+//! - P12 [`crate::conn`]'s C6: the session checks events against the lowest `max_payload`
+//!   the server announced (the account's), and when the server goes into lame-duck mode
+//!   the publisher takes no further input, what it published is acknowledged, and [`run`]
+//!   ends with [`SinkError::LameDuck`]. The flag is read once per input batch.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -160,6 +176,8 @@ pub struct SinkStats {
     /// Strict mode under [`PoisonPolicy::DeadLetter`]: events a later session publishes as
     /// dead-letter records, with the reason (P8). Outlives a session.
     dead_letter_instead: Mutex<HashMap<Position, String>>,
+    /// Subjects the server denied a publish to, with its words (P11). Outlives a session.
+    denied_subjects: Mutex<HashMap<String, String>>,
     /// The position through which the stream is known to hold every event: the newest
     /// event acknowledged (stored or duplicate) with every earlier one of its session
     /// acknowledged too (P6). Outlives a session, so the next one skips what this one
@@ -236,6 +254,13 @@ impl SinkStats {
         self.stored_through
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn denied_subjects(&self) -> HashMap<String, String> {
+        self.denied_subjects
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     fn dead_letter_instead(&self) -> HashMap<Position, String> {
@@ -336,6 +361,42 @@ pub enum SinkError {
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
+    /// The server refused the publishing connection for good (C7): a credential it does not
+    /// accept, or no header support.
+    #[error("the NATS server refuses the publishing connection: {why}")]
+    Refused {
+        /// What it refused.
+        kind: Refusal,
+        /// The server's words, or what its INFO said.
+        why: String,
+    },
+    /// [`PoisonPolicy::DeadLetter`]: the server denied the event's subject (P11); the next
+    /// session publishes a dead-letter record in place of every event to it.
+    #[error("the NATS server denied publishing outbox event id={id} to {subject}: {why}; re-syncing to publish a dead-letter record in place of every event to that subject")]
+    Denied {
+        /// The outbox row id.
+        id: i64,
+        /// The subject.
+        subject: String,
+        /// The server's words.
+        why: String,
+    },
+    /// The server went into lame-duck mode (C6, P12): everything published was
+    /// acknowledged; the next session dials another server. Not a failure.
+    #[error("the NATS server {server} is in lame-duck mode: the session ended after its acknowledgements, the next one dials another server")]
+    LameDuck {
+        /// `host:port`.
+        server: String,
+    },
+}
+
+/// What the server refused for good (C7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The credential: refused, timed out, expired or revoked.
+    Authentication,
+    /// The server has no header support (`headers: false`).
+    NoHeaders,
 }
 
 /// Why an event cannot be stored.
@@ -354,6 +415,8 @@ pub enum PoisonKind {
     /// Strict mode: acknowledged as a duplicate of a message that carries no row identity,
     /// so not the relay's (P8): another writer used this event's `Nats-Msg-Id`.
     ForeignDuplicate,
+    /// The NATS user may not publish to its subject (P11).
+    Denied,
 }
 
 impl From<Excess> for PoisonKind {
@@ -369,7 +432,13 @@ impl SinkError {
     /// Whether a new session may get further: everything but poison ([`Self::poison_id`]),
     /// an event JetStream will never accept, is retried from the confirmed position.
     pub fn is_transient(&self) -> bool {
-        self.poison_id().is_none()
+        self.poison_id().is_none() && !matches!(self, SinkError::Refused { .. })
+    }
+
+    /// Whether the session ended because its server went into lame-duck mode (P12): no
+    /// failure, the next session starts at once.
+    pub fn is_lame_duck(&self) -> bool {
+        matches!(self, SinkError::LameDuck { .. })
     }
 
     /// What the error means and what the operator can do, where there is more to say than
@@ -378,8 +447,18 @@ impl SinkError {
         if self.is_fence_refusal() {
             return Some("the stream's last message is not what this relay published last (a publish was lost, or another writer uses the stream: then set OUTBOX_RELAY_SHARED_STREAM=true); re-syncing from the stream's tail");
         }
+        if let SinkError::Refused {
+            kind: Refusal::NoHeaders,
+            ..
+        } = self
+        {
+            return Some("the relay publishes with headers (Nats-Msg-Id, the fence): enable header support on the NATS server");
+        }
         self.poison_id()?;
         Some(match self {
+            SinkError::Poison { kind: PoisonKind::Denied, .. } => {
+                "the NATS user may not publish to this event's subject; nothing after it is confirmed (allow the user to publish to the stream's subjects, {prefix}.>, or run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place on {prefix}.dlq; see docs/guarantees.md)"
+            }
             SinkError::Poison { kind: PoisonKind::ControlLine, .. } => {
                 "NATS cannot carry this event's subject; nothing after it is confirmed (the subject holds the escaped event type, and the server refuses a publish line longer than its max_control_line, 4096 bytes by default: run with OUTBOX_RELAY_ON_POISON=dead-letter to publish a record in its place; see docs/guarantees.md)"
             }
@@ -450,6 +529,8 @@ enum AckItem<P> {
         dead_letter: bool,
         /// Its number in the session: its reply subject is `{inbox}.{sequence}` (P10).
         sequence: u64,
+        /// The subject it was published to (P11), moved here after its frame was written.
+        subject: String,
         _permit: OwnedSemaphorePermit,
     },
     Commit(P),
@@ -509,13 +590,16 @@ where
     let Connection {
         frames,
         answers,
-        info,
+        max_payload,
+        lame_duck,
+        server,
         reply_prefix,
         tasks: _tasks,
     } = connection;
     let mut limits = options.limits;
-    if info.max_payload > 0 {
-        limits.max_message_bytes = limits.max_message_bytes.min(info.max_payload);
+    // P12: the account's limit when the server announced one.
+    if max_payload > 0 {
+        limits.max_message_bytes = limits.max_message_bytes.min(max_payload);
     }
     // P7: a reply subject longer than the budget's (a custom inbox prefix) leaves that much
     // less of the control line; the session's longest is `{reply_prefix}{u64::MAX}`.
@@ -531,6 +615,9 @@ where
         early: BTreeMap::new(),
         awaited: 0,
         closed: None,
+        denied: Vec::new(),
+        lame_duck: None,
+        server: server.clone(),
     };
     let mut sequence: u64 = 0;
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
@@ -550,6 +637,8 @@ where
     let mut fence = options.fence.map(Fence::at);
     // P8: events an earlier session found to reuse another event's id.
     let dead_letter_instead = stats.dead_letter_instead();
+    // P11: subjects an earlier session was denied.
+    let denied_subjects = stats.denied_subjects();
     // The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
     // commit LSN is 0/0 too).
     let mut commit_lsn: (Option<outbox::Lsn>, String) = (None, String::new());
@@ -564,6 +653,11 @@ where
 
     let publishing = async {
         while let Some(batch) = input.recv().await {
+            // P12: a server in lame-duck mode takes nothing more; what is in flight is
+            // acknowledged (the batch is taken again by the next session).
+            if lame_duck.load(Ordering::Relaxed) {
+                break;
+            }
             for item in batch {
                 let item = match item {
                     Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
@@ -597,7 +691,12 @@ where
                                     (Some(position.commit_lsn), position.commit_lsn.to_string());
                             }
                             // An empty map answers without hashing.
-                            let instead = dead_letter_instead.get(&position).map(String::as_str);
+                            let instead = match dead_letter_instead.get(&position) {
+                                Some(reason) => Some((PoisonKind::ReusedId, reason.as_str())),
+                                None => denied_subjects
+                                    .get(&event.subject)
+                                    .map(|why| (PoisonKind::Denied, why.as_str())),
+                            };
                             let (subject, payload, dead_letter) = prepare(
                                 event,
                                 &commit_lsn.1,
@@ -618,6 +717,7 @@ where
                                 created_at_ms,
                                 dead_letter,
                                 sequence,
+                                subject,
                                 _permit: permit,
                             }
                         }
@@ -648,7 +748,11 @@ where
     };
     drop(ack_tx);
     match published {
-        Ok(()) => flatten(acker.await),
+        Ok(()) => flatten(acker.await).and_then(|()| match lame_duck.load(Ordering::Relaxed) {
+            // P12: everything published is acknowledged; the rest is the next session's.
+            true => Err(SinkError::LameDuck { server }),
+            false => Ok(()),
+        }),
         // P7 halt stops *at* the poison event: the publishes before it are awaited (stored,
         // and confirmed as far as whole transactions go) before the error ends the run.
         // Aborting the acker here would drop them unflushed, and a relay halting on every
@@ -753,15 +857,27 @@ struct Acks {
     awaited: u64,
     /// Why the connection closed, once it did (C3).
     closed: Option<String>,
+    /// Subjects the server denied a publish to in this session, with its words (P11).
+    denied: Vec<(String, String)>,
+    /// Set once the server announced lame-duck mode (P12).
+    lame_duck: Option<()>,
+    /// The server, `host:port`.
+    server: String,
 }
 
 impl Acks {
-    /// The answer to publish `sequence` (outbox row `id`), the oldest unacknowledged one
-    /// (P10).
-    async fn next(&mut self, sequence: u64, id: i64) -> Result<Acked, SinkError> {
+    /// The answer to publish `sequence` (outbox row `id`, to `subject`), the oldest
+    /// unacknowledged one (P10); `Ok(Err(why))` when the server denied it (P11).
+    async fn next(
+        &mut self,
+        sequence: u64,
+        id: i64,
+        subject: &str,
+    ) -> Result<Result<Acked, String>, SinkError> {
         self.awaited = sequence;
-        let answered =
-            |ack: Result<Acked, PublishError>| ack.map_err(|source| SinkError::Ack { id, source });
+        let answered = |ack: Result<Acked, PublishError>| {
+            ack.map(Ok).map_err(|source| SinkError::Ack { id, source })
+        };
         if !self.early.is_empty() {
             if let Some(answer) = self.early.remove(&sequence) {
                 return answered(answer);
@@ -778,22 +894,26 @@ impl Acks {
             let polled = std::future::poll_fn(|cx| Poll::Ready(self.answers.poll_recv(cx))).await;
             let answer = match polled {
                 Poll::Ready(answer) => answer,
-                Poll::Pending => {
-                    if !armed {
-                        self.deadline.as_mut().reset(Instant::now() + self.timeout);
-                        armed = true;
+                // P11: every answer read is honoured; none is for this publish, to a subject
+                // the server denies: it was dropped.
+                Poll::Pending if !self.denied.is_empty() => {
+                    if let Some((_, why)) = self.denied.iter().find(|(s, _)| s == subject) {
+                        return Ok(Err(why.clone()));
                     }
-                    tokio::select! {
-                        biased;
-                        answer = self.answers.recv() => answer,
-                        () = self.deadline.as_mut() => {
-                            return answered(Err(PublishError::new(PublishErrorKind::TimedOut)));
-                        }
-                    }
+                    self.wait(&mut armed, id).await?
                 }
+                Poll::Pending => self.wait(&mut armed, id).await?,
             };
             let (answer_to, ack) = match answer {
                 Some(Answer::Ack { sequence, ack }) => (sequence, ack),
+                Some(Answer::Denied { subject, why }) => {
+                    self.denied.push((subject, why));
+                    continue;
+                }
+                Some(Answer::LameDuck) => {
+                    self.lame_duck = Some(());
+                    continue;
+                }
                 Some(Answer::Closed(why)) => {
                     self.closed = Some(why);
                     continue;
@@ -807,6 +927,22 @@ impl Acks {
                 return answered(ack);
             }
             self.keep_early(sequence, answer_to, ack);
+        }
+    }
+
+    /// Waits for the next answer, arming the oldest publish's deadline first (P10).
+    async fn wait(&mut self, armed: &mut bool, id: i64) -> Result<Option<Answer>, SinkError> {
+        if !*armed {
+            self.deadline.as_mut().reset(Instant::now() + self.timeout);
+            *armed = true;
+        }
+        tokio::select! {
+            biased;
+            answer = self.answers.recv() => Ok(answer),
+            () = self.deadline.as_mut() => Err(SinkError::Ack {
+                id,
+                source: PublishError::new(PublishErrorKind::TimedOut),
+            }),
         }
     }
 
@@ -826,12 +962,18 @@ impl Acks {
     }
 
     /// Reads the connection while the acker awaits no answer, keeping what comes early for
-    /// the publishes after [`Acks::awaited`], until the connection closes: returns why (C3).
+    /// the publishes after [`Acks::awaited`], until the connection closes (C3) or the server
+    /// goes into lame-duck mode (P12; nothing is in flight): returns the session's end.
     /// Cancel-safe: an answer is kept as soon as it is read.
-    async fn closed(&mut self) -> String {
+    async fn closed(&mut self) -> SinkError {
         loop {
+            if self.lame_duck.is_some() {
+                return SinkError::LameDuck {
+                    server: self.server.clone(),
+                };
+            }
             if let Some(why) = &self.closed {
-                return why.clone();
+                return SinkError::Disconnected(why.clone());
             }
             match self.answers.recv().await {
                 Some(Answer::Ack { sequence, ack }) => {
@@ -839,6 +981,8 @@ impl Acks {
                     // any, is the next one.
                     self.keep_early(self.awaited + 1, sequence, ack);
                 }
+                Some(Answer::Denied { subject, why }) => self.denied.push((subject, why)),
+                Some(Answer::LameDuck) => self.lame_duck = Some(()),
                 Some(Answer::Closed(why)) => self.closed = Some(why),
                 None => self.closed = Some(CONNECTION_CLOSED.into()),
             }
@@ -856,14 +1000,14 @@ fn prepare(
     options: &SinkOptions,
     limits: Limits,
     fence: &mut Option<Fence>,
-    instead: Option<&str>,
+    instead: Option<(PoisonKind, &str)>,
     block: &mut BytesMut,
 ) -> Result<(String, Bytes, bool), SinkError> {
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     block.clear();
     let problem = match instead {
-        Some(reason) => Err((PoisonKind::ReusedId, reason.to_owned())),
+        Some((kind, reason)) => Err((kind, reason.to_owned())),
         // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII
         // database stores any bytes).
         None if std::str::from_utf8(&event.payload).is_err() => Err((
@@ -967,7 +1111,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                     None => break,
                 },
                 // C3: a connection that closes while the session is idle ends it now.
-                why = acks.closed() => return Err(SinkError::Disconnected(why)),
+                end = acks.closed() => return Err(end),
             },
         };
         let moved = match item {
@@ -998,6 +1142,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                 created_at_ms,
                 dead_letter,
                 sequence,
+                subject,
                 _permit,
             } => {
                 let ticket: Ticket = tracker.publish()?;
@@ -1009,7 +1154,12 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
                     id,
                     created_at_ms,
                 };
-                let ack = acks.next(sequence, id).await?;
+                let ack = match acks.next(sequence, id, &subject).await? {
+                    Ok(ack) => ack,
+                    Err(why) => {
+                        return Err(duplicates.denied(id, subject, why, dead_letter, &stats));
+                    }
+                };
                 if ack.duplicate {
                     stats.duplicates.fetch_add(1, Ordering::Relaxed);
                     duplicates
@@ -1045,6 +1195,37 @@ struct Duplicates {
 }
 
 impl Duplicates {
+    /// P11: the server denied publish `id` to `subject` (`why`, its words): the session's
+    /// end, by the poison policy; the subject is remembered for the next sessions. A
+    /// dead-letter record it denies halts.
+    fn denied(
+        &self,
+        id: i64,
+        subject: String,
+        why: String,
+        dead_letter: bool,
+        stats: &SinkStats,
+    ) -> SinkError {
+        stats
+            .denied_subjects
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(subject.clone(), why.clone());
+        let reason = if dead_letter {
+            format!("the NATS server denies publishing its dead-letter record to {subject}: {why}")
+        } else {
+            format!("the NATS server denies publishing it to {subject}: {why}")
+        };
+        match self.poison {
+            PoisonPolicy::DeadLetter if !dead_letter => SinkError::Denied { id, subject, why },
+            _ => SinkError::Poison {
+                id,
+                kind: PoisonKind::Denied,
+                reason,
+            },
+        }
+    }
+
     /// Checks that the message JetStream holds under the event's id (`stream`'s message
     /// `sequence`, as the duplicate ack names it) is the same event: the row with the same
     /// id and ordering key (`crate::resume::Claim::is_row`), whatever position it carries

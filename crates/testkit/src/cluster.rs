@@ -174,6 +174,20 @@ impl NatsCluster {
         &self.nodes[i].store_dir
     }
 
+    /// Puts node `i` into lame-duck mode (SIGUSR2, what `nats-server --signal ldm=<pid>`
+    /// sends): it stops accepting clients, tells its clients and routes (`INFO` with
+    /// `"ldm": true`), closes its clients after its grace period (10 s) and exits after its
+    /// lame-duck duration (2 min).
+    pub fn lame_duck(&self, i: usize) {
+        let pid = libc::pid_t::try_from(self.pid(i)).expect("a pid fits pid_t");
+        // SAFETY: kill(2) on the node's own process id; no memory is involved.
+        let sent = unsafe { libc::kill(pid, libc::SIGUSR2) };
+        assert_eq!(
+            sent, 0,
+            "testkit: cannot signal node {i} ({pid}) into lame-duck mode"
+        );
+    }
+
     /// SIGKILL node `i`; returns once it has exited.
     pub fn kill(&mut self, i: usize) {
         self.nodes[i].server.kill();

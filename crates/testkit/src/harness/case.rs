@@ -315,6 +315,28 @@ impl Case {
             .expect("lsn")
     }
 
+    /// Creates the case's stream on `cluster` with three replicas (file storage) and waits
+    /// until it has a leader: returns the leader's name.
+    pub async fn create_r3_stream(
+        &self,
+        js: &jetstream::Context,
+        cluster: &crate::cluster::NatsCluster,
+    ) -> String {
+        js.create_stream(jetstream::stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![format!("{}.>", self.prefix)],
+            num_replicas: 3,
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .expect("create the R3 stream");
+        eventually("the R3 stream to have a leader", DEADLINE, || async {
+            cluster.stream_leader(&self.stream)
+        })
+        .await
+    }
+
     /// The number of messages in the stream (0 if it does not exist yet).
     pub async fn stream_count(&self, js: &jetstream::Context) -> u64 {
         match js.get_stream(&self.stream).await {
