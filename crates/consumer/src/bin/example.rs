@@ -11,6 +11,8 @@
 //! OUTBOX_CONSUMER_SHARDS        all, or e.g. 0,1,2 to split shards between processes
 //! OUTBOX_CONSUMER_ACK_WAIT_MS   30000
 //! OUTBOX_CONSUMER_RETRY_DELAY_MS 5000
+//! OUTBOX_CONSUMER_BATCH_SIZE    100      (events per transaction; 1: one transaction each)
+//! OUTBOX_CONSUMER_BATCH_WAIT_MS 0
 //! ```
 //!
 //! It creates `processed_events` (sql/consumer.sql) and `ledger` if missing, and stops on
@@ -86,6 +88,8 @@ async fn run() -> Result<(), BoxError> {
     }
     config.ack_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_ACK_WAIT_MS", 30_000)?);
     config.retry_delay = Duration::from_millis(parsed("OUTBOX_CONSUMER_RETRY_DELAY_MS", 5_000)?);
+    config.batch_size = parsed("OUTBOX_CONSUMER_BATCH_SIZE", config.batch_size)?;
+    config.batch_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_BATCH_WAIT_MS", 0)?);
 
     let pg_config: tokio_postgres::Config = database_url
         .parse()
