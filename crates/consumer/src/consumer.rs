@@ -721,8 +721,8 @@ impl<A: Apply> Worker<A> {
     async fn apply_batch(&mut self, batch: &[Event]) -> (usize, End) {
         let mut done = 0;
         let mut end = batch.len();
-        // The failing event the handler named, once those before it are committed.
-        let mut named: Option<(usize, String)> = None;
+        // The end of the shortest slice from `done` known to fail, and the failure.
+        let mut failing: Option<(usize, String)> = None;
         while done < batch.len() {
             let slice = &batch[done..end];
             match self.transact(slice).await {
@@ -730,10 +730,17 @@ impl<A: Apply> Worker<A> {
                 Ok(Tx::Committed(fresh)) => {
                     self.committed(slice, &fresh);
                     done = end;
-                    end = batch.len();
-                    if let Some((at, error)) = named.take() {
-                        return (done, End::Failed { at, error });
-                    }
+                    end = match &failing {
+                        None => batch.len(),
+                        // The failure is after what just committed.
+                        Some((failing_end, _)) if failing_end - done > 1 => {
+                            done + (failing_end - done) / 2
+                        }
+                        Some(_) => {
+                            let error = failing.take().map(|(_, e)| e).unwrap_or_default();
+                            return (done, End::Failed { at: done, error });
+                        }
+                    };
                 }
                 Ok(Tx::Stopped { handled, fresh }) => {
                     self.committed(&slice[..handled], &fresh);
@@ -741,20 +748,21 @@ impl<A: Apply> Worker<A> {
                 }
                 Ok(Tx::Failed { index, error }) => {
                     bump(&self.stats.handler_failures);
-                    match index {
-                        Some(0) => return (done, End::Failed { at: done, error }),
-                        None if slice.len() == 1 => return (done, End::Failed { at: done, error }),
-                        Some(index) => {
-                            end = done + index;
-                            named = Some((end, error));
-                        }
-                        None => end = done + slice.len() / 2,
+                    let (failing_end, next_end) = match index {
+                        // Named by the handler: the events before it commit, then it is out.
+                        Some(index) => (done + index + 1, done + index),
+                        None => (end, done + slice.len() / 2),
+                    };
+                    if next_end == done {
+                        return (done, End::Failed { at: done, error });
                     }
                     debug!(
                         shard = self.shard,
-                        retrying = end - done,
+                        trying = next_end - done,
                         "handler failed in a batch; trying the events before the failure"
                     );
+                    failing = Some((failing_end, error));
+                    end = next_end;
                 }
             }
         }

@@ -15,8 +15,8 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use outbox::{headers, OutboxEvent, Position};
 use outbox_consumer::{
-    BoxError, Config, Consumer, Error, Event, Handler, Postgres, Problem, SetupError, Stats,
-    Transaction,
+    BatchHandler, BoxError, Config, Consumer, Error, Event, Handler, Postgres, Problem, SetupError,
+    Stats, Transaction,
 };
 use testkit::{Nats, Process};
 use tokio::sync::oneshot;
@@ -103,11 +103,20 @@ impl Case {
 
     /// A case on the shared Postgres and the nats-server `nats`.
     async fn on(nats: &Nats, name: &str, processed_table: bool) -> Case {
+        Case::on_servers(&servers().pg, nats, name, processed_table).await
+    }
+
+    /// A case on the Postgres `pg` and the nats-server `nats`.
+    async fn on_servers(
+        pg: &testkit::Postgres,
+        nats: &Nats,
+        name: &str,
+        processed_table: bool,
+    ) -> Case {
         logs();
-        let servers = servers();
         let database = format!("consumer_{name}");
-        servers.pg.create_database(&database);
-        let pg_url = servers.pg.url(&database);
+        pg.create_database(&database);
+        let pg_url = pg.url(&database);
         let sql = connect(&pg_url).await;
         if processed_table {
             sql.batch_execute(outbox_consumer::SCHEMA_SQL)
@@ -341,6 +350,20 @@ impl Running {
         }
     }
 
+    /// [`Running::start`] with a batch handler.
+    fn start_batch(consumer: Consumer, handler: impl BatchHandler) -> Running {
+        let stats = consumer.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_batch(handler, async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
     async fn wait_processed(&self, n: u64) {
         wait_for(&format!("{n} events processed"), async || {
             self.stats.processed() >= n
@@ -414,6 +437,41 @@ impl Handler for Recorder {
 impl Recorder {
     fn attempts(&self, id: i64) -> u32 {
         self.attempts.lock().unwrap().get(&id).copied().unwrap_or(0)
+    }
+}
+
+/// A batch handler: the batch's `effects` rows in one statement; any batch holding an event
+/// of `fail_first_delivery` on that event's first delivery fails (after writing).
+#[derive(Default)]
+struct BatchRecorder {
+    fail_first_delivery: HashSet<i64>,
+    batches: Mutex<Vec<Vec<i64>>>,
+}
+
+impl BatchHandler for BatchRecorder {
+    async fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> Result<(), BoxError> {
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        self.batches.lock().unwrap().push(ids.clone());
+        let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
+        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        let delivered: Vec<i64> = events.iter().map(|e| e.delivered as i64).collect();
+        tx.execute(
+            "insert into effects (outbox_id, entity_id, event_type, delivered) \
+             select * from unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[])",
+            &[&ids, &entities, &types, &delivered],
+        )
+        .await?;
+        if let Some(e) = events
+            .iter()
+            .find(|e| e.delivered == 1 && self.fail_first_delivery.contains(&e.id))
+        {
+            return Err(format!("the first delivery of {} fails on purpose", e.id).into());
+        }
+        Ok(())
     }
 }
 
@@ -930,4 +988,137 @@ async fn an_unreachable_postgres_is_retried_and_stopping_still_works() {
     let stats = running.stop().await;
     assert_eq!(stats.processed(), 0);
     assert!(case.effects().await.is_empty());
+}
+
+/// The outbox ids of `effects` in the order they committed, with their delivery counts.
+async fn effects_in_order(case: &Case) -> Vec<(i64, i64)> {
+    case.sql
+        .query("select outbox_id, delivered from effects order by seq", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// 10 events of one entity (so one shard), and a configuration that takes them as one batch.
+async fn one_batch(case: &Case) -> Config {
+    let all: Vec<_> = (1..=10)
+        .map(|id| case.event(id, "account-batch", "Credited", T0 + id))
+        .collect();
+    case.publish(&all, None).await;
+    let mut config = case.config();
+    config.batch_wait = Duration::from_millis(300);
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_in_the_middle_of_a_batch_commits_the_others_once_and_in_order() {
+    let case = Case::new("batch_failing").await;
+    let config = one_batch(&case).await;
+    let recorder = Arc::new(Recorder {
+        fail_first: HashSet::from([5]),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(10).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.handler_failures(), 1);
+    // 1-4 ran in the batch that failed and again in the one that committed without 5; 5
+    // was retried once, alone, on its redelivery; 6-10 ran once, after it.
+    let attempts: Vec<u32> = (1..=10).map(|id| recorder.attempts(id)).collect();
+    assert_eq!(attempts, [2, 2, 2, 2, 2, 1, 1, 1, 1, 1]);
+    assert_one_batch_applied_with_5_redelivered(&case, &stats).await;
+}
+
+/// [`one_batch`]'s events each applied once, in stream order, 5 on its redelivery.
+async fn assert_one_batch_applied_with_5_redelivered(case: &Case, stats: &Stats) {
+    assert_eq!(stats.duplicates(), 0);
+    case.assert_effects_once(1..=10).await;
+    let applied = effects_in_order(case).await;
+    let ids: Vec<i64> = applied.iter().map(|&(id, _)| id).collect();
+    assert_eq!(
+        ids,
+        (1..=10).collect::<Vec<_>>(),
+        "committed in stream order"
+    );
+    assert!(
+        applied
+            .iter()
+            .all(|&(id, delivered)| delivered == if id == 5 { 2 } else { 1 }),
+        "only 5 was redelivered: {applied:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_failing_on_one_event_is_narrowed_to_it() {
+    let case = Case::new("batch_handler").await;
+    let config = one_batch(&case).await;
+    let recorder = Arc::new(BatchRecorder {
+        fail_first_delivery: HashSet::from([5]),
+        ..Default::default()
+    });
+    let running = Running::start_batch(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(10).await;
+    let stats = running.stop().await;
+    assert_one_batch_applied_with_5_redelivered(&case, &stats).await;
+    // Halving: 1-10 and 1-5 fail; 1-2, 3 and 4 commit; 5 is released; then 5 alone, 6-10.
+    let batches = recorder.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches,
+        [
+            (1..=10).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5],
+            vec![1, 2],
+            vec![3],
+            vec![4],
+            vec![5],
+            vec![6, 7, 8, 9, 10],
+        ]
+    );
+    assert_eq!(stats.handler_failures(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_in_the_same_batch_are_recognised() {
+    let case = Case::new("batch_replay").await;
+    let all = events(&case, 1, 30, 7);
+    case.publish(&all, None).await;
+    case.publish(&all, Some("replay:")).await;
+    let mut config = case.config();
+    config.batch_wait = Duration::from_millis(300);
+    let running = Running::start(case.consumer(config).await, Arc::new(Recorder::default()));
+    running.wait_processed(30).await;
+    wait_for("30 replays recognised", async || {
+        running.stats.duplicates() == 30
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 30);
+    case.assert_effects_once(1..=30).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_mid_stream_repeats_no_side_effect() {
+    let mut pg = tokio::task::block_in_place(testkit::Postgres::start);
+    let mut case = Case::on_servers(&pg, &servers().nats, "pg_restart", true).await;
+    let all = events(&case, 1, 600, 40);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(2),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(100).await;
+    tokio::task::block_in_place(|| pg.restart());
+    case.sql = connect(&case.pg_url).await;
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 600 && case.all_acked().await
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(stats.retries() >= 1, "the sessions were restarted");
+    case.assert_effects_once(1..=600).await;
+    case.assert_entity_order().await;
 }
