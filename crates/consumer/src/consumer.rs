@@ -9,7 +9,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::{FutureExt as _, StreamExt as _};
@@ -23,6 +23,7 @@ use tracing::{debug, info, warn};
 use crate::config::Config;
 use crate::error::{Error, Problem, SetupError, Unavailable};
 use crate::event::{Event, MessageError};
+use crate::metrics::{Failed, Metrics, Retry};
 use crate::order::{ordering_key, EntityOrder};
 use crate::{BatchHandler, Handler};
 
@@ -120,6 +121,7 @@ pub struct Consumer {
     nats: async_nats::Client,
     postgres: Postgres,
     stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
     after_commit: Option<Arc<AfterCommit>>,
 }
 
@@ -140,8 +142,15 @@ impl Consumer {
             nats,
             postgres,
             stats: Arc::default(),
+            metrics: Arc::default(),
             after_commit: None,
         }
+    }
+
+    /// Its Prometheus metrics and readiness, shared: keep a clone to serve them while
+    /// [`Consumer::run`] runs.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// Its counters, shared: keep a clone to read them while [`Consumer::run`] runs.
@@ -198,6 +207,7 @@ impl Consumer {
                 postgres: self.postgres.clone(),
                 handler: Arc::clone(&handler),
                 stats: Arc::clone(&self.stats),
+                metrics: Arc::clone(&self.metrics),
                 after_commit: self.after_commit.clone(),
                 stop: stop_rx.clone(),
                 client: None,
@@ -335,6 +345,7 @@ struct Worker<A> {
     postgres: Postgres,
     handler: Arc<A>,
     stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
     after_commit: Option<Arc<AfterCommit>>,
     stop: watch::Receiver<bool>,
     /// The connection and its statements: record dedupe keys, remove them.
@@ -402,11 +413,23 @@ impl<A: Apply> Worker<A> {
     async fn run(mut self) -> Result<(), Error> {
         let mut backoff = Duration::from_millis(100);
         loop {
-            let error = match self.session(&mut backoff).await {
+            let result = self.session(&mut backoff).await;
+            self.metrics.up(self.shard, false);
+            let error = match result {
                 Ok(()) => return Ok(()),
                 Err(Error::Unavailable(error)) => error,
-                Err(error) => return Err(error),
+                Err(error) => {
+                    if matches!(error, Error::Message(_)) {
+                        self.metrics.failed(Failed::Message);
+                    }
+                    return Err(error);
+                }
             };
+            self.metrics.failed(match error {
+                Unavailable::Postgres(_) => Failed::Postgres,
+                Unavailable::Nats { .. } => Failed::Nats,
+            });
+            self.metrics.retried(Retry::Session);
             // What this session held may come again, and what was on its way may be lost.
             self.held.clear();
             self.waiting_for = None;
@@ -437,6 +460,7 @@ impl<A: Apply> Worker<A> {
         };
         let mut messages = Some(messages);
         let connects = self.connects();
+        self.metrics.up(self.shard, true);
         debug!(shard = self.shard, "shard session started");
         loop {
             // Wait until the shard holds a message it may handle.
@@ -475,6 +499,8 @@ impl<A: Apply> Worker<A> {
                 None => *backoff = Duration::from_millis(100),
                 Some(error) => {
                     bump(&self.stats.retries);
+                    self.metrics.failed(Failed::Postgres);
+                    self.metrics.retried(Retry::Batch);
                     warn!(shard = self.shard, %error, retry_in = ?*backoff, "postgres failed; the batch will be tried again");
                     tokio::select! {
                         () = tokio::time::sleep(*backoff) => {}
@@ -521,10 +547,11 @@ impl<A: Apply> Worker<A> {
             Some(Err(error)) => return Err(Unavailable::nats("pull messages", error).into()),
             Some(Ok(message)) => message,
         };
-        let sequence = message
+        let info = message
             .info()
-            .map_err(|error| Unavailable::nats("read the message's ack subject", error))?
-            .stream_sequence;
+            .map_err(|error| Unavailable::nats("read the message's ack subject", error))?;
+        let sequence = info.stream_sequence;
+        self.metrics.pending(self.shard, info.pending);
         self.held.insert(sequence, message);
         if let Some(recovery) = self.recovery.as_mut() {
             if sequence <= recovery.floor && recovery.seen.insert(sequence) {
@@ -689,6 +716,7 @@ impl<A: Apply> Worker<A> {
                         "handler failed; rolled back, the message will be redelivered"
                     );
                     self.release(&message, Some(retry_delay)).await;
+                    self.metrics.retried(Retry::Event);
                     self.waiting_for = Some(event.stream_sequence);
                     self.retry_alone = None;
                 }
@@ -748,6 +776,7 @@ impl<A: Apply> Worker<A> {
                 }
                 Ok(Tx::Failed { index, error }) => {
                     bump(&self.stats.handler_failures);
+                    self.metrics.failed(Failed::Handler);
                     let (failing_end, next_end) = match index {
                         // Named by the handler: the events before it commit, then it is out.
                         Some(index) => (done + index + 1, done + index),
@@ -772,6 +801,8 @@ impl<A: Apply> Worker<A> {
     /// After a commit: the hook, the counters and the ordering check (C6) of each event.
     fn committed(&mut self, slice: &[Event], fresh: &[usize]) {
         let duplicates = slice.len() - fresh.len();
+        self.metrics.processed(self.shard, fresh.len() as u64);
+        self.metrics.duplicates(self.shard, duplicates as u64);
         if duplicates > 0 {
             self.stats
                 .duplicates
@@ -790,6 +821,7 @@ impl<A: Apply> Worker<A> {
             let order = event.order();
             if let Some(mark) = self.order.regression(&event.entity_id, order) {
                 bump(&self.stats.out_of_order);
+                self.metrics.out_of_order();
                 warn!(
                     shard = self.shard,
                     outbox_id = event.id,
@@ -833,13 +865,17 @@ impl<A: Apply> Worker<A> {
         } else {
             Cow::Owned(fresh.iter().map(|&i| slice[i].clone()).collect())
         };
+        let started = Instant::now();
         let result = AssertUnwindSafe(self.handler.apply(&mut tx, &events, &self.stop))
             .catch_unwind()
             .await;
+        let handled = started.elapsed();
         // Indexes into `events` are turned into indexes into `slice` for the caller.
         let (index, error) = match result {
             Ok(Ok(())) => {
                 tx.commit().await?;
+                self.metrics
+                    .transaction(slice.len(), handled, started.elapsed() - handled);
                 return Ok(Tx::Committed(fresh));
             }
             Ok(Err(Failure::Stopped { index })) => {

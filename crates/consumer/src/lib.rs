@@ -101,6 +101,7 @@ mod config;
 mod consumer;
 pub mod error;
 pub mod event;
+pub mod metrics;
 mod order;
 
 use std::future::Future;
@@ -109,6 +110,7 @@ pub use config::{Config, DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE};
 pub use consumer::{Consumer, Postgres, Stats, STOP_CONFIRM};
 pub use error::{Error, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
+pub use metrics::Metrics;
 pub use outbox::{Keys, Position};
 pub use tokio_postgres::Transaction;
 

@@ -286,6 +286,26 @@ impl Case {
         }
     }
 
+    /// The example binary consuming this case, with `env` added.
+    fn example(&self, env: &[(&str, String)]) -> Process {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
+        command
+            .env("DATABASE_URL", &self.pg_url)
+            .env("NATS_URL", &self.nats_url)
+            .env("OUTBOX_RELAY_STREAM", &self.stream)
+            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &self.prefix)
+            .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
+            .env("OUTBOX_CONSUMER_NAME", &self.name)
+            .env("OUTBOX_CONSUMER_ACK_WAIT_MS", "1500")
+            .env("RUST_LOG", "info")
+            .env_remove("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT")
+            .env_remove("OUTBOX_CONSUMER_METRICS_ADDR");
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        Process::spawn("consumer-example", command)
+    }
+
     async fn consumer_info(&self, shard: u64) -> jetstream::consumer::Info {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
         stream
@@ -528,21 +548,8 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
     case.publish(&all, None).await;
     let victim = &all[7];
     let example = |stall: Option<i64>| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
-        command
-            .env("DATABASE_URL", &case.pg_url)
-            .env("NATS_URL", &case.nats_url)
-            .env("OUTBOX_RELAY_STREAM", &case.stream)
-            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &case.prefix)
-            .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
-            .env("OUTBOX_CONSUMER_NAME", &case.name)
-            .env("OUTBOX_CONSUMER_ACK_WAIT_MS", "1500")
-            .env("RUST_LOG", "info")
-            .env_remove("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT");
-        if let Some(id) = stall {
-            command.env("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT", id.to_string());
-        }
-        Process::spawn("consumer-example", command)
+        let stall = stall.map(|id| ("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT", id.to_string()));
+        case.example(stall.as_slice())
     };
 
     let mut first = example(Some(victim.id));
@@ -1121,4 +1128,60 @@ async fn a_postgres_restart_mid_stream_repeats_no_side_effect() {
     assert!(stats.retries() >= 1, "the sessions were restarted");
     case.assert_effects_once(1..=600).await;
     case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_examples_metrics_and_every_one_is_documented() {
+    let case = Case::new("metrics").await;
+    let port = testkit::free_port();
+    let mut example =
+        case.example(&[("OUTBOX_CONSUMER_METRICS_ADDR", format!("127.0.0.1:{port}"))]);
+    let get = |path: &str| tokio::task::block_in_place(|| testkit::http_get(port, path));
+    wait_for("/readyz answers 200", async || {
+        matches!(get("/readyz"), Ok((200, _)))
+    })
+    .await;
+    assert_eq!(get("/healthz").unwrap().0, 200);
+    let prometheus =
+        tokio::task::block_in_place(|| testkit::Prometheus::start(&[format!("127.0.0.1:{port}")]));
+    let all = events(&case, 1, 40, 9);
+    case.publish(&all, None).await;
+    // A replay of the first 10 under other message ids: duplicates.
+    case.publish(&all[..10], Some("replay:")).await;
+    let value =
+        |promql: &str| tokio::task::block_in_place(|| prometheus.value(promql)).unwrap_or(f64::NAN);
+    wait_for(
+        "Prometheus sees 40 processed and 10 duplicates",
+        async || {
+            value("sum(outbox_consumer_processed_total)") == 40.0
+                && value("sum(outbox_consumer_duplicates_total)") == 10.0
+                && value("sum(outbox_consumer_pending)") == 0.0
+        },
+    )
+    .await;
+    assert!(value("outbox_consumer_batch_events_count") >= 1.0);
+    assert!(value("outbox_consumer_commit_seconds_count") >= 1.0);
+    assert_eq!(
+        value("count(outbox_consumer_shard_up == 1)"),
+        PARTITIONS as f64
+    );
+
+    // Every metric the example exposes is explained in docs/consumers.md.
+    let (_, text) = get("/metrics").unwrap();
+    let docs = include_str!("../../../docs/consumers.md");
+    let names: HashSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    assert!(names.len() >= 10, "{text}");
+    for name in names {
+        assert!(
+            docs.contains(&format!("`{name}")),
+            "docs/consumers.md does not explain {name}"
+        );
+    }
+    let status = tokio::task::block_in_place(|| example.terminate(DEADLINE));
+    assert!(status.success(), "{}", example.output());
+    case.assert_once_in("ledger", 1..=40).await;
 }
