@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use async_nats::jetstream;
 use outbox::{OutboxEvent, OutboxRow, Position};
-use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+use outbox_consumer::{
+    BatchHandler, BoxError, Config, Consumer, Event, Handler, Postgres, Transaction,
+};
 use pgoutput::Lsn;
 
 use crate::ceilings;
@@ -47,6 +49,52 @@ pub struct Consumed {
 
 /// The side effect: a ledger row per event.
 struct Ledger;
+
+/// How the ledger rows are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handling {
+    /// A [`Handler`]: one `INSERT` per event (the README's handler).
+    PerEvent,
+    /// A [`BatchHandler`]: one `INSERT … SELECT unnest(…)` per transaction.
+    Batch,
+}
+
+impl BatchHandler for Ledger {
+    async fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> Result<(), BoxError> {
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
+        let payloads = events
+            .iter()
+            .map(Event::payload_str)
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.execute(
+            "insert into ledger (outbox_id, entity_id, payload) \
+             select i, e, p::jsonb from unnest($1::bigint[], $2::text[], $3::text[]) u(i, e, p)",
+            &[&ids, &entities, &payloads],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Runs `consumer` with the ledger handler written as `handling`.
+fn run(
+    consumer: Consumer,
+    handling: Handling,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<(), outbox_consumer::Error>> {
+    let shutdown = async {
+        let _ = stopped.await;
+    };
+    match handling {
+        Handling::PerEvent => tokio::spawn(consumer.run(Ledger, shutdown)),
+        Handling::Batch => tokio::spawn(consumer.run_batch(Ledger, shutdown)),
+    }
+}
 
 impl Handler for Ledger {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
@@ -150,6 +198,7 @@ pub async fn consume(
     case: &Case,
     events: u64,
     batch_size: usize,
+    handling: Handling,
 ) -> Result<Consumed> {
     prepare(bench, case).await?;
     let backlog = relay_events(case, events);
@@ -172,9 +221,7 @@ pub async fn consume(
         procfs::cpu_seconds(bench.nats.pid())?,
     ];
     let start = Instant::now();
-    let running = tokio::spawn(consumer.run(Ledger, async {
-        let _ = stopped.await;
-    }));
+    let running = run(consumer, handling, stopped);
     wait_processed(&stats, &running, events).await?;
     let seconds = start.elapsed().as_secs_f64();
     let consumer_cpu = procfs::cpu_seconds(me)? - before[0];
@@ -210,6 +257,7 @@ pub async fn live(
     rate: f64,
     duration: Duration,
     batch_size: usize,
+    handling: Handling,
 ) -> Result<Live> {
     prepare(bench, case).await?;
     let n = (rate * duration.as_secs_f64()).max(1.0) as u64;
@@ -228,9 +276,7 @@ pub async fn live(
         });
     let stats = consumer.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(consumer.run(Ledger, async {
-        let _ = stopped.await;
-    }));
+    let running = run(consumer, handling, stopped);
     // Publish once every shard's durable consumer exists.
     let js = ceilings::pipelined_context(bench).await?;
     let ready = Instant::now();
