@@ -624,6 +624,7 @@ impl<A: Apply> Worker<A> {
                 }
             }
             if self.retry_alone == Some(sequence) {
+                self.retry_alone = None;
                 break;
             }
         }

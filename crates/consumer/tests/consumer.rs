@@ -1185,3 +1185,31 @@ async fn prometheus_scrapes_the_examples_metrics_and_every_one_is_documented() {
     assert!(status.success(), "{}", example.output());
     case.assert_once_in("ledger", 1..=40).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unbatched_consumers_durable_consumers_are_taken_over_in_batches() {
+    let case = Case::new("upgrade").await;
+    let all = events(&case, 1, 240, 24);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let mut unbatched = case.config();
+    unbatched.batch_size = 1;
+    let running = Running::start(case.consumer(unbatched).await, Arc::clone(&recorder));
+    running.wait_processed(60).await;
+    let before = running.stop().await;
+    assert_eq!(case.consumer_info(0).await.config.max_ack_pending, 1);
+
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(240 - before.processed()).await;
+    running.stop().await;
+    let info = case.consumer_info(0).await;
+    assert_eq!(
+        info.config.max_ack_pending,
+        outbox_consumer::DEFAULT_BATCH_SIZE as i64
+    );
+    case.assert_effects_once(1..=240).await;
+    case.assert_entity_order().await;
+}
