@@ -1,24 +1,33 @@
-//! **Consumer throughput**: `outbox-consumer` applying a backlog of the relay's events, one
-//! side effect per event, each in the Postgres transaction that records its `dedupe_key`.
+//! **Consumer throughput and latency**: `outbox-consumer` applying the relay's events, one
+//! side effect per event, in the Postgres transaction that records its `dedupe_key`; once
+//! with `batch_size = 1` (one transaction and one ack per event) and once with the default
+//! batch size.
 //!
 //! - The events are those the relay publishes for the seed-like rows of [`crate::load`]
-//!   (1 000 entities, `OrderPaid`, the relay's headers), published pipelined to a fresh
-//!   stream before the consumer starts ([`crate::ceilings::publish_pipelined`]).
+//!   (1 000 entities, `OrderPaid`, the relay's headers).
 //! - The consumer runs in this process on the relay's 12 shards (12 durable consumers,
 //!   tasks and Postgres connections), with a handler like the README's: one `INSERT` into a
-//!   ledger table through the transaction. Per event: `BEGIN`, the dedupe insert, the
-//!   handler's insert, `COMMIT`, then the ack.
-//! - events/s: the backlog divided by the time from starting the consumer to the last
-//!   event processed (start-up, creating the durable consumers, included);
-//! - CPU µs/event: this process (the consumer; nothing else runs in it meanwhile), the
-//!   consumer's Postgres backends (reaped by the postmaster once its connections closed) and
-//!   nats-server, over the same time.
+//!   ledger table through the transaction. Per batch: `BEGIN`, one dedupe insert for the
+//!   batch, the handler's insert per event, `COMMIT`, then an ack per event.
+//! - [`consume`]: a backlog published pipelined to a fresh stream before the consumer
+//!   starts ([`crate::ceilings::publish_pipelined`]). events/s: the backlog divided by the
+//!   time from starting the consumer to the last event processed (start-up, creating the
+//!   durable consumers, included); CPU µs/event: this process (the consumer; nothing else
+//!   runs in it meanwhile), the consumer's Postgres backends (reaped by the postmaster once
+//!   its connections closed) and nats-server, over the same time.
+//! - [`live`]: events published at a fixed rate while the consumer runs; latency from the
+//!   publish ack (the event is stored) to the commit of its transaction (the consumer's
+//!   `after_commit` hook), p50 and p99.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use outbox::{OutboxRow, Position};
-use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+use async_nats::jetstream;
+use outbox::{OutboxEvent, OutboxRow, Position};
+use outbox_consumer::{
+    BatchHandler, BoxError, Config, Consumer, Event, Handler, Postgres, Transaction,
+};
 use pgoutput::Lsn;
 
 use crate::ceilings;
@@ -41,6 +50,52 @@ pub struct Consumed {
 /// The side effect: a ledger row per event.
 struct Ledger;
 
+/// How the ledger rows are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handling {
+    /// A [`Handler`]: one `INSERT` per event (the README's handler).
+    PerEvent,
+    /// A [`BatchHandler`]: one `INSERT … SELECT unnest(…)` per transaction.
+    Batch,
+}
+
+impl BatchHandler for Ledger {
+    async fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> Result<(), BoxError> {
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
+        let payloads = events
+            .iter()
+            .map(Event::payload_str)
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.execute(
+            "insert into ledger (outbox_id, entity_id, payload) \
+             select i, e, p::jsonb from unnest($1::bigint[], $2::text[], $3::text[]) u(i, e, p)",
+            &[&ids, &entities, &payloads],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Runs `consumer` with the ledger handler written as `handling`.
+fn run(
+    consumer: Consumer,
+    handling: Handling,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<Result<(), outbox_consumer::Error>> {
+    let shutdown = async {
+        let _ = stopped.await;
+    };
+    match handling {
+        Handling::PerEvent => tokio::spawn(consumer.run(Ledger, shutdown)),
+        Handling::Batch => tokio::spawn(consumer.run_batch(Ledger, shutdown)),
+    }
+}
+
 impl Handler for Ledger {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
         tx.execute(
@@ -52,9 +107,8 @@ impl Handler for Ledger {
     }
 }
 
-/// Publishes `events` relay events to a fresh stream of `case` and applies them with the
-/// consumer.
-pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed> {
+/// The ledger table, `processed_events` and a fresh stream for `case`.
+async fn prepare(bench: &Bench, case: &Case) -> Result<()> {
     case.sql
         .batch_execute(outbox_consumer::SCHEMA_SQL)
         .await
@@ -64,8 +118,12 @@ pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed
             "create table ledger (outbox_id bigint not null, entity_id text not null, payload jsonb not null)",
         )
         .await?;
-    bench.create_stream(&case.stream, &case.prefix).await?;
-    let backlog: Vec<_> = (1..=events as i64)
+    bench.create_stream(&case.stream, &case.prefix).await
+}
+
+/// The events the relay publishes for outbox ids `1..=n`.
+fn relay_events(case: &Case, n: u64) -> Vec<OutboxEvent> {
+    (1..=n as i64)
         .map(|id| {
             OutboxRow {
                 id,
@@ -83,7 +141,67 @@ pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed
                 },
             )
         })
-        .collect();
+        .collect()
+}
+
+/// The consumer of `case`'s stream, `batch_size` messages per transaction.
+async fn consumer(bench: &Bench, case: &Case, batch_size: usize) -> Result<Consumer> {
+    let mut config = Config::new("bench");
+    config.stream = case.stream.clone();
+    config.subject_prefix = case.prefix.clone();
+    config.partitions = load::PARTITIONS;
+    config.batch_size = batch_size;
+    let nats = async_nats::connect(bench.nats.url()).await?;
+    let postgres = Postgres::new(case.pg_url.parse()?, tokio_postgres::NoTls);
+    Ok(Consumer::new(config, nats, postgres))
+}
+
+/// Waits until `stats` counts `events` processed, or the consumer stopped, or [`TIMEOUT`].
+async fn wait_processed(
+    stats: &outbox_consumer::Stats,
+    running: &tokio::task::JoinHandle<Result<(), outbox_consumer::Error>>,
+    events: u64,
+) -> Result<()> {
+    let start = Instant::now();
+    while stats.processed() < events {
+        if running.is_finished() {
+            bail!("the consumer stopped early");
+        }
+        if start.elapsed() > TIMEOUT {
+            bail!(
+                "the consumer applied {} of {events} events in {TIMEOUT:?}",
+                stats.processed()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// Checks that every event was applied once.
+async fn check_applied(case: &Case, events: u64, duplicates: u64) -> Result<()> {
+    let applied: i64 = case
+        .sql
+        .query_one("select count(distinct outbox_id) from ledger", &[])
+        .await?
+        .get(0);
+    if applied != events as i64 || duplicates != 0 {
+        bail!("consumer: {applied} of {events} events applied, {duplicates} duplicates");
+    }
+    Ok(())
+}
+
+/// Publishes `events` relay events to a fresh stream of `case` and applies them with the
+/// consumer, `batch_size` per transaction.
+pub async fn consume(
+    bench: &Bench,
+    case: &Case,
+    events: u64,
+    batch_size: usize,
+    handling: Handling,
+) -> Result<Consumed> {
+    prepare(bench, case).await?;
+    let backlog = relay_events(case, events);
     let js = ceilings::pipelined_context(bench).await?;
     let stored = ceilings::publish_pipelined(&js, &backlog).await?;
     if stored != events {
@@ -91,13 +209,7 @@ pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed
     }
     drop(backlog);
 
-    let mut config = Config::new("bench");
-    config.stream = case.stream.clone();
-    config.subject_prefix = case.prefix.clone();
-    config.partitions = load::PARTITIONS;
-    let nats = async_nats::connect(bench.nats.url()).await?;
-    let postgres = Postgres::new(case.pg_url.parse()?, tokio_postgres::NoTls);
-    let consumer = Consumer::new(config, nats, postgres);
+    let consumer = consumer(bench, case, batch_size).await?;
     let stats = consumer.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
 
@@ -109,21 +221,8 @@ pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed
         procfs::cpu_seconds(bench.nats.pid())?,
     ];
     let start = Instant::now();
-    let running = tokio::spawn(consumer.run(Ledger, async {
-        let _ = stopped.await;
-    }));
-    while stats.processed() < events {
-        if running.is_finished() {
-            bail!("the consumer stopped: {:?}", running.await);
-        }
-        if start.elapsed() > TIMEOUT {
-            bail!(
-                "the consumer applied {} of {events} events in {TIMEOUT:?}",
-                stats.processed()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let running = run(consumer, handling, stopped);
+    wait_processed(&stats, &running, events).await?;
     let seconds = start.elapsed().as_secs_f64();
     let consumer_cpu = procfs::cpu_seconds(me)? - before[0];
     let server_cpu = procfs::cpu_seconds(bench.nats.pid())? - before[2];
@@ -133,21 +232,112 @@ pub async fn consume(bench: &Bench, case: &Case, events: u64) -> Result<Consumed
     // has reaped their CPU time.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let backends_cpu = procfs::reaped_children_cpu_seconds(postmaster)? - before[1];
-    let applied: i64 = case
-        .sql
-        .query_one("select count(distinct outbox_id) from ledger", &[])
-        .await?
-        .get(0);
-    if applied != events as i64 || stats.duplicates() != 0 {
-        bail!(
-            "consumer: {applied} of {events} events applied, {} duplicates",
-            stats.duplicates()
-        );
-    }
+    check_applied(case, events, stats.duplicates()).await?;
     Ok(Consumed {
         seconds,
         consumer_cpu,
         backends_cpu,
         server_cpu,
+    })
+}
+
+/// Stored → committed latency at a fixed rate.
+#[derive(Debug, Clone, Copy)]
+pub struct Live {
+    pub achieved_rate: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// Publishes relay events at `rate` for `duration` while the consumer (`batch_size` per
+/// transaction) applies them: the time from each publish ack to its commit.
+pub async fn live(
+    bench: &Bench,
+    case: &Case,
+    rate: f64,
+    duration: Duration,
+    batch_size: usize,
+    handling: Handling,
+) -> Result<Live> {
+    prepare(bench, case).await?;
+    let n = (rate * duration.as_secs_f64()).max(1.0) as u64;
+    let events = relay_events(case, n);
+    let committed: Arc<Mutex<Vec<Option<Instant>>>> =
+        Arc::new(Mutex::new(vec![None; n as usize + 1]));
+    let marks = Arc::clone(&committed);
+    let consumer = consumer(bench, case, batch_size)
+        .await?
+        .after_commit(move |event| {
+            if let Ok(mut marks) = marks.lock() {
+                if let Some(mark) = marks.get_mut(event.id as usize) {
+                    *mark = Some(Instant::now());
+                }
+            }
+        });
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = run(consumer, handling, stopped);
+    // Publish once every shard's durable consumer exists.
+    let js = ceilings::pipelined_context(bench).await?;
+    let ready = Instant::now();
+    loop {
+        let mut stream = js.get_stream(&case.stream).await?;
+        if stream.info().await?.state.consumer_count >= load::PARTITIONS.get() as usize {
+            break;
+        }
+        if ready.elapsed() > Duration::from_secs(30) || running.is_finished() {
+            bail!("the consumer did not create its durable consumers");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let (acks_tx, mut acks_rx) =
+        tokio::sync::mpsc::channel::<jetstream::context::PublishAckFuture>(ceilings::WINDOW);
+    let acker = tokio::spawn(async move {
+        let mut stored = Vec::with_capacity(n as usize);
+        while let Some(ack) = acks_rx.recv().await {
+            ack.await.context("publish ack")?;
+            stored.push(Instant::now());
+        }
+        anyhow::Ok(stored)
+    });
+    let start = tokio::time::Instant::now();
+    for (i, event) in events.iter().enumerate() {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate)).await;
+        let ack = js
+            .send_publish(event.subject.clone(), sink::publish_message(event))
+            .await
+            .context("publish")?;
+        if acks_tx.send(ack).await.is_err() {
+            break;
+        }
+    }
+    let achieved_rate = n as f64 / start.elapsed().as_secs_f64();
+    drop(acks_tx);
+    let stored = acker.await??;
+    wait_processed(&stats, &running, n).await?;
+    let _ = stop.send(());
+    running.await??;
+    check_applied(case, n, stats.duplicates()).await?;
+
+    let marks = committed
+        .lock()
+        .map_err(|_| anyhow::anyhow!("a commit hook panicked"))?;
+    let mut latencies: Vec<f64> = stored
+        .iter()
+        .enumerate()
+        .filter_map(|(i, stored)| {
+            marks[i + 1].map(|commit| commit.saturating_duration_since(*stored).as_secs_f64() * 1e3)
+        })
+        .collect();
+    if latencies.len() as u64 != n {
+        bail!("{} of {n} commits were seen", latencies.len());
+    }
+    latencies.sort_by(f64::total_cmp);
+    let quantile = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
+    Ok(Live {
+        achieved_rate,
+        p50_ms: quantile(0.5),
+        p99_ms: quantile(0.99),
     })
 }

@@ -28,8 +28,9 @@
 //! - **a 1 000 000-row transaction** ([`drain`] again): the relay's peak RSS while it
 //!   passes through;
 //! - **consumer** ([`consume`]): `outbox-consumer` applying 100 000 relay events, one side
-//!   effect each in the transaction that records its `dedupe_key`: events/s and CPU per
-//!   event (`--only consumer` needs no relay binary).
+//!   effect each in the transaction that records its `dedupe_key`, with batch size 1 and the
+//!   default: events/s, CPU per event, and stored → committed latency at 2 000 events/s
+//!   (`--only consumer` needs no relay binary).
 //!
 //! Every figure is the median of `--runs` runs (3; 1 with `--quick`) with min and max.
 //! Nothing here asserts a timing: the tool prints figures and the targets they meet or miss.
@@ -327,7 +328,7 @@ async fn main() -> Result<()> {
             big_transaction(&mut bench, &mut results, sizes.big_tx).await?;
         }
         if selected(Scenario::Consumer) {
-            consumer(&mut bench, &mut results, sizes.consumer).await?;
+            consumer(&mut bench, &mut results, sizes.consumer, sizes.latency).await?;
         }
     }
 
@@ -623,37 +624,121 @@ async fn big_transaction(bench: &mut Bench, results: &mut Results, events: u64) 
     bench.drop_case(case, &[&stream]).await
 }
 
-/// outbox-consumer applying a backlog, one side effect per event.
-async fn consumer(bench: &mut Bench, results: &mut Results, events: u64) -> Result<()> {
-    let label = format!(
-        "consumer: {} events on 12 shards, one transaction each",
-        group(events)
-    );
-    let case = bench.case("consumer").await?;
-    let consumed = consume::consume(bench, &case, events).await?;
-    let n = events as f64;
-    let rate = n / consumed.seconds;
-    results.record(
-        &label,
-        "side effects/s (dedupe insert + handler insert, then ack)",
-        Unit::Rate,
-        rate,
-    );
-    for (who, seconds) in [
-        ("consumer CPU", consumed.consumer_cpu),
-        ("its Postgres backends CPU", consumed.backends_cpu),
-        ("nats-server CPU", consumed.server_cpu),
-    ] {
-        results.record(&label, who, Unit::MicrosPerEvent, seconds * 1e6 / n);
+/// The consumer's rate at which [`consumer`] measures stored → committed latency.
+const CONSUMER_LIVE_RATE: f64 = 2_000.0;
+
+/// What [`consumer`] compares: one event per transaction, the default batch size, both with
+/// the README's per-event handler, and the default with a batch handler.
+const CONSUMER_CONFIGURATIONS: [(usize, consume::Handling); 3] = [
+    (1, consume::Handling::PerEvent),
+    (
+        outbox_consumer::DEFAULT_BATCH_SIZE,
+        consume::Handling::PerEvent,
+    ),
+    (
+        outbox_consumer::DEFAULT_BATCH_SIZE,
+        consume::Handling::Batch,
+    ),
+];
+
+const CONSUMER_RATE: &str = "side effects/s (dedupe insert + handler insert, then ack)";
+const CONSUMER_CPU_TOTAL: &str = "CPU, the three together";
+const CONSUMER_VS_ONE: &str = "side effects/s ÷ batch size 1 (same run)";
+
+fn consumer_label(events: u64, batch_size: usize, handling: consume::Handling) -> String {
+    let handler = match handling {
+        consume::Handling::PerEvent => "",
+        consume::Handling::Batch => ", a batch handler (one INSERT per transaction)",
+    };
+    if batch_size == 1 {
+        format!(
+            "consumer: {} events on 12 shards, batch size 1 (one transaction each){handler}",
+            group(events)
+        )
+    } else {
+        format!(
+            "consumer: {} events on 12 shards, batch size {batch_size} (the default){handler}",
+            group(events)
+        )
     }
-    eprintln!(
-        "bench: {label}: {rate:.0}/s; CPU µs/event: consumer {:.1}, backends {:.1}, nats {:.1}",
-        consumed.consumer_cpu * 1e6 / n,
-        consumed.backends_cpu * 1e6 / n,
-        consumed.server_cpu * 1e6 / n
-    );
-    let stream = case.stream.clone();
-    bench.drop_case(case, &[&stream]).await
+}
+
+/// outbox-consumer applying a backlog, one side effect per event, and its latency at a
+/// fixed rate, for each of [`CONSUMER_CONFIGURATIONS`].
+async fn consumer(
+    bench: &mut Bench,
+    results: &mut Results,
+    events: u64,
+    live_seconds: Duration,
+) -> Result<()> {
+    let mut one_rate = None;
+    for (batch_size, handling) in CONSUMER_CONFIGURATIONS {
+        let label = consumer_label(events, batch_size, handling);
+        let case = bench.case("consumer").await?;
+        let consumed = consume::consume(bench, &case, events, batch_size, handling).await?;
+        let stream = case.stream.clone();
+        bench.drop_case(case, &[&stream]).await?;
+        let n = events as f64;
+        let rate = n / consumed.seconds;
+        results.record(&label, CONSUMER_RATE, Unit::Rate, rate);
+        match one_rate {
+            None => one_rate = Some(rate),
+            Some(one) => results.record(&label, CONSUMER_VS_ONE, Unit::Ratio, rate / one),
+        }
+        let cpu = [
+            ("consumer CPU", consumed.consumer_cpu),
+            ("its Postgres backends CPU", consumed.backends_cpu),
+            ("nats-server CPU", consumed.server_cpu),
+        ];
+        for (who, seconds) in cpu {
+            results.record(&label, who, Unit::MicrosPerEvent, seconds * 1e6 / n);
+        }
+        let total: f64 = cpu.iter().map(|(_, seconds)| seconds).sum();
+        results.record(
+            &label,
+            CONSUMER_CPU_TOTAL,
+            Unit::MicrosPerEvent,
+            total * 1e6 / n,
+        );
+
+        let case = bench.case("consumer_live").await?;
+        let live = consume::live(
+            bench,
+            &case,
+            CONSUMER_LIVE_RATE,
+            live_seconds,
+            batch_size,
+            handling,
+        )
+        .await?;
+        let stream = case.stream.clone();
+        bench.drop_case(case, &[&stream]).await?;
+        let at = group(CONSUMER_LIVE_RATE as u64);
+        results.record(
+            &label,
+            &format!("stored → committed p50 at {at} events/s"),
+            Unit::Millis,
+            live.p50_ms,
+        );
+        results.record(
+            &label,
+            &format!("stored → committed p99 at {at} events/s"),
+            Unit::Millis,
+            live.p99_ms,
+        );
+        eprintln!(
+            "bench: {label}: {rate:.0}/s; CPU µs/event: consumer {:.1}, backends {:.1}, nats {:.1}, total {:.1}; \
+             at {:.0}/s stored → committed p50 {:.2} ms, p99 {:.2} ms",
+            consumed.consumer_cpu * 1e6 / n,
+            consumed.backends_cpu * 1e6 / n,
+            consumed.server_cpu * 1e6 / n,
+            total * 1e6 / n,
+            live.achieved_rate,
+            live.p50_ms,
+            live.p99_ms,
+        );
+    }
+    Ok(())
 }
 
 /// The issue's targets against the medians.
@@ -747,6 +832,23 @@ fn targets(results: &Results, sizes: &Sizes) -> Vec<Target> {
         Unit::Mib,
         |v| v <= 64.0,
     );
+    for (batch_size, handling) in &CONSUMER_CONFIGURATIONS[1..] {
+        let batched = consumer_label(sizes.consumer, *batch_size, *handling);
+        check(
+            format!("{CONSUMER_VS_ONE}, {batched}"),
+            "≥ 4",
+            median(&batched, CONSUMER_VS_ONE),
+            Unit::Ratio,
+            |v| v >= 4.0,
+        );
+        check(
+            format!("{CONSUMER_CPU_TOTAL}, {batched}"),
+            "≤ 103 µs/event (a third of 310)",
+            median(&batched, CONSUMER_CPU_TOTAL),
+            Unit::MicrosPerEvent,
+            |v| v <= 310.0 / 3.0,
+        );
+    }
     check(
         format!("relay / seed's polling, {}", polling_label(sizes.polling)),
         "≥ 5",

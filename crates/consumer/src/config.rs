@@ -5,6 +5,12 @@ use std::time::Duration;
 
 use crate::error::SetupError;
 
+/// [`Config::batch_size`]'s default.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
+
+/// The largest accepted [`Config::batch_size`].
+pub const MAX_BATCH_SIZE: usize = 10_000;
+
 /// A consumer's configuration. [`Config::new`] gives the relay's defaults (stream `OUTBOX`,
 /// prefix `outbox`, 12 partitions) for a consumer name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +39,14 @@ pub struct Config {
     pub retry_delay: Duration,
     /// How many entities each shard remembers for the ordering check.
     pub order_capacity: usize,
+    /// At most this many messages of a shard are handled in one transaction (and are
+    /// delivered but not yet acknowledged: the shard consumer's `max_ack_pending`). 1 is
+    /// the unbatched consumer: one transaction and one ack per event.
+    pub batch_size: usize,
+    /// How long a shard waits for more messages once it holds one, before it handles what
+    /// it holds. Zero (the default): a batch is what has been delivered when the shard is
+    /// ready for it, so a lone event is handled at once and batches grow with the load.
+    pub batch_wait: Duration,
 }
 
 impl Config {
@@ -48,6 +62,8 @@ impl Config {
             ack_wait: Duration::from_secs(30),
             retry_delay: Duration::from_secs(5),
             order_capacity: 100_000,
+            batch_size: DEFAULT_BATCH_SIZE,
+            batch_wait: Duration::ZERO,
         }
     }
 
@@ -132,6 +148,19 @@ impl Config {
                 self.ack_wait
             ));
         }
+        if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
+            return bad(format!(
+                "batch_size {} must be between 1 and {MAX_BATCH_SIZE}",
+                self.batch_size
+            ));
+        }
+        if self.batch_wait > self.ack_wait / 2 {
+            return bad(format!(
+                "batch_wait {:?} must be at most half of ack_wait {:?} (messages waiting in a \
+                 batch would be redelivered)",
+                self.batch_wait, self.ack_wait
+            ));
+        }
         if self.order_capacity == 0 {
             return bad("order_capacity must be at least 1".into());
         }
@@ -166,6 +195,8 @@ mod tests {
         assert!(with(|c| c.shards = Some(vec![12])).contains("shard 12 does not exist"));
         assert!(with(|c| c.shards = Some(vec![])).contains("no shard"));
         assert!(with(|c| c.ack_wait = Duration::ZERO).contains("ack_wait"));
+        assert!(with(|c| c.batch_size = 0).contains("batch_size 0"));
+        assert!(with(|c| c.batch_wait = Duration::from_secs(20)).contains("batch_wait"));
         let mut schema = Config::new("ledger");
         schema.processed_table = "billing.processed_events".into();
         assert_eq!(schema.validate(), Ok(()));

@@ -1,13 +1,15 @@
 //! The shard workers: one durable pull consumer, one Postgres connection and one task per
 //! shard. See the crate docs for the invariants C1–C7 they keep.
 
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::{FutureExt as _, StreamExt as _};
@@ -15,14 +17,15 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::{Client, Socket, Statement};
+use tokio_postgres::{Client, Socket, Statement, Transaction};
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::error::{Error, Problem, SetupError, Unavailable};
 use crate::event::{Event, MessageError};
+use crate::metrics::{Failed, Metrics, Retry};
 use crate::order::{ordering_key, EntityOrder};
-use crate::Handler;
+use crate::{BatchHandler, Handler};
 
 type Connect = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, tokio_postgres::Error>> + Send>>
     + Send
@@ -118,6 +121,7 @@ pub struct Consumer {
     nats: async_nats::Client,
     postgres: Postgres,
     stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
     after_commit: Option<Arc<AfterCommit>>,
 }
 
@@ -138,8 +142,15 @@ impl Consumer {
             nats,
             postgres,
             stats: Arc::default(),
+            metrics: Arc::default(),
             after_commit: None,
         }
+    }
+
+    /// Its Prometheus metrics and readiness, shared: keep a clone to serve them while
+    /// [`Consumer::run`] runs.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// Its counters, shared: keep a clone to read them while [`Consumer::run`] runs.
@@ -155,12 +166,29 @@ impl Consumer {
     }
 
     /// Consumes until `shutdown` completes or a permanent error occurs (returned; the other
-    /// shards then stop too). Transient failures are retried with backoff. On shutdown each
-    /// shard finishes the message in hand (commit and ack, or roll back and nak) and the
-    /// acks are flushed before this returns.
+    /// shards then stop too), calling `handler` for each new event. Transient failures are
+    /// retried with backoff. On shutdown each shard finishes the messages in hand (commit and
+    /// ack, or roll back and release them) and confirms its last ack before this returns.
     pub async fn run<H: Handler>(
         self,
         handler: H,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        self.run_with(PerEvent(handler), shutdown).await
+    }
+
+    /// [`Consumer::run`] with a handler of several events at once.
+    pub async fn run_batch<H: BatchHandler>(
+        self,
+        handler: H,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), Error> {
+        self.run_with(Batched(handler), shutdown).await
+    }
+
+    async fn run_with<A: Apply>(
+        self,
+        handler: A,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), Error> {
         self.config.validate()?;
@@ -174,14 +202,22 @@ impl Consumer {
             let worker = Worker {
                 shard,
                 config: Arc::clone(&config),
+                nats: self.nats.clone(),
                 jetstream: jetstream.clone(),
                 postgres: self.postgres.clone(),
                 handler: Arc::clone(&handler),
                 stats: Arc::clone(&self.stats),
+                metrics: Arc::clone(&self.metrics),
                 after_commit: self.after_commit.clone(),
                 stop: stop_rx.clone(),
                 client: None,
                 order: EntityOrder::new(config.order_capacity),
+                held: BTreeMap::new(),
+                waiting_for: None,
+                retry_alone: None,
+                last_acked: None,
+                unsettled: true,
+                recovery: None,
             };
             workers.spawn(worker.run());
         }
@@ -190,6 +226,7 @@ impl Consumer {
             consumer = %config.name,
             shards = ?shards,
             partitions = config.partitions.get(),
+            batch_size = config.batch_size,
             "consuming shards"
         );
         let mut shutdown = std::pin::pin!(shutdown);
@@ -198,7 +235,7 @@ impl Consumer {
         loop {
             tokio::select! {
                 () = &mut shutdown, if !stopping => {
-                    info!("stopping: each shard finishes the message in hand");
+                    info!("stopping: each shard finishes the messages in hand");
                     stopping = true;
                     let _ = stop_tx.send(true);
                 }
@@ -235,57 +272,171 @@ impl Consumer {
 /// How long a stopping shard waits for the server to confirm its last ack (C7).
 pub const STOP_CONFIRM: Duration = Duration::from_secs(5);
 
-/// One shard: its consumer, its connection, its ordering marks.
-struct Worker<H> {
-    shard: u64,
-    config: Arc<Config>,
-    jetstream: jetstream::Context,
-    postgres: Postgres,
-    handler: Arc<H>,
-    stats: Arc<Stats>,
-    after_commit: Option<Arc<AfterCommit>>,
-    stop: watch::Receiver<bool>,
-    client: Option<(Client, Statement)>,
-    order: EntityOrder,
+/// Why the handler did not handle all events of a transaction.
+pub(crate) enum Failure {
+    /// It failed (or panicked) on the event at `index`, when known.
+    Handler { index: Option<usize>, error: String },
+    /// The consumer is stopping: the events from `index` on were not handled.
+    Stopped { index: usize },
 }
 
-/// The answer to a delivery: an ack after commit (or for a duplicate), a nak with the retry
-/// delay after a handler failure.
-struct Reply {
-    message: jetstream::Message,
-    kind: AckKind,
-    outbox_id: i64,
+/// How a shard runs the application's handler on the new events of a transaction.
+pub(crate) trait Apply: Send + Sync + 'static {
+    fn apply(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+        stop: &watch::Receiver<bool>,
+    ) -> impl Future<Output = Result<(), Failure>> + Send;
 }
 
-impl Reply {
-    fn ack(message: jetstream::Message, event: &Event) -> Reply {
-        Reply {
-            message,
-            kind: AckKind::Ack,
-            outbox_id: event.id,
+/// A [`Handler`], called for each event in turn: a failure names its event, and a stop
+/// ends the batch after the event in hand.
+struct PerEvent<H>(H);
+
+impl<H: Handler> Apply for PerEvent<H> {
+    async fn apply(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+        stop: &watch::Receiver<bool>,
+    ) -> Result<(), Failure> {
+        for (index, event) in events.iter().enumerate() {
+            if index > 0 && *stop.borrow() {
+                return Err(Failure::Stopped { index });
+            }
+            if let Err(error) = self.0.handle(tx, event).await {
+                return Err(Failure::Handler {
+                    index: Some(index),
+                    error: error.to_string(),
+                });
+            }
         }
+        Ok(())
     }
 }
 
-/// How one delivery's transaction ended.
-enum Outcome {
-    /// The dedupe key was already recorded: nothing ran.
-    Duplicate,
-    /// The handler ran and its transaction committed.
-    Committed,
-    /// The handler failed or panicked: rolled back.
-    HandlerFailed(String),
+/// A [`BatchHandler`]: a failure names no event.
+struct Batched<H>(H);
+
+impl<H: BatchHandler> Apply for Batched<H> {
+    async fn apply(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+        _stop: &watch::Receiver<bool>,
+    ) -> Result<(), Failure> {
+        self.0
+            .handle_batch(tx, events)
+            .await
+            .map_err(|error| Failure::Handler {
+                index: None,
+                error: error.to_string(),
+            })
+    }
 }
 
-impl<H: Handler> Worker<H> {
+/// One shard: its consumer, its connection, its ordering marks and the messages it holds.
+struct Worker<A> {
+    shard: u64,
+    config: Arc<Config>,
+    nats: async_nats::Client,
+    jetstream: jetstream::Context,
+    postgres: Postgres,
+    handler: Arc<A>,
+    stats: Arc<Stats>,
+    metrics: Arc<Metrics>,
+    after_commit: Option<Arc<AfterCommit>>,
+    stop: watch::Receiver<bool>,
+    /// The connection and its statements: record dedupe keys, remove them.
+    client: Option<(Client, [Statement; 2])>,
+    order: EntityOrder,
+    /// Delivered and neither acknowledged nor released, by stream sequence (C8).
+    held: BTreeMap<u64, jetstream::Message>,
+    /// The stream sequence of a message released for redelivery after its handler failed:
+    /// nothing after it is handled before it is back (C3).
+    waiting_for: Option<u64>,
+    /// That message once back: handled in a transaction of its own.
+    retry_alone: Option<u64>,
+    /// The last message acknowledged without confirmation, confirmed on stop (C7).
+    last_acked: Option<jetstream::Message>,
+    /// Whether messages delivered to this shard may have been lost on their way (a process
+    /// start, a session ended by NATS): the next session checks before it pulls (C8).
+    unsettled: bool,
+    /// While messages delivered before this session are still to come back (C8).
+    recovery: Option<Recovery>,
+}
+
+/// C8: the shard consumer had `remaining` messages delivered and not acknowledged when the
+/// session started, all at or below stream sequence `floor`. Nothing above it is handled
+/// before they came back, or until `until` (when every one of them was due again).
+struct Recovery {
+    floor: u64,
+    remaining: u64,
+    seen: HashSet<u64>,
+    until: tokio::time::Instant,
+}
+
+/// Delivered messages of a batch and their events, in stream order.
+#[derive(Default)]
+struct Batch {
+    messages: Vec<jetstream::Message>,
+    events: Vec<Event>,
+}
+
+/// How a batch ended, after its first `settled` deliveries committed or were duplicates.
+enum End {
+    /// All of them.
+    All,
+    /// The handler failed on the delivery at `at` (found by bisection when the handler did
+    /// not say): it was not committed, nor anything after it.
+    Failed { at: usize, error: String },
+    /// Postgres failed or the outcome of a commit is unknown: the rest is to be tried again.
+    Postgres(tokio_postgres::Error),
+    /// The consumer is stopping: the rest was not handled.
+    Stopped,
+}
+
+/// What a transaction over a slice of a batch did.
+enum Tx {
+    /// Committed; these indexes (into the slice) were new and handled, the others were
+    /// duplicates.
+    Committed(Vec<usize>),
+    /// Committed up to the slice's index `handled` (excluded; those of `fresh` were new),
+    /// the rest not handled because the consumer is stopping.
+    Stopped { handled: usize, fresh: Vec<usize> },
+    /// The handler failed or panicked on the slice's index `index`, when known: rolled back.
+    Failed { index: Option<usize>, error: String },
+}
+
+impl<A: Apply> Worker<A> {
     async fn run(mut self) -> Result<(), Error> {
         let mut backoff = Duration::from_millis(100);
         loop {
-            let error = match self.session(&mut backoff).await {
+            let result = self.session(&mut backoff).await;
+            self.metrics.up(self.shard, false);
+            let error = match result {
                 Ok(()) => return Ok(()),
                 Err(Error::Unavailable(error)) => error,
-                Err(error) => return Err(error),
+                Err(error) => {
+                    if matches!(error, Error::Message(_)) {
+                        self.metrics.failed(Failed::Message);
+                    }
+                    return Err(error);
+                }
             };
+            self.metrics.failed(match error {
+                Unavailable::Postgres(_) => Failed::Postgres,
+                Unavailable::Nats { .. } => Failed::Nats,
+            });
+            self.metrics.retried(Retry::Session);
+            // What this session held may come again, and what was on its way may be lost.
+            self.held.clear();
+            self.waiting_for = None;
+            self.retry_alone = None;
+            self.last_acked = None;
+            self.unsettled = true;
+            self.recovery = None;
             bump(&self.stats.retries);
             warn!(shard = self.shard, %error, retry_in = ?backoff, "shard session failed; retrying");
             tokio::select! {
@@ -303,86 +454,530 @@ impl<H: Handler> Worker<H> {
             started = self.start_session() => Some(started?),
             _ = stop.wait_for(|stop| *stop) => None,
         };
-        let Some(mut messages) = started else {
+        let Some(messages) = started else {
             // Stopped while connecting: nothing was delivered yet.
             return Ok(());
         };
+        let mut messages = Some(messages);
+        let connects = self.connects();
+        self.metrics.up(self.shard, true);
         debug!(shard = self.shard, "shard session started");
-        // C7: the last message acknowledged without confirmation, confirmed on stop.
-        let mut last_acked: Option<jetstream::Message> = None;
         loop {
-            let next = tokio::select! {
-                biased;
-                _ = self.stop.wait_for(|stop| *stop) => None,
-                next = messages.next() => Some(next),
-            };
-            let Some(next) = next else {
-                self.hand_back(messages).await;
-                if let Some(message) = last_acked {
-                    self.confirm_ack(&message).await;
-                }
-                return Ok(());
-            };
-            let message = match next {
-                None => {
-                    return Err(
-                        Unavailable::nats("pull messages", "the message stream ended").into(),
-                    )
-                }
-                Some(Err(error)) => return Err(Unavailable::nats("pull messages", error).into()),
-                Some(Ok(message)) => message,
-            };
-            let reply = self.handle(message).await?;
-            *backoff = Duration::from_millis(100);
-            if *self.stop.borrow() {
-                // Unsubscribe before the ack, so that JetStream has nowhere to deliver the
-                // shard's next message once it sees the ack.
-                self.hand_back(messages).await;
-                if matches!(reply.kind, AckKind::Ack) {
-                    self.confirm_ack(&reply.message).await;
-                } else {
-                    self.reply(&reply).await;
-                    if let Some(message) = last_acked {
-                        self.confirm_ack(&message).await;
+            // Wait until the shard holds a message it may handle.
+            while !self.ready() {
+                let Some(pull) = messages.as_mut() else {
+                    return self.finish(&mut messages).await;
+                };
+                let until = self.recovery.as_ref().map(|r| r.until);
+                let next = tokio::select! {
+                    biased;
+                    _ = self.stop.wait_for(|stop| *stop) => None,
+                    () = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)), if until.is_some() => {
+                        if let Some(recovery) = self.recovery.take() {
+                            warn!(shard = self.shard, missing = recovery.remaining, "messages delivered before this session did not all come back in time; going on (they were acknowledged meanwhile, or come later and are recognised by their dedupe keys)");
+                        }
+                        continue;
                     }
+                    next = pull.next() => Some(next),
+                };
+                match next {
+                    None => return self.finish(&mut messages).await,
+                    Some(next) => self.hold(next)?,
                 }
-                return Ok(());
             }
-            self.reply(&reply).await;
-            if matches!(reply.kind, AckKind::Ack) {
-                last_acked = Some(reply.message);
+            if let Some(pull) = messages.as_mut() {
+                self.gather(pull).await?;
+            }
+            if self.connects() != connects {
+                return Err(Unavailable::nats(
+                    "pull messages",
+                    "the connection to NATS was re-established: messages delivered meanwhile may be lost",
+                )
+                .into());
+            }
+            match self.handle_batch(&mut messages).await? {
+                None => *backoff = Duration::from_millis(100),
+                Some(error) => {
+                    bump(&self.stats.retries);
+                    self.metrics.failed(Failed::Postgres);
+                    self.metrics.retried(Retry::Batch);
+                    warn!(shard = self.shard, %error, retry_in = ?*backoff, "postgres failed; the batch will be tried again");
+                    tokio::select! {
+                        () = tokio::time::sleep(*backoff) => {}
+                        _ = stop.wait_for(|stop| *stop) => {}
+                    }
+                    *backoff = (*backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+            if *self.stop.borrow() {
+                return self.finish(&mut messages).await;
             }
         }
     }
 
-    /// Connects to Postgres if needed, creates the durable consumer and starts pulling.
+    fn connects(&self) -> u64 {
+        self.nats.statistics().connects.load(Ordering::Relaxed)
+    }
+
+    /// Whether the shard holds a message it may handle now.
+    fn ready(&self) -> bool {
+        match self.waiting_for {
+            Some(sequence) => self.held.contains_key(&sequence),
+            None => self
+                .held
+                .first_key_value()
+                .is_some_and(|(&sequence, _)| !self.recovering_below(sequence)),
+        }
+    }
+
+    /// Whether `sequence` must wait for messages delivered before this session (C8).
+    fn recovering_below(&self, sequence: u64) -> bool {
+        self.recovery.as_ref().is_some_and(|r| sequence > r.floor)
+    }
+
+    /// Keeps a delivered message (a redelivery replaces the delivery it repeats).
+    fn hold(
+        &mut self,
+        next: Option<Result<jetstream::Message, pull::MessagesError>>,
+    ) -> Result<(), Error> {
+        let message = match next {
+            None => {
+                return Err(Unavailable::nats("pull messages", "the message stream ended").into())
+            }
+            Some(Err(error)) => return Err(Unavailable::nats("pull messages", error).into()),
+            Some(Ok(message)) => message,
+        };
+        let info = message
+            .info()
+            .map_err(|error| Unavailable::nats("read the message's ack subject", error))?;
+        let sequence = info.stream_sequence;
+        self.metrics.pending(self.shard, info.pending);
+        self.held.insert(sequence, message);
+        if let Some(recovery) = self.recovery.as_mut() {
+            if sequence <= recovery.floor && recovery.seen.insert(sequence) {
+                recovery.remaining = recovery.remaining.saturating_sub(1);
+                if recovery.remaining == 0 {
+                    debug!(
+                        shard = self.shard,
+                        "messages delivered before this session are back"
+                    );
+                    self.recovery = None;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes in what has been delivered meanwhile, waiting at most `batch_wait` for a batch
+    /// to fill.
+    async fn gather(&mut self, pull: &mut pull::Stream) -> Result<(), Error> {
+        let deadline = tokio::time::Instant::now() + self.config.batch_wait;
+        while self.held.len() < self.config.batch_size {
+            let next = match pull.next().now_or_never() {
+                Some(next) => next,
+                None if self.config.batch_wait.is_zero() => break,
+                None => match tokio::time::timeout_at(deadline, pull.next()).await {
+                    Ok(next) => next,
+                    Err(_) => break,
+                },
+            };
+            self.hold(next)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the next batch from what the shard holds: in stream order, at most
+    /// `batch_size`, the message of a failed handler alone, and nothing from a message that
+    /// is not a valid event of the shard on (that one is the error, once those before it
+    /// are done).
+    fn take_batch(&mut self) -> Result<Batch, Error> {
+        if let Some(sequence) = self.waiting_for {
+            if self.held.contains_key(&sequence) {
+                self.waiting_for = None;
+                self.retry_alone = Some(sequence);
+            }
+        }
+        let mut batch = Batch::default();
+        while batch.events.len() < self.config.batch_size {
+            let Some(&sequence) = self.held.keys().next() else {
+                break;
+            };
+            if self.retry_alone == Some(sequence) && !batch.events.is_empty()
+                || self.recovering_below(sequence)
+            {
+                break;
+            }
+            let Some(message) = self.held.remove(&sequence) else {
+                break;
+            };
+            match self.decode(&message, sequence) {
+                Ok(event) => {
+                    batch.messages.push(message);
+                    batch.events.push(event);
+                }
+                Err(error) => {
+                    self.held.insert(sequence, message);
+                    if batch.events.is_empty() {
+                        return Err(error.into());
+                    }
+                    break;
+                }
+            }
+            if self.retry_alone == Some(sequence) {
+                self.retry_alone = None;
+                break;
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Decodes and checks a message of the shard (C5).
+    fn decode(
+        &self,
+        message: &jetstream::Message,
+        stream_sequence: u64,
+    ) -> Result<Event, MessageError> {
+        let delivered = message
+            .info()
+            .map(|info| u64::try_from(info.delivered).unwrap_or(0))
+            .unwrap_or(0);
+        let event = Event::decode(
+            message.subject.as_str(),
+            message.headers.as_ref(),
+            message.payload.clone(),
+            stream_sequence,
+            delivered,
+        )?;
+        let computed = outbox::shard_for_key(self.config.partitions, &event.keys.partition_key);
+        if event.shard != self.shard || computed != self.shard {
+            return Err(MessageError {
+                stream_sequence,
+                subject: event.subject,
+                problem: Problem::WrongShard {
+                    published: event.shard,
+                    computed,
+                    partitions: self.config.partitions.get(),
+                },
+            });
+        }
+        Ok(event)
+    }
+
+    /// Handles one batch (C1–C3, C8) and answers JetStream for it. Returns the Postgres
+    /// error after which the rest of the batch is held to be tried again.
+    async fn handle_batch(
+        &mut self,
+        messages: &mut Option<pull::Stream>,
+    ) -> Result<Option<tokio_postgres::Error>, Error> {
+        let Batch {
+            messages: batch,
+            events,
+        } = self.take_batch()?;
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        let (settled, end) = match self.connect_postgres().await {
+            Ok(()) => self.apply_batch(&events).await,
+            Err(Error::Unavailable(Unavailable::Postgres(error))) => (0, End::Postgres(error)),
+            Err(error) => {
+                self.put_back(batch, &events);
+                return Err(error);
+            }
+        };
+        if *self.stop.borrow() {
+            // Unsubscribe before the acks, so that JetStream has nowhere to deliver the
+            // shard's next messages once it sees them (C7).
+            self.end_pull(messages);
+        }
+        let mut batch = batch.into_iter();
+        for (message, event) in batch.by_ref().take(settled).zip(&events) {
+            if let Err(error) = message.ack().await {
+                // C1 holds either way: a redelivery finds out through the dedupe key.
+                warn!(shard = self.shard, outbox_id = event.id, %error, "could not acknowledge; the message will be redelivered after ack_wait");
+            }
+            self.last_acked = Some(message);
+        }
+        let rest: Vec<jetstream::Message> = batch.collect();
+        match end {
+            End::All => Ok(None),
+            End::Failed { at, error } => {
+                let mut rest = rest.into_iter();
+                let failed = rest.next();
+                self.put_back(rest.collect(), &events[at + 1..]);
+                if let Some(message) = failed {
+                    let retry_delay = self.config.retry_delay;
+                    let event = &events[at];
+                    warn!(
+                        shard = self.shard,
+                        outbox_id = event.id,
+                        stream_sequence = event.stream_sequence,
+                        delivered = event.delivered,
+                        %error,
+                        retry_in = ?retry_delay,
+                        "handler failed; rolled back, the message will be redelivered"
+                    );
+                    self.release(&message, Some(retry_delay)).await;
+                    self.metrics.retried(Retry::Event);
+                    self.waiting_for = Some(event.stream_sequence);
+                    self.retry_alone = None;
+                }
+                Ok(None)
+            }
+            End::Stopped => {
+                self.put_back(rest, &events[settled..]);
+                Ok(None)
+            }
+            End::Postgres(error) => {
+                // The transaction did not commit, or its commit's outcome is unknown: the
+                // next attempt finds out through the dedupe keys (C3).
+                self.put_back(rest, &events[settled..]);
+                Ok(Some(error))
+            }
+        }
+    }
+
+    /// Holds `messages` (of `events`) again.
+    fn put_back(&mut self, messages: Vec<jetstream::Message>, events: &[Event]) {
+        for (message, event) in messages.into_iter().zip(events) {
+            // A redelivery that came meanwhile is the newer.
+            self.held.entry(event.stream_sequence).or_insert(message);
+        }
+    }
+
+    /// Runs `batch` in as few transactions as it takes (C8): all of it, and after a handler
+    /// failure the events before the failing one, which is found by bisection when the
+    /// handler does not name it.
+    async fn apply_batch(&mut self, batch: &[Event]) -> (usize, End) {
+        let mut done = 0;
+        let mut end = batch.len();
+        // The end of the shortest slice from `done` known to fail, and the failure.
+        let mut failing: Option<(usize, String)> = None;
+        while done < batch.len() {
+            let slice = &batch[done..end];
+            match self.transact(slice).await {
+                Err(error) => return (done, End::Postgres(error)),
+                Ok(Tx::Committed(fresh)) => {
+                    self.committed(slice, &fresh);
+                    done = end;
+                    end = match &failing {
+                        None => batch.len(),
+                        // The failure is after what just committed.
+                        Some((failing_end, _)) if failing_end - done > 1 => {
+                            done + (failing_end - done) / 2
+                        }
+                        Some(_) => {
+                            let error = failing.take().map(|(_, e)| e).unwrap_or_default();
+                            return (done, End::Failed { at: done, error });
+                        }
+                    };
+                }
+                Ok(Tx::Stopped { handled, fresh }) => {
+                    self.committed(&slice[..handled], &fresh);
+                    return (done + handled, End::Stopped);
+                }
+                Ok(Tx::Failed { index, error }) => {
+                    bump(&self.stats.handler_failures);
+                    self.metrics.failed(Failed::Handler);
+                    let (failing_end, next_end) = match index {
+                        // Named by the handler: the events before it commit, then it is out.
+                        Some(index) => (done + index + 1, done + index),
+                        None => (end, done + slice.len() / 2),
+                    };
+                    if next_end == done {
+                        return (done, End::Failed { at: done, error });
+                    }
+                    debug!(
+                        shard = self.shard,
+                        trying = next_end - done,
+                        "handler failed in a batch; trying the events before the failure"
+                    );
+                    failing = Some((failing_end, error));
+                    end = next_end;
+                }
+            }
+        }
+        (done, End::All)
+    }
+
+    /// After a commit: the hook, the counters and the ordering check (C6) of each event.
+    fn committed(&mut self, slice: &[Event], fresh: &[usize]) {
+        let duplicates = slice.len() - fresh.len();
+        self.metrics.processed(self.shard, fresh.len() as u64);
+        self.metrics.duplicates(self.shard, duplicates as u64);
+        if duplicates > 0 {
+            self.stats
+                .duplicates
+                .fetch_add(duplicates as u64, Ordering::Relaxed);
+            debug!(
+                shard = self.shard,
+                duplicates, "already processed; acknowledging"
+            );
+        }
+        for &index in fresh {
+            let event = &slice[index];
+            if let Some(hook) = &self.after_commit {
+                hook(event);
+            }
+            bump(&self.stats.processed);
+            let order = event.order();
+            if let Some(mark) = self.order.regression(&event.entity_id, order) {
+                bump(&self.stats.out_of_order);
+                self.metrics.out_of_order();
+                warn!(
+                    shard = self.shard,
+                    outbox_id = event.id,
+                    stream_sequence = event.stream_sequence,
+                    ordering_key = %event.keys.ordering_key,
+                    processed_before = %ordering_key(mark),
+                    "out of order: this event's ordering key is not above one its entity already processed"
+                );
+            }
+            self.order.record(&event.entity_id, order);
+        }
+    }
+
+    /// One transaction over `slice`: its dedupe keys in one statement, the handler for the
+    /// new ones in stream order, commit (C1–C3).
+    async fn transact(&mut self, slice: &[Event]) -> Result<Tx, tokio_postgres::Error> {
+        let Some((client, [insert, remove])) = self.client.as_mut() else {
+            unreachable!("a batch is handled after connecting");
+        };
+        let mut tx = client.transaction().await?;
+        let keys: Vec<&str> = slice
+            .iter()
+            .map(|event| event.keys.dedupe_key.as_str())
+            .collect();
+        let mut recorded: HashSet<String> = tx
+            .query(&*insert, &[&keys])
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        // The same event twice in one batch (a replay, a redelivery) is new only once.
+        let fresh: Vec<usize> = (0..slice.len())
+            .filter(|&i| recorded.remove(keys[i]))
+            .collect();
+        if fresh.is_empty() {
+            tx.rollback().await?;
+            return Ok(Tx::Committed(fresh));
+        }
+        let events: Cow<'_, [Event]> = if fresh.len() == slice.len() {
+            Cow::Borrowed(slice)
+        } else {
+            Cow::Owned(fresh.iter().map(|&i| slice[i].clone()).collect())
+        };
+        let started = Instant::now();
+        let result = AssertUnwindSafe(self.handler.apply(&mut tx, &events, &self.stop))
+            .catch_unwind()
+            .await;
+        let handled = started.elapsed();
+        // Indexes into `events` are turned into indexes into `slice` for the caller.
+        let (index, error) = match result {
+            Ok(Ok(())) => {
+                tx.commit().await?;
+                self.metrics
+                    .transaction(slice.len(), handled, started.elapsed() - handled);
+                return Ok(Tx::Committed(fresh));
+            }
+            Ok(Err(Failure::Stopped { index })) => {
+                // Those not handled are not processed: their keys go, the rest commits.
+                let unhandled: Vec<&str> = fresh[index..].iter().map(|&i| keys[i]).collect();
+                tx.execute(&*remove, &[&unhandled]).await?;
+                tx.commit().await?;
+                let handled = fresh[index];
+                let mut fresh = fresh;
+                fresh.truncate(index);
+                return Ok(Tx::Stopped { handled, fresh });
+            }
+            Ok(Err(Failure::Handler { index, error })) => (index.map(|i| fresh[i]), error),
+            Err(panic) => (
+                None,
+                format!("handler panicked: {}", panic_message(&*panic)),
+            ),
+        };
+        // A failed rollback leaves nothing committed either.
+        let _ = tx.rollback().await;
+        Ok(Tx::Failed { index, error })
+    }
+
+    /// Connects to Postgres if needed, creates the durable consumer, waits if messages
+    /// delivered before may be lost (C8), and starts pulling.
     async fn start_session(&mut self) -> Result<pull::Stream, Error> {
         self.connect_postgres().await?;
         let consumer = self.consumer().await?;
+        if self.unsettled && self.config.batch_size > 1 {
+            self.recovery = self.recovery(&consumer).await?;
+        }
+        self.unsettled = false;
         Ok(consumer
             .stream()
-            .max_messages_per_batch(64)
+            .max_messages_per_batch(self.config.batch_size)
             .heartbeat(Duration::from_secs(5))
             .messages()
             .await
             .map_err(|e| Unavailable::nats("pull messages", e))?)
     }
 
-    /// On stop: ends the pull subscription, then releases the messages already delivered but
-    /// not handled for immediate redelivery (to the next consumer of the shard) rather than
-    /// leaving them to wait for `ack_wait`. Best effort: a message still on the wire waits
-    /// for `ack_wait`.
-    async fn hand_back(&self, mut messages: pull::Stream) {
-        let mut unhandled = Vec::new();
-        while let Some(Some(Ok(message))) = messages.next().now_or_never() {
-            unhandled.push(message);
+    /// C8: messages of the shard delivered and not acknowledged before this session may
+    /// have been lost on their way, and JetStream would deliver later ones before it
+    /// redelivers them (after `ack_wait`): those later ones wait for them.
+    async fn recovery(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+    ) -> Result<Option<Recovery>, Error> {
+        let mut consumer = consumer.clone();
+        let info = consumer
+            .info()
+            .await
+            .map_err(|e| Unavailable::nats("read the durable consumer", e))?;
+        if info.num_ack_pending == 0 {
+            return Ok(None);
         }
-        drop(messages);
-        for message in unhandled {
-            if let Err(error) = message.ack_with(AckKind::Nak(None)).await {
-                debug!(shard = self.shard, %error, "could not release an unhandled message; it is redelivered after ack_wait");
+        let wait = self.config.ack_wait.max(self.config.retry_delay) + SETTLE_MARGIN;
+        info!(
+            shard = self.shard,
+            unacknowledged = info.num_ack_pending,
+            up_to_stream_sequence = info.delivered.stream_sequence,
+            at_most = ?wait,
+            "messages delivered before were not acknowledged; later ones wait until they are back"
+        );
+        Ok(Some(Recovery {
+            floor: info.delivered.stream_sequence,
+            remaining: info.num_ack_pending as u64,
+            seen: HashSet::new(),
+            until: tokio::time::Instant::now() + wait,
+        }))
+    }
+
+    /// Ends the pull subscription, keeping what it had delivered.
+    fn end_pull(&mut self, messages: &mut Option<pull::Stream>) {
+        if let Some(mut pull) = messages.take() {
+            while let Some(Some(Ok(message))) = pull.next().now_or_never() {
+                if let Ok(info) = message.info() {
+                    let sequence = info.stream_sequence;
+                    self.held.insert(sequence, message);
+                }
             }
         }
+    }
+
+    /// On stop (C7), once the batch in hand is over: ends the pull subscription, releases
+    /// what the shard holds and confirms its last ack.
+    async fn finish(&mut self, messages: &mut Option<pull::Stream>) -> Result<(), Error> {
+        self.end_pull(messages);
+        // In stream order, and after a failed message with its delay: they come back after
+        // it. While messages delivered before are still to come back, nothing is released:
+        // all come back after `ack_wait`, in stream order.
+        if self.recovery.is_none() {
+            let delay = self.waiting_for.map(|_| self.config.retry_delay);
+            for message in std::mem::take(&mut self.held).into_values() {
+                self.release(&message, delay).await;
+            }
+        }
+        if let Some(message) = self.last_acked.take() {
+            self.confirm_ack(&message).await;
+        }
+        Ok(())
     }
 
     async fn connect_postgres(&mut self) -> Result<(), Error> {
@@ -400,11 +995,18 @@ impl<H: Handler> Worker<H> {
         let table = &self.config.processed_table;
         let insert = client
             .prepare(&format!(
-                "insert into {table} (dedupe_key) values ($1) on conflict do nothing"
+                "insert into {table} (dedupe_key) select unnest($1::text[]) \
+                 on conflict do nothing returning dedupe_key"
             ))
             .await
             .map_err(|error| classify_prepare(table, error))?;
-        self.client = Some((client, insert));
+        let remove = client
+            .prepare(&format!(
+                "delete from {table} where dedupe_key = any($1::text[])"
+            ))
+            .await
+            .map_err(|error| classify_prepare(table, error))?;
+        self.client = Some((client, [insert, remove]));
         Ok(())
     }
 
@@ -440,8 +1042,8 @@ impl<H: Handler> Worker<H> {
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ack_wait: config.ack_wait,
                 max_deliver: -1,
-                // C4: one message of the shard at a time, redeliveries before later ones.
-                max_ack_pending: 1,
+                // C4, C8: at most a batch of the shard delivered and not acknowledged.
+                max_ack_pending: i64::try_from(config.batch_size).unwrap_or(1),
                 ..Default::default()
             })
             .await;
@@ -465,130 +1067,6 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// One delivery (C1–C6): what to answer JetStream, once the transaction is over.
-    async fn handle(&mut self, message: jetstream::Message) -> Result<Reply, Error> {
-        let (stream_sequence, delivered) = match message.info() {
-            Ok(info) => (
-                info.stream_sequence,
-                u64::try_from(info.delivered).unwrap_or(0),
-            ),
-            Err(error) => {
-                return Err(Unavailable::nats("read the message's ack subject", error).into())
-            }
-        };
-        let event = Event::decode(
-            message.subject.as_str(),
-            message.headers.as_ref(),
-            message.payload.clone(),
-            stream_sequence,
-            delivered,
-        )?;
-        let computed = outbox::shard_for_key(self.config.partitions, &event.keys.partition_key);
-        if event.shard != self.shard || computed != self.shard {
-            return Err(MessageError {
-                stream_sequence,
-                subject: event.subject,
-                problem: Problem::WrongShard {
-                    published: event.shard,
-                    computed,
-                    partitions: self.config.partitions.get(),
-                },
-            }
-            .into());
-        }
-
-        // Reconnects if the connection was lost (a handler's failure may have been its).
-        if let Err(error) = self.connect_postgres().await {
-            self.nak(&message).await;
-            return Err(error);
-        }
-        let outcome = self.transact(&event).await;
-        let retry_delay = self.config.retry_delay;
-        match outcome {
-            Ok(Outcome::Duplicate) => {
-                bump(&self.stats.duplicates);
-                debug!(
-                    shard = self.shard,
-                    outbox_id = event.id,
-                    stream_sequence,
-                    delivered,
-                    "already processed; acknowledging"
-                );
-                Ok(Reply::ack(message, &event))
-            }
-            Ok(Outcome::Committed) => {
-                if let Some(hook) = &self.after_commit {
-                    hook(&event);
-                }
-                bump(&self.stats.processed);
-                let order = event.order();
-                if let Some(mark) = self.order.regression(&event.entity_id, order) {
-                    bump(&self.stats.out_of_order);
-                    warn!(
-                        shard = self.shard,
-                        outbox_id = event.id,
-                        stream_sequence,
-                        ordering_key = %event.keys.ordering_key,
-                        processed_before = %ordering_key(mark),
-                        "out of order: this event's ordering key is not above one its entity already processed"
-                    );
-                }
-                self.order.record(&event.entity_id, order);
-                Ok(Reply::ack(message, &event))
-            }
-            Ok(Outcome::HandlerFailed(error)) => {
-                bump(&self.stats.handler_failures);
-                warn!(
-                    shard = self.shard,
-                    outbox_id = event.id,
-                    stream_sequence,
-                    delivered,
-                    %error,
-                    retry_in = ?retry_delay,
-                    "handler failed; rolled back, the message will be redelivered"
-                );
-                Ok(Reply {
-                    message,
-                    kind: AckKind::Nak(Some(retry_delay)),
-                    outbox_id: event.id,
-                })
-            }
-            Err(error) => {
-                // The transaction did not commit, or its commit's outcome is unknown: the
-                // redelivery finds out through the dedupe key (C3).
-                self.nak(&message).await;
-                Err(Unavailable::Postgres(error).into())
-            }
-        }
-    }
-
-    /// The transaction: dedupe key first, then the handler, then commit (C1–C3).
-    async fn transact(&mut self, event: &Event) -> Result<Outcome, tokio_postgres::Error> {
-        let Some((client, insert)) = self.client.as_mut() else {
-            unreachable!("a session connects before it reads messages");
-        };
-        let mut tx = client.transaction().await?;
-        if tx.execute(&*insert, &[&event.keys.dedupe_key]).await? == 0 {
-            tx.rollback().await?;
-            return Ok(Outcome::Duplicate);
-        }
-        let result = AssertUnwindSafe(self.handler.handle(&mut tx, event))
-            .catch_unwind()
-            .await;
-        let failure = match result {
-            Ok(Ok(())) => None,
-            Ok(Err(error)) => Some(error.to_string()),
-            Err(panic) => Some(format!("handler panicked: {}", panic_message(&*panic))),
-        };
-        if let Some(failure) = failure {
-            // A failed rollback leaves nothing committed either.
-            let _ = tx.rollback().await;
-            return Ok(Outcome::HandlerFailed(failure));
-        }
-        tx.commit().await?;
-        Ok(Outcome::Committed)
-    }
-
     /// On stop (C7): acknowledges `message` again as a double ack and waits, at most
     /// [`STOP_CONFIRM`], for the server to answer it, which it does once it processed this
     /// ack and so every earlier one of the shard. Acknowledging a message twice is harmless.
@@ -604,22 +1082,17 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    async fn reply(&self, reply: &Reply) {
-        if let Err(error) = reply.message.ack_with(reply.kind).await {
-            // C1 holds either way: a redelivery finds out through the dedupe key.
-            warn!(shard = self.shard, outbox_id = reply.outbox_id, %error, "could not answer JetStream; the message will be redelivered after ack_wait");
-        }
-    }
-
-    async fn nak(&self, message: &jetstream::Message) {
-        if let Err(error) = message
-            .ack_with(AckKind::Nak(Some(self.config.retry_delay)))
-            .await
-        {
-            warn!(shard = self.shard, %error, "nak failed; the message will be redelivered after ack_wait");
+    /// Negatively acknowledges `message`: redelivered after `delay` (at once with `None`).
+    async fn release(&self, message: &jetstream::Message, delay: Option<Duration>) {
+        if let Err(error) = message.ack_with(AckKind::Nak(delay)).await {
+            warn!(shard = self.shard, %error, "could not release a message; it is redelivered after ack_wait");
         }
     }
 }
+
+/// How much longer than `ack_wait` a new session waits at most for unacknowledged
+/// messages (C8).
+const SETTLE_MARGIN: Duration = Duration::from_millis(500);
 
 fn classify_prepare(table: &str, error: tokio_postgres::Error) -> Error {
     // Class 42 (undefined table or column, insufficient privilege, ...) and 3F (invalid

@@ -32,9 +32,11 @@
 //!
 //! Each shard `n` of the relay's stream (subjects `{prefix}.{n}.>`) is consumed through its
 //! own durable JetStream pull consumer `{name}-{n}`, by its own task with its own Postgres
-//! connection. For every delivery the worker opens a transaction, inserts the event's
-//! `dedupe_key` into `processed_events` (`sql/consumer.sql`), runs the handler in that
-//! transaction, commits, and only then acknowledges.
+//! connection. The worker takes what has been delivered, up to [`Config::batch_size`]
+//! messages in stream order, opens one transaction, records all their `dedupe_key`s in one
+//! statement into `processed_events` (`sql/consumer.sql`), runs the handler for the new ones
+//! (a [`Handler`] per event, or a [`BatchHandler`] for all of them), commits, and only then
+//! acknowledges them. With `batch_size = 1` that is one transaction and one ack per event.
 //!
 //! # Invariants
 //! - C1 A message is acknowledged only after the transaction that recorded its `dedupe_key`
@@ -42,49 +44,73 @@
 //!   transaction. A side effect written through the transaction therefore happens exactly
 //!   once per event across redeliveries (ack timeouts, a consumer killed between commit and
 //!   ack, replays, consumer resets).
-//! - C2 The `dedupe_key` is inserted (`on conflict do nothing`) before the handler runs, in
-//!   its transaction: both commit or neither does. A concurrent delivery of the same event
-//!   waits on the key's row and then finds it recorded.
+//! - C2 The `dedupe_key`s of a transaction's events are inserted (`on conflict do nothing
+//!   returning dedupe_key`) before the handler runs, in its transaction: all commit or none
+//!   does. A key the insert did not return was recorded before: its event is a duplicate and
+//!   its handler does not run; the same key twice in one batch is new once, the first time.
+//!   A concurrent delivery of the same event waits on the key's row and then finds it
+//!   recorded.
 //! - C3 A handler error or panic, or a transaction that fails (or whose commit's outcome is
-//!   unknown), rolls back and is negatively acknowledged with `retry_delay`: it is never
-//!   acknowledged, and its redelivery decides by the dedupe key whether anything is left to do.
-//! - C4 A shard's consumer has `max_ack_pending = 1` and one task: its messages are handled
-//!   one at a time in stream order, and a message being redelivered is handled again before
-//!   any later message of its shard. An entity maps to exactly one shard
-//!   (`shard_for_key(partitions, entity_id)`), so each entity's events are handled in stream
-//!   order (the database's commit order) while shards run in parallel.
+//!   unknown), rolls back. A Postgres failure keeps the batch in hand and tries it again
+//!   after a backoff (nothing acknowledged; the dedupe keys decide what is left to do). A
+//!   handler failure is narrowed to one event (C8), which is negatively acknowledged with
+//!   `retry_delay` and handled again, alone, on its redelivery: never acknowledged before
+//!   its handler committed, and nothing after it in its shard is handled before that.
+//! - C4 A shard is handled by one task, in stream order: the worker holds what was
+//!   delivered by stream sequence and handles the lowest first; a message released for
+//!   redelivery (C3) is waited for before anything after it. An entity maps to exactly one
+//!   shard (`shard_for_key(partitions, entity_id)`), so each entity's events are handled in
+//!   stream order (the database's commit order) while shards run in parallel.
 //! - C5 Events are decoded from the relay's headers and checked (V1–V3 in [`event`]): the
 //!   `dedupe_key` is derived from the event's identity, not from `Nats-Msg-Id`, and every
 //!   message must be on the shard its partition key maps to with the configured partition
 //!   count. A message failing a check stops the consumer with a [`MessageError`] naming it and
-//!   the fix; it is not acknowledged.
+//!   the fix (after the messages before it are done); it is not acknowledged.
 //! - C6 Per entity, the ordering key of each processed event must increase (O1–O2 in
 //!   [`order`]); one that does not is counted ([`Stats::out_of_order`]) and logged with its
 //!   outbox id and both ordering keys, never its payload, and is still processed.
-//! - C7 On shutdown each shard finishes the message in hand (commit, or roll back), ends its
-//!   pull subscription, then answers it (ack or nak) and releases any message delivered but
-//!   not handled; its last ack is sent as a double ack and awaited (the server answers only
-//!   once it processed that ack, hence every earlier one of the shard: a socket flush alone
-//!   does not tell, and a connection closed with unread data may be reset and lose acks
-//!   still on the wire). A restarted consumer continues where this one stopped, without
-//!   waiting for `ack_wait` except for a message that was on the wire at that instant. What
-//!   a shard handled may still come again (a confirmation that did not come within
+//! - C7 On shutdown each shard finishes the batch in hand (a [`Handler`]'s batch ends after
+//!   the event in hand: what was handled commits, the rest is not processed), ends its pull
+//!   subscription, then acknowledges what committed and releases (in stream order) what it
+//!   holds unhandled; its last ack is sent as a double ack and awaited (the server answers
+//!   only once it processed that ack, hence every earlier one of the shard: a socket flush
+//!   alone does not tell, and a connection closed with unread data may be reset and lose
+//!   acks still on the wire). A restarted consumer continues where this one stopped. What a
+//!   shard handled may still come again (a confirmation that did not come within
 //!   [`STOP_CONFIRM`]; nats-server 2.9.10 backing out a delivery to a pull request that
 //!   went away, seen about once in twenty restarts in the tests): it is recognised by its
 //!   dedupe key (C1) and its handler does not run again.
+//! - C8 Batches. A shard consumer has `max_ack_pending = batch_size`: at most a batch is
+//!   delivered and not acknowledged. A batch is what has been delivered when the worker is
+//!   ready for it (no fixed wait unless [`Config::batch_wait`]); its acks are sent pipelined
+//!   after the commit (an explicit ack each; `AckAll` is not used: it would change the
+//!   durable consumers' ack policy, which nats-server does not allow to update, and an ack
+//!   covering messages the shard has not handled would break C1). A handler failure in a
+//!   batch rolls it back; the events before the failing one commit in a transaction of their
+//!   own: a [`Handler`] names its failing event, a [`BatchHandler`]'s is found by halving the
+//!   failing part until one event fails alone (a half that succeeds on its retry commits).
+//!   With more than one message unacknowledged, JetStream (2.9.10) delivers later messages
+//!   before it redelivers an unacknowledged one once its `ack_wait` passed. So when a session
+//!   starts after a process start or a lost NATS session (or a reconnect, which ends the
+//!   session) and the shard consumer has messages delivered and not acknowledged, the
+//!   worker handles nothing above the highest stream sequence delivered before until that
+//!   many messages at or below it came back, or at most `max(ack_wait, retry_delay)` +
+//!   0.5 s (by then all were due again, and JetStream redelivers them lowest first).
 
 mod config;
 mod consumer;
 pub mod error;
 pub mod event;
+pub mod metrics;
 mod order;
 
 use std::future::Future;
 
-pub use config::Config;
+pub use config::{Config, DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE};
 pub use consumer::{Consumer, Postgres, Stats, STOP_CONFIRM};
 pub use error::{Error, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
+pub use metrics::Metrics;
 pub use outbox::{Keys, Position};
 pub use tokio_postgres::Transaction;
 
@@ -118,6 +144,35 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         event: &Event,
     ) -> impl Future<Output = Result<(), BoxError>> + Send {
         H::handle(self, tx, event)
+    }
+}
+
+/// What to do with several events at once (for [`Consumer::run_batch`]), inside the
+/// transaction that records their `dedupe_key`s: e.g. one `INSERT ... SELECT unnest(...)`
+/// for all of them.
+///
+/// `events` are those of the batch not processed before, in stream order (an entity's
+/// events in the order they were committed). As with [`Handler`], an error rolls everything
+/// back; the consumer then finds the failing event by handling halves of the batch in their
+/// own transactions (see the crate docs, C8), so a batch handler must not assume it always
+/// sees whole pull batches.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Handles `events`.
+    fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> impl Future<Output = Result<(), BoxError>> + Send;
+}
+
+/// A shared batch handler.
+impl<H: BatchHandler> BatchHandler for std::sync::Arc<H> {
+    fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> impl Future<Output = Result<(), BoxError>> + Send {
+        H::handle_batch(self, tx, events)
     }
 }
 

@@ -15,8 +15,8 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use outbox::{headers, OutboxEvent, Position};
 use outbox_consumer::{
-    BoxError, Config, Consumer, Error, Event, Handler, Postgres, Problem, SetupError, Stats,
-    Transaction,
+    BatchHandler, BoxError, Config, Consumer, Error, Event, Handler, Postgres, Problem, SetupError,
+    Stats, Transaction,
 };
 use testkit::{Nats, Process};
 use tokio::sync::oneshot;
@@ -103,11 +103,20 @@ impl Case {
 
     /// A case on the shared Postgres and the nats-server `nats`.
     async fn on(nats: &Nats, name: &str, processed_table: bool) -> Case {
+        Case::on_servers(&servers().pg, nats, name, processed_table).await
+    }
+
+    /// A case on the Postgres `pg` and the nats-server `nats`.
+    async fn on_servers(
+        pg: &testkit::Postgres,
+        nats: &Nats,
+        name: &str,
+        processed_table: bool,
+    ) -> Case {
         logs();
-        let servers = servers();
         let database = format!("consumer_{name}");
-        servers.pg.create_database(&database);
-        let pg_url = servers.pg.url(&database);
+        pg.create_database(&database);
+        let pg_url = pg.url(&database);
         let sql = connect(&pg_url).await;
         if processed_table {
             sql.batch_execute(outbox_consumer::SCHEMA_SQL)
@@ -277,6 +286,26 @@ impl Case {
         }
     }
 
+    /// The example binary consuming this case, with `env` added.
+    fn example(&self, env: &[(&str, String)]) -> Process {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
+        command
+            .env("DATABASE_URL", &self.pg_url)
+            .env("NATS_URL", &self.nats_url)
+            .env("OUTBOX_RELAY_STREAM", &self.stream)
+            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &self.prefix)
+            .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
+            .env("OUTBOX_CONSUMER_NAME", &self.name)
+            .env("OUTBOX_CONSUMER_ACK_WAIT_MS", "1500")
+            .env("RUST_LOG", "info")
+            .env_remove("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT")
+            .env_remove("OUTBOX_CONSUMER_METRICS_ADDR");
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        Process::spawn("consumer-example", command)
+    }
+
     async fn consumer_info(&self, shard: u64) -> jetstream::consumer::Info {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
         stream
@@ -292,6 +321,20 @@ async fn connect(url: &str) -> tokio_postgres::Client {
         .unwrap();
     tokio::spawn(connection);
     client
+}
+
+/// `line` without its terminal colour codes.
+fn strip_ansi(line: &str) -> String {
+    let mut plain = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
 }
 
 /// Waits until `check` holds, polling every 20 ms; panics after [`DEADLINE`] naming `what`.
@@ -318,6 +361,20 @@ impl Running {
         let stats = consumer.stats();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(consumer.run(handler, async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// [`Running::start`] with a batch handler.
+    fn start_batch(consumer: Consumer, handler: impl BatchHandler) -> Running {
+        let stats = consumer.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_batch(handler, async {
             let _ = stopped.await;
         }));
         Running {
@@ -403,6 +460,41 @@ impl Recorder {
     }
 }
 
+/// A batch handler: the batch's `effects` rows in one statement; any batch holding an event
+/// of `fail_first_delivery` on that event's first delivery fails (after writing).
+#[derive(Default)]
+struct BatchRecorder {
+    fail_first_delivery: HashSet<i64>,
+    batches: Mutex<Vec<Vec<i64>>>,
+}
+
+impl BatchHandler for BatchRecorder {
+    async fn handle_batch(
+        &self,
+        tx: &mut Transaction<'_>,
+        events: &[Event],
+    ) -> Result<(), BoxError> {
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        self.batches.lock().unwrap().push(ids.clone());
+        let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
+        let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        let delivered: Vec<i64> = events.iter().map(|e| e.delivered as i64).collect();
+        tx.execute(
+            "insert into effects (outbox_id, entity_id, event_type, delivered) \
+             select * from unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[])",
+            &[&ids, &entities, &types, &delivered],
+        )
+        .await?;
+        if let Some(e) = events
+            .iter()
+            .find(|e| e.delivered == 1 && self.fail_first_delivery.contains(&e.id))
+        {
+            return Err(format!("the first delivery of {} fails on purpose", e.id).into());
+        }
+        Ok(())
+    }
+}
+
 const T0: i64 = 1_700_000_000_000;
 
 /// `n` events of `entities` entities, round-robin, ids from `first`, times increasing.
@@ -456,21 +548,8 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
     case.publish(&all, None).await;
     let victim = &all[7];
     let example = |stall: Option<i64>| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-consumer-example"));
-        command
-            .env("DATABASE_URL", &case.pg_url)
-            .env("NATS_URL", &case.nats_url)
-            .env("OUTBOX_RELAY_STREAM", &case.stream)
-            .env("OUTBOX_RELAY_SUBJECT_PREFIX", &case.prefix)
-            .env("OUTBOX_RELAY_PARTITIONS", PARTITIONS.to_string())
-            .env("OUTBOX_CONSUMER_NAME", &case.name)
-            .env("OUTBOX_CONSUMER_ACK_WAIT_MS", "1500")
-            .env("RUST_LOG", "info")
-            .env_remove("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT");
-        if let Some(id) = stall {
-            command.env("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT", id.to_string());
-        }
-        Process::spawn("consumer-example", command)
+        let stall = stall.map(|id| ("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT", id.to_string()));
+        case.example(stall.as_slice())
     };
 
     let mut first = example(Some(victim.id));
@@ -488,9 +567,21 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
     assert_eq!(recorded, 1);
     assert_eq!(case.effects_in("ledger").await.get(&victim.id), Some(&1));
     first.kill();
-    // ... and not acknowledged.
+    // ... and not acknowledged, nor anything else of its batch: every event of the shard
+    // committed and not below the ack floor (stream sequence = outbox id here) is pending.
     let info = case.consumer_info(victim.shard).await;
-    assert_eq!(info.num_ack_pending, 1, "the victim's ack was never sent");
+    let ledger = case.effects_in("ledger").await;
+    let unacked = all
+        .iter()
+        .filter(|e| e.shard == victim.shard && ledger.contains_key(&e.id))
+        .filter(|e| e.id as u64 > info.ack_floor.stream_sequence)
+        .count();
+    assert!(unacked >= 1, "the victim is committed and not acknowledged");
+    assert!(
+        info.num_ack_pending >= unacked,
+        "the victim's batch was never acknowledged: {} pending, {unacked} committed",
+        info.num_ack_pending
+    );
 
     let mut second = example(None);
     wait_for("every event applied", async || {
@@ -510,9 +601,16 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
         .lines()
         .find(|l| l.contains("stopped"))
         .unwrap_or_else(|| panic!("{output}"));
+    let plain = strip_ansi(stopped);
+    let duplicates: usize = plain
+        .split("duplicates=")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{plain}"));
     assert!(
-        !stopped.contains("duplicates=0"),
-        "the redelivery was not a duplicate: {stopped}"
+        duplicates >= unacked,
+        "the batch's redeliveries were not all duplicates: {stopped}"
     );
     case.assert_once_in("ledger", 1..=20).await;
 }
@@ -559,7 +657,11 @@ async fn a_restarted_shard_consumer_continues_where_it_left_off() {
         ..Default::default()
     });
     let running = Running::start(case.consumer(config.clone()).await, Arc::clone(&first));
-    running.wait_processed(60).await;
+    // Handled, not processed: a batch counts as processed once it committed, all at once.
+    wait_for("60 events handled", async || {
+        first.attempts.lock().unwrap().len() >= 60
+    })
+    .await;
     let before = running.stop().await;
     assert!(before.processed() < 300, "stopped mid-stream");
     let handled_first: HashSet<i64> = first.attempts.lock().unwrap().keys().copied().collect();
@@ -893,4 +995,221 @@ async fn an_unreachable_postgres_is_retried_and_stopping_still_works() {
     let stats = running.stop().await;
     assert_eq!(stats.processed(), 0);
     assert!(case.effects().await.is_empty());
+}
+
+/// The outbox ids of `effects` in the order they committed, with their delivery counts.
+async fn effects_in_order(case: &Case) -> Vec<(i64, i64)> {
+    case.sql
+        .query("select outbox_id, delivered from effects order by seq", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// 10 events of one entity (so one shard), and a configuration that takes them as one batch.
+async fn one_batch(case: &Case) -> Config {
+    let all: Vec<_> = (1..=10)
+        .map(|id| case.event(id, "account-batch", "Credited", T0 + id))
+        .collect();
+    case.publish(&all, None).await;
+    let mut config = case.config();
+    config.batch_wait = Duration::from_millis(300);
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_in_the_middle_of_a_batch_commits_the_others_once_and_in_order() {
+    let case = Case::new("batch_failing").await;
+    let config = one_batch(&case).await;
+    let recorder = Arc::new(Recorder {
+        fail_first: HashSet::from([5]),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(10).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.handler_failures(), 1);
+    // 1-4 ran in the batch that failed and again in the one that committed without 5; 5
+    // was retried once, alone, on its redelivery; 6-10 ran once, after it.
+    let attempts: Vec<u32> = (1..=10).map(|id| recorder.attempts(id)).collect();
+    assert_eq!(attempts, [2, 2, 2, 2, 2, 1, 1, 1, 1, 1]);
+    assert_one_batch_applied_with_5_redelivered(&case, &stats).await;
+}
+
+/// [`one_batch`]'s events each applied once, in stream order, 5 on its redelivery.
+async fn assert_one_batch_applied_with_5_redelivered(case: &Case, stats: &Stats) {
+    assert_eq!(stats.duplicates(), 0);
+    case.assert_effects_once(1..=10).await;
+    let applied = effects_in_order(case).await;
+    let ids: Vec<i64> = applied.iter().map(|&(id, _)| id).collect();
+    assert_eq!(
+        ids,
+        (1..=10).collect::<Vec<_>>(),
+        "committed in stream order"
+    );
+    assert!(
+        applied
+            .iter()
+            .all(|&(id, delivered)| delivered == if id == 5 { 2 } else { 1 }),
+        "only 5 was redelivered: {applied:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_failing_on_one_event_is_narrowed_to_it() {
+    let case = Case::new("batch_handler").await;
+    let config = one_batch(&case).await;
+    let recorder = Arc::new(BatchRecorder {
+        fail_first_delivery: HashSet::from([5]),
+        ..Default::default()
+    });
+    let running = Running::start_batch(case.consumer(config).await, Arc::clone(&recorder));
+    running.wait_processed(10).await;
+    let stats = running.stop().await;
+    assert_one_batch_applied_with_5_redelivered(&case, &stats).await;
+    // Halving: 1-10 and 1-5 fail; 1-2, 3 and 4 commit; 5 is released; then 5 alone, 6-10.
+    let batches = recorder.batches.lock().unwrap().clone();
+    assert_eq!(
+        batches,
+        [
+            (1..=10).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5],
+            vec![1, 2],
+            vec![3],
+            vec![4],
+            vec![5],
+            vec![6, 7, 8, 9, 10],
+        ]
+    );
+    assert_eq!(stats.handler_failures(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_in_the_same_batch_are_recognised() {
+    let case = Case::new("batch_replay").await;
+    let all = events(&case, 1, 30, 7);
+    case.publish(&all, None).await;
+    case.publish(&all, Some("replay:")).await;
+    let mut config = case.config();
+    config.batch_wait = Duration::from_millis(300);
+    let running = Running::start(case.consumer(config).await, Arc::new(Recorder::default()));
+    running.wait_processed(30).await;
+    wait_for("30 replays recognised", async || {
+        running.stats.duplicates() == 30
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.processed(), 30);
+    case.assert_effects_once(1..=30).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_mid_stream_repeats_no_side_effect() {
+    let mut pg = tokio::task::block_in_place(testkit::Postgres::start);
+    let mut case = Case::on_servers(&pg, &servers().nats, "pg_restart", true).await;
+    let all = events(&case, 1, 600, 40);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(2),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(100).await;
+    tokio::task::block_in_place(|| pg.restart());
+    case.sql = connect(&case.pg_url).await;
+    wait_for("every event applied and acknowledged", async || {
+        case.effects().await.len() == 600 && case.all_acked().await
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(stats.retries() >= 1, "the sessions were restarted");
+    case.assert_effects_once(1..=600).await;
+    case.assert_entity_order().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_examples_metrics_and_every_one_is_documented() {
+    let case = Case::new("metrics").await;
+    let port = testkit::free_port();
+    let mut example =
+        case.example(&[("OUTBOX_CONSUMER_METRICS_ADDR", format!("127.0.0.1:{port}"))]);
+    let get = |path: &str| tokio::task::block_in_place(|| testkit::http_get(port, path));
+    wait_for("/readyz answers 200", async || {
+        matches!(get("/readyz"), Ok((200, _)))
+    })
+    .await;
+    assert_eq!(get("/healthz").unwrap().0, 200);
+    let prometheus =
+        tokio::task::block_in_place(|| testkit::Prometheus::start(&[format!("127.0.0.1:{port}")]));
+    let all = events(&case, 1, 40, 9);
+    case.publish(&all, None).await;
+    // A replay of the first 10 under other message ids: duplicates.
+    case.publish(&all[..10], Some("replay:")).await;
+    let value =
+        |promql: &str| tokio::task::block_in_place(|| prometheus.value(promql)).unwrap_or(f64::NAN);
+    wait_for(
+        "Prometheus sees 40 processed and 10 duplicates",
+        async || {
+            value("sum(outbox_consumer_processed_total)") == 40.0
+                && value("sum(outbox_consumer_duplicates_total)") == 10.0
+                && value("sum(outbox_consumer_pending)") == 0.0
+        },
+    )
+    .await;
+    assert!(value("outbox_consumer_batch_events_count") >= 1.0);
+    assert!(value("outbox_consumer_commit_seconds_count") >= 1.0);
+    assert_eq!(
+        value("count(outbox_consumer_shard_up == 1)"),
+        PARTITIONS as f64
+    );
+
+    // Every metric the example exposes is explained in docs/consumers.md.
+    let (_, text) = get("/metrics").unwrap();
+    let docs = include_str!("../../../docs/consumers.md");
+    let names: HashSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    assert!(names.len() >= 10, "{text}");
+    for name in names {
+        assert!(
+            docs.contains(&format!("`{name}")),
+            "docs/consumers.md does not explain {name}"
+        );
+    }
+    let status = tokio::task::block_in_place(|| example.terminate(DEADLINE));
+    assert!(status.success(), "{}", example.output());
+    case.assert_once_in("ledger", 1..=40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unbatched_consumers_durable_consumers_are_taken_over_in_batches() {
+    let case = Case::new("upgrade").await;
+    let all = events(&case, 1, 240, 24);
+    case.publish(&all, None).await;
+    let recorder = Arc::new(Recorder {
+        pause: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let mut unbatched = case.config();
+    unbatched.batch_size = 1;
+    let running = Running::start(case.consumer(unbatched).await, Arc::clone(&recorder));
+    running.wait_processed(60).await;
+    let before = running.stop().await;
+    assert_eq!(case.consumer_info(0).await.config.max_ack_pending, 1);
+
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
+    running.wait_processed(240 - before.processed()).await;
+    running.stop().await;
+    let info = case.consumer_info(0).await;
+    assert_eq!(
+        info.config.max_ack_pending,
+        outbox_consumer::DEFAULT_BATCH_SIZE as i64
+    );
+    case.assert_effects_once(1..=240).await;
+    case.assert_entity_order().await;
 }

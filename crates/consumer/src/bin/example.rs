@@ -11,6 +11,9 @@
 //! OUTBOX_CONSUMER_SHARDS        all, or e.g. 0,1,2 to split shards between processes
 //! OUTBOX_CONSUMER_ACK_WAIT_MS   30000
 //! OUTBOX_CONSUMER_RETRY_DELAY_MS 5000
+//! OUTBOX_CONSUMER_BATCH_SIZE    100      (events per transaction; 1: one transaction each)
+//! OUTBOX_CONSUMER_BATCH_WAIT_MS 0
+//! OUTBOX_CONSUMER_METRICS_ADDR  unset; e.g. 127.0.0.1:9465 serves /metrics, /healthz, /readyz
 //! ```
 //!
 //! It creates `processed_events` (sql/consumer.sql) and `ledger` if missing, and stops on
@@ -19,7 +22,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Metrics, Postgres, Transaction};
 use tracing::{error, info};
 
 /// The side effect: one ledger row per event.
@@ -86,6 +89,8 @@ async fn run() -> Result<(), BoxError> {
     }
     config.ack_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_ACK_WAIT_MS", 30_000)?);
     config.retry_delay = Duration::from_millis(parsed("OUTBOX_CONSUMER_RETRY_DELAY_MS", 5_000)?);
+    config.batch_size = parsed("OUTBOX_CONSUMER_BATCH_SIZE", config.batch_size)?;
+    config.batch_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_BATCH_WAIT_MS", 0)?);
 
     let pg_config: tokio_postgres::Config = database_url
         .parse()
@@ -96,17 +101,99 @@ async fn run() -> Result<(), BoxError> {
     setup.batch_execute(LEDGER_SQL).await?;
     drop(setup);
 
+    let metrics_addr: Option<std::net::SocketAddr> =
+        match std::env::var("OUTBOX_CONSUMER_METRICS_ADDR") {
+            Err(_) => None,
+            Ok(addr) => Some(addr.parse().map_err(|_| {
+                format!(
+                    "OUTBOX_CONSUMER_METRICS_ADDR {addr:?} is not an address like 127.0.0.1:9465"
+                )
+            })?),
+        };
+    let shards = config.shard_list()?;
     let nats = async_nats::connect(&nats_url).await?;
     let mut consumer = Consumer::new(
         config,
         nats,
         Postgres::new(pg_config, tokio_postgres::NoTls),
     );
+    let _serving = match metrics_addr {
+        Some(addr) => Some(serve(addr, consumer.metrics(), shards).await?),
+        None => None,
+    };
     if let Ok(id) = std::env::var("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT") {
         consumer = stall_after_commit(consumer, id.parse()?);
     }
     consumer.run(Ledger, shutdown()).await?;
     Ok(())
+}
+
+/// Serves `GET /metrics` (Prometheus text), `/healthz` (200 while the process runs) and
+/// `/readyz` (200, or 503 naming the shards without a running session) on `addr`, one
+/// request per connection, until the handle is dropped.
+async fn serve(
+    addr: std::net::SocketAddr,
+    metrics: std::sync::Arc<Metrics>,
+    shards: Vec<u64>,
+) -> Result<tokio_util::task::AbortOnDropHandle<()>, BoxError> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        format!("cannot serve metrics on {addr}: {e} (set OUTBOX_CONSUMER_METRICS_ADDR to a free local address, or unset it)")
+    })?;
+    info!(address = %addr, "serving metrics and health on http://{addr}/metrics, /healthz, /readyz");
+    let shards = std::sync::Arc::new(shards);
+    Ok(tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+        async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let (metrics, shards) = (metrics.clone(), shards.clone());
+                tokio::spawn(tokio::time::timeout(Duration::from_secs(5), async move {
+                    // The request head, at most 8 KiB.
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&head);
+                    let path = head.split(' ').nth(1).unwrap_or("");
+                    let (status, content_type, body) = match path {
+                        "/metrics" => (
+                            200,
+                            outbox_consumer::metrics::CONTENT_TYPE,
+                            metrics.encode(),
+                        ),
+                        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
+                        "/readyz" => match metrics.readiness(&shards) {
+                            Ok(()) => (200, "text/plain", "ready\n".to_owned()),
+                            Err(reason) => (503, "text/plain", format!("{reason}\n")),
+                        },
+                        _ => (
+                            404,
+                            "text/plain",
+                            "not found: /metrics, /healthz, /readyz\n".to_owned(),
+                        ),
+                    };
+                    let reason = match status {
+                        200 => "OK",
+                        503 => "Service Unavailable",
+                        _ => "Not Found",
+                    };
+                    let response = format!(
+                    "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                    let _ = stream.write_all(response.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                }));
+            }
+        },
+    )))
 }
 
 /// Resolves on SIGINT or SIGTERM.
