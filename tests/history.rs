@@ -76,18 +76,7 @@ async fn relay_after_losing_history(restore: Restore) {
         relay_after_writing_past_the_tail(&case, &js, &sql, tail).await;
         return;
     }
-    let new_ids: Vec<i64> = sql
-        .query(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             select 'restored-' || i, 'AfterRestore', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', '{}'::jsonb \
-               from generate_series(1, $1::int) as i returning id",
-            &[&(NEW_ROWS as i32)],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let new_ids = insert_after_restore(&sql, NEW_ROWS).await;
     let last_new_commit = wal_lsn(&sql).await;
     assert!(
         last_new_commit < tail,
@@ -160,19 +149,7 @@ async fn relay_after_writing_past_the_tail(
     let mut new_ids: Vec<i64> = Vec::new();
     let (mut below, mut above) = (0, 0);
     while wal_lsn(sql).await <= tail || new_ids.last().is_none_or(|&id| id < tail_id) {
-        let ids: Vec<i64> = sql
-            .query(
-                "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-                 select 'restored-' || i, 'AfterRestore', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', '{}'::jsonb \
-                   from generate_series(1, 10) as i returning id",
-                &[],
-            )
-            .await
-            .unwrap()
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        new_ids.extend(ids);
+        new_ids.extend(insert_after_restore(sql, 10).await);
         if wal_lsn(sql).await <= tail {
             below += 1;
         } else {
@@ -203,6 +180,22 @@ async fn relay_after_writing_past_the_tail(
         "WrittenPastTheTail: tail of the lost history at {tail} (outbox id {tail_id}); {} new events ({below} transactions below it, {above} above) all published once",
         new_ids.len()
     );
+}
+
+/// Inserts `rows` rows of the new history (event type `AfterRestore`, keys of their own) in
+/// one transaction; returns their ids.
+async fn insert_after_restore(sql: &tokio_postgres::Client, rows: usize) -> Vec<i64> {
+    sql.query(
+        "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+         select 'restored-' || i, 'AfterRestore', 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', '{}'::jsonb \
+           from generate_series(1, $1::int) as i returning id",
+        &[&(rows as i32)],
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|row| row.get(0))
+    .collect()
 }
 
 /// The outbox ids of the new history's events, in stream order.

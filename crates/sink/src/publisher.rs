@@ -1006,20 +1006,19 @@ fn prepare(
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     block.clear();
-    let problem = match instead {
-        Some((kind, reason)) => Err((kind, reason.to_owned())),
-        // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII
-        // database stores any bytes).
-        None if std::str::from_utf8(&event.payload).is_err() => Err((
+    // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII database
+    // stores any bytes).
+    let not_utf8 = std::str::from_utf8(&event.payload).err();
+    let problem = match (instead, not_utf8) {
+        (Some((kind, reason)), _) => Err((kind, reason.to_owned())),
+        (None, Some(error)) => Err((
             PoisonKind::NotUtf8,
             format!(
                 "its payload is not valid UTF-8 (from byte {}), so no consumer could decode it",
-                std::str::from_utf8(&event.payload)
-                    .err()
-                    .map_or(0, |e| e.valid_up_to())
+                error.valid_up_to()
             ),
         )),
-        None => {
+        (None, None) => {
             let msg_id = write_event_block(
                 block,
                 &event,
