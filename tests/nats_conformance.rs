@@ -1,10 +1,10 @@
 //! The publishing connection (sink C6, C7, P11, P12) against real nats-servers configured
 //! the way users run them: an account whose `max_payload` is below the server's (the INFO
-//! after CONNECT says so), a user who may not publish one event type's subject, and a
-//! cluster node put into lame-duck mode during a load run. Each
-//! case: nothing lost, nothing twice, commit order kept, the slot moving (dead-letter), or
-//! a halt naming the event (halt). Run on every nats-server of the matrix
-//! (`TESTKIT_NATS_SERVER`, `.ci/run`).
+//! after CONNECT says so), a user who may not publish one event type's subject, a
+//! cluster node put into lame-duck mode during a load run, and a hostname whose first
+//! address is black-holed. Each case: nothing lost, nothing twice, commit order kept, the
+//! slot moving (dead-letter), or a halt naming the event (halt). Run on every nats-server
+//! of the matrix (`TESTKIT_NATS_SERVER`, `.ci/run`).
 //!
 //! Each test starts its own nats-server with its configuration file; the Postgres is
 //! shared by the tests of this binary.
@@ -459,5 +459,121 @@ async fn a_node_in_lame_duck_mode_hands_the_session_over_without_a_failure() {
     );
     findings.assert_faithful();
     no_failed_session(&relay);
+    drop(relay);
+}
+
+/// The name of a dual-stack NATS host whose IPv6 address is black-holed: it resolves to
+/// `[::1]` first (IPv6 is preferred), where nothing answers, then to `127.0.0.1`, where the
+/// server listens.
+const DUAL_STACK_HOST: &str = "nats-dual-stack.outbox-relay.test";
+
+/// A listener at `address` that never accepts, its accept queue full, so that the kernel
+/// drops every further SYN: a connection attempt there hangs until its timeout, as towards a
+/// black-holed route. Keep what it returns alive for as long as the hole should be there.
+async fn black_hole(address: std::net::SocketAddr) -> Vec<Box<dyn std::any::Any + Send>> {
+    let socket = if address.is_ipv6() {
+        tokio::net::TcpSocket::new_v6()
+    } else {
+        tokio::net::TcpSocket::new_v4()
+    }
+    .unwrap();
+    socket.bind(address).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let mut kept: Vec<Box<dyn std::any::Any + Send>> = vec![Box::new(listener)];
+    loop {
+        let attempt = tokio::net::TcpStream::connect(address);
+        match tokio::time::timeout(Duration::from_millis(300), attempt).await {
+            Ok(Ok(tcp)) => kept.push(Box::new(tcp)),
+            Ok(Err(e)) => panic!("the black hole at {address} refused: {e}"),
+            Err(_) => return kept,
+        }
+        assert!(
+            kept.len() < 16,
+            "the accept queue at {address} never filled"
+        );
+    }
+}
+
+/// `unshare --mount` around the relay with `hosts` bound over `/etc/hosts`: the relay alone
+/// resolves [`DUAL_STACK_HOST`], nothing on the machine changes. Needs root (as CI runs).
+fn with_hosts_file(hosts: &Path) -> Vec<String> {
+    let probe = std::process::Command::new("unshare")
+        .args(["--mount", "true"])
+        .output()
+        .expect("unshare (util-linux) runs");
+    assert!(
+        probe.status.success(),
+        "this test runs the relay in a mount namespace of its own (`unshare --mount`), which \
+         needs root (CI runs as root): {}",
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    [
+        "unshare",
+        "--mount",
+        "sh",
+        "-c",
+        r#"mount --bind "$0" /etc/hosts && exec "$@""#,
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .chain([hosts.to_str().unwrap().to_owned()])
+    .collect()
+}
+
+/// Issue 20, case 4: a NATS hostname whose first address silently drops connection attempts
+/// (a dual-stack host with broken IPv6) is dialled at its next address, each with its own
+/// timeout (sink C9): both of the relay's connections reach the server, the publishing one
+/// logs which address failed and why, and every event is stored once, in commit order, with
+/// no failed session. (With one timeout for all of a host's addresses, the publishing
+/// connection spent it on the first and every session failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostname_whose_first_address_is_black_holed_is_dialled_at_the_next() {
+    let nats = Nats::start();
+    let hole = std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, nats.port()));
+    let _hole = black_hole(hole).await;
+    let dir = tempfile::Builder::new()
+        .prefix("nats-dual-stack-")
+        .tempdir()
+        .unwrap();
+    let hosts = dir.path().join("hosts");
+    let system = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
+    std::fs::write(
+        &hosts,
+        format!("{system}\n::1 {DUAL_STACK_HOST}\n127.0.0.1 {DUAL_STACK_HOST}\n"),
+    )
+    .unwrap();
+
+    let mut case = Case::with_nats_url(
+        pg(),
+        &format!("nats://{DUAL_STACK_HOST}:{}", nats.port()),
+        "dual_stack",
+    );
+    case.relay_wrapper = with_hosts_file(&hosts);
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut sql = case.sql().await;
+    let mut all = Vec::new();
+    for tag in ["first", "second", "third"] {
+        all.extend(insert(&mut sql, &[("OrderPaid", 10); 4], tag).await);
+    }
+    let (messages, last_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
+    let ids: Vec<i64> = messages.iter().map(Stored::outbox_id).collect();
+    assert_eq!(ids, all, "every row once, in commit order");
+    let table = rows_by_id(&sql).await;
+    for message in &messages {
+        assert_matches_row(&case, message, &table[&message.outbox_id()]);
+    }
+    let output = relay.output();
+    assert!(
+        output.contains("trying the next address of the host")
+            && output.contains(&hole.to_string())
+            && output.contains("no answer within"),
+        "the publishing connection names the address that failed and why:\n{output}"
+    );
+    no_failed_session(&relay);
+    eprintln!(
+        "dual_stack: {hole} black-holed, {} rows stored once, in order, through 127.0.0.1; slot confirmed past {last_commit}",
+        all.len()
+    );
     drop(relay);
 }
