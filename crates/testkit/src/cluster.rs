@@ -323,7 +323,7 @@ impl NatsCluster {
                             "--- {} /healthz: {:?}; log tail:\n{}",
                             self.nodes[i].name,
                             self.monitor_get(i, "/healthz"),
-                            crate::harness::last_lines(&self.log(i), 20)
+                            crate::process::last_lines(&self.log(i), 20)
                         )
                     })
                     .collect();

@@ -203,7 +203,7 @@ impl Postgres {
         if let Err(e) = pg.try_psql("postgres", "select 1") {
             panic!(
                 "testkit: postgres started but psql over TCP fails: {e}\nlog tail:\n{}",
-                crate::harness::last_lines(&pg.log(), 40)
+                crate::process::last_lines(&pg.log(), 40)
             );
         }
         pg

@@ -281,3 +281,9 @@ fn pump_lines(stream: Box<dyn Read + Send>, capture: &Capture, echo: Option<&str
         }
     }
 }
+
+/// The last `n` lines of `text` (a server's or the relay's log, in a failure message).
+pub fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}

@@ -86,7 +86,7 @@ impl Prometheus {
             if let Some(status) = prometheus.child.try_wait() {
                 panic!(
                     "testkit: prometheus exited with {status} while starting on port {port}; log:\n{}",
-                    crate::harness::last_lines(&prometheus.log(), 40)
+                    crate::process::last_lines(&prometheus.log(), 40)
                 );
             }
             if matches!(http_get(port, "/-/ready"), Ok((200, _))) {
@@ -95,7 +95,7 @@ impl Prometheus {
             assert!(
                 Instant::now() < deadline,
                 "testkit: prometheus not ready on port {port} within {START_TIMEOUT:?}; log:\n{}",
-                crate::harness::last_lines(&prometheus.log(), 40)
+                crate::process::last_lines(&prometheus.log(), 40)
             );
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -107,7 +107,7 @@ impl Server {
             panic!(
                 "testkit: {} did not exit within {timeout:?} after {what}; killed it. log tail:\n{}",
                 self.name,
-                crate::harness::last_lines(&self.log(), 40)
+                crate::process::last_lines(&self.log(), 40)
             );
         }
     }
@@ -149,7 +149,7 @@ impl Server {
                 let msg = format!(
                     "testkit: {} exited with {status} while starting {where_}; log:\n{}",
                     self.name,
-                    crate::harness::last_lines(&log, 40)
+                    crate::process::last_lines(&log, 40)
                 );
                 return Err(if log.to_lowercase().contains("address already in use") {
                     LaunchError::PortInUse(msg)
@@ -165,7 +165,7 @@ impl Server {
                 return Err(LaunchError::Failed(format!(
                     "testkit: timed out after {timeout:?} waiting for {} {where_} to accept clients; log tail:\n{}",
                     self.name,
-                    crate::harness::last_lines(&log, 40)
+                    crate::process::last_lines(&log, 40)
                 )));
             }
             thread::sleep(Duration::from_millis(20));

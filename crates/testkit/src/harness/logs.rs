@@ -34,11 +34,7 @@ pub fn lines_with(text: &str, needles: &[&str]) -> usize {
         .count()
 }
 
-/// The last `n` lines of `text`.
-pub fn last_lines(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
+pub use crate::process::last_lines;
 
 /// The lines of a relay's log that start with a timestamp (tracing's
 /// `2024-05-01T12:34:56.123456Z`), with that time; colour escapes removed.
