@@ -17,7 +17,7 @@ use std::fmt;
 use std::io;
 use std::time::Duration;
 
-use crate::conninfo::{SslMode, TargetSessionAttrs};
+use crate::modes::{SslMode, TargetSessionAttrs};
 
 /// Everything that can go wrong while connecting, querying or streaming.
 #[derive(Debug, thiserror::Error)]

@@ -62,6 +62,7 @@ mod auth;
 pub mod connection;
 pub mod conninfo;
 pub mod error;
+pub mod modes;
 mod sql;
 pub mod stream;
 pub mod tls;

@@ -43,7 +43,7 @@
 //!   `INFO` that lowers it further ends the session (the next one checks against it); one
 //!   with `ldm: true` (lame-duck mode) sets [`Connection::lame_duck`]: the publisher stops
 //!   taking events, what is in flight is acknowledged, and the session ends with
-//!   [`crate::SinkError::LameDuck`], not a failure; the next session dials that server last.
+//!   [`crate::error::SinkError::LameDuck`], not a failure; the next session dials that server last.
 //!   `connect_urls` join the candidates of later sessions ([`Learned`]), with the scheme
 //!   and, for an IP address, the TLS name of the configured servers.
 //! - C7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
@@ -52,7 +52,7 @@
 //!   (P11); any other `-ERR` closes the connection and ends the session with the server's
 //!   words. In the handshake, a refused credential (`Authorization Violation`,
 //!   `Authentication Timeout`, expired or revoked user or account) and a server without
-//!   headers are permanent ([`crate::SinkError::Refused`]); in a session they end it (the
+//!   headers are permanent ([`crate::error::SinkError::Refused`]); in a session they end it (the
 //!   next handshake decides: a rotated `.creds` file is read again).
 //! - C8 The handshake reads on past the subscription's `PONG` only what arrived with it:
 //!   those bytes (a `PING`, an `INFO`) are the reader's first, not an error. The server's
@@ -196,7 +196,7 @@ impl Connector {
         &self,
         client: &async_nats::Client,
         window: usize,
-    ) -> Result<Connection, crate::SinkError> {
+    ) -> Result<Connection, crate::error::SinkError> {
         let mut reply_prefix = client.new_inbox();
         reply_prefix.push('.');
         self.open_with(reply_prefix, window).await
@@ -207,9 +207,11 @@ impl Connector {
         &self,
         reply_prefix: String,
         window: usize,
-    ) -> Result<Connection, crate::SinkError> {
+    ) -> Result<Connection, crate::error::SinkError> {
         let mut failures = Vec::new();
-        let candidates = self.candidates().map_err(crate::SinkError::Connect)?;
+        let candidates = self
+            .candidates()
+            .map_err(crate::error::SinkError::Connect)?;
         for address in &candidates {
             match self.open_one(address, &reply_prefix).await {
                 Ok((stream, info, leftover)) => {
@@ -233,20 +235,20 @@ impl Connector {
                 }
                 Err(Failure::Other(why)) => failures.push(format!("{address}: {why}")),
                 Err(Failure::Subscription(why)) => {
-                    return Err(crate::SinkError::SubscriptionRefused {
+                    return Err(crate::error::SinkError::SubscriptionRefused {
                         subject: format!("{reply_prefix}*"),
                         why,
                     });
                 }
                 Err(Failure::Refused(kind, why)) => {
-                    return Err(crate::SinkError::Refused {
+                    return Err(crate::error::SinkError::Refused {
                         kind,
                         why: format!("{address}: {why}"),
                     });
                 }
             }
         }
-        Err(crate::SinkError::Connect(if failures.is_empty() {
+        Err(crate::error::SinkError::Connect(if failures.is_empty() {
             "no NATS server is configured".to_owned()
         } else {
             failures.join("; ")
@@ -1380,7 +1382,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            matches!(&error, crate::SinkError::Refused { kind: k, .. } if *k == kind),
+            matches!(&error, crate::error::SinkError::Refused { kind: k, .. } if *k == kind),
             "{error:?}"
         );
         assert!(!error.is_transient());

@@ -30,6 +30,7 @@
 
 pub mod ack;
 pub mod conn;
+pub mod error;
 pub mod latency;
 pub mod message;
 pub mod publisher;
@@ -38,13 +39,11 @@ pub mod tracker;
 pub mod wire;
 
 pub use conn::{Connection, Connector};
+pub use error::{PoisonKind, Refusal, SinkError};
 pub use latency::{Latency, LatencySnapshot, LATENCY_BUCKETS_US};
 pub use message::{
     control_line_len, publish_message, wire_size, Fence, Limits, DEFAULT_MAX_CONTROL_LINE,
     REPLY_SUBJECT_LEN,
 };
-pub use publisher::{
-    run, Acknowledged, PoisonKind, PoisonPolicy, Refusal, SinkError, SinkOptions, SinkStats,
-    REUSED_ID_METRIC,
-};
+pub use publisher::{run, Acknowledged, PoisonPolicy, SinkOptions, SinkStats, REUSED_ID_METRIC};
 pub use tracker::{AckTracker, Ticket, TrackerError};
