@@ -23,27 +23,13 @@
 //! The system's invariants I1–I12 are numbered in docs/architecture.md; [`pipeline`] states
 //! the ones it keeps under those numbers.
 
-pub mod backfill;
-pub mod bootstrap;
-pub mod boundary;
+pub mod commands;
 pub mod config;
+pub mod connect;
 pub mod error;
-pub mod heartbeat;
-pub mod http;
-pub mod identity;
-pub mod lease;
-pub mod logging;
-pub mod mark;
-pub mod metrics;
-pub mod monitor;
-pub mod nats;
-pub mod pipeline;
-pub mod replay;
-pub mod retention;
-pub mod status;
-pub mod stored;
-pub mod verify;
+pub mod observe;
+pub mod process;
 
 pub use config::Config;
 pub use error::RelayError;
-pub use pipeline::run;
+pub use process::pipeline::run;

@@ -24,7 +24,7 @@
 //!
 //! Which rows are the relay's: every row, except those the slot's creation left out by
 //! design (with `--backfill pending`, the rows already `published` in the slot's snapshot),
-//! which [`crate::boundary`] recorded then. Those are neither expected nor checked; the
+//! which [`crate::process::boundary`] recorded then. Those are neither expected nor checked; the
 //! report says how many and which ids, on one line. A slot without a record (created before
 //! the boundary was recorded, with `--backfill none`, or by hand) has every row expected, as
 //! before, and the report says once why rows may then be reported missing.
@@ -534,7 +534,7 @@ pub struct Report {
     /// The lowest and highest id left out.
     pub left_out_ids: Option<(i64, i64)>,
     /// The slot's boundary as read (`None`: not read, the range held no row).
-    pub boundary: Option<crate::boundary::Read>,
+    pub boundary: Option<crate::process::boundary::Read>,
     /// The slot's name, for the report.
     pub slot: String,
     /// Messages read from the stream.
@@ -586,7 +586,7 @@ impl Report {
             }
         }
         match &self.boundary {
-            Some(crate::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
+            Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
                     .left_out_ids
                     .map_or_else(String::new, |(lo, hi)| format!(" (ids {lo}..={hi})"));
@@ -597,7 +597,7 @@ impl Report {
                     self.left_out, self.slot, boundary.mode, boundary.consistent_point
                 );
             }
-            Some(crate::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
+            Some(crate::process::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
                 let _ = writeln!(
                     out,
                     "note: no boundary is recorded for slot {:?} ({why}), so every row is expected: \
@@ -681,7 +681,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
     range.resolve(&client).await?;
-    crate::bootstrap::check_table(&client, config).await?;
+    crate::process::bootstrap::check_table(&client, config).await?;
     let (condition, params) = range.condition();
     let condition = cast_times(&condition, &params);
     let table = &config.table;
@@ -703,7 +703,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         )),
         _ => None,
     };
-    let client_nats = crate::nats::connect(&config.nats)
+    let client_nats = crate::config::nats::connect(&config.nats)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
     let js = jetstream::new(client_nats);
@@ -820,7 +820,7 @@ fn read_stream(
         .build()
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
     runtime.block_on(async {
-        let client = crate::nats::connect(&config.nats).await.map_err(|e| {
+        let client = crate::config::nats::connect(&config.nats).await.map_err(|e| {
             RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}"))
         })?;
         let stream = jetstream::new(client)
@@ -944,10 +944,10 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         });
     };
     // V6: what the slot's creation left out.
-    let boundary = crate::boundary::read(&client, config).await;
+    let boundary = crate::process::boundary::read(&client, config).await;
     let runs = match &boundary {
-        crate::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::boundary::Read::Absent(_) => crate::boundary::Boundary::default(),
+        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
     };
     let mut report = Report {
         ids: Some((low, high)),

@@ -98,7 +98,7 @@ impl Tls {
 }
 
 impl NatsOptions {
-    /// The password or token, for the log scrubber (`crate::logging`); key and credentials
+    /// The password or token, for the log scrubber (`crate::observe::logging`); key and credentials
     /// files stay in their files.
     pub fn secrets(&self) -> Vec<String> {
         match self.credential.as_ref().map(|c| &c.kind) {

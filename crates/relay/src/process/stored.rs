@@ -73,7 +73,7 @@ async fn read_row(
     let table = table_sql(&config.table);
     let sql = format!(
         "SELECT {} FROM {table} WHERE id = $1",
-        crate::verify::row_columns().replace("payload::text", "NULL::text")
+        crate::commands::verify::row_columns().replace("payload::text", "NULL::text")
     );
     let rows = client.query(&sql, &[&id]).await.map_err(|e| {
         RelayError::transient(anyhow::anyhow!(
