@@ -614,7 +614,7 @@ async fn gather_nats(
     now: SystemTime,
 ) -> (Option<Stream>, Option<LastEvent>, Vec<Finding>) {
     let unknown = |what: String| vec![Finding::new(Level::Unknown, what)];
-    let client = match crate::config::nats::connect(&config.nats).await {
+    let client = match crate::connect::nats::connect(&config.nats).await {
         Ok(client) => client,
         Err(e) => return (None, None, unknown(e.to_string())),
     };

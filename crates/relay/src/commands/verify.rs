@@ -57,13 +57,14 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull};
 use async_nats::HeaderMap;
-use bytes::Bytes;
 use futures::StreamExt as _;
-use outbox::{encoding, headers as h, OutboxEvent, OutboxRow, Position};
+use outbox::{encoding, headers as h, OutboxEvent, Position};
 use tokio_postgres::types::ToSql;
 
 use crate::config::Config;
 use crate::error::{RelayError, Result};
+// A row read back as the relay reads it: the process's (`stored`), and replay's through here.
+pub use crate::process::stored::{row_columns, row_from};
 
 /// The exit status when verify found discrepancies (V5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
@@ -172,14 +173,6 @@ impl Param {
     }
 }
 
-/// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
-/// casts keep time parameters text.
-pub fn row_columns() -> &'static str {
-    "id::int8, entity_id::text, event_type::text, payload::text, \
-     CASE WHEN isfinite(created_at) \
-          THEN (extract(epoch FROM created_at) * 1000000)::numeric(30,0)::text END"
-}
-
 /// Rewrites `created_at {op} $n` into a cast of the text parameter.
 fn cast_times(condition: &str, params: &[Param]) -> String {
     let mut out = condition.to_owned();
@@ -190,29 +183,6 @@ fn cast_times(condition: &str, params: &[Param]) -> String {
         }
     }
     out
-}
-
-/// An outbox row read back from the table, or why the relay could not have published it.
-pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i64, String)> {
-    let id: i64 = row.get(0);
-    let entity_id: Option<String> = row.get(1);
-    let event_type: Option<String> = row.get(2);
-    let payload: Option<String> = row.get(3);
-    let micros: Option<String> = row.get(4);
-    let (Some(entity_id), Some(event_type), Some(payload)) = (entity_id, event_type, payload)
-    else {
-        return Err((id, "a column the keys need is NULL".into()));
-    };
-    let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
-        return Err((id, "created_at is NULL or infinite".into()));
-    };
-    Ok(OutboxRow {
-        id,
-        entity_id,
-        event_type,
-        payload: Bytes::from(payload),
-        created_at_ms: outbox::timestamp::epoch_millis(micros),
-    })
 }
 
 /// What verify keeps per outbox id (V4).
@@ -703,7 +673,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         )),
         _ => None,
     };
-    let client_nats = crate::config::nats::connect(&config.nats)
+    let client_nats = crate::connect::nats::connect(&config.nats)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
     let js = jetstream::new(client_nats);
@@ -820,7 +790,7 @@ fn read_stream(
         .build()
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
     runtime.block_on(async {
-        let client = crate::config::nats::connect(&config.nats).await.map_err(|e| {
+        let client = crate::connect::nats::connect(&config.nats).await.map_err(|e| {
             RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}"))
         })?;
         let stream = jetstream::new(client)
@@ -1237,6 +1207,9 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use std::num::NonZeroU64;
+
+    use bytes::Bytes;
+    use outbox::OutboxRow;
 
     use super::*;
 

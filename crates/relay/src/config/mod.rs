@@ -42,7 +42,9 @@ use std::time::Duration;
 use async_nats::jetstream::stream::{DiscardPolicy, StorageType};
 use replication::{AuthMethod, ConnInfo};
 
+pub mod backfill;
 pub mod nats;
+pub mod secrets;
 
 /// One option: its file key, flag, environment variable and default.
 #[derive(Debug, Clone, Copy)]
@@ -671,7 +673,7 @@ pub struct Config {
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
     /// Which rows already in the table are published when the slot is created.
-    pub backfill: crate::process::backfill::Mode,
+    pub backfill: backfill::Mode,
     /// Whether acknowledged rows are marked `published` ([`crate::process::mark`]).
     pub mark_published: bool,
     /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
@@ -888,7 +890,7 @@ impl Config {
             failover_slot,
             metrics,
             create: true,
-            backfill: raw.parse(&BACKFILL, crate::process::backfill::Mode::parse)?,
+            backfill: raw.parse(&BACKFILL, backfill::Mode::parse)?,
             mark_published,
             retention,
             warnings,
@@ -900,7 +902,7 @@ impl Config {
 /// connection's own warnings ([`ConnInfo::warnings`]); secrets given on the command line
 /// (any user of the machine reads them in `ps`); files holding secrets that group or others
 /// can read (libpq's rule, [`replication::conninfo::exposed_secret_file`]); secrets too
-/// weak for the log scrubber ([`crate::observe::logging::weakness`]); credentials that would travel
+/// weak for the log scrubber ([`secrets::weakness`]); credentials that would travel
 /// without verified TLS. Never a secret itself.
 fn startup_warnings(
     raw: &RawConfig,
@@ -988,7 +990,7 @@ fn startup_warnings(
         secrets.push((what, secret));
     }
     for (what, secret) in secrets {
-        if let Some(weakness) = crate::observe::logging::weakness(secret, &names) {
+        if let Some(weakness) = secrets::weakness(secret, &names) {
             warnings.push(format!(
                 "{what} is {weakness}: the log scrubber takes it out of a library's log line or \
                  error only where it stands as a URL's user information, so such text may show \
@@ -1050,7 +1052,7 @@ impl Config {
     }
 
     /// The user names (Postgres, NATS): a secret equal to one is weak for the log scrubber
-    /// (`crate::observe::logging::weakness`).
+    /// (`secrets::weakness`).
     pub fn user_names(&self) -> Vec<&str> {
         let mut names = vec![self.database.user()];
         names.extend(self.nats.user());

@@ -66,6 +66,7 @@ use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
+use crate::config::backfill::Mode;
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result, Target};
 use crate::process::bootstrap;
@@ -76,29 +77,6 @@ pub const FETCH_ROWS: usize = 1000;
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// The cursor's name.
 const CURSOR: &str = "outbox_relay_backfill";
-
-/// Which rows already in the table are published when the slot is created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Rows whose `status` is `'pending'` (none if the table has no `status` column).
-    Pending,
-    /// Every row.
-    All,
-    /// None.
-    None,
-}
-
-impl Mode {
-    /// Parses `pending`, `all` or `none`.
-    pub fn parse(value: &str) -> std::result::Result<Mode, String> {
-        match value {
-            "pending" => Ok(Mode::Pending),
-            "all" => Ok(Mode::All),
-            "none" => Ok(Mode::None),
-            _ => Err("expected pending, all or none".into()),
-        }
-    }
-}
 
 /// A time bound as SQL: a duration ago (`6h`, as `replay` and `verify` take it) or a
 /// timestamp Postgres reads.
@@ -310,7 +288,7 @@ pub async fn at_slot_creation(
     // F5: the exporting connection stays open and idle until the backfill is done.
     let mut replication = ReplicationConnection::connect(&config.database).await?;
     let system = replication.identify_system().await?;
-    let source = crate::process::pipeline::source(&system, config);
+    let source = crate::connect::source(&system, config);
     let exported = replication
         .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
         .await?;
@@ -347,15 +325,15 @@ pub async fn at_slot_creation(
         HashSet::new()
     };
     let max_payload = jetstream.client().server_info().max_payload;
-    let options = crate::process::pipeline::sink_options(
+    let options = crate::connect::sink_options(
         config,
         (!config.shared_stream).then_some(tail.last_sequence),
         None,
-        crate::process::pipeline::max_message_bytes(&tail, max_payload),
+        crate::connect::max_message_bytes(&tail, max_payload),
         source,
     );
-    let publishing = crate::config::nats::open_publishing(
-        &crate::config::nats::connector(&config.nats)?,
+    let publishing = crate::connect::nats::open_publishing(
+        &crate::connect::nats::connector(&config.nats)?,
         jetstream,
         config,
     )
@@ -611,10 +589,8 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
             config.slot
         )));
     }
-    let jetstream = crate::process::pipeline::jetstream_context(
-        crate::process::pipeline::connect_nats(config).await?,
-        config,
-    );
+    let jetstream =
+        crate::connect::jetstream_context(crate::connect::connect_nats(config).await?, config);
     bootstrap::stream(&jetstream, config)
         .await
         .map_err(|e| e.at(Target::Nats))?;

@@ -45,8 +45,8 @@ use replication::quote_identifier;
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
+use crate::config::backfill::Mode;
 use crate::config::{table_sql, Config};
-use crate::process::backfill::Mode;
 
 /// The record's table name, in the outbox table's schema.
 pub const TABLE: &str = "outbox_relay_boundary";

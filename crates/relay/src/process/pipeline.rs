@@ -59,7 +59,6 @@ use outbox::{Framer, Item, Notice};
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
-use sink::SinkOptions;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
@@ -67,6 +66,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
+use crate::connect::{connect_nats, jetstream_context, max_message_bytes, sink_options, source};
 use crate::error::{RelayError, Result, Target};
 use crate::observe::metrics::{Event, Metrics, Phase};
 use crate::process::bootstrap;
@@ -203,21 +203,6 @@ impl Backoff {
     }
 }
 
-/// Connects to NATS (credentials and TLS: [`crate::config::nats`]).
-pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
-    crate::config::nats::connect(&config.nats)
-        .await
-        .map_err(|e| e.at(Target::Nats))
-}
-
-/// A JetStream context for the relay's publishing.
-pub fn jetstream_context(client: async_nats::Client, config: &Config) -> jetstream::Context {
-    jetstream::context::ContextBuilder::new()
-        .timeout(config.ack_timeout)
-        .max_ack_inflight(config.max_in_flight + 1)
-        .build(client)
-}
-
 /// Checks and creates everything the relay needs (`outbox-relay init`, and the first
 /// session of `run`).
 ///
@@ -288,18 +273,6 @@ async fn backfill_interrupted(
     Ok(backfill && crate::process::backfill::interrupted(client, config).await?)
 }
 
-/// The `Outbox-Source` of what this connection's server publishes through the slot. P6, I6:
-/// positions are comparable only within one timeline of one cluster's database and slot;
-/// the source names all four.
-pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> String {
-    outbox::source::source_id(
-        &system.systemid,
-        system.timeline,
-        system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        &config.slot,
-    )
-}
-
 /// L1 with several hosts: the replication connection and the lease's control connection each
 /// took the first suitable host of the list; unless they reached the same server (the same
 /// postmaster start time), the lease would not guard the stream. A transient error: the next
@@ -366,37 +339,6 @@ async fn timeline_history(
             Vec::new()
         }),
     )
-}
-
-/// The largest message the server and the stream accept.
-pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
-    match tail.max_msg_size {
-        Some(limit) => limit.min(max_payload),
-        None => max_payload,
-    }
-}
-
-/// How the sink publishes: a session's, or a backfill's (`crate::process::backfill`).
-pub(crate) fn sink_options(
-    config: &Config,
-    fence: Option<u64>,
-    resume_after: Option<outbox::Position>,
-    max_message_bytes: usize,
-    source: String,
-) -> SinkOptions {
-    SinkOptions {
-        max_in_flight: config.max_in_flight,
-        fence,
-        resume_after,
-        limits: sink::Limits {
-            max_message_bytes,
-            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
-        },
-        poison: config.on_poison,
-        dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-        source,
-        ack_timeout: config.ack_timeout,
-    }
 }
 
 /// What a session set up before streaming.
@@ -476,13 +418,13 @@ async fn prepare(
     let server = nats.server_info();
     info!(server = %server.server_name, version = %server.version, max_payload = server.max_payload, "connected to NATS");
     let max_payload = server.max_payload;
-    let connector = crate::config::nats::connector(&config.nats)?;
+    let connector = crate::connect::nats::connector(&config.nats)?;
     metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
     // I13: open before the session says it streams, so a session that streams can publish;
     // first, so that a subscription the server forbids is named before any request of
     // async-nats's waits for its reply in vain.
-    let publishing = crate::config::nats::open_publishing(&connector, &jetstream, config).await?;
+    let publishing = crate::connect::nats::open_publishing(&connector, &jetstream, config).await?;
     // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
         // V1: the table the process streamed, checked first, so that a table created again
