@@ -1,6 +1,12 @@
 //! Configuration: every option is a flag, an environment variable and a key of an optional
 //! TOML file. Precedence: flag > environment > file > default.
 //!
+//! The room at the bottom of the crate: it uses nothing else of it (`.ci/check-structure`
+//! keeps it so), and every other room may use it. Besides this file: [`nats`], the NATS
+//! options (servers, one credential, TLS files; their connections are `crate::connect`'s);
+//! [`backfill`], which rows the backfill at slot creation publishes; [`secrets`], which
+//! secrets are too weak for the log scrubber.
+//!
 //! Raw values stay strings until [`Config::from_sources`] validates them all in one place,
 //! so every error names the key as the operator wrote it (`OUTBOX_RELAY_PARTITIONS`,
 //! `--partitions` or `partitions` in the file) and says what is expected.
