@@ -22,8 +22,8 @@
 //! policy is `sink::resume`'s.
 //!
 //! # Invariants
-//! The system's invariants I1–I13 are numbered in docs/architecture.md; [`process::pipeline`] states
-//! the ones it keeps under those numbers.
+//! The system's invariants I1–I13 are numbered in docs/architecture.md; [`process::pipeline`]
+//! states the ones it keeps under those numbers.
 
 pub mod commands;
 pub mod config;

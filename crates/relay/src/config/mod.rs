@@ -197,10 +197,12 @@ pub mod opt {
             "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
-        // Backfill (issue 11, crate::process::backfill): rows already in the table when the slot is created.
+        // Backfill (issue 11, crate::process::backfill): rows already in the table when the slot is
+        // created.
         BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
             "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
-        // Marking and retention (issue 11 parts 3 and 4: crate::process::mark, crate::process::retention).
+        // Marking and retention (issue 11 parts 3 and 4: crate::process::mark,
+        // crate::process::retention).
         MARK_PUBLISHED = ("mark_published", "OUTBOX_RELAY_MARK_PUBLISHED", Some("false"),
             "After JetStream acknowledged events, set status = 'published', published_at = now(), attempts = attempts + 1 on their rows, in batches beside the session (needs those columns and UPDATE on them; the slot is confirmed only past marked rows)");
         RETENTION_GRACE = ("retention_grace", "OUTBOX_RELAY_RETENTION_GRACE", Some("off"),

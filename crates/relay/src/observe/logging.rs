@@ -14,10 +14,10 @@
 //! library may print it (as is, percent-encoded, JSON- or Rust-escaped) by `<redacted>`.
 //!
 //! A secret too weak to be replaced everywhere ([`weakness`]: shorter than
-//! [`MIN_SCRUBBED_LEN`](crate::config::secrets::MIN_SCRUBBED_LEN), a common word such as `relay` or `secret`, or a user name) is
-//! replaced only where it stands as a URL's user information (`:{secret}@`, `//{secret}@`):
-//! replacing `relay` in every line would break the logs and show the secret all the same
-//! (`outbox-<redacted>`). The configuration warns about such secrets at start
+//! [`MIN_SCRUBBED_LEN`](crate::config::secrets::MIN_SCRUBBED_LEN), a common word such as `relay` or
+//! `secret`, or a user name) is replaced only where it stands as a URL's user information
+//! (`:{secret}@`, `//{secret}@`): replacing `relay` in every line would break the logs and show the
+//! secret all the same (`outbox-<redacted>`). The configuration warns about such secrets at start
 //! (`crate::config`), since free text that quotes them cannot be told from ordinary text.
 //!
 //! # Invariants

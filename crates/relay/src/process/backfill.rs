@@ -46,8 +46,8 @@
 //!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
 //! - F7 The rows the mode leaves out (with `pending`, those already `published` in the
 //!   snapshot) are recorded, with the mode and the consistent point, before the first row is
-//!   backfilled ([`crate::process::boundary`]), so that `outbox-relay verify` expects exactly the rows
-//!   on the relay's side of the slot.
+//!   backfilled ([`crate::process::boundary`]), so that `outbox-relay verify` expects exactly
+//!   the rows on the relay's side of the slot.
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;

@@ -261,8 +261,8 @@ impl Watch {
     }
 
     /// The refusal of `change` to `now` (V3): a publication changed under the same table
-    /// is refused by [`crate::process::bootstrap`]'s check (B3: exit status 2, the exact SQL) when it
-    /// would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
+    /// is refused by [`crate::process::bootstrap`]'s check (B3: exit status 2, the exact SQL) when
+    /// it would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
     async fn refuse(
         &self,
         client: &Client,

@@ -40,8 +40,8 @@
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
 //!   sink task is aborted and awaited before the session returns, so nothing is published
-//!   after the loss is noticed ([`crate::process::lease`] L1). The sink task is aborted whenever its
-//!   session ends, however it ends. Tested: `standby.rs`.
+//!   after the loss is noticed ([`crate::process::lease`] L1). The sink task is aborted whenever
+//!   its session ends, however it ends. Tested: `standby.rs`.
 //! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
 //!   to the deadline, and the final status carries the watermark only. A shutdown during a
 //!   session's set-up (lease, connections, bootstrap, tail) is immediate: nothing was
@@ -229,7 +229,8 @@ async fn ensure(
     crate::process::mark::check(client, config).await?;
     // X6: the privilege --retention-grace needs.
     crate::process::retention::check(client, config).await?;
-    // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::process::backfill).
+    // Issue 11: a slot created with a backfill, or a backfill interrupted
+    // (crate::process::backfill).
     let backfill = crate::process::backfill::needed(client, jetstream, config).await?;
     if guard_history
         && !backfill_interrupted(client, config, backfill).await?
