@@ -35,7 +35,7 @@ fn with_metrics(case: &mut Case) -> SocketAddr {
 
 /// `GET path` from the relay at `addr`.
 async fn get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
-    outbox_relay::http::get(addr, path, Duration::from_secs(5)).await
+    outbox_relay::observe::http::get(addr, path, Duration::from_secs(5)).await
 }
 
 /// The server's current WAL position, in bytes.
@@ -261,7 +261,7 @@ async fn readyz_is_unready_while_nats_is_down_and_a_standby_says_standby() {
 /// `GET path` that must answer within `PROMPTLY`; returns the answer and how long it took.
 async fn get_promptly(addr: SocketAddr, path: &str) -> ((u16, String), Duration) {
     let started = std::time::Instant::now();
-    let answer = outbox_relay::http::get(addr, path, PROMPTLY).await;
+    let answer = outbox_relay::observe::http::get(addr, path, PROMPTLY).await;
     let took = started.elapsed();
     match answer {
         Ok(answer) => (answer, took),

@@ -156,7 +156,7 @@ async fn risky_secrets_are_warned_about_once_at_start() {
     // The common word is not scrubbed from ordinary text (`outbox_<redacted>::pipeline`
     // would break the log and show it all the same).
     assert!(
-        output.contains("outbox_relay::pipeline: streaming outbox events"),
+        output.contains("outbox_relay::process::pipeline: streaming outbox events"),
         "{output}"
     );
 }

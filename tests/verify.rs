@@ -313,7 +313,7 @@ async fn verify_throughput() {
     let started = std::time::Instant::now();
     let query = format!(
         "SELECT {}, true FROM outbox_events ORDER BY id",
-        outbox_relay::verify::row_columns()
+        outbox_relay::process::stored::row_columns()
     );
     let stream = sql
         .query_raw(&query, std::iter::empty::<i64>())
@@ -326,7 +326,7 @@ async fn verify_throughput() {
     #[allow(clippy::async_yields_async)]
     stream
         .then(|row| {
-            let row = outbox_relay::verify::row_from(&row.unwrap()).unwrap();
+            let row = outbox_relay::process::stored::row_from(&row.unwrap()).unwrap();
             let position = outbox::Position {
                 commit_lsn: outbox::Lsn(u64::try_from(row.id).unwrap()),
                 index: 0,

@@ -3,9 +3,9 @@
 //! operator, 2 on invalid configuration. `outbox-relay config` prints the effective
 //! configuration and where each value came from, secrets redacted, and exits.
 //! `outbox-relay status` prints the state of the slot, publication, lease and stream
-//! (`outbox_relay::status`) and exits 0 healthy, 3 lagging, 4 broken, or 1 when it cannot
+//! (`outbox_relay::commands::status`) and exits 0 healthy, 3 lagging, 4 broken, or 1 when it cannot
 //! read the state (1 and 2 keep their meaning for every command). `outbox-relay verify`
-//! reconciles the table with the stream (`outbox_relay::verify`) and exits 0 when they
+//! reconciles the table with the stream (`outbox_relay::commands::verify`) and exits 0 when they
 //! agree, 5 when it found discrepancies, 1 when it cannot read either side.
 //! `outbox-relay probe [PATH]` asks a running relay's health endpoint (`--metrics-addr`)
 //! and exits 0 on 200 OK, 1 otherwise (a container's HEALTHCHECK has no curl).
@@ -16,7 +16,7 @@ use std::process::ExitCode;
 
 use clap::{Arg, ArgAction, Command};
 use outbox_relay::config::{self, opt, Config, MetricsConfig, RawConfig};
-use outbox_relay::logging;
+use outbox_relay::observe::logging;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -82,8 +82,8 @@ fn range_args(command: Command) -> Command {
         )
 }
 
-fn range_of(matches: &clap::ArgMatches) -> outbox_relay::verify::Range {
-    outbox_relay::verify::Range {
+fn range_of(matches: &clap::ArgMatches) -> outbox_relay::commands::verify::Range {
+    outbox_relay::commands::verify::Range {
         from_id: matches.get_one::<i64>("from-id").copied(),
         to_id: matches.get_one::<i64>("to-id").copied(),
         since: matches.get_one::<String>("since").cloned(),
@@ -303,7 +303,7 @@ fn main() -> ExitCode {
         }
     };
     if subcommand == "status" {
-        let status = runtime.block_on(outbox_relay::status::gather(&config));
+        let status = runtime.block_on(outbox_relay::commands::status::gather(&config));
         let text = if sub_matches.get_flag("json") {
             match serde_json::to_string_pretty(&status) {
                 Ok(json) => json + "\n",
@@ -313,7 +313,7 @@ fn main() -> ExitCode {
                 }
             }
         } else {
-            outbox_relay::status::render(&status)
+            outbox_relay::commands::status::render(&status)
         };
         print!("{}", logging::scrub(&text));
         return ExitCode::from(status.exit_code);
@@ -324,7 +324,7 @@ fn main() -> ExitCode {
             .get_one::<usize>("max-listed")
             .copied()
             .unwrap_or(100);
-        return match runtime.block_on(outbox_relay::verify::run(&config, range)) {
+        return match runtime.block_on(outbox_relay::commands::verify::run(&config, range)) {
             Ok(report) => {
                 print!("{}", report.render(max_listed));
                 ExitCode::from(report.exit_code())
@@ -337,7 +337,7 @@ fn main() -> ExitCode {
     }
     if subcommand == "replay" {
         let force = sub_matches.get_flag("force");
-        return match runtime.block_on(outbox_relay::replay::run(
+        return match runtime.block_on(outbox_relay::commands::replay::run(
             &config,
             range_of(sub_matches),
             force,
@@ -354,11 +354,11 @@ fn main() -> ExitCode {
     }
     let result = runtime.block_on(async move {
         match subcommand {
-            "init" => outbox_relay::pipeline::init(&config, false).await.map(|slot| {
+            "init" => outbox_relay::process::pipeline::init(&config, false).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
             "backfill" => {
-                let filter = outbox_relay::backfill::Filter {
+                let filter = outbox_relay::process::backfill::Filter {
                     pending_only: false,
                     from_id: sub_matches.get_one::<i64>("from-id").copied(),
                     to_id: sub_matches.get_one::<i64>("to-id").copied(),
@@ -366,7 +366,7 @@ fn main() -> ExitCode {
                     until: sub_matches.get_one::<String>("until").cloned(),
                 };
                 let force = sub_matches.get_flag("force");
-                outbox_relay::backfill::range(&config, &filter, force).await.map(|report| {
+                outbox_relay::process::backfill::range(&config, &filter, force).await.map(|report| {
                     info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
                     println!(
                         "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",
@@ -378,7 +378,7 @@ fn main() -> ExitCode {
                 let shutdown = CancellationToken::new();
                 let trigger = shutdown.clone();
                 tokio::spawn(async move {
-                    outbox_relay::pipeline::shutdown_signal().await;
+                    outbox_relay::process::pipeline::shutdown_signal().await;
                     trigger.cancel();
                 });
                 outbox_relay::run(config, shutdown).await
@@ -420,7 +420,7 @@ fn probe(raw: Option<&RawConfig>, path: &str) -> ExitCode {
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))
         .and_then(|runtime| {
-            runtime.block_on(outbox_relay::http::get(
+            runtime.block_on(outbox_relay::observe::http::get(
                 addr,
                 path,
                 std::time::Duration::from_secs(5),

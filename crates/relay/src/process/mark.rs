@@ -30,7 +30,7 @@
 //!
 //! Every row the sink's watermark passes is marked: events stored earlier and skipped on a
 //! replay, and events dead-lettered (`--on-poison dead-letter`: their record is on
-//! `{prefix}.dlq`) too. Rows published by a backfill ([`crate::backfill`]) are not marked.
+//! `{prefix}.dlq`) too. Rows published by a backfill ([`crate::process::backfill`]) are not marked.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -46,7 +46,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{table_sql, Config, TableName};
 use crate::error::{RelayError, Result};
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 
 /// Ids per UPDATE at most.
 pub const MARK_BATCH: usize = 5_000;
@@ -270,7 +270,7 @@ const CHECK_SQL: &str = "\
 
 /// U5: the table has the columns, with compatible types, and the relay's role may update
 /// them; otherwise a setup error naming every problem and its fix. A missing table is left
-/// to [`crate::bootstrap`], which names it.
+/// to [`crate::process::bootstrap`], which names it.
 pub async fn check(client: &Client, config: &Config) -> Result<()> {
     if !config.mark_published {
         return Ok(());

@@ -17,6 +17,7 @@
 //!   infinite `created_at`) vouches for nothing. A query that fails ends the session
 //!   (transient): a check that did not run never vouches.
 
+use bytes::Bytes;
 use outbox::{OutboxRow, Position};
 use sink::resume::{Tail, Verdict};
 use sink::Acknowledged;
@@ -62,6 +63,37 @@ fn event(row: OutboxRow, config: &Config, position: Position) -> outbox::OutboxE
     row.into_event(&config.subject_prefix, config.partitions, position)
 }
 
+/// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
+/// casts keep time parameters text.
+pub fn row_columns() -> &'static str {
+    "id::int8, entity_id::text, event_type::text, payload::text, \
+     CASE WHEN isfinite(created_at) \
+          THEN (extract(epoch FROM created_at) * 1000000)::numeric(30,0)::text END"
+}
+
+/// An outbox row read back from the table, or why the relay could not have published it.
+pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i64, String)> {
+    let id: i64 = row.get(0);
+    let entity_id: Option<String> = row.get(1);
+    let event_type: Option<String> = row.get(2);
+    let payload: Option<String> = row.get(3);
+    let micros: Option<String> = row.get(4);
+    let (Some(entity_id), Some(event_type), Some(payload)) = (entity_id, event_type, payload)
+    else {
+        return Err((id, "a column the keys need is NULL".into()));
+    };
+    let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
+        return Err((id, "created_at is NULL or infinite".into()));
+    };
+    Ok(OutboxRow {
+        id,
+        entity_id,
+        event_type,
+        payload: Bytes::from(payload),
+        created_at_ms: outbox::timestamp::epoch_millis(micros),
+    })
+}
+
 /// The row with `id` as the relay reads it (V2), or why there is none to check against. The
 /// payload is not read: no check uses it, and a payload that is not UTF-8 (a SQL_ASCII
 /// database) must not stop the check.
@@ -73,7 +105,7 @@ async fn read_row(
     let table = table_sql(&config.table);
     let sql = format!(
         "SELECT {} FROM {table} WHERE id = $1",
-        crate::verify::row_columns().replace("payload::text", "NULL::text")
+        row_columns().replace("payload::text", "NULL::text")
     );
     let rows = client.query(&sql, &[&id]).await.map_err(|e| {
         RelayError::transient(anyhow::anyhow!(

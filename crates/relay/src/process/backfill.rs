@@ -46,8 +46,8 @@
 //!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
 //! - F7 The rows the mode leaves out (with `pending`, those already `published` in the
 //!   snapshot) are recorded, with the mode and the consistent point, before the first row is
-//!   backfilled ([`crate::boundary`]), so that `outbox-relay verify` expects exactly the rows
-//!   on the relay's side of the slot.
+//!   backfilled ([`crate::process::boundary`]), so that `outbox-relay verify` expects exactly
+//!   the rows on the relay's side of the slot.
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;
@@ -66,9 +66,10 @@ use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
-use crate::bootstrap;
+use crate::config::backfill::Mode;
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result, Target};
+use crate::process::bootstrap;
 
 /// Rows fetched from the cursor at a time.
 pub const FETCH_ROWS: usize = 1000;
@@ -76,29 +77,6 @@ pub const FETCH_ROWS: usize = 1000;
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// The cursor's name.
 const CURSOR: &str = "outbox_relay_backfill";
-
-/// Which rows already in the table are published when the slot is created.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Rows whose `status` is `'pending'` (none if the table has no `status` column).
-    Pending,
-    /// Every row.
-    All,
-    /// None.
-    None,
-}
-
-impl Mode {
-    /// Parses `pending`, `all` or `none`.
-    pub fn parse(value: &str) -> std::result::Result<Mode, String> {
-        match value {
-            "pending" => Ok(Mode::Pending),
-            "all" => Ok(Mode::All),
-            "none" => Ok(Mode::None),
-            _ => Err("expected pending, all or none".into()),
-        }
-    }
-}
 
 /// A time bound as SQL: a duration ago (`6h`, as `replay` and `verify` take it) or a
 /// timestamp Postgres reads.
@@ -310,7 +288,7 @@ pub async fn at_slot_creation(
     // F5: the exporting connection stays open and idle until the backfill is done.
     let mut replication = ReplicationConnection::connect(&config.database).await?;
     let system = replication.identify_system().await?;
-    let source = crate::pipeline::source(&system, config);
+    let source = crate::connect::source(&system, config);
     let exported = replication
         .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
         .await?;
@@ -326,11 +304,12 @@ pub async fn at_slot_creation(
         .await
         .map_err(|e| sql_error("cannot read the table in the slot's snapshot", e))?;
     // F7: what the slot's creation leaves out, recorded for verify before anything is
-    // backfilled (crate::boundary N2).
-    let boundary = crate::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
-        .await
-        .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
-    crate::boundary::record(client, config, &boundary).await;
+    // backfilled (crate::process::boundary N2).
+    let boundary =
+        crate::process::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
+            .await
+            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    crate::process::boundary::record(client, config, &boundary).await;
     let filter = Filter {
         pending_only: mode == Mode::Pending,
         ..Filter::default()
@@ -346,16 +325,19 @@ pub async fn at_slot_creation(
         HashSet::new()
     };
     let max_payload = jetstream.client().server_info().max_payload;
-    let options = crate::pipeline::sink_options(
+    let options = crate::connect::sink_options(
         config,
         (!config.shared_stream).then_some(tail.last_sequence),
         None,
-        crate::pipeline::max_message_bytes(&tail, max_payload),
+        crate::connect::max_message_bytes(&tail, max_payload),
         source,
     );
-    let publishing =
-        crate::nats::open_publishing(&crate::nats::connector(&config.nats)?, jetstream, config)
-            .await?;
+    let publishing = crate::connect::nats::open_publishing(
+        &crate::connect::nats::connector(&config.nats)?,
+        jetstream,
+        config,
+    )
+    .await?;
     let stats = Arc::new(SinkStats::default());
     let (items_tx, items_rx) = mpsc::channel(4);
     let (watermark_tx, _watermark) = watch::channel(Position {
@@ -608,7 +590,7 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
         )));
     }
     let jetstream =
-        crate::pipeline::jetstream_context(crate::pipeline::connect_nats(config).await?, config);
+        crate::connect::jetstream_context(crate::connect::connect_nats(config).await?, config);
     bootstrap::stream(&jetstream, config)
         .await
         .map_err(|e| e.at(Target::Nats))?;

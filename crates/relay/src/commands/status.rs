@@ -40,8 +40,8 @@ use pgoutput::Lsn;
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use crate::bootstrap::{self, StreamSeverity};
 use crate::config::{format_duration, format_size, opt, Config};
+use crate::process::bootstrap::{self, StreamSeverity};
 
 /// How long reading either side may take, connecting included: a probe must not hang.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -389,7 +389,7 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
     let read = async {
         let slot = read_slot(&client, &config.slot).await?;
         let publication = read_publication(&client, config).await?;
-        let holder = crate::lease::holder(&client, &config.slot)
+        let holder = crate::process::lease::holder(&client, &config.slot)
             .await
             .map_err(|e| e.to_string())?;
         let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
@@ -614,7 +614,7 @@ async fn gather_nats(
     now: SystemTime,
 ) -> (Option<Stream>, Option<LastEvent>, Vec<Finding>) {
     let unknown = |what: String| vec![Finding::new(Level::Unknown, what)];
-    let client = match crate::nats::connect(&config.nats).await {
+    let client = match crate::connect::nats::connect(&config.nats).await {
         Ok(client) => client,
         Err(e) => return (None, None, unknown(e.to_string())),
     };

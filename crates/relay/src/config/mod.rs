@@ -1,6 +1,12 @@
 //! Configuration: every option is a flag, an environment variable and a key of an optional
 //! TOML file. Precedence: flag > environment > file > default.
 //!
+//! The room at the bottom of the crate: it uses nothing else of it (`.ci/check-structure`
+//! keeps it so), and every other room may use it. Besides this file: [`nats`], the NATS
+//! options (servers, one credential, TLS files; their connections are `crate::connect`'s);
+//! [`backfill`], which rows the backfill at slot creation publishes; [`secrets`], which
+//! secrets are too weak for the log scrubber.
+//!
 //! Raw values stay strings until [`Config::from_sources`] validates them all in one place,
 //! so every error names the key as the operator wrote it (`OUTBOX_RELAY_PARTITIONS`,
 //! `--partitions` or `partitions` in the file) and says what is expected.
@@ -18,7 +24,7 @@
 //!   scheme, any option whose key names a password, token or secret) never appear in
 //!   `Debug`, `Display` or error output of a config, raw or validated, nor in
 //!   [`effective`]; errors about the TOML file give the line and column, never the line.
-//!   [`Config::secrets`] lists them for the log scrubber (`crate::logging`), the last line
+//!   [`Config::secrets`] lists them for the log scrubber (`crate::observe::logging`), the last line
 //!   of defence for text the relay does not format itself.
 //! - C2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
 //!   must not silently fall back to a default.
@@ -41,6 +47,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::{DiscardPolicy, StorageType};
 use replication::{AuthMethod, ConnInfo};
+
+pub mod backfill;
+pub mod nats;
+pub mod secrets;
 
 /// One option: its file key, flag, environment variable and default.
 #[derive(Debug, Clone, Copy)]
@@ -114,7 +124,7 @@ pub mod opt {
             "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
             "NATS server URL(s), comma-separated: nats:// or tls:// (the relay speaks the NATS TCP protocol, not ws://); user:password@ or token@ in a URL authenticates (percent-encoded, a ',' as %2C)");
-        // NATS authentication and TLS: the `nats` CLI's flag names (crate::nats).
+        // NATS authentication and TLS: the `nats` CLI's flag names (crate::config::nats).
         NATS_USER = ("nats_user", "OUTBOX_RELAY_NATS_USER", None,
             "NATS user name (with --password)", flag = "user");
         NATS_PASSWORD = ("nats_password", "OUTBOX_RELAY_NATS_PASSWORD", None,
@@ -179,18 +189,20 @@ pub mod opt {
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
             "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging and /readyz answers stalled (e.g. 512MiB)");
-        // Operations: heartbeats for a quiet outbox database (crate::heartbeat) and PG 17
-        // fail-over slots (crate::bootstrap::ensure_slot).
+        // Operations: heartbeats for a quiet outbox database (crate::process::heartbeat) and PG 17
+        // fail-over slots (crate::process::bootstrap::ensure_slot).
         HEARTBEAT_INTERVAL = ("heartbeat_interval", "OUTBOX_RELAY_HEARTBEAT_INTERVAL", Some("off"),
             "While streaming, write a tiny WAL message (pg_logical_emit_message) in the outbox database this often (e.g. 30s), or off: lets the slot advance when only other databases of the cluster write");
         FAILOVER_SLOT = ("failover_slot", "OUTBOX_RELAY_FAILOVER_SLOT", Some("false"),
             "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
-        // Backfill (issue 11, crate::backfill): rows already in the table when the slot is created.
+        // Backfill (issue 11, crate::process::backfill): rows already in the table when the slot is
+        // created.
         BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
             "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
-        // Marking and retention (issue 11 parts 3 and 4: crate::mark, crate::retention).
+        // Marking and retention (issue 11 parts 3 and 4: crate::process::mark,
+        // crate::process::retention).
         MARK_PUBLISHED = ("mark_published", "OUTBOX_RELAY_MARK_PUBLISHED", Some("false"),
             "After JetStream acknowledged events, set status = 'published', published_at = now(), attempts = attempts + 1 on their rows, in batches beside the session (needs those columns and UPDATE on them; the slot is confirmed only past marked rows)");
         RETENTION_GRACE = ("retention_grace", "OUTBOX_RELAY_RETENTION_GRACE", Some("off"),
@@ -199,7 +211,7 @@ pub mod opt {
             "Rows per retention DELETE (1 to 100000)");
         RETENTION_INTERVAL = ("retention_interval", "OUTBOX_RELAY_RETENTION_INTERVAL", Some("60s"),
             "How often retention looks for old confirmed rows");
-        // Metrics and health (crate::metrics, crate::http): MetricsConfig.
+        // Metrics and health (crate::observe::metrics, crate::observe::http): MetricsConfig.
         METRICS_ADDR = ("metrics_addr", "OUTBOX_RELAY_METRICS_ADDR", None,
             "Serve Prometheus metrics (/metrics) and health (/healthz, /readyz) over HTTP on this address, e.g. 0.0.0.0:9464, [::]:9464, :9464 (all interfaces) or 127.0.0.1:0 (a free port, logged); off unless set");
     }
@@ -627,7 +639,7 @@ pub struct Config {
     /// The NATS server(s).
     pub nats_url: NatsUrl,
     /// How to connect to them: the servers without credentials, the credential, TLS.
-    pub nats: crate::nats::NatsOptions,
+    pub nats: crate::config::nats::NatsOptions,
     /// The outbox table.
     pub table: TableName,
     /// The replication slot.
@@ -669,16 +681,16 @@ pub struct Config {
     /// Whether `run` may create the publication, slot and stream.
     pub create: bool,
     /// Which rows already in the table are published when the slot is created.
-    pub backfill: crate::backfill::Mode,
-    /// Whether acknowledged rows are marked `published` ([`crate::mark`]).
+    pub backfill: backfill::Mode,
+    /// Whether acknowledged rows are marked `published` ([`crate::process::mark`]).
     pub mark_published: bool,
-    /// Deleting old confirmed rows ([`crate::retention`]); `None`: never.
+    /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,
     /// What to warn about at start, one line each ([`startup_warnings`]).
     pub warnings: Vec<String>,
 }
 
-/// Retention's settings ([`crate::retention`]).
+/// Retention's settings ([`crate::process::retention`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetentionConfig {
     /// Rows younger than this (by `created_at`) are kept.
@@ -755,7 +767,7 @@ impl Config {
             }
             Ok(NatsUrl(v.to_owned()))
         })?;
-        let nats = crate::nats::NatsOptions::from_raw(raw, &nats_url)?;
+        let nats = crate::config::nats::NatsOptions::from_raw(raw, &nats_url)?;
         let warnings = startup_warnings(raw, &database, &nats_url, &nats);
         let table = raw.parse(&TABLE, |v| {
             let (schema, name) = v.split_once('.').unwrap_or(("public", v));
@@ -886,7 +898,7 @@ impl Config {
             failover_slot,
             metrics,
             create: true,
-            backfill: raw.parse(&BACKFILL, crate::backfill::Mode::parse)?,
+            backfill: raw.parse(&BACKFILL, backfill::Mode::parse)?,
             mark_published,
             retention,
             warnings,
@@ -898,13 +910,13 @@ impl Config {
 /// connection's own warnings ([`ConnInfo::warnings`]); secrets given on the command line
 /// (any user of the machine reads them in `ps`); files holding secrets that group or others
 /// can read (libpq's rule, [`replication::conninfo::exposed_secret_file`]); secrets too
-/// weak for the log scrubber ([`crate::logging::weakness`]); credentials that would travel
+/// weak for the log scrubber ([`secrets::weakness`]); credentials that would travel
 /// without verified TLS. Never a secret itself.
 fn startup_warnings(
     raw: &RawConfig,
     database: &ConnInfo,
     nats_url: &NatsUrl,
-    nats: &crate::nats::NatsOptions,
+    nats: &crate::config::nats::NatsOptions,
 ) -> Vec<String> {
     use opt::*;
     let mut warnings: Vec<String> = database.warnings().to_vec();
@@ -986,7 +998,7 @@ fn startup_warnings(
         secrets.push((what, secret));
     }
     for (what, secret) in secrets {
-        if let Some(weakness) = crate::logging::weakness(secret, &names) {
+        if let Some(weakness) = secrets::weakness(secret, &names) {
             warnings.push(format!(
                 "{what} is {weakness}: the log scrubber takes it out of a library's log line or \
                  error only where it stands as a URL's user information, so such text may show \
@@ -1048,7 +1060,7 @@ impl Config {
     }
 
     /// The user names (Postgres, NATS): a secret equal to one is weak for the log scrubber
-    /// (`crate::logging::weakness`).
+    /// (`secrets::weakness`).
     pub fn user_names(&self) -> Vec<&str> {
         let mut names = vec![self.database.user()];
         names.extend(self.nats.user());
@@ -1133,7 +1145,7 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
     lines.join("\n")
 }
 
-/// The settings of a stream the relay creates (`crate::bootstrap::stream`) besides its
+/// The settings of a stream the relay creates (`crate::process::bootstrap::stream`) besides its
 /// subjects and duplicate window; an existing stream is checked against the ones given
 /// explicitly.
 #[derive(Debug, Clone)]
@@ -1205,7 +1217,7 @@ impl StreamSettings {
     }
 }
 
-/// Metrics and health (`crate::metrics`, `crate::http`).
+/// Metrics and health (`crate::observe::metrics`, `crate::observe::http`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetricsConfig {
     /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere. `/readyz`

@@ -1,7 +1,7 @@
 //! The slot's boundary (issue 18 case 10): which rows already in the table when the relay
 //! created its slot were left out of the stream by design, recorded when the slot is created,
-//! so that `outbox-relay verify` ([`crate::verify`]) expects exactly the rows on the relay's
-//! side of it instead of reporting the migrated history as missing.
+//! so that `outbox-relay verify` ([`crate::commands::verify`]) expects exactly the rows on the
+//! relay's side of it instead of reporting the migrated history as missing.
 //!
 //! With `--backfill pending` (the default) the rows that were `published` in the slot's
 //! exported snapshot are not the relay's: the polling publisher published them. Which rows
@@ -45,7 +45,7 @@ use replication::quote_identifier;
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
-use crate::backfill::Mode;
+use crate::config::backfill::Mode;
 use crate::config::{table_sql, Config};
 
 /// The record's table name, in the outbox table's schema.

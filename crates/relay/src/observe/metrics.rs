@@ -1,6 +1,6 @@
 //! What the relay counts and shows: one [`Metrics`] per [`crate::run`], shared by the
-//! session's steps, the slot monitor ([`crate::monitor`]) and the HTTP endpoint
-//! ([`crate::http`]), which renders it in the Prometheus text format (prometheus-client).
+//! session's steps, the slot monitor ([`crate::process::monitor`]) and the HTTP endpoint
+//! ([`crate::observe::http`]), which renders it in the Prometheus text format (prometheus-client).
 //!
 //! Nothing here is on the per-event path: the sink counts events and times transactions in
 //! its own atomics ([`sink::SinkStats`]), the reader stores its positions once per batch or
@@ -81,7 +81,7 @@ impl Phase {
     }
 }
 
-/// The slot as the server sees it, polled on the lease's connection ([`crate::monitor`]).
+/// The slot as the server sees it, polled on the lease's connection ([`crate::process::monitor`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSample {
     /// `pg_current_wal_lsn() - confirmed_flush_lsn`, bytes.
@@ -379,17 +379,17 @@ impl Metrics {
         }
     }
 
-    /// `n` rows were marked published ([`crate::mark`]).
+    /// `n` rows were marked published ([`crate::process::mark`]).
     pub fn marked(&self, n: u64) {
         self.counters.marked.inc_by(n);
     }
 
-    /// A marking UPDATE failed; it is retried ([`crate::mark`]).
+    /// A marking UPDATE failed; it is retried ([`crate::process::mark`]).
     pub fn mark_failed(&self) {
         self.counters.mark_failures.inc();
     }
 
-    /// Retention deleted `n` rows ([`crate::retention`]).
+    /// Retention deleted `n` rows ([`crate::process::retention`]).
     pub fn retention_deleted(&self, n: u64) {
         self.counters.retention_deleted.inc_by(n);
     }

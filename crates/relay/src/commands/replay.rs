@@ -6,7 +6,7 @@
 //! becomes its event through `outbox::OutboxRow::into_event` and its message through
 //! `sink::publish_message`, exactly as the relay builds them: same subject, keys,
 //! `Nats-Msg-Id` and headers. The table does not know an event's commit position, so the
-//! stream is read first (`crate::verify::scan_stream`) for the position of each original;
+//! stream is read first (`crate::commands::verify::scan_stream`) for the position of each original;
 //! a row without an original on the stream is published with position `0/0`, index 0, and
 //! counted. The messages carry no `Outbox-Source`: a relay never takes a replayed message
 //! for its own history (`sink::resume` S1).
@@ -22,7 +22,7 @@
 //!   `sink::publish_message`.
 //! - R2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
 //!   is refused (exit 2) unless `--force`; with `--force`, replay holds the relay's lease
-//!   (`crate::lease`) for its whole run, and is refused while a relay holds it: a running
+//!   (`crate::process::lease`) for its whole run, and is refused while a relay holds it: a running
 //!   strict-mode relay must not publish while another writer does (its pipelined publishes
 //!   can line up with the fence again after the other writer's messages and be stored
 //!   behind a gap, which its next session then skips: tests/replay.rs reproduced that
@@ -38,9 +38,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use outbox::{headers as h, Lsn, Position};
 
+use crate::commands::verify::{self, Opened, Param, Range};
 use crate::config::{format_duration, Config};
 use crate::error::{RelayError, Result};
-use crate::verify::{self, Opened, Param, Range};
 
 /// What a replay sent.
 #[derive(Debug, Default)]
@@ -112,8 +112,8 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
             .map_err(|e| {
                 RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}"))
             })?;
-        if !crate::lease::try_take(&lease, &config.slot).await? {
-            let holder = crate::lease::holder(&lease, &config.slot)
+        if !crate::process::lease::try_take(&lease, &config.slot).await? {
+            let holder = crate::process::lease::holder(&lease, &config.slot)
                 .await
                 .ok()
                 .flatten();

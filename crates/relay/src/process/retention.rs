@@ -37,7 +37,7 @@
 //!   `id` and `created_at`, or the relay refuses to start (exit 2) naming the `GRANT`.
 //! - X5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
-//! - X7 Only the table the session streams ([`crate::identity`] V5): the snapshot's select
+//! - X7 Only the table the session streams ([`crate::process::identity`] V5): the snapshot's select
 //!   and every DELETE require `to_regclass('schema.table')` to be the OID the session's
 //!   identity check found (the DELETE resolves and locks the table before that condition
 //!   is evaluated, so a table renamed into its place meanwhile has nothing deleted), and
@@ -56,7 +56,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{table_sql, Config, RetentionConfig};
 use crate::error::{RelayError, Result};
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
 /// position (step 2): past the relay's status interval (10 s at most) and an ack.
@@ -90,7 +90,7 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
 }
 
 /// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
-/// missing table is left to [`crate::bootstrap`], which names it.
+/// missing table is left to [`crate::process::bootstrap`], which names it.
 pub async fn check(client: &Client, config: &Config) -> Result<()> {
     if config.retention.is_none() {
         return Ok(());

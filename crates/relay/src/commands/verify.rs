@@ -24,7 +24,7 @@
 //!
 //! Which rows are the relay's: every row, except those the slot's creation left out by
 //! design (with `--backfill pending`, the rows already `published` in the slot's snapshot),
-//! which [`crate::boundary`] recorded then. Those are neither expected nor checked; the
+//! which [`crate::process::boundary`] recorded then. Those are neither expected nor checked; the
 //! report says how many and which ids, on one line. A slot without a record (created before
 //! the boundary was recorded, with `--backfill none`, or by hand) has every row expected, as
 //! before, and the report says once why rows may then be reported missing.
@@ -57,13 +57,14 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull};
 use async_nats::HeaderMap;
-use bytes::Bytes;
 use futures::StreamExt as _;
-use outbox::{encoding, headers as h, OutboxEvent, OutboxRow, Position};
+use outbox::{encoding, headers as h, OutboxEvent, Position};
 use tokio_postgres::types::ToSql;
 
 use crate::config::Config;
 use crate::error::{RelayError, Result};
+// A row read back as the relay reads it: the process's (`stored`), and replay's through here.
+pub use crate::process::stored::{row_columns, row_from};
 
 /// The exit status when verify found discrepancies (V5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
@@ -172,14 +173,6 @@ impl Param {
     }
 }
 
-/// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
-/// casts keep time parameters text.
-pub fn row_columns() -> &'static str {
-    "id::int8, entity_id::text, event_type::text, payload::text, \
-     CASE WHEN isfinite(created_at) \
-          THEN (extract(epoch FROM created_at) * 1000000)::numeric(30,0)::text END"
-}
-
 /// Rewrites `created_at {op} $n` into a cast of the text parameter.
 fn cast_times(condition: &str, params: &[Param]) -> String {
     let mut out = condition.to_owned();
@@ -190,29 +183,6 @@ fn cast_times(condition: &str, params: &[Param]) -> String {
         }
     }
     out
-}
-
-/// An outbox row read back from the table, or why the relay could not have published it.
-pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i64, String)> {
-    let id: i64 = row.get(0);
-    let entity_id: Option<String> = row.get(1);
-    let event_type: Option<String> = row.get(2);
-    let payload: Option<String> = row.get(3);
-    let micros: Option<String> = row.get(4);
-    let (Some(entity_id), Some(event_type), Some(payload)) = (entity_id, event_type, payload)
-    else {
-        return Err((id, "a column the keys need is NULL".into()));
-    };
-    let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
-        return Err((id, "created_at is NULL or infinite".into()));
-    };
-    Ok(OutboxRow {
-        id,
-        entity_id,
-        event_type,
-        payload: Bytes::from(payload),
-        created_at_ms: outbox::timestamp::epoch_millis(micros),
-    })
 }
 
 /// What verify keeps per outbox id (V4).
@@ -534,7 +504,7 @@ pub struct Report {
     /// The lowest and highest id left out.
     pub left_out_ids: Option<(i64, i64)>,
     /// The slot's boundary as read (`None`: not read, the range held no row).
-    pub boundary: Option<crate::boundary::Read>,
+    pub boundary: Option<crate::process::boundary::Read>,
     /// The slot's name, for the report.
     pub slot: String,
     /// Messages read from the stream.
@@ -586,7 +556,7 @@ impl Report {
             }
         }
         match &self.boundary {
-            Some(crate::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
+            Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
                     .left_out_ids
                     .map_or_else(String::new, |(lo, hi)| format!(" (ids {lo}..={hi})"));
@@ -597,7 +567,7 @@ impl Report {
                     self.left_out, self.slot, boundary.mode, boundary.consistent_point
                 );
             }
-            Some(crate::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
+            Some(crate::process::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
                 let _ = writeln!(
                     out,
                     "note: no boundary is recorded for slot {:?} ({why}), so every row is expected: \
@@ -681,7 +651,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
     range.resolve(&client).await?;
-    crate::bootstrap::check_table(&client, config).await?;
+    crate::process::bootstrap::check_table(&client, config).await?;
     let (condition, params) = range.condition();
     let condition = cast_times(&condition, &params);
     let table = &config.table;
@@ -703,7 +673,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         )),
         _ => None,
     };
-    let client_nats = crate::nats::connect(&config.nats)
+    let client_nats = crate::connect::nats::connect(&config.nats)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
     let js = jetstream::new(client_nats);
@@ -820,7 +790,7 @@ fn read_stream(
         .build()
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
     runtime.block_on(async {
-        let client = crate::nats::connect(&config.nats).await.map_err(|e| {
+        let client = crate::connect::nats::connect(&config.nats).await.map_err(|e| {
             RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}"))
         })?;
         let stream = jetstream::new(client)
@@ -944,10 +914,10 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         });
     };
     // V6: what the slot's creation left out.
-    let boundary = crate::boundary::read(&client, config).await;
+    let boundary = crate::process::boundary::read(&client, config).await;
     let runs = match &boundary {
-        crate::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::boundary::Read::Absent(_) => crate::boundary::Boundary::default(),
+        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
     };
     let mut report = Report {
         ids: Some((low, high)),
@@ -1237,6 +1207,9 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use std::num::NonZeroU64;
+
+    use bytes::Bytes;
+    use outbox::OutboxRow;
 
     use super::*;
 

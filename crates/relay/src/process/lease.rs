@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::error::{RelayError, Result};
-use crate::metrics::{Metrics, Phase};
+use crate::observe::metrics::{Metrics, Phase};
 
 /// How often a standby tries the lock.
 pub const POLL: Duration = Duration::from_millis(250);

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! The first session of a process creates what is missing ([`init`]); a slot it creates is
-//! backfilled first ([`crate::backfill`], F1–F5) under the lease, before streaming starts.
+//! backfilled first ([`crate::process::backfill`], F1–F5) under the lease, before streaming starts.
 //!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
@@ -17,8 +17,8 @@
 //! - I1 The flush LSN sent to Postgres is the sink's watermark and nothing else: the end of
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
 //!   (with `--mark-published`, the lower of that and the position through which every
-//!   acknowledged row is marked published: [`crate::mark`] U2), capped by the LSN the
-//!   table's identity checks vouched for ([`crate::identity`] V2; a drain waits for them
+//!   acknowledged row is marked published: [`crate::process::mark`] U2), capped by the LSN the
+//!   table's identity checks vouched for ([`crate::process::identity`] V2; a drain waits for them
 //!   to vouch for its watermark, up to the drain deadline). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
@@ -40,8 +40,8 @@
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
 //!   sink task is aborted and awaited before the session returns, so nothing is published
-//!   after the loss is noticed ([`crate::lease`] L1). The sink task is aborted whenever its
-//!   session ends, however it ends. Tested: `standby.rs`.
+//!   after the loss is noticed ([`crate::process::lease`] L1). The sink task is aborted whenever
+//!   its session ends, however it ends. Tested: `standby.rs`.
 //! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
 //!   to the deadline, and the final status carries the watermark only. A shutdown during a
 //!   session's set-up (lease, connections, bootstrap, tail) is immediate: nothing was
@@ -59,21 +59,21 @@ use outbox::{Framer, Item, Notice};
 use pgoutput::{Lsn, ReplicationMessage};
 use rand::Rng;
 use replication::{quote_identifier, Feedback, ReplicationConnection, ReplicationStream};
-use sink::SinkOptions;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant as TokioInstant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use crate::bootstrap;
 use crate::config::Config;
+use crate::connect::{connect_nats, jetstream_context, max_message_bytes, sink_options, source};
 use crate::error::{RelayError, Result, Target};
-use crate::heartbeat;
-use crate::identity;
-use crate::lease::Lease;
-use crate::metrics::{Event, Metrics, Phase};
-use crate::monitor;
+use crate::observe::metrics::{Event, Metrics, Phase};
+use crate::process::bootstrap;
+use crate::process::heartbeat;
+use crate::process::identity;
+use crate::process::lease::Lease;
+use crate::process::monitor;
 
 /// Items per batch handed from the reader to the sink at most.
 const MAX_BATCH: usize = 512;
@@ -97,11 +97,11 @@ enum SessionEnd {
 }
 
 /// Runs the relay until `shutdown` fires (returns `Ok`) or a permanent error occurs; serves
-/// metrics and health meanwhile when `metrics.addr` is set ([`crate::http`]).
+/// metrics and health meanwhile when `metrics.addr` is set ([`crate::observe::http`]).
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     let metrics = Arc::new(Metrics::new(&config));
     let _server = match config.metrics.addr {
-        Some(addr) => Some(crate::http::start(addr, metrics.clone()).await?),
+        Some(addr) => Some(crate::observe::http::start(addr, metrics.clone()).await?),
         None => None,
     };
     let result = sessions(&config, &shutdown, &metrics).await;
@@ -203,21 +203,6 @@ impl Backoff {
     }
 }
 
-/// Connects to NATS (credentials and TLS: [`crate::nats`]).
-pub async fn connect_nats(config: &Config) -> Result<async_nats::Client> {
-    crate::nats::connect(&config.nats)
-        .await
-        .map_err(|e| e.at(Target::Nats))
-}
-
-/// A JetStream context for the relay's publishing.
-pub fn jetstream_context(client: async_nats::Client, config: &Config) -> jetstream::Context {
-    jetstream::context::ContextBuilder::new()
-        .timeout(config.ack_timeout)
-        .max_ack_inflight(config.max_in_flight + 1)
-        .build(client)
-}
-
 /// Checks and creates everything the relay needs (`outbox-relay init`, and the first
 /// session of `run`).
 ///
@@ -241,11 +226,12 @@ async fn ensure(
     // B1: a slot option the server cannot honour is refused before anything is created.
     bootstrap::check_failover_support(client, config).await?;
     // U5: the columns --mark-published sets, and the privilege to set them.
-    crate::mark::check(client, config).await?;
+    crate::process::mark::check(client, config).await?;
     // X6: the privilege --retention-grace needs.
-    crate::retention::check(client, config).await?;
-    // Issue 11: a slot created with a backfill, or a backfill interrupted (crate::backfill).
-    let backfill = crate::backfill::needed(client, jetstream, config).await?;
+    crate::process::retention::check(client, config).await?;
+    // Issue 11: a slot created with a backfill, or a backfill interrupted
+    // (crate::process::backfill).
+    let backfill = crate::process::backfill::needed(client, jetstream, config).await?;
     if guard_history
         && !backfill_interrupted(client, config, backfill).await?
         && config.create
@@ -269,7 +255,7 @@ async fn ensure(
         bootstrap::stream(jetstream, config)
             .await
             .map_err(|e| e.at(Target::Nats))?;
-        crate::backfill::at_slot_creation(client, jetstream, config).await?;
+        crate::process::backfill::at_slot_creation(client, jetstream, config).await?;
     }
     let slot = bootstrap::postgres(client, config).await?;
     bootstrap::stream(jetstream, config)
@@ -279,25 +265,13 @@ async fn ensure(
 }
 
 /// An interrupted backfill's stream holds its rows while the slot is gone: that is no
-/// dropped slot, the backfill resumes (`crate::backfill` F3).
+/// dropped slot, the backfill resumes (`crate::process::backfill` F3).
 async fn backfill_interrupted(
     client: &tokio_postgres::Client,
     config: &Config,
     backfill: bool,
 ) -> Result<bool> {
-    Ok(backfill && crate::backfill::interrupted(client, config).await?)
-}
-
-/// The `Outbox-Source` of what this connection's server publishes through the slot. P6, I6:
-/// positions are comparable only within one timeline of one cluster's database and slot;
-/// the source names all four.
-pub(crate) fn source(system: &replication::IdentifySystem, config: &Config) -> String {
-    outbox::source::source_id(
-        &system.systemid,
-        system.timeline,
-        system.dbname.as_deref().unwrap_or(config.database.dbname()),
-        &config.slot,
-    )
+    Ok(backfill && crate::process::backfill::interrupted(client, config).await?)
 }
 
 /// L1 with several hosts: the replication connection and the lease's control connection each
@@ -366,37 +340,6 @@ async fn timeline_history(
             Vec::new()
         }),
     )
-}
-
-/// The largest message the server and the stream accept.
-pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -> usize {
-    match tail.max_msg_size {
-        Some(limit) => limit.min(max_payload),
-        None => max_payload,
-    }
-}
-
-/// How the sink publishes: a session's, or a backfill's (`crate::backfill`).
-pub(crate) fn sink_options(
-    config: &Config,
-    fence: Option<u64>,
-    resume_after: Option<outbox::Position>,
-    max_message_bytes: usize,
-    source: String,
-) -> SinkOptions {
-    SinkOptions {
-        max_in_flight: config.max_in_flight,
-        fence,
-        resume_after,
-        limits: sink::Limits {
-            max_message_bytes,
-            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
-        },
-        poison: config.on_poison,
-        dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-        source,
-        ack_timeout: config.ack_timeout,
-    }
 }
 
 /// What a session set up before streaming.
@@ -476,13 +419,13 @@ async fn prepare(
     let server = nats.server_info();
     info!(server = %server.server_name, version = %server.version, max_payload = server.max_payload, "connected to NATS");
     let max_payload = server.max_payload;
-    let connector = crate::nats::connector(&config.nats)?;
+    let connector = crate::connect::nats::connector(&config.nats)?;
     metrics.set_nats(nats.clone());
     let jetstream = jetstream_context(nats, config);
     // I13: open before the session says it streams, so a session that streams can publish;
     // first, so that a subscription the server forbids is named before any request of
     // async-nats's waits for its reply in vain.
-    let publishing = crate::nats::open_publishing(&connector, &jetstream, config).await?;
+    let publishing = crate::connect::nats::open_publishing(&connector, &jetstream, config).await?;
     // The checks run on the lease's control connection.
     let slot = if *bootstrapped {
         // V1: the table the process streamed, checked first, so that a table created again
@@ -515,17 +458,18 @@ async fn prepare(
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
     // P6, I6: what is stored already, by positions of this session's own history only,
-    // whose rows check out against the table (sink::resume S4, crate::stored).
+    // whose rows check out against the table (sink::resume S4, crate::process::stored).
     let strict = !config.shared_stream;
     let tail_check = if strict {
-        crate::stored::check_tail(lease.client(), config, &tail).await?
+        crate::process::stored::check_tail(lease.client(), config, &tail).await?
     } else {
         Ok(())
     };
     let acknowledged = match metrics.sink().stored_through(&source) {
         Some(acknowledged) if strict => Some((
             acknowledged.position,
-            crate::stored::check_acknowledged(lease.client(), config, &acknowledged).await?,
+            crate::process::stored::check_acknowledged(lease.client(), config, &acknowledged)
+                .await?,
         )),
         _ => None,
     };
@@ -617,7 +561,7 @@ async fn stream_events(
     // X7: only from the table this session streams.
     let _retention = identity
         .table_oid()
-        .and_then(|table_oid| crate::retention::start(config, metrics.clone(), table_oid));
+        .and_then(|table_oid| crate::process::retention::start(config, metrics.clone(), table_oid));
     metrics.set_phase(Phase::Streaming);
     let reader_end = tokio::select! {
         biased;
@@ -666,7 +610,11 @@ fn start(
     )
     .with_relations(prepared.slot.relations);
     let marking = config.mark_published.then(|| {
-        crate::mark::Marking::start(config, prepared.slot.confirmed_flush_lsn, metrics.clone())
+        crate::process::mark::Marking::start(
+            config,
+            prepared.slot.confirmed_flush_lsn,
+            metrics.clone(),
+        )
     });
     let reader = Reader {
         marking,
@@ -754,9 +702,9 @@ enum Step {
 
 struct Reader {
     /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
-    marking: Option<crate::mark::Marking>,
+    marking: Option<crate::process::mark::Marking>,
     /// The LSN the table's identity checks vouched for: nothing past it is confirmed
-    /// ([`crate::identity`] V2).
+    /// ([`crate::process::identity`] V2).
     vouched: watch::Receiver<Lsn>,
     stream: ReplicationStream,
     framer: Framer,
@@ -1036,7 +984,7 @@ fn check_dedupe_window(
 /// without `--mark-published`), or an identity check vouched for more (its sender lives as
 /// long as the process's sessions, so only the marker's end is an error).
 async fn cap_changed(
-    marking: &mut Option<crate::mark::Marking>,
+    marking: &mut Option<crate::process::mark::Marking>,
     vouched: &mut watch::Receiver<Lsn>,
 ) -> std::result::Result<(), watch::error::RecvError> {
     let marked = async {

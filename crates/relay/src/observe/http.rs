@@ -1,6 +1,6 @@
 //! The metrics and health endpoint (`--metrics-addr`): `GET /metrics` (the Prometheus text
 //! format), `/healthz` (200 while the process serves) and `/readyz` (200 `ready`, or 503
-//! with the reason: [`crate::metrics::Readiness`]); and [`get`], the client that
+//! with the reason: [`crate::observe::metrics::Readiness`]); and [`get`], the client that
 //! `outbox-relay probe`, the tests and the bench use.
 //!
 //! A minimal HTTP/1.1 responder on tokio rather than hyper: three read-only paths answered
@@ -36,7 +36,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info};
 
 use crate::error::{RelayError, Result};
-use crate::metrics::{Metrics, Readiness, CONTENT_TYPE};
+use crate::observe::metrics::{Metrics, Readiness, CONTENT_TYPE};
 
 /// How long one exchange may take, reading the head and writing the answer (H1).
 pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);

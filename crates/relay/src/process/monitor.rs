@@ -11,9 +11,9 @@
 //! - W2 At most one progress line per [`REPORT_EVERY`], and only while the slot lags by at
 //!   least [`BACKLOG_BYTES`]; one "caught up" line when it no longer does.
 //! - W3 The table's identity is checked on the same connection every
-//!   [`crate::identity::CHECK`] once the session began ([`crate::identity`] V1–V4): a check
-//!   that passes raises the reader's cap, one that cannot run is retried (like W1), and a
-//!   change ends the session with the refusal, the only way [`watch`] returns.
+//!   [`crate::process::identity::CHECK`] once the session began ([`crate::process::identity`]
+//!   V1–V4): a check that passes raises the reader's cap, one that cannot run is retried (like
+//!   W1), and a change ends the session with the refusal, the only way [`watch`] returns.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -24,8 +24,8 @@ use tracing::{debug, info};
 
 use crate::config::Config;
 use crate::error::RelayError;
-use crate::identity::{self, Checked};
-use crate::metrics::{Metrics, Phase, SlotSample};
+use crate::observe::metrics::{Metrics, Phase, SlotSample};
+use crate::process::identity::{self, Checked};
 
 /// How often the slot is polled.
 pub const POLL: Duration = Duration::from_secs(5);

@@ -5,7 +5,7 @@
 //! publication still names the old OID: the new table's inserts are never decoded, the slot
 //! keeps confirming idle positions, and nothing says so. So the relay keeps the identity it
 //! streams and checks it again, beside the session, on the lease's connection
-//! ([`crate::monitor`], every [`CHECK`]):
+//! ([`crate::process::monitor`], every [`CHECK`]):
 //!
 //! - the table's OID (`'schema.table'::regclass`) and whether it is partitioned;
 //! - the publication's OID, and that it still publishes inserts;
@@ -15,7 +15,7 @@
 //!
 //! # Invariants
 //! - V1 Every session starts with a check ([`Watch::begin`], after the start-up checks of
-//!   [`crate::bootstrap`], before replication starts); its identity is the one the session
+//!   [`crate::process::bootstrap`], before replication starts); its identity is the one the session
 //!   streams, and the first session's is the one the process streams: a later session that
 //!   finds another is refused like a change seen while streaming.
 //! - V2 Nothing is confirmed past what a check vouched for. A check is one simple query of
@@ -24,7 +24,7 @@
 //!   read by the previous passing check of the session (the session's first check vouches
 //!   for nothing beyond the slot's position at start); the flush LSN the reader sends is
 //!   the lower of the sink's watermark and the vouched LSN ([`Watch::vouched`], the same
-//!   cap as `--mark-published`'s, `crate::mark` U2). A DDL that changes the identity and
+//!   cap as `--mark-published`'s, `crate::process::mark` U2). A DDL that changes the identity and
 //!   commits at or below a vouched LSN committed before the previous check began, so that
 //!   check or this one sees it, unless the commit stayed invisible for a whole [`CHECK`]
 //!   after its WAL was written (a synchronous standby that stalls). An insert into a new
@@ -40,11 +40,11 @@
 //!   (rows the slot will never send, so the relay never streams them too); and
 //!   docs/operations.md for the conversion to a partitioned table.
 //!   A publication changed under the same table (inserts, coverage, via-root) is refused
-//!   by [`crate::bootstrap`]'s own check (B3, exit status 2, with its exact SQL) when it
+//!   by [`crate::process::bootstrap`]'s own check (B3, exit status 2, with its exact SQL) when it
 //!   hides inserts now, like at a session start.
 //! - V4 A check that fails to run (connection, timeout) vouches for nothing new and is
 //!   retried at the next one; it never ends the session (like the monitor's poll, W1).
-//! - V5 Retention deletes only from the OID the session streams ([`crate::retention`] X7).
+//! - V5 Retention deletes only from the OID the session streams ([`crate::process::retention`] X7).
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -222,7 +222,10 @@ impl Watch {
         let sql = match known {
             Some(sql) => sql,
             None => {
-                let sql = check_sql(config, crate::bootstrap::server_version(client).await?);
+                let sql = check_sql(
+                    config,
+                    crate::process::bootstrap::server_version(client).await?,
+                );
                 self.state().sql = Some(sql.clone());
                 sql
             }
@@ -258,8 +261,8 @@ impl Watch {
     }
 
     /// The refusal of `change` to `now` (V3): a publication changed under the same table
-    /// is refused by [`crate::bootstrap`]'s check (B3: exit status 2, the exact SQL) when it
-    /// would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
+    /// is refused by [`crate::process::bootstrap`]'s check (B3: exit status 2, the exact SQL) when
+    /// it would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
     async fn refuse(
         &self,
         client: &Client,
@@ -268,7 +271,7 @@ impl Watch {
         now: &Identity,
     ) -> RelayError {
         if change.publication_only {
-            if let Err(error) = crate::bootstrap::publication(client, config).await {
+            if let Err(error) = crate::process::bootstrap::publication(client, config).await {
                 if !error.is_transient() {
                     return error;
                 }

@@ -14,10 +14,10 @@
 //! library may print it (as is, percent-encoded, JSON- or Rust-escaped) by `<redacted>`.
 //!
 //! A secret too weak to be replaced everywhere ([`weakness`]: shorter than
-//! [`MIN_SCRUBBED_LEN`], a common word such as `relay` or `secret`, or a user name) is
-//! replaced only where it stands as a URL's user information (`:{secret}@`, `//{secret}@`):
-//! replacing `relay` in every line would break the logs and show the secret all the same
-//! (`outbox-<redacted>`). The configuration warns about such secrets at start
+//! [`MIN_SCRUBBED_LEN`](crate::config::secrets::MIN_SCRUBBED_LEN), a common word such as `relay` or
+//! `secret`, or a user name) is replaced only where it stands as a URL's user information
+//! (`:{secret}@`, `//{secret}@`): replacing `relay` in every line would break the logs and show the
+//! secret all the same (`outbox-<redacted>`). The configuration warns about such secrets at start
 //! (`crate::config`), since free text that quotes them cannot be told from ordinary text.
 //!
 //! # Invariants
@@ -30,65 +30,8 @@ use std::ffi::OsStr;
 use std::io::{IsTerminal, Write};
 use std::sync::{PoisonError, RwLock};
 
+use crate::config::secrets::weakness;
 use crate::config::LogFormat;
-
-/// Secrets shorter than this are not scrubbed from free text (see G1).
-pub const MIN_SCRUBBED_LEN: usize = 4;
-
-/// Words that appear in ordinary log text (the relay's own vocabulary, its defaults, the
-/// usual placeholder passwords): a secret equal to one, ignoring case, is weak (G1).
-const COMMON_WORDS: &[&str] = &[
-    "relay",
-    "outbox",
-    "outbox_relay",
-    "outbox-relay",
-    "secret",
-    "password",
-    "passwd",
-    "pass",
-    "token",
-    "postgres",
-    "nats",
-    "admin",
-    "root",
-    "user",
-    "test",
-    "changeme",
-    "change-me",
-    "default",
-    "stream",
-    "event",
-    "events",
-    "info",
-    "warn",
-    "error",
-    "debug",
-    "true",
-    "false",
-    "null",
-    "none",
-    "localhost",
-];
-
-/// Why `secret` cannot be scrubbed from free text (G1): too short, a common word, or one
-/// of `names` (user names, shown by the relay and libraries alike); `None` when it can.
-pub fn weakness(secret: &str, names: &[&str]) -> Option<String> {
-    let length = secret.chars().count();
-    if length < MIN_SCRUBBED_LEN {
-        Some(format!(
-            "shorter than {MIN_SCRUBBED_LEN} characters ({length})"
-        ))
-    } else if names.iter().any(|name| name.eq_ignore_ascii_case(secret)) {
-        Some("the same as a user name".to_owned())
-    } else if COMMON_WORDS
-        .iter()
-        .any(|word| word.eq_ignore_ascii_case(secret))
-    {
-        Some("a common word".to_owned())
-    } else {
-        None
-    }
-}
 
 /// What the scrubber looks for and what it writes instead, longest pattern first.
 static SECRETS: RwLock<Vec<(String, String)>> = RwLock::new(Vec::new());
