@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::{Client, Socket, Statement, Transaction};
+use tokio_postgres::{Client, Socket, Statement};
 use tracing::{debug, info, warn};
 
 use crate::config::Config;
@@ -25,6 +25,7 @@ use crate::error::{Error, Problem, SetupError, Unavailable};
 use crate::event::{Event, MessageError};
 use crate::metrics::{Failed, Metrics, Retry};
 use crate::order::{ordering_key, EntityOrder};
+use crate::transaction::{Statements, Transaction};
 use crate::{BatchHandler, Handler};
 
 type Connect = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, tokio_postgres::Error>> + Send>>
@@ -348,8 +349,8 @@ struct Worker<A> {
     metrics: Arc<Metrics>,
     after_commit: Option<Arc<AfterCommit>>,
     stop: watch::Receiver<bool>,
-    /// The connection and its statements: record dedupe keys, remove them.
-    client: Option<(Client, [Statement; 2])>,
+    /// The Postgres connection and its statements.
+    client: Option<Connection>,
     order: EntityOrder,
     /// Delivered and neither acknowledged nor released, by stream sequence (C8).
     held: BTreeMap<u64, jetstream::Message>,
@@ -365,6 +366,16 @@ struct Worker<A> {
     unsettled: bool,
     /// While messages delivered before this session are still to come back (C8).
     recovery: Option<Recovery>,
+}
+
+/// A shard's Postgres connection, its own statements and those its handler prepared (T2).
+struct Connection {
+    client: Client,
+    /// Records dedupe keys, returning those that were not recorded before.
+    insert: Statement,
+    /// Removes dedupe keys (of events a stop left unhandled).
+    remove: Statement,
+    statements: Statements,
 }
 
 /// C8: the shard consumer had `remaining` messages delivered and not acknowledged when the
@@ -839,16 +850,18 @@ impl<A: Apply> Worker<A> {
     /// One transaction over `slice`: its dedupe keys in one statement, the handler for the
     /// new ones in stream order, commit (C1–C3).
     async fn transact(&mut self, slice: &[Event]) -> Result<Tx, tokio_postgres::Error> {
-        let Some((client, [insert, remove])) = self.client.as_mut() else {
+        let Some(connection) = self.client.as_mut() else {
             unreachable!("a batch is handled after connecting");
         };
-        let mut tx = client.transaction().await?;
+        let (insert, remove) = (&connection.insert, &connection.remove);
+        let tx = connection.client.transaction().await?;
+        let mut tx = Transaction::new(tx, &connection.statements);
         let keys: Vec<&str> = slice
             .iter()
             .map(|event| event.keys.dedupe_key.as_str())
             .collect();
         let mut recorded: HashSet<String> = tx
-            .query(&*insert, &[&keys])
+            .query(insert, &[&keys])
             .await?
             .iter()
             .map(|row| row.get(0))
@@ -858,7 +871,7 @@ impl<A: Apply> Worker<A> {
             .filter(|&i| recorded.remove(keys[i]))
             .collect();
         if fresh.is_empty() {
-            tx.rollback().await?;
+            tx.into_inner().rollback().await?;
             return Ok(Tx::Committed(fresh));
         }
         let events: Cow<'_, [Event]> = if fresh.len() == slice.len() {
@@ -874,7 +887,7 @@ impl<A: Apply> Worker<A> {
         // Indexes into `events` are turned into indexes into `slice` for the caller.
         let (index, error) = match result {
             Ok(Ok(())) => {
-                tx.commit().await?;
+                tx.into_inner().commit().await?;
                 self.metrics
                     .transaction(slice.len(), handled, started.elapsed() - handled);
                 return Ok(Tx::Committed(fresh));
@@ -882,8 +895,8 @@ impl<A: Apply> Worker<A> {
             Ok(Err(Failure::Stopped { index })) => {
                 // Those not handled are not processed: their keys go, the rest commits.
                 let unhandled: Vec<&str> = fresh[index..].iter().map(|&i| keys[i]).collect();
-                tx.execute(&*remove, &[&unhandled]).await?;
-                tx.commit().await?;
+                tx.execute(remove, &[&unhandled]).await?;
+                tx.into_inner().commit().await?;
                 let handled = fresh[index];
                 let mut fresh = fresh;
                 fresh.truncate(index);
@@ -896,7 +909,7 @@ impl<A: Apply> Worker<A> {
             ),
         };
         // A failed rollback leaves nothing committed either.
-        let _ = tx.rollback().await;
+        let _ = tx.into_inner().rollback().await;
         Ok(Tx::Failed { index, error })
     }
 
@@ -984,7 +997,7 @@ impl<A: Apply> Worker<A> {
         if self
             .client
             .as_ref()
-            .is_some_and(|(client, _)| !client.is_closed())
+            .is_some_and(|connection| !connection.client.is_closed())
         {
             return Ok(());
         }
@@ -1006,7 +1019,12 @@ impl<A: Apply> Worker<A> {
             ))
             .await
             .map_err(|error| classify_prepare(table, error))?;
-        self.client = Some((client, [insert, remove]));
+        self.client = Some(Connection {
+            client,
+            insert,
+            remove,
+            statements: Statements::default(),
+        });
         Ok(())
     }
 

@@ -103,6 +103,7 @@ pub mod error;
 pub mod event;
 pub mod metrics;
 mod order;
+pub mod transaction;
 
 use std::future::Future;
 
@@ -112,7 +113,7 @@ pub use error::{Error, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
 pub use metrics::Metrics;
 pub use outbox::{Keys, Position};
-pub use tokio_postgres::Transaction;
+pub use transaction::Transaction;
 
 /// A handler's error: anything `?` accepts.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

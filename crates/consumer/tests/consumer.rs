@@ -1213,3 +1213,54 @@ async fn the_unbatched_consumers_durable_consumers_are_taken_over_in_batches() {
     case.assert_effects_once(1..=240).await;
     case.assert_entity_order().await;
 }
+
+/// A handler that writes its effect with SQL text and reads back when the connection
+/// prepared that text (T1).
+#[derive(Default)]
+struct PreparedOnce {
+    prepared_at: Mutex<Vec<String>>,
+}
+
+const PREPARED_ONCE_SQL: &str =
+    "insert into effects (outbox_id, entity_id, event_type, delivered) values ($1, $2, $3, $4)";
+
+impl Handler for PreparedOnce {
+    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        tx.execute(
+            PREPARED_ONCE_SQL,
+            &[
+                &event.id,
+                &event.entity_id,
+                &event.event_type,
+                &(event.delivered as i64),
+            ],
+        )
+        .await?;
+        let row = tx
+            .query_one(
+                "select prepare_time::text from pg_prepared_statements where statement = $1",
+                &[&PREPARED_ONCE_SQL],
+            )
+            .await?;
+        self.prepared_at.lock().unwrap().push(row.get(0));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_sql_text_is_prepared_once_per_connection() {
+    let case = Case::new("prepared_once").await;
+    // One entity: one shard, one connection.
+    case.publish(&events(&case, 1, 30, 1), None).await;
+    let handler = Arc::new(PreparedOnce::default());
+    let running = Running::start(case.consumer(case.config()).await, Arc::clone(&handler));
+    running.wait_processed(30).await;
+    running.stop().await;
+    case.assert_effects_once(1..=30).await;
+    let prepared_at = handler.prepared_at.lock().unwrap().clone();
+    assert_eq!(prepared_at.len(), 30);
+    assert!(
+        prepared_at.iter().all(|at| *at == prepared_at[0]),
+        "the insert's text was prepared once, not per event: {prepared_at:?}"
+    );
+}
