@@ -1056,11 +1056,7 @@ impl<A: Apply> Worker<A> {
             }
             return Ok(Tx::Committed(Done { handled, parked }));
         }
-        let events: Cow<'_, [Event]> = if handled.len() == slice.len() {
-            Cow::Borrowed(slice)
-        } else {
-            Cow::Owned(handled.iter().map(|&i| slice[i].clone()).collect())
-        };
+        let events = subset(slice, &handled);
         let started = Instant::now();
         let result = run_handler(&*self.handler, &mut tx, &events, &self.stop).await;
         let handler_time = started.elapsed();
@@ -1074,20 +1070,8 @@ impl<A: Apply> Worker<A> {
                 Ok(Tx::Committed(Done { handled, parked }))
             }
             Err(Failure::Stopped { index }) => {
-                // Those not handled are not processed: their keys go, the rest commits.
-                let unhandled: Vec<&str> = handled[index..].iter().map(|&i| keys[i]).collect();
-                tx.execute(&connection.remove, &[&unhandled]).await?;
-                tx.into_inner().commit().await?;
-                let end = handled[index];
-                let mut handled = handled;
-                handled.truncate(index);
-                // Parked ones after `end` are settled with the rest: as duplicates.
-                let mut parked = parked;
-                parked.retain(|&i| i < end);
-                Ok(Tx::Stopped {
-                    handled: end,
-                    done: Done { handled, parked },
-                })
+                let done = Done { handled, parked };
+                commit_stopped(tx, &connection.remove, &keys, done, index).await
             }
             Err(Failure::Handler { index, error }) => {
                 // A failed rollback leaves nothing committed either.
@@ -1347,6 +1331,34 @@ async fn record_keys(
     Ok((0..keys.len())
         .filter(|&i| recorded.remove(keys[i]))
         .collect())
+}
+
+/// The events of `slice` at `indexes` (all of them borrowed).
+fn subset<'a>(slice: &'a [Event], indexes: &[usize]) -> Cow<'a, [Event]> {
+    if indexes.len() == slice.len() {
+        Cow::Borrowed(slice)
+    } else {
+        Cow::Owned(indexes.iter().map(|&i| slice[i].clone()).collect())
+    }
+}
+
+/// The handler stopped before `done.handled[index]` (the consumer is stopping): the keys
+/// of the events it did not handle go, the rest commits.
+async fn commit_stopped(
+    tx: Transaction<'_>,
+    remove: &Statement,
+    keys: &[&str],
+    mut done: Done,
+    index: usize,
+) -> Result<Tx, tokio_postgres::Error> {
+    let unhandled: Vec<&str> = done.handled[index..].iter().map(|&i| keys[i]).collect();
+    tx.execute(remove, &[&unhandled]).await?;
+    tx.into_inner().commit().await?;
+    let end = done.handled[index];
+    done.handled.truncate(index);
+    // Parked ones after `end` are settled with the rest, as duplicates.
+    done.parked.retain(|&i| i < end);
+    Ok(Tx::Stopped { handled: end, done })
 }
 
 /// Runs the handler on `events` in `tx`; a panic is a failure naming no event.
