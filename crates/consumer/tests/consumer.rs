@@ -1414,3 +1414,40 @@ async fn with_on_failure_stop_an_event_failing_forever_stops_the_consumer_naming
     case.assert_effects_once(1..=10).await;
     case.assert_entity_order().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_entity_stays_parked_across_a_restart_until_its_events_are_discarded() {
+    let case = Case::new("parked_restart").await;
+    let (mut config, recorder, a) = failing_forever(&case).await;
+    config.max_attempts = 1;
+    let running = Running::start(case.consumer(config.clone()).await, Arc::clone(&recorder));
+    wait_for("5 parked with 7 and 9 behind it", async || {
+        running.stats.parked() == 3 && running.stats.processed() == 7
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(recorder.attempts(5), 1, "parked at its first failure");
+
+    // A new process reads the parked entities before its first batch.
+    case.publish(&[case.event(11, &a, "Credited", T0 + 11)], None)
+        .await;
+    let running = Running::start(case.consumer(config).await, Arc::clone(&recorder));
+    wait_for("11 parked behind 5", async || running.stats.parked() == 1).await;
+    assert_eq!(recorder.attempts(11), 0);
+
+    // Discarded: the entity's next event is handled.
+    case.sql
+        .execute(
+            "delete from parked_events where consumer = $1 and entity_id = $2",
+            &[&case.name, &a],
+        )
+        .await
+        .unwrap();
+    case.publish(&[case.event(12, &a, "Credited", T0 + 12)], None)
+        .await;
+    running.wait_processed(1).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.duplicates(), 0);
+    case.assert_effects_once([1, 2, 3, 4, 6, 8, 10, 12]).await;
+    case.assert_entity_order().await;
+}

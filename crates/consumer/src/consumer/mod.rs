@@ -382,6 +382,9 @@ struct Worker<A> {
     parked: HashSet<String>,
     /// When the shard reads the parked table next (P3).
     next_poll: tokio::time::Instant,
+    /// Whether `parked` was read through the current connection: no batch is handled
+    /// before it was (P3).
+    parked_loaded: bool,
 }
 
 /// An event whose handler failed `attempts` times in a row.
@@ -491,6 +494,7 @@ impl<A: Apply> Worker<A> {
             failing: None,
             parked: HashSet::new(),
             next_poll: tokio::time::Instant::now(),
+            parked_loaded: false,
         }
     }
 
@@ -560,9 +564,9 @@ impl<A: Apply> Worker<A> {
                 )
                 .into());
             }
-            let failed = match self.poll_parked().await {
-                Ok(()) => self.handle_batch(&mut messages).await?,
-                Err(error) => Some(error),
+            let failed = match self.before_batch().await? {
+                None => self.handle_batch(&mut messages).await?,
+                failed => failed,
             };
             match failed {
                 None => *backoff = Duration::from_millis(100),
@@ -613,6 +617,16 @@ impl<A: Apply> Worker<A> {
             }
         }
         Ok(true)
+    }
+
+    /// Connects to Postgres if needed and reads the parked table when due (P3). Returns the
+    /// Postgres error that keeps the batch from being handled now.
+    async fn before_batch(&mut self) -> Result<Option<tokio_postgres::Error>, Error> {
+        match self.connect_postgres().await {
+            Ok(()) => Ok(self.poll_parked().await.err()),
+            Err(Error::Unavailable(Unavailable::Postgres(error))) => Ok(Some(error)),
+            Err(error) => Err(error),
+        }
     }
 
     /// After Postgres failed: counted, logged, and waited for with `backoff` (doubled).
@@ -871,8 +885,16 @@ impl<A: Apply> Worker<A> {
         }
         match self.config.on_failure {
             OnFailure::Park => match self.park_failed(event, attempts, &error).await {
-                Ok(_) => {
-                    warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
+                Ok(parked) => {
+                    if parked {
+                        warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
+                    } else {
+                        debug!(
+                            shard = self.shard,
+                            outbox_id = event.id,
+                            "processed meanwhile by another consumer; acknowledging"
+                        );
+                    }
                     self.ack(message, event).await;
                     self.failing = None;
                     self.metrics.failing_attempts(self.shard, 0);
@@ -1041,13 +1063,9 @@ impl<A: Apply> Worker<A> {
             .map(|event| event.keys.dedupe_key.as_str())
             .collect();
         let fresh = record_keys(&tx, &connection.insert, &keys).await?;
-        let (handled, parked): (Vec<usize>, Vec<usize>) = fresh
-            .into_iter()
-            .partition(|&i| !self.parked.contains(&slice[i].entity_id));
-        if !parked.is_empty() {
-            let behind: Vec<&Event> = parked.iter().map(|&i| &slice[i]).collect();
-            park::park_in(&tx, &self.config, self.shard, &behind, park::Reason::Behind).await?;
-        }
+        let shard = (&*self.config, self.shard);
+        let (handled, parked) =
+            park::park_behind(&tx, shard, &mut self.parked, slice, fresh).await?;
         if handled.is_empty() {
             let tx = tx.into_inner();
             match parked.is_empty() {
@@ -1193,7 +1211,7 @@ impl<A: Apply> Worker<A> {
         if self.parks() {
             self.check_parked_table(&client).await?;
             // P3: a new connection reads the parked entities before its first batch.
-            self.next_poll = tokio::time::Instant::now();
+            self.parked_loaded = false;
         }
         self.client = Some(Connection {
             client,

@@ -12,15 +12,18 @@
 //!   was not applied. Holding only that entity's messages instead would keep them
 //!   unacknowledged, and at `max_ack_pending` they would stop the whole shard again. The
 //!   shard's other entities go on.
-//! - P3 Which entities are parked is the table's: the shard reads it when its session starts
-//!   and every [`PARKED_POLL`]; an operator's discard (deleting the rows) frees the entity
-//!   within that time.
+//! - P3 Which entities are parked is the table's: the shard reads it through each new
+//!   connection before it handles a batch (a batch waits while that read fails), then
+//!   every [`PARKED_POLL`]. Before events are parked behind an entity, the transaction
+//!   that parks them confirms the entity still has rows: an operator's discard (deleting
+//!   them) frees the entity for its next event at once.
 //! - P4 A re-drive (an entity's rows with `redrive = true`) runs on the shard's task between
 //!   batches, in stream order, each event in a transaction that deletes its row (a row
 //!   already gone is skipped: nothing runs twice) and runs the handler; the dedupe key stays
 //!   recorded. A re-driven event that fails again keeps its row (attempts + 1, the new
 //!   error), the entity's `redrive` flags are cleared, and the rest stays parked behind it.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -123,7 +126,8 @@ impl<A: Apply> Worker<A> {
     /// When it is time (P3): reads which entities of the shard are parked, and re-drives
     /// those an operator asked for (P4).
     pub(super) async fn poll_parked(&mut self) -> Result<(), tokio_postgres::Error> {
-        if !self.parks() || tokio::time::Instant::now() < self.next_poll {
+        let due = !self.parked_loaded || tokio::time::Instant::now() >= self.next_poll;
+        if !self.parks() || !due {
             return Ok(());
         }
         self.next_poll = tokio::time::Instant::now() + PARKED_POLL;
@@ -142,6 +146,7 @@ impl<A: Apply> Worker<A> {
             )
             .await?;
         self.parked = rows.iter().map(|row| row.get(0)).collect();
+        self.parked_loaded = true;
         let events: i64 = rows.iter().map(|row| row.get::<_, i64>(1)).sum();
         self.metrics.parked_events(self.shard, events);
         let redrive: Vec<String> = rows
@@ -352,6 +357,57 @@ pub(super) async fn park_in(
     )
     .await?;
     Ok(())
+}
+
+/// P2: splits the new events of `slice` (`fresh`) into those to handle and those of
+/// entities with parked events, which are parked behind them in `tx`. Which entities are
+/// parked is `parked`, confirmed against the table in `tx` for the entities of the slice
+/// (so that a discard counts at once, not only at the next read); an entity whose rows are
+/// gone leaves `parked`.
+pub(super) async fn park_behind(
+    tx: &Transaction<'_>,
+    (config, shard): (&Config, u64),
+    parked: &mut HashSet<String>,
+    slice: &[Event],
+    fresh: Vec<usize>,
+) -> Result<(Vec<usize>, Vec<usize>), tokio_postgres::Error> {
+    let candidates: HashSet<&str> = fresh
+        .iter()
+        .map(|&i| slice[i].entity_id.as_str())
+        .filter(|entity| parked.contains(*entity))
+        .collect();
+    if candidates.is_empty() {
+        return Ok((fresh, Vec::new()));
+    }
+    let table = &config.parked_table;
+    let candidates: Vec<&str> = candidates.into_iter().collect();
+    let still: HashSet<String> = tx
+        .query(
+            &format!(
+                "select distinct entity_id from {table} \
+                 where consumer = $1 and shard = $2 and entity_id = any($3)"
+            ),
+            &[
+                &config.name,
+                &i64::try_from(shard).unwrap_or(i64::MAX),
+                &candidates,
+            ],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    for gone in candidates.iter().filter(|entity| !still.contains(**entity)) {
+        parked.remove(*gone);
+    }
+    let (behind, handled): (Vec<usize>, Vec<usize>) = fresh
+        .into_iter()
+        .partition(|&i| still.contains(&slice[i].entity_id));
+    if !behind.is_empty() {
+        let events: Vec<&Event> = behind.iter().map(|&i| &slice[i]).collect();
+        park_in(tx, config, shard, &events, Reason::Behind).await?;
+    }
+    Ok((handled, behind))
 }
 
 /// A message's headers as `[[name, value], …]` JSON text.
