@@ -652,11 +652,12 @@ async fn replayed_messages_do_not_repeat_side_effects() {
     case.delete_durable_consumers().await;
     let running = Running::start(case.consumer(case.config()).await, Arc::clone(&recorder));
     wait_for("60 redeliveries recognised", async || {
-        running.stats.duplicates() == 60
+        running.stats.duplicates() >= 60
     })
     .await;
     let stats = running.stop().await;
     assert_eq!(stats.processed(), 0);
+    assert!(stats.duplicates() >= 60, "a redelivery may come twice");
     case.assert_effects_once(1..=30).await;
 }
 

@@ -165,7 +165,7 @@ impl<A: Apply> Worker<A> {
 
     /// Re-drives the parked events of `entity`, in stream order, until one fails (P4).
     async fn redrive(&mut self, entity: &str) -> Result<(), tokio_postgres::Error> {
-        let rows = self.parked_rows(entity).await?;
+        let (rows, unreadable) = self.parked_rows(entity).await?;
         info!(
             shard = self.shard,
             parked = rows.len(),
@@ -183,18 +183,27 @@ impl<A: Apply> Worker<A> {
                     %error,
                     "a re-driven event failed again; it and its entity's later events stay parked"
                 );
-                self.keep_parked(&row, &error).await?;
+                self.keep_parked(entity, Some((&row.dedupe_key, &error)))
+                    .await?;
                 return Ok(());
             }
+        }
+        if unreadable {
+            // The rest stays parked behind the row that is not an event.
+            return self.keep_parked(entity, None).await;
         }
         self.parked.remove(entity);
         Ok(())
     }
 
-    /// The parked rows of `entity` on this shard, in stream order, as events.
-    async fn parked_rows(&mut self, entity: &str) -> Result<Vec<Row>, tokio_postgres::Error> {
+    /// The parked rows of `entity` on this shard, in stream order, as events, up to one that
+    /// is not an event (then `true`).
+    async fn parked_rows(
+        &mut self,
+        entity: &str,
+    ) -> Result<(Vec<Row>, bool), tokio_postgres::Error> {
         let Some(connection) = self.client.as_ref() else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), true));
         };
         let table = &self.config.parked_table;
         let rows = connection
@@ -230,11 +239,11 @@ impl<A: Apply> Worker<A> {
                 Err(error) => {
                     // Parked events were decoded before; a row edited by hand may not be.
                     warn!(shard = self.shard, %error, "a parked row is not an event; the entity's re-drive stops before it");
-                    break;
+                    return Ok((parked, true));
                 }
             }
         }
-        Ok(parked)
+        Ok((parked, false))
     }
 
     /// One re-driven event: its row deleted and its handler run in one transaction. Returns
@@ -276,12 +285,19 @@ impl<A: Apply> Worker<A> {
         }
     }
 
-    /// A re-driven event failed again: its row keeps it (P4).
-    async fn keep_parked(&mut self, row: &Row, error: &str) -> Result<(), tokio_postgres::Error> {
+    /// A re-drive of `entity` ended before its last row (P4): its `redrive` flags are
+    /// cleared, and the row of the event that failed again (`failed`: its dedupe key and
+    /// error) counts the attempt.
+    async fn keep_parked(
+        &mut self,
+        entity: &str,
+        failed: Option<(&str, &str)>,
+    ) -> Result<(), tokio_postgres::Error> {
         let Some(connection) = self.client.as_ref() else {
             return Ok(());
         };
         let table = &self.config.parked_table;
+        let (key, error) = failed.unzip();
         connection
             .client
             .execute(
@@ -291,13 +307,7 @@ impl<A: Apply> Worker<A> {
                      error = case when dedupe_key = $4 then $5 else error end \
                      where consumer = $1 and shard = $2 and entity_id = $3"
                 ),
-                &[
-                    &self.config.name,
-                    &self.shard_i64(),
-                    &row.event.entity_id,
-                    &row.dedupe_key,
-                    &error,
-                ],
+                &[&self.config.name, &self.shard_i64(), &entity, &key, &error],
             )
             .await?;
         Ok(())
