@@ -53,8 +53,12 @@ struct Ledger;
 /// How the ledger rows are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handling {
-    /// A [`Handler`]: one `INSERT` per event (the README's handler).
+    /// A [`Handler`]: one `INSERT` per event (the README's handler), its text prepared once
+    /// per connection by the library's [`Transaction`].
     PerEvent,
+    /// The same handler through tokio-postgres's own transaction (`(**tx).execute`): its
+    /// text prepared on every call, as before the library's [`Transaction`] (for comparison).
+    PerEventUnprepared,
     /// A [`BatchHandler`]: one `INSERT … SELECT unnest(…)` per transaction.
     Batch,
 }
@@ -92,14 +96,34 @@ fn run(
     };
     match handling {
         Handling::PerEvent => tokio::spawn(consumer.run(Ledger, shutdown)),
+        Handling::PerEventUnprepared => tokio::spawn(consumer.run(Unprepared, shutdown)),
         Handling::Batch => tokio::spawn(consumer.run_batch(Ledger, shutdown)),
     }
 }
 
+/// The per-event handler's statement.
+const LEDGER_INSERT: &str =
+    "insert into ledger (outbox_id, entity_id, payload) values ($1, $2, $3::text::jsonb)";
+
 impl Handler for Ledger {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
         tx.execute(
-            "insert into ledger (outbox_id, entity_id, payload) values ($1, $2, $3::text::jsonb)",
+            LEDGER_INSERT,
+            &[&event.id, &event.entity_id, &event.payload_str()?],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// [`Ledger`]'s handler through tokio-postgres's own transaction.
+struct Unprepared;
+
+impl Handler for Unprepared {
+    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        let tx: &tokio_postgres::Transaction<'_> = tx;
+        tx.execute(
+            LEDGER_INSERT,
             &[&event.id, &event.entity_id, &event.payload_str()?],
         )
         .await?;

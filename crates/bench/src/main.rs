@@ -628,12 +628,17 @@ async fn big_transaction(bench: &mut Bench, results: &mut Results, events: u64) 
 const CONSUMER_LIVE_RATE: f64 = 2_000.0;
 
 /// What [`consumer`] compares: one event per transaction, the default batch size, both with
-/// the README's per-event handler, and the default with a batch handler.
-const CONSUMER_CONFIGURATIONS: [(usize, consume::Handling); 3] = [
+/// the README's per-event handler, the default with that handler's text prepared per call
+/// (as before the library's `Transaction` cached it), and the default with a batch handler.
+const CONSUMER_CONFIGURATIONS: [(usize, consume::Handling); 4] = [
     (1, consume::Handling::PerEvent),
     (
         outbox_consumer::DEFAULT_BATCH_SIZE,
         consume::Handling::PerEvent,
+    ),
+    (
+        outbox_consumer::DEFAULT_BATCH_SIZE,
+        consume::Handling::PerEventUnprepared,
     ),
     (
         outbox_consumer::DEFAULT_BATCH_SIZE,
@@ -648,6 +653,9 @@ const CONSUMER_VS_ONE: &str = "side effects/s ÷ batch size 1 (same run)";
 fn consumer_label(events: u64, batch_size: usize, handling: consume::Handling) -> String {
     let handler = match handling {
         consume::Handling::PerEvent => "",
+        consume::Handling::PerEventUnprepared => {
+            ", its INSERT prepared per call (tokio-postgres's own transaction)"
+        }
         consume::Handling::Batch => ", a batch handler (one INSERT per transaction)",
     };
     if batch_size == 1 {

@@ -8,6 +8,24 @@ use crate::error::SetupError;
 /// [`Config::batch_size`]'s default.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 
+/// [`Config::max_attempts`]'s default.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+
+/// What happens to an event whose handler failed [`Config::max_attempts`] times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnFailure {
+    /// Park it: record it with its dedupe key in [`Config::parked_table`], acknowledge it and
+    /// go on; later events of its entity are parked behind it (not handled) until an operator
+    /// re-drives or discards the entity's parked events (docs/consumers.md). The default: an
+    /// unattended consumer keeps its shard's other entities flowing, loses nothing, and shows
+    /// the parked events in a table and a metric.
+    #[default]
+    Park,
+    /// Stop: [`crate::Consumer::run`] returns [`crate::Error::Handler`] naming the event,
+    /// which is not acknowledged (the next start tries it again).
+    Stop,
+}
+
 /// The largest accepted [`Config::batch_size`].
 pub const MAX_BATCH_SIZE: usize = 10_000;
 
@@ -35,8 +53,20 @@ pub struct Config {
     pub processed_table: String,
     /// How long JetStream waits for an ack before redelivering (the consumer's `ack_wait`).
     pub ack_wait: Duration,
-    /// How long a message whose handler failed waits before its redelivery.
+    /// How long a message whose handler failed waits before its first redelivery; the
+    /// delay doubles with each further failure, up to [`Config::retry_delay_max`].
     pub retry_delay: Duration,
+    /// The longest delay between two attempts of a failing event.
+    pub retry_delay_max: Duration,
+    /// How many times the handler may fail on one event (counted by the shard worker since
+    /// it started) before [`Config::on_failure`] decides. `u32::MAX`: retried forever,
+    /// holding its shard.
+    pub max_attempts: u32,
+    /// What happens to an event once its handler failed `max_attempts` times.
+    pub on_failure: OnFailure,
+    /// The table parked events are recorded in (`sql/consumer.sql`), optionally
+    /// schema-qualified; needed with [`OnFailure::Park`] only.
+    pub parked_table: String,
     /// How many entities each shard remembers for the ordering check.
     pub order_capacity: usize,
     /// At most this many messages of a shard are handled in one transaction (and are
@@ -61,6 +91,10 @@ impl Config {
             processed_table: "processed_events".into(),
             ack_wait: Duration::from_secs(30),
             retry_delay: Duration::from_secs(5),
+            retry_delay_max: Duration::from_secs(60),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            on_failure: OnFailure::Park,
+            parked_table: "parked_events".into(),
             order_capacity: 100_000,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_wait: Duration::ZERO,
@@ -102,14 +136,20 @@ impl Config {
 
     /// Checks every value; the error names the value and what is accepted.
     pub fn validate(&self) -> Result<(), SetupError> {
-        let bad = |message: String| Err(SetupError::Config(message));
+        self.validate_names()?;
+        self.validate_timing()?;
+        self.shard_list().map(|_| ())
+    }
+
+    /// The names: consumer, stream, prefix, tables.
+    fn validate_names(&self) -> Result<(), SetupError> {
         if self.name.is_empty()
             || !self
                 .name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
         {
-            return bad(format!(
+            return invalid(format!(
                 "consumer name {:?} must be non-empty letters, digits, '_' or '-'",
                 self.name
             ));
@@ -120,57 +160,102 @@ impl Config {
                 .bytes()
                 .any(|b| matches!(b, b'.' | b'*' | b'>' | b'/' | b'\\') || b <= b' ')
         {
-            return bad(format!(
+            return invalid(format!(
                 "stream name {:?} must be non-empty, without '.', '*', '>', slashes or whitespace",
                 self.stream
             ));
         }
-        outbox::subject::validate_prefix(&self.subject_prefix).or_else(bad)?;
-        let table_ok = !self.processed_table.is_empty()
-            && self.processed_table.split('.').count() <= 2
-            && self.processed_table.split('.').all(|part| {
-                part.chars()
-                    .next()
-                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                    && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-            });
-        if !table_ok {
-            return bad(format!(
-                "processed_table {:?} must be a plain table name, optionally schema-qualified \
-                 (letters, digits, '_')",
-                self.processed_table
-            ));
+        outbox::subject::validate_prefix(&self.subject_prefix).or_else(invalid)?;
+        for (field, table) in [
+            ("processed_table", &self.processed_table),
+            ("parked_table", &self.parked_table),
+        ] {
+            if !is_table_name(table) {
+                return invalid(format!(
+                    "{field} {table:?} must be a plain table name, optionally schema-qualified \
+                     (letters, digits, '_')"
+                ));
+            }
         }
+        Ok(())
+    }
+
+    /// The durations and sizes.
+    fn validate_timing(&self) -> Result<(), SetupError> {
         if self.ack_wait < Duration::from_millis(100) {
-            return bad(format!(
+            return invalid(format!(
                 "ack_wait {:?} is too short: at least 100ms (JetStream redelivers unacked \
                  messages after it)",
                 self.ack_wait
             ));
         }
         if !(1..=MAX_BATCH_SIZE).contains(&self.batch_size) {
-            return bad(format!(
+            return invalid(format!(
                 "batch_size {} must be between 1 and {MAX_BATCH_SIZE}",
                 self.batch_size
             ));
         }
         if self.batch_wait > self.ack_wait / 2 {
-            return bad(format!(
+            return invalid(format!(
                 "batch_wait {:?} must be at most half of ack_wait {:?} (messages waiting in a \
                  batch would be redelivered)",
                 self.batch_wait, self.ack_wait
             ));
         }
-        if self.order_capacity == 0 {
-            return bad("order_capacity must be at least 1".into());
+        if self.retry_delay_max < self.retry_delay {
+            return invalid(format!(
+                "retry_delay_max {:?} must be at least retry_delay {:?}",
+                self.retry_delay_max, self.retry_delay
+            ));
         }
-        self.shard_list().map(|_| ())
+        if self.max_attempts == 0 {
+            return invalid("max_attempts must be at least 1".into());
+        }
+        if self.order_capacity == 0 {
+            return invalid("order_capacity must be at least 1".into());
+        }
+        Ok(())
     }
+
+    /// How long the event whose handler failed for the `attempts`-th time waits before its
+    /// next attempt: `retry_delay` doubled per earlier failure, at most `retry_delay_max`.
+    pub fn retry_delay_after(&self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(31);
+        self.retry_delay
+            .saturating_mul(1 << doublings)
+            .min(self.retry_delay_max)
+    }
+}
+
+fn invalid(message: String) -> Result<(), SetupError> {
+    Err(SetupError::Config(message))
+}
+
+/// A plain table name, optionally schema-qualified: letters, digits and `_`.
+fn is_table_name(table: &str) -> bool {
+    !table.is_empty()
+        && table.split('.').count() <= 2
+        && table.split('.').all(|part| {
+            part.chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_retry_delay_doubles_up_to_its_cap() {
+        let config = Config::new("ledger");
+        let delays: Vec<u64> = (1..=7)
+            .map(|attempts| config.retry_delay_after(attempts).as_secs())
+            .collect();
+        assert_eq!(delays, [5, 10, 20, 40, 60, 60, 60]);
+        assert_eq!(config.retry_delay_after(u32::MAX), Duration::from_secs(60));
+    }
 
     #[test]
     fn defaults_are_the_relays_and_valid() {
@@ -197,6 +282,9 @@ mod tests {
         assert!(with(|c| c.ack_wait = Duration::ZERO).contains("ack_wait"));
         assert!(with(|c| c.batch_size = 0).contains("batch_size 0"));
         assert!(with(|c| c.batch_wait = Duration::from_secs(20)).contains("batch_wait"));
+        assert!(with(|c| c.parked_table = "a b".into()).contains("parked_table"));
+        assert!(with(|c| c.max_attempts = 0).contains("max_attempts"));
+        assert!(with(|c| c.retry_delay_max = Duration::from_secs(1)).contains("retry_delay_max"));
         let mut schema = Config::new("ledger");
         schema.processed_table = "billing.processed_events".into();
         assert_eq!(schema.validate(), Ok(()));

@@ -4,11 +4,14 @@
 //!   `processed_events` table is not as it must be. Fix it and restart; retrying cannot help.
 //! - [`Error::Message`]: a message on a shard subject that the consumer cannot handle. It was
 //!   not acknowledged; remove it (or fix the configuration) and restart.
+//! - [`Error::Handler`]: the handler failed on one event `max_attempts` times and the
+//!   configuration says to stop ([`crate::OnFailure::Stop`]). The event was not
+//!   acknowledged; fix the cause and restart.
 //! - [`Error::Unavailable`]: Postgres or NATS failed or is unreachable. Transient:
 //!   [`crate::Consumer::run`] retries these itself with backoff and never returns them.
 //!
-//! A handler's own error is none of these: the transaction rolls back and the message is
-//! redelivered after `retry_delay` (see [`crate::Handler`]).
+//! A handler's own error is otherwise none of these: the transaction rolls back and the
+//! message is redelivered after a growing delay, then parked (see [`crate::Handler`]).
 
 pub use crate::event::{MessageError, Problem};
 
@@ -21,9 +24,35 @@ pub enum Error {
     /// Permanent: a message the consumer cannot handle (not acknowledged).
     #[error(transparent)]
     Message(#[from] MessageError),
+    /// Permanent: the handler kept failing on an event (with [`crate::OnFailure::Stop`]).
+    #[error(transparent)]
+    Handler(#[from] HandlerFailed),
     /// Transient: retried with backoff.
     #[error(transparent)]
     Unavailable(#[from] Unavailable),
+}
+
+/// The handler failed on one event `attempts` times, and the consumer stopped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the handler failed {attempts} times on outbox id {outbox_id} (stream sequence \
+     {stream_sequence}, entity {entity_id:?}, dedupe key {dedupe_key:?}): {error}; the consumer \
+     stopped (on_failure = stop) without acknowledging it: fix the cause and restart, or \
+     choose on_failure = park"
+)]
+pub struct HandlerFailed {
+    /// The event's outbox id.
+    pub outbox_id: i64,
+    /// Its stream sequence.
+    pub stream_sequence: u64,
+    /// Its entity.
+    pub entity_id: String,
+    /// Its dedupe key.
+    pub dedupe_key: String,
+    /// How many times the handler failed on it.
+    pub attempts: u32,
+    /// The last failure's text.
+    pub error: String,
 }
 
 impl Error {
@@ -57,6 +86,18 @@ pub enum SetupError {
         /// The durable consumer's name.
         durable: String,
         /// JetStream's answer.
+        reason: String,
+    },
+    /// The table that records parked events is missing or unusable.
+    #[error(
+        "cannot record parked events in table {table}: {reason}; create it with \
+         sql/consumer.sql (or set the consumer's parked_table, or on_failure = stop) and \
+         grant the consumer's role SELECT, INSERT, UPDATE and DELETE on it"
+    )]
+    ParkedTable {
+        /// The configured table.
+        table: String,
+        /// Postgres's answer.
         reason: String,
     },
     /// The table that records processed events is missing or unusable.

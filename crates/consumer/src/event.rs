@@ -79,94 +79,123 @@ impl Event {
         stream_sequence: u64,
         delivered: u64,
     ) -> Result<Event, MessageError> {
-        let fail = |problem| MessageError {
-            stream_sequence,
-            subject: subject.to_owned(),
-            problem,
+        let decoded = match headers {
+            None => Err(Problem::NotAnEvent),
+            Some(map) => Fields::of(map).and_then(|fields| fields.event(subject, payload)),
         };
-        let Some(map) = headers else {
-            return Err(fail(Problem::NotAnEvent));
-        };
-        let raw = |name: &'static str| {
-            map.get(name)
-                .map(|value| value.as_str())
-                .ok_or(Problem::MissingHeader(name))
-        };
+        decoded
+            .map(|event| Event {
+                stream_sequence,
+                delivered,
+                ..event
+            })
+            .map_err(|problem| MessageError {
+                stream_sequence,
+                subject: subject.to_owned(),
+                problem,
+            })
+    }
+}
+
+/// A message's headers, read as the relay wrote them (V1).
+struct Fields<'a> {
+    map: &'a HeaderMap,
+    percent: bool,
+}
+
+impl<'a> Fields<'a> {
+    fn of(map: &'a HeaderMap) -> Result<Self, Problem> {
         let percent = match map.get(OUTBOX_ENCODING).map(|v| v.as_str()) {
             None => false,
             Some(ENCODING_PERCENT) => true,
-            Some(other) => return Err(fail(Problem::UnknownEncoding(other.to_owned()))),
+            Some(other) => return Err(Problem::UnknownEncoding(other.to_owned())),
         };
-        let text = |name: &'static str| -> Result<String, Problem> {
-            let value = raw(name)?;
-            if percent {
-                percent_decode(value).ok_or(Problem::BadHeader {
-                    name,
-                    reason: "is not valid percent-encoded UTF-8",
-                })
-            } else {
-                Ok(value.to_owned())
-            }
-        };
-        let number = |name: &'static str| -> Result<i64, Problem> {
-            raw(name)?.parse().map_err(|_| Problem::BadHeader {
+        Ok(Fields { map, percent })
+    }
+
+    fn raw(&self, name: &'static str) -> Result<&'a str, Problem> {
+        self.map
+            .get(name)
+            .map(|value| value.as_str())
+            .ok_or(Problem::MissingHeader(name))
+    }
+
+    fn text(&self, name: &'static str) -> Result<String, Problem> {
+        let value = self.raw(name)?;
+        if self.percent {
+            percent_decode(value).ok_or(Problem::BadHeader {
                 name,
-                reason: "is not an integer",
+                reason: "is not valid percent-encoded UTF-8",
             })
-        };
-        let decode = || -> Result<Event, Problem> {
-            if raw(headers::OUTBOX_ID).is_err() && raw(headers::OUTBOX_ENTITY_ID).is_err() {
-                return Err(Problem::NotAnEvent);
-            }
-            let id = number(headers::OUTBOX_ID)?;
-            let entity_id = text(headers::OUTBOX_ENTITY_ID)?;
-            let event_type = text(headers::OUTBOX_EVENT_TYPE)?;
-            let partition_key = text(headers::OUTBOX_PARTITION_KEY)?;
-            let ordering_key = raw(headers::OUTBOX_ORDERING_KEY)?;
-            let shard =
-                u64::try_from(number(headers::OUTBOX_SHARD)?).map_err(|_| Problem::BadHeader {
-                    name: headers::OUTBOX_SHARD,
-                    reason: "is negative",
-                })?;
-            let created_at_ms = ordering_key
-                .split_once(':')
-                .and_then(|(ms, _)| ms.parse::<i64>().ok())
-                .ok_or(Problem::BadHeader {
-                    name: headers::OUTBOX_ORDERING_KEY,
-                    reason: "is not {created_at_ms}:{id}",
-                })?;
-            let keys = compute_keys(id, &entity_id, &event_type, created_at_ms);
-            if keys.ordering_key != ordering_key || keys.partition_key != partition_key {
-                return Err(Problem::InconsistentKeys);
-            }
-            let position = match (
-                raw(headers::OUTBOX_COMMIT_LSN),
-                raw(headers::OUTBOX_TX_INDEX),
-            ) {
-                (Ok(lsn), Ok(index)) => Some(Position::from_headers(lsn, index).ok_or(
-                    Problem::BadHeader {
+        } else {
+            Ok(value.to_owned())
+        }
+    }
+
+    fn number(&self, name: &'static str) -> Result<i64, Problem> {
+        self.raw(name)?.parse().map_err(|_| Problem::BadHeader {
+            name,
+            reason: "is not an integer",
+        })
+    }
+
+    /// The event (V2, V3), its stream sequence and delivery count still 0.
+    fn event(&self, subject: &str, payload: Bytes) -> Result<Event, Problem> {
+        if self.raw(headers::OUTBOX_ID).is_err() && self.raw(headers::OUTBOX_ENTITY_ID).is_err() {
+            return Err(Problem::NotAnEvent);
+        }
+        let id = self.number(headers::OUTBOX_ID)?;
+        let entity_id = self.text(headers::OUTBOX_ENTITY_ID)?;
+        let event_type = self.text(headers::OUTBOX_EVENT_TYPE)?;
+        let partition_key = self.text(headers::OUTBOX_PARTITION_KEY)?;
+        let ordering_key = self.raw(headers::OUTBOX_ORDERING_KEY)?;
+        let shard =
+            u64::try_from(self.number(headers::OUTBOX_SHARD)?).map_err(|_| Problem::BadHeader {
+                name: headers::OUTBOX_SHARD,
+                reason: "is negative",
+            })?;
+        let created_at_ms = ordering_key
+            .split_once(':')
+            .and_then(|(ms, _)| ms.parse::<i64>().ok())
+            .ok_or(Problem::BadHeader {
+                name: headers::OUTBOX_ORDERING_KEY,
+                reason: "is not {created_at_ms}:{id}",
+            })?;
+        let keys = compute_keys(id, &entity_id, &event_type, created_at_ms);
+        if keys.ordering_key != ordering_key || keys.partition_key != partition_key {
+            return Err(Problem::InconsistentKeys);
+        }
+        Ok(Event {
+            id,
+            entity_id,
+            event_type,
+            keys,
+            created_at_ms,
+            shard,
+            position: self.position()?,
+            payload,
+            subject: subject.to_owned(),
+            headers: self.map.clone(),
+            stream_sequence: 0,
+            delivered: 0,
+        })
+    }
+
+    fn position(&self) -> Result<Option<Position>, Problem> {
+        match (
+            self.raw(headers::OUTBOX_COMMIT_LSN),
+            self.raw(headers::OUTBOX_TX_INDEX),
+        ) {
+            (Ok(lsn), Ok(index)) => {
+                Position::from_headers(lsn, index)
+                    .map(Some)
+                    .ok_or(Problem::BadHeader {
                         name: headers::OUTBOX_COMMIT_LSN,
                         reason: "or Outbox-Tx-Index is not a position",
-                    },
-                )?),
-                _ => None,
-            };
-            Ok(Event {
-                id,
-                entity_id,
-                event_type,
-                keys,
-                created_at_ms,
-                shard,
-                position,
-                payload,
-                subject: subject.to_owned(),
-                headers: map.clone(),
-                stream_sequence,
-                delivered,
-            })
-        };
-        decode().map_err(fail)
+                    })
+            }
+            _ => Ok(None),
+        }
     }
 }
 

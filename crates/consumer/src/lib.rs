@@ -54,8 +54,9 @@
 //!   unknown), rolls back. A Postgres failure keeps the batch in hand and tries it again
 //!   after a backoff (nothing acknowledged; the dedupe keys decide what is left to do). A
 //!   handler failure is narrowed to one event (C8), which is negatively acknowledged with
-//!   `retry_delay` and handled again, alone, on its redelivery: never acknowledged before
-//!   its handler committed, and nothing after it in its shard is handled before that.
+//!   a delay (`retry_delay`, doubled per failure up to `retry_delay_max`) and handled
+//!   again, alone, on its redelivery: never acknowledged before its handler committed or
+//!   it was parked (C9), and nothing after it in its shard is handled before that.
 //! - C4 A shard is handled by one task, in stream order: the worker holds what was
 //!   delivered by stream sequence and handles the lowest first; a message released for
 //!   redelivery (C3) is waited for before anything after it. An entity maps to exactly one
@@ -93,9 +94,17 @@
 //!   before it redelivers an unacknowledged one once its `ack_wait` passed. So when a session
 //!   starts after a process start or a lost NATS session (or a reconnect, which ends the
 //!   session) and the shard consumer has messages delivered and not acknowledged, the
-//!   worker handles nothing above the highest stream sequence delivered before until that
-//!   many messages at or below it came back, or at most `max(ack_wait, retry_delay)` +
-//!   0.5 s (by then all were due again, and JetStream redelivers them lowest first).
+//!   worker handles nothing until that many messages at or below the highest stream
+//!   sequence delivered before came back (also not those that came first: a released
+//!   message comes back at once, one that went to a pull request of the stopped session
+//!   only after `ack_wait`), or at most `max(ack_wait, retry_delay)` + 0.5 s (by then all
+//!   were due again, and JetStream redelivers them lowest first); then in stream order.
+//! - C9 An event whose handler failed `max_attempts` times (counted by its shard worker
+//!   since it started) is decided by [`OnFailure`]: parked (the default; recorded with its
+//!   dedupe key in the parked table, acknowledged, and the later events of its entity
+//!   parked behind it, unhandled, until an operator re-drives or discards them: P1–P4 in
+//!   the shard workers' docs), or the consumer stops with [`Error::Handler`] naming it,
+//!   unacknowledged. Nothing is skipped silently.
 
 mod config;
 mod consumer;
@@ -103,29 +112,32 @@ pub mod error;
 pub mod event;
 pub mod metrics;
 mod order;
+pub mod transaction;
 
 use std::future::Future;
 
-pub use config::{Config, DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE};
-pub use consumer::{Consumer, Postgres, Stats, STOP_CONFIRM};
-pub use error::{Error, MessageError, Problem, SetupError, Unavailable};
+pub use config::{Config, OnFailure, DEFAULT_BATCH_SIZE, DEFAULT_MAX_ATTEMPTS, MAX_BATCH_SIZE};
+pub use consumer::{Consumer, Postgres, Stats, PARKED_POLL, STOP_CONFIRM};
+pub use error::{Error, HandlerFailed, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
 pub use metrics::Metrics;
 pub use outbox::{Keys, Position};
-pub use tokio_postgres::Transaction;
+pub use transaction::Transaction;
 
 /// A handler's error: anything `?` accepts.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// `sql/consumer.sql`: the `processed_events` table.
+/// `sql/consumer.sql`: the `processed_events` and `parked_events` tables.
 pub const SCHEMA_SQL: &str = include_str!("../sql/consumer.sql");
 
 /// What to do with one event, inside the transaction that records its `dedupe_key`.
 ///
 /// Write the side effects through `tx`: they commit together with the dedupe record, and
 /// the message is acknowledged after that. Return an error to roll everything back and have
-/// the event redelivered after `retry_delay` (the shard waits for it: later events of the
-/// shard are not handled before it succeeds). Effects outside the database (an HTTP call, an
+/// the event redelivered after a growing delay (the shard waits for it: later events of the
+/// shard are not handled before it succeeds), and after `max_attempts` parked or the
+/// consumer stopped (C9). SQL text run through `tx` is prepared once per connection
+/// ([`transaction`]). Effects outside the database (an HTTP call, an
 /// e-mail) are not covered by the transaction: make them idempotent on `event.keys.dedupe_key`.
 pub trait Handler: Send + Sync + 'static {
     /// Handles `event`.

@@ -53,6 +53,27 @@ pub(crate) enum Retry {
     Session,
 }
 
+/// Why events were parked (`outbox_consumer_parked_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Parked {
+    /// The handler failed on it `max_attempts` times.
+    Failed,
+    /// An earlier event of its entity is parked.
+    Behind,
+}
+
+impl Parked {
+    fn label(self) -> [(&'static str, &'static str); 1] {
+        [(
+            "reason",
+            match self {
+                Parked::Failed => "failed",
+                Parked::Behind => "behind",
+            },
+        )]
+    }
+}
+
 impl Failed {
     fn label(self) -> Kind {
         [(
@@ -89,6 +110,10 @@ pub struct Metrics {
     out_of_order: Counter,
     failures: Family<Kind, Counter>,
     retries: Family<Kind, Counter>,
+    parked: Family<Kind, Counter>,
+    redriven: Counter,
+    parked_events: Family<Shard, Gauge<i64, AtomicI64>>,
+    failing_attempts: Family<Shard, Gauge<i64, AtomicI64>>,
     handler_seconds: Histogram,
     commit_seconds: Histogram,
     batch_events: Histogram,
@@ -106,29 +131,36 @@ impl Metrics {
     /// Registers every metric.
     pub fn new() -> Metrics {
         let seconds = || Histogram::new(exponential_buckets(0.000_1, 2.0, 18));
-        let metrics = Metrics {
-            registry: Registry::default(),
+        let mut metrics = Metrics {
+            registry: Registry::with_prefix("outbox_consumer"),
             processed: Family::default(),
             duplicates: Family::default(),
             out_of_order: Counter::default(),
             failures: Family::default(),
             retries: Family::default(),
+            parked: Family::default(),
+            redriven: Counter::default(),
+            parked_events: Family::default(),
+            failing_attempts: Family::default(),
             handler_seconds: seconds(),
             commit_seconds: seconds(),
             batch_events: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             pending: Family::default(),
             up: Family::default(),
         };
-        let mut registry = Registry::with_prefix("outbox_consumer");
-        registry.register(
-            "processed",
-            "Events whose handler ran and committed",
+        let registry = &mut metrics.registry;
+        let m = (
             metrics.processed.clone(),
+            metrics.duplicates.clone(),
+            metrics.failures.clone(),
+            metrics.retries.clone(),
+            metrics.parked.clone(),
         );
+        registry.register("processed", "Events whose handler ran and committed", m.0);
         registry.register(
             "duplicates",
             "Deliveries of events already processed: acknowledged without running the handler",
-            metrics.duplicates.clone(),
+            m.1,
         );
         registry.register(
             "out_of_order",
@@ -138,12 +170,32 @@ impl Metrics {
         registry.register(
             "failures",
             "Failures by kind: handler, postgres, nats, message",
-            metrics.failures.clone(),
+            m.2,
         );
         registry.register(
             "retries",
             "What is tried again, by kind: event (released after its handler failed), batch (after postgres failed), session (after nats failed)",
-            metrics.retries.clone(),
+            m.3,
+        );
+        registry.register(
+            "parked",
+            "Events parked, by reason: failed (the handler failed max_attempts times), behind (an earlier event of its entity is parked)",
+            m.4,
+        );
+        registry.register(
+            "redriven",
+            "Parked events re-driven by an operator and committed",
+            metrics.redriven.clone(),
+        );
+        registry.register(
+            "parked_events",
+            "Parked events of the shard in the parked table (at its last read, every 5 s)",
+            metrics.parked_events.clone(),
+        );
+        registry.register(
+            "failing_attempts",
+            "Handler failures so far of the event the shard waits to retry (0: none)",
+            metrics.failing_attempts.clone(),
         );
         registry.register(
             "handler_seconds",
@@ -170,21 +222,25 @@ impl Metrics {
             "1 while the shard's session runs",
             metrics.up.clone(),
         );
-        // Every kind from 0, so that rates and alerts see the first one.
+        metrics.zero_kinds();
+        metrics
+    }
+
+    /// Every kind from 0, so that rates and alerts see the first one.
+    fn zero_kinds(&self) {
         for kind in [
             Failed::Handler,
             Failed::Postgres,
             Failed::Nats,
             Failed::Message,
         ] {
-            let _ = metrics.failures.get_or_create(&kind.label());
+            let _ = self.failures.get_or_create(&kind.label());
         }
         for kind in [Retry::Event, Retry::Batch, Retry::Session] {
-            let _ = metrics.retries.get_or_create(&kind.label());
+            let _ = self.retries.get_or_create(&kind.label());
         }
-        Metrics {
-            registry,
-            ..metrics
+        for reason in [Parked::Failed, Parked::Behind] {
+            let _ = self.parked.get_or_create(&reason.label());
         }
     }
 
@@ -237,6 +293,24 @@ impl Metrics {
         self.retries.get_or_create(&kind.label()).inc();
     }
 
+    pub(crate) fn parked(&self, reason: Parked, n: u64) {
+        self.parked.get_or_create(&reason.label()).inc_by(n);
+    }
+
+    pub(crate) fn redriven(&self) {
+        self.redriven.inc();
+    }
+
+    pub(crate) fn parked_events(&self, s: u64, n: i64) {
+        self.parked_events.get_or_create(&shard(s)).set(n);
+    }
+
+    pub(crate) fn failing_attempts(&self, s: u64, attempts: u32) {
+        self.failing_attempts
+            .get_or_create(&shard(s))
+            .set(i64::from(attempts));
+    }
+
     pub(crate) fn transaction(&self, events: usize, handler: Duration, commit: Duration) {
         self.batch_events.observe(events as f64);
         self.handler_seconds.observe(handler.as_secs_f64());
@@ -276,6 +350,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("outbox_consumer_failures_total{kind=\"handler\"} 1"));
+        assert!(text.contains("outbox_consumer_parked_total{reason=\"behind\"} 0"));
         assert!(text.contains("outbox_consumer_pending{shard=\"3\"} 7"));
         assert!(text.contains("outbox_consumer_batch_events_count 1"));
         assert_eq!(metrics.readiness(&[3]), Ok(()));

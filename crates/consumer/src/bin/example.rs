@@ -10,19 +10,24 @@
 //! OUTBOX_CONSUMER_NAME          ledger   (durable consumers ledger-0 .. ledger-11)
 //! OUTBOX_CONSUMER_SHARDS        all, or e.g. 0,1,2 to split shards between processes
 //! OUTBOX_CONSUMER_ACK_WAIT_MS   30000
-//! OUTBOX_CONSUMER_RETRY_DELAY_MS 5000
+//! OUTBOX_CONSUMER_RETRY_DELAY_MS 5000    (the first retry's delay; doubled per failure)
+//! OUTBOX_CONSUMER_RETRY_DELAY_MAX_MS 60000
+//! OUTBOX_CONSUMER_MAX_ATTEMPTS  10       (handler failures of one event before ON_FAILURE)
+//! OUTBOX_CONSUMER_ON_FAILURE    park     (park it in parked_events and go on), or stop
 //! OUTBOX_CONSUMER_BATCH_SIZE    100      (events per transaction; 1: one transaction each)
 //! OUTBOX_CONSUMER_BATCH_WAIT_MS 0
 //! OUTBOX_CONSUMER_METRICS_ADDR  unset; e.g. 127.0.0.1:9465 serves /metrics, /healthz, /readyz
 //! ```
 //!
-//! It creates `processed_events` (sql/consumer.sql) and `ledger` if missing, and stops on
+//! It creates `processed_events` and `parked_events` (sql/consumer.sql) and `ledger` if missing, and stops on
 //! SIGINT/SIGTERM after finishing the messages in hand.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Metrics, Postgres, Transaction};
+use outbox_consumer::{
+    BoxError, Config, Consumer, Event, Handler, Metrics, OnFailure, Postgres, Transaction,
+};
 use tracing::{error, info};
 
 /// The side effect: one ledger row per event.
@@ -74,24 +79,7 @@ async fn run() -> Result<(), BoxError> {
     let database_url =
         std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL is not set: set it to the database of the ledger, e.g. postgres://app@localhost/app")?;
     let nats_url = env_or("NATS_URL", "nats://127.0.0.1:4222");
-
-    let mut config = Config::new(env_or("OUTBOX_CONSUMER_NAME", "ledger"));
-    config.stream = env_or("OUTBOX_RELAY_STREAM", &config.stream);
-    config.subject_prefix = env_or("OUTBOX_RELAY_SUBJECT_PREFIX", &config.subject_prefix);
-    config.partitions = parsed("OUTBOX_RELAY_PARTITIONS", config.partitions)?;
-    if let Ok(shards) = std::env::var("OUTBOX_CONSUMER_SHARDS") {
-        if shards != "all" {
-            let list: Result<Vec<u64>, _> = shards.split(',').map(|s| s.trim().parse()).collect();
-            config.shards = Some(list.map_err(|_| {
-                format!("OUTBOX_CONSUMER_SHARDS {shards:?} is not `all` or a comma-separated list of shard numbers")
-            })?);
-        }
-    }
-    config.ack_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_ACK_WAIT_MS", 30_000)?);
-    config.retry_delay = Duration::from_millis(parsed("OUTBOX_CONSUMER_RETRY_DELAY_MS", 5_000)?);
-    config.batch_size = parsed("OUTBOX_CONSUMER_BATCH_SIZE", config.batch_size)?;
-    config.batch_wait = Duration::from_millis(parsed("OUTBOX_CONSUMER_BATCH_WAIT_MS", 0)?);
-
+    let config = config_from_env()?;
     let pg_config: tokio_postgres::Config = database_url
         .parse()
         .map_err(|e| format!("DATABASE_URL is not a valid connection string: {e}"))?;
@@ -128,6 +116,39 @@ async fn run() -> Result<(), BoxError> {
     Ok(())
 }
 
+/// The consumer's configuration from the environment (the table above).
+fn config_from_env() -> Result<Config, String> {
+    let mut config = Config::new(env_or("OUTBOX_CONSUMER_NAME", "ledger"));
+    config.stream = env_or("OUTBOX_RELAY_STREAM", &config.stream);
+    config.subject_prefix = env_or("OUTBOX_RELAY_SUBJECT_PREFIX", &config.subject_prefix);
+    config.partitions = parsed("OUTBOX_RELAY_PARTITIONS", config.partitions)?;
+    if let Ok(shards) = std::env::var("OUTBOX_CONSUMER_SHARDS") {
+        if shards != "all" {
+            let list: Result<Vec<u64>, _> = shards.split(',').map(|s| s.trim().parse()).collect();
+            config.shards = Some(list.map_err(|_| {
+                format!("OUTBOX_CONSUMER_SHARDS {shards:?} is not `all` or a comma-separated list of shard numbers")
+            })?);
+        }
+    }
+    let millis = |key, default| parsed(key, default).map(Duration::from_millis);
+    config.ack_wait = millis("OUTBOX_CONSUMER_ACK_WAIT_MS", 30_000)?;
+    config.retry_delay = millis("OUTBOX_CONSUMER_RETRY_DELAY_MS", 5_000)?;
+    config.retry_delay_max = millis("OUTBOX_CONSUMER_RETRY_DELAY_MAX_MS", 60_000)?;
+    config.max_attempts = parsed("OUTBOX_CONSUMER_MAX_ATTEMPTS", config.max_attempts)?;
+    config.on_failure = match env_or("OUTBOX_CONSUMER_ON_FAILURE", "park").as_str() {
+        "park" => OnFailure::Park,
+        "stop" => OnFailure::Stop,
+        other => {
+            return Err(format!(
+                "OUTBOX_CONSUMER_ON_FAILURE {other:?} is not `park` or `stop`"
+            ))
+        }
+    };
+    config.batch_size = parsed("OUTBOX_CONSUMER_BATCH_SIZE", config.batch_size)?;
+    config.batch_wait = millis("OUTBOX_CONSUMER_BATCH_WAIT_MS", 0)?;
+    Ok(config)
+}
+
 /// Serves `GET /metrics` (Prometheus text), `/healthz` (200 while the process runs) and
 /// `/readyz` (200, or 503 naming the shards without a running session) on `addr`, one
 /// request per connection, until the handle is dropped.
@@ -136,7 +157,7 @@ async fn serve(
     metrics: std::sync::Arc<Metrics>,
     shards: Vec<u64>,
 ) -> Result<tokio_util::task::AbortOnDropHandle<()>, BoxError> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncWriteExt as _;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         format!("cannot serve metrics on {addr}: {e} (set OUTBOX_CONSUMER_METRICS_ADDR to a free local address, or unset it)")
     })?;
@@ -151,49 +172,61 @@ async fn serve(
                 };
                 let (metrics, shards) = (metrics.clone(), shards.clone());
                 tokio::spawn(tokio::time::timeout(Duration::from_secs(5), async move {
-                    // The request head, at most 8 KiB.
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&head);
-                    let path = head.split(' ').nth(1).unwrap_or("");
-                    let (status, content_type, body) = match path {
-                        "/metrics" => (
-                            200,
-                            outbox_consumer::metrics::CONTENT_TYPE,
-                            metrics.encode(),
-                        ),
-                        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
-                        "/readyz" => match metrics.readiness(&shards) {
-                            Ok(()) => (200, "text/plain", "ready\n".to_owned()),
-                            Err(reason) => (503, "text/plain", format!("{reason}\n")),
-                        },
-                        _ => (
-                            404,
-                            "text/plain",
-                            "not found: /metrics, /healthz, /readyz\n".to_owned(),
-                        ),
+                    let Some(head) = read_head(&mut stream).await else {
+                        return;
                     };
-                    let reason = match status {
-                        200 => "OK",
-                        503 => "Service Unavailable",
-                        _ => "Not Found",
-                    };
-                    let response = format!(
-                    "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                    let response = respond(&head, &metrics, &shards);
                     let _ = stream.write_all(response.as_bytes()).await;
                     let _ = stream.shutdown().await;
                 }));
             }
         },
     )))
+}
+
+/// A request's head, at most 8 KiB; `None` if the connection ended first.
+async fn read_head(stream: &mut tokio::net::TcpStream) -> Option<String> {
+    use tokio::io::AsyncReadExt as _;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// The HTTP response to the request with `head`.
+fn respond(head: &str, metrics: &Metrics, shards: &[u64]) -> String {
+    let path = head.split(' ').nth(1).unwrap_or("");
+    let (status, content_type, body) = match path {
+        "/metrics" => (
+            200,
+            outbox_consumer::metrics::CONTENT_TYPE,
+            metrics.encode(),
+        ),
+        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
+        "/readyz" => match metrics.readiness(shards) {
+            Ok(()) => (200, "text/plain", "ready\n".to_owned()),
+            Err(reason) => (503, "text/plain", format!("{reason}\n")),
+        },
+        _ => (
+            404,
+            "text/plain",
+            "not found: /metrics, /healthz, /readyz\n".to_owned(),
+        ),
+    };
+    let reason = match status {
+        200 => "OK",
+        503 => "Service Unavailable",
+        _ => "Not Found",
+    };
+    format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
 }
 
 /// Resolves on SIGINT or SIGTERM.

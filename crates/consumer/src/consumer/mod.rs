@@ -1,5 +1,10 @@
 //! The shard workers: one durable pull consumer, one Postgres connection and one task per
-//! shard. See the crate docs for the invariants C1–C7 they keep.
+//! shard. See the crate docs for the invariants C1–C8 they keep, and [`park`] for what
+//! happens to an event whose handler keeps failing (P1–P4).
+
+mod park;
+
+pub use park::PARKED_POLL;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
@@ -17,14 +22,15 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
-use tokio_postgres::{Client, Socket, Statement, Transaction};
+use tokio_postgres::{Client, Socket, Statement};
 use tracing::{debug, info, warn};
 
-use crate::config::Config;
-use crate::error::{Error, Problem, SetupError, Unavailable};
+use crate::config::{Config, OnFailure};
+use crate::error::{Error, HandlerFailed, Problem, SetupError, Unavailable};
 use crate::event::{Event, MessageError};
-use crate::metrics::{Failed, Metrics, Retry};
+use crate::metrics::{Failed, Metrics, Parked, Retry};
 use crate::order::{ordering_key, EntityOrder};
+use crate::transaction::{Statements, Transaction};
 use crate::{BatchHandler, Handler};
 
 type Connect = dyn Fn() -> Pin<Box<dyn Future<Output = Result<Client, tokio_postgres::Error>> + Send>>
@@ -80,6 +86,7 @@ pub struct Stats {
     handler_failures: AtomicU64,
     out_of_order: AtomicU64,
     retries: AtomicU64,
+    parked: AtomicU64,
 }
 
 impl Stats {
@@ -106,6 +113,12 @@ impl Stats {
     /// Shard sessions restarted after Postgres or NATS failed.
     pub fn retries(&self) -> u64 {
         self.retries.load(Ordering::Relaxed)
+    }
+
+    /// Events parked: their handler failed `max_attempts` times, or an earlier event of
+    /// their entity is parked (acknowledged, not processed).
+    pub fn parked(&self) -> u64 {
+        self.parked.load(Ordering::Relaxed)
     }
 }
 
@@ -194,31 +207,17 @@ impl Consumer {
         self.config.validate()?;
         let shards = self.config.shard_list()?;
         let handler = Arc::new(handler);
-        let config = Arc::new(self.config);
+        let config = Arc::new(self.config.clone());
         let (stop_tx, stop_rx) = watch::channel(false);
-        let jetstream = jetstream::new(self.nats.clone());
         let mut workers = JoinSet::new();
         for &shard in &shards {
-            let worker = Worker {
+            let worker = Worker::new(
                 shard,
-                config: Arc::clone(&config),
-                nats: self.nats.clone(),
-                jetstream: jetstream.clone(),
-                postgres: self.postgres.clone(),
-                handler: Arc::clone(&handler),
-                stats: Arc::clone(&self.stats),
-                metrics: Arc::clone(&self.metrics),
-                after_commit: self.after_commit.clone(),
-                stop: stop_rx.clone(),
-                client: None,
-                order: EntityOrder::new(config.order_capacity),
-                held: BTreeMap::new(),
-                waiting_for: None,
-                retry_alone: None,
-                last_acked: None,
-                unsettled: true,
-                recovery: None,
-            };
+                Arc::clone(&config),
+                &self,
+                Arc::clone(&handler),
+                stop_rx.clone(),
+            );
             workers.spawn(worker.run());
         }
         info!(
@@ -229,31 +228,7 @@ impl Consumer {
             batch_size = config.batch_size,
             "consuming shards"
         );
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut stopping = false;
-        let mut result = Ok(());
-        loop {
-            tokio::select! {
-                () = &mut shutdown, if !stopping => {
-                    info!("stopping: each shard finishes the messages in hand");
-                    stopping = true;
-                    let _ = stop_tx.send(true);
-                }
-                joined = workers.join_next() => match joined {
-                    None => break,
-                    Some(Ok(Ok(()))) => {}
-                    Some(Ok(Err(error))) => {
-                        if result.is_ok() {
-                            result = Err(error);
-                        }
-                        stopping = true;
-                        let _ = stop_tx.send(true);
-                    }
-                    Some(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-                    Some(Err(_)) => {}
-                }
-            }
-        }
+        let result = supervise(&mut workers, shutdown, &stop_tx).await;
         if let Err(error) = self.nats.flush().await {
             warn!(%error, "could not flush the last acks: their messages will be redelivered and recognised as duplicates");
         }
@@ -267,6 +242,41 @@ impl Consumer {
         );
         result
     }
+}
+
+/// Waits for the shard workers: on `shutdown` or the first error every worker is told to
+/// stop; returns that error once all stopped.
+async fn supervise(
+    workers: &mut JoinSet<Result<(), Error>>,
+    shutdown: impl Future<Output = ()> + Send,
+    stop_tx: &watch::Sender<bool>,
+) -> Result<(), Error> {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut stopping = false;
+    let mut result = Ok(());
+    loop {
+        tokio::select! {
+            () = &mut shutdown, if !stopping => {
+                info!("stopping: each shard finishes the messages in hand");
+                stopping = true;
+                let _ = stop_tx.send(true);
+            }
+            joined = workers.join_next() => match joined {
+                None => break,
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(error))) => {
+                    if result.is_ok() {
+                        result = Err(error);
+                    }
+                    stopping = true;
+                    let _ = stop_tx.send(true);
+                }
+                Some(Err(join)) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+                Some(Err(_)) => {}
+            }
+        }
+    }
+    result
 }
 
 /// How long a stopping shard waits for the server to confirm its last ack (C7).
@@ -348,8 +358,8 @@ struct Worker<A> {
     metrics: Arc<Metrics>,
     after_commit: Option<Arc<AfterCommit>>,
     stop: watch::Receiver<bool>,
-    /// The connection and its statements: record dedupe keys, remove them.
-    client: Option<(Client, [Statement; 2])>,
+    /// The Postgres connection and its statements.
+    client: Option<Connection>,
     order: EntityOrder,
     /// Delivered and neither acknowledged nor released, by stream sequence (C8).
     held: BTreeMap<u64, jetstream::Message>,
@@ -365,11 +375,38 @@ struct Worker<A> {
     unsettled: bool,
     /// While messages delivered before this session are still to come back (C8).
     recovery: Option<Recovery>,
+    /// The event whose handler failed last and is to be tried again, and how often it
+    /// failed (the retry delay doubles; at `max_attempts` its policy decides).
+    failing: Option<Failing>,
+    /// The entities of this shard with parked events (P2, P3).
+    parked: HashSet<String>,
+    /// When the shard reads the parked table next (P3).
+    next_poll: tokio::time::Instant,
+    /// Whether `parked` was read through the current connection: no batch is handled
+    /// before it was (P3).
+    parked_loaded: bool,
+}
+
+/// An event whose handler failed `attempts` times in a row.
+#[derive(Debug, Clone, Copy)]
+struct Failing {
+    stream_sequence: u64,
+    attempts: u32,
+}
+
+/// A shard's Postgres connection, its own statements and those its handler prepared (T2).
+struct Connection {
+    client: Client,
+    /// Records dedupe keys, returning those that were not recorded before.
+    insert: Statement,
+    /// Removes dedupe keys (of events a stop left unhandled).
+    remove: Statement,
+    statements: Statements,
 }
 
 /// C8: the shard consumer had `remaining` messages delivered and not acknowledged when the
-/// session started, all at or below stream sequence `floor`. Nothing above it is handled
-/// before they came back, or until `until` (when every one of them was due again).
+/// session started, all at or below stream sequence `floor`. Nothing is handled before
+/// they came back, or until `until` (when every one of them was due again).
 struct Recovery {
     floor: u64,
     remaining: u64,
@@ -397,19 +434,70 @@ enum End {
     Stopped,
 }
 
+/// What a committed transaction did with a slice's new events (indexes into the slice);
+/// the slice's other events were duplicates.
+#[derive(Debug, Default)]
+struct Done {
+    /// Their handler ran.
+    handled: Vec<usize>,
+    /// Parked behind an earlier event of their entity (P2).
+    parked: Vec<usize>,
+}
+
+impl Done {
+    fn handled(handled: Vec<usize>) -> Done {
+        Done {
+            handled,
+            parked: Vec::new(),
+        }
+    }
+}
+
 /// What a transaction over a slice of a batch did.
 enum Tx {
-    /// Committed; these indexes (into the slice) were new and handled, the others were
-    /// duplicates.
-    Committed(Vec<usize>),
-    /// Committed up to the slice's index `handled` (excluded; those of `fresh` were new),
-    /// the rest not handled because the consumer is stopping.
-    Stopped { handled: usize, fresh: Vec<usize> },
+    /// Committed.
+    Committed(Done),
+    /// Committed up to the slice's index `handled` (excluded), the rest not handled because
+    /// the consumer is stopping.
+    Stopped { handled: usize, done: Done },
     /// The handler failed or panicked on the slice's index `index`, when known: rolled back.
     Failed { index: Option<usize>, error: String },
 }
 
 impl<A: Apply> Worker<A> {
+    fn new(
+        shard: u64,
+        config: Arc<Config>,
+        consumer: &Consumer,
+        handler: Arc<A>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        Worker {
+            shard,
+            order: EntityOrder::new(config.order_capacity),
+            config,
+            nats: consumer.nats.clone(),
+            jetstream: jetstream::new(consumer.nats.clone()),
+            postgres: consumer.postgres.clone(),
+            handler,
+            stats: Arc::clone(&consumer.stats),
+            metrics: Arc::clone(&consumer.metrics),
+            after_commit: consumer.after_commit.clone(),
+            stop,
+            client: None,
+            held: BTreeMap::new(),
+            waiting_for: None,
+            retry_alone: None,
+            last_acked: None,
+            unsettled: true,
+            recovery: None,
+            failing: None,
+            parked: HashSet::new(),
+            next_poll: tokio::time::Instant::now(),
+            parked_loaded: false,
+        }
+    }
+
     async fn run(mut self) -> Result<(), Error> {
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -463,27 +551,8 @@ impl<A: Apply> Worker<A> {
         self.metrics.up(self.shard, true);
         debug!(shard = self.shard, "shard session started");
         loop {
-            // Wait until the shard holds a message it may handle.
-            while !self.ready() {
-                let Some(pull) = messages.as_mut() else {
-                    return self.finish(&mut messages).await;
-                };
-                let until = self.recovery.as_ref().map(|r| r.until);
-                let next = tokio::select! {
-                    biased;
-                    _ = self.stop.wait_for(|stop| *stop) => None,
-                    () = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)), if until.is_some() => {
-                        if let Some(recovery) = self.recovery.take() {
-                            warn!(shard = self.shard, missing = recovery.remaining, "messages delivered before this session did not all come back in time; going on (they were acknowledged meanwhile, or come later and are recognised by their dedupe keys)");
-                        }
-                        continue;
-                    }
-                    next = pull.next() => Some(next),
-                };
-                match next {
-                    None => return self.finish(&mut messages).await,
-                    Some(next) => self.hold(next)?,
-                }
+            if !self.wait_ready(&mut messages).await? {
+                return self.finish(&mut messages).await;
             }
             if let Some(pull) = messages.as_mut() {
                 self.gather(pull).await?;
@@ -495,24 +564,83 @@ impl<A: Apply> Worker<A> {
                 )
                 .into());
             }
-            match self.handle_batch(&mut messages).await? {
+            let failed = match self.before_batch().await? {
+                None => self.handle_batch(&mut messages).await?,
+                failed => failed,
+            };
+            match failed {
                 None => *backoff = Duration::from_millis(100),
-                Some(error) => {
-                    bump(&self.stats.retries);
-                    self.metrics.failed(Failed::Postgres);
-                    self.metrics.retried(Retry::Batch);
-                    warn!(shard = self.shard, %error, retry_in = ?*backoff, "postgres failed; the batch will be tried again");
-                    tokio::select! {
-                        () = tokio::time::sleep(*backoff) => {}
-                        _ = stop.wait_for(|stop| *stop) => {}
-                    }
-                    *backoff = (*backoff * 2).min(Duration::from_secs(5));
-                }
+                Some(error) => self.postgres_failed(&error, backoff).await,
             }
             if *self.stop.borrow() {
                 return self.finish(&mut messages).await;
             }
         }
+    }
+
+    /// Waits until the shard holds a message it may handle (`true`), or is to finish:
+    /// stopped, or the pull subscription ended (`false`). Reads the parked table when due
+    /// meanwhile (P3).
+    async fn wait_ready(&mut self, messages: &mut Option<pull::Stream>) -> Result<bool, Error> {
+        enum Next {
+            Stop,
+            Recovered,
+            Poll,
+            Message(Box<Option<Result<jetstream::Message, pull::MessagesError>>>),
+        }
+        while !self.ready() {
+            let Some(pull) = messages.as_mut() else {
+                return Ok(false);
+            };
+            let until = self.recovery.as_ref().map(|r| r.until);
+            let parks = self.parks();
+            let next = tokio::select! {
+                biased;
+                _ = self.stop.wait_for(|stop| *stop) => Next::Stop,
+                () = tokio::time::sleep_until(until.unwrap_or_else(tokio::time::Instant::now)), if until.is_some() => Next::Recovered,
+                () = tokio::time::sleep_until(self.next_poll), if parks => Next::Poll,
+                next = pull.next() => Next::Message(Box::new(next)),
+            };
+            match next {
+                Next::Stop => return Ok(false),
+                Next::Recovered => {
+                    if let Some(recovery) = self.recovery.take() {
+                        warn!(shard = self.shard, missing = recovery.remaining, "messages delivered before this session did not all come back in time; going on (they were acknowledged meanwhile, or come later and are recognised by their dedupe keys)");
+                    }
+                }
+                Next::Poll => {
+                    if let Err(error) = self.poll_parked().await {
+                        warn!(shard = self.shard, %error, retry_in = ?PARKED_POLL, "could not read the parked table");
+                    }
+                }
+                Next::Message(next) => self.hold(*next)?,
+            }
+        }
+        Ok(true)
+    }
+
+    /// Connects to Postgres if needed and reads the parked table when due (P3). Returns the
+    /// Postgres error that keeps the batch from being handled now.
+    async fn before_batch(&mut self) -> Result<Option<tokio_postgres::Error>, Error> {
+        match self.connect_postgres().await {
+            Ok(()) => Ok(self.poll_parked().await.err()),
+            Err(Error::Unavailable(Unavailable::Postgres(error))) => Ok(Some(error)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// After Postgres failed: counted, logged, and waited for with `backoff` (doubled).
+    async fn postgres_failed(&mut self, error: &tokio_postgres::Error, backoff: &mut Duration) {
+        bump(&self.stats.retries);
+        self.metrics.failed(Failed::Postgres);
+        self.metrics.retried(Retry::Batch);
+        warn!(shard = self.shard, %error, retry_in = ?*backoff, "postgres failed; the batch will be tried again");
+        let mut stop = self.stop.clone();
+        tokio::select! {
+            () = tokio::time::sleep(*backoff) => {}
+            _ = stop.wait_for(|stop| *stop) => {}
+        }
+        *backoff = (*backoff * 2).min(Duration::from_secs(5));
     }
 
     fn connects(&self) -> u64 {
@@ -523,16 +651,11 @@ impl<A: Apply> Worker<A> {
     fn ready(&self) -> bool {
         match self.waiting_for {
             Some(sequence) => self.held.contains_key(&sequence),
-            None => self
-                .held
-                .first_key_value()
-                .is_some_and(|(&sequence, _)| !self.recovering_below(sequence)),
+            // C8: nothing while messages delivered before this session are to come back,
+            // also those at or below its floor (JetStream redelivers a released message at
+            // once, one stuck on a pull request that went away only after `ack_wait`).
+            None => !self.held.is_empty() && self.recovery.is_none(),
         }
-    }
-
-    /// Whether `sequence` must wait for messages delivered before this session (C8).
-    fn recovering_below(&self, sequence: u64) -> bool {
-        self.recovery.as_ref().is_some_and(|r| sequence > r.floor)
     }
 
     /// Keeps a delivered message (a redelivery replaces the delivery it repeats).
@@ -603,7 +726,7 @@ impl<A: Apply> Worker<A> {
                 break;
             };
             if self.retry_alone == Some(sequence) && !batch.events.is_empty()
-                || self.recovering_below(sequence)
+                || self.recovery.is_some()
             {
                 break;
             }
@@ -691,47 +814,111 @@ impl<A: Apply> Worker<A> {
         }
         let mut batch = batch.into_iter();
         for (message, event) in batch.by_ref().take(settled).zip(&events) {
-            if let Err(error) = message.ack().await {
-                // C1 holds either way: a redelivery finds out through the dedupe key.
-                warn!(shard = self.shard, outbox_id = event.id, %error, "could not acknowledge; the message will be redelivered after ack_wait");
-            }
-            self.last_acked = Some(message);
+            self.ack(message, event).await;
         }
-        let rest: Vec<jetstream::Message> = batch.collect();
+        let mut rest = batch;
         match end {
             End::All => Ok(None),
             End::Failed { at, error } => {
-                let mut rest = rest.into_iter();
                 let failed = rest.next();
                 self.put_back(rest.collect(), &events[at + 1..]);
-                if let Some(message) = failed {
-                    let retry_delay = self.config.retry_delay;
-                    let event = &events[at];
-                    warn!(
-                        shard = self.shard,
-                        outbox_id = event.id,
-                        stream_sequence = event.stream_sequence,
-                        delivered = event.delivered,
-                        %error,
-                        retry_in = ?retry_delay,
-                        "handler failed; rolled back, the message will be redelivered"
-                    );
-                    self.release(&message, Some(retry_delay)).await;
-                    self.metrics.retried(Retry::Event);
-                    self.waiting_for = Some(event.stream_sequence);
-                    self.retry_alone = None;
+                match failed {
+                    Some(message) => {
+                        self.handler_failed(message, &events[at], error, messages)
+                            .await
+                    }
+                    None => Ok(None),
                 }
-                Ok(None)
             }
             End::Stopped => {
-                self.put_back(rest, &events[settled..]);
+                self.put_back(rest.collect(), &events[settled..]);
                 Ok(None)
             }
             End::Postgres(error) => {
                 // The transaction did not commit, or its commit's outcome is unknown: the
                 // next attempt finds out through the dedupe keys (C3).
-                self.put_back(rest, &events[settled..]);
+                self.put_back(rest.collect(), &events[settled..]);
                 Ok(Some(error))
+            }
+        }
+    }
+
+    /// Acknowledges `message` (of `event`), which committed or was a duplicate.
+    async fn ack(&mut self, message: jetstream::Message, event: &Event) {
+        if let Err(error) = message.ack().await {
+            // C1 holds either way: a redelivery finds out through the dedupe key.
+            warn!(shard = self.shard, outbox_id = event.id, %error, "could not acknowledge; the message will be redelivered after ack_wait");
+        }
+        self.last_acked = Some(message);
+    }
+
+    /// The handler failed on `event` (`message`; what came after it is held again): it is
+    /// released for a retry after a growing delay, and after `max_attempts` failures
+    /// parked (P1) or the consumer stops, as `on_failure` says.
+    async fn handler_failed(
+        &mut self,
+        message: jetstream::Message,
+        event: &Event,
+        error: String,
+        messages: &mut Option<pull::Stream>,
+    ) -> Result<Option<tokio_postgres::Error>, Error> {
+        let sequence = event.stream_sequence;
+        let attempts = match self.failing {
+            Some(failing) if failing.stream_sequence == sequence => {
+                failing.attempts.saturating_add(1)
+            }
+            _ => 1,
+        };
+        self.failing = Some(Failing {
+            stream_sequence: sequence,
+            attempts,
+        });
+        self.metrics.failing_attempts(self.shard, attempts);
+        if attempts < self.config.max_attempts {
+            let retry_in = self.config.retry_delay_after(attempts);
+            warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, attempts, %error, ?retry_in, "handler failed; rolled back, the message will be redelivered");
+            self.release(&message, Some(retry_in)).await;
+            self.metrics.retried(Retry::Event);
+            self.waiting_for = Some(sequence);
+            self.retry_alone = None;
+            return Ok(None);
+        }
+        match self.config.on_failure {
+            OnFailure::Park => match self.park_failed(event, attempts, &error).await {
+                Ok(parked) => {
+                    if parked {
+                        warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
+                    } else {
+                        debug!(
+                            shard = self.shard,
+                            outbox_id = event.id,
+                            "processed meanwhile by another consumer; acknowledging"
+                        );
+                    }
+                    self.ack(message, event).await;
+                    self.failing = None;
+                    self.metrics.failing_attempts(self.shard, 0);
+                    Ok(None)
+                }
+                Err(postgres) => {
+                    // Tried again (alone) after the backoff: the handler first.
+                    self.put_back(vec![message], std::slice::from_ref(event));
+                    self.retry_alone = Some(sequence);
+                    Ok(Some(postgres))
+                }
+            },
+            OnFailure::Stop => {
+                self.put_back(vec![message], std::slice::from_ref(event));
+                self.finish(messages).await?;
+                Err(HandlerFailed {
+                    outbox_id: event.id,
+                    stream_sequence: sequence,
+                    entity_id: event.entity_id.clone(),
+                    dedupe_key: event.keys.dedupe_key.clone(),
+                    attempts,
+                    error,
+                }
+                .into())
             }
         }
     }
@@ -756,8 +943,8 @@ impl<A: Apply> Worker<A> {
             let slice = &batch[done..end];
             match self.transact(slice).await {
                 Err(error) => return (done, End::Postgres(error)),
-                Ok(Tx::Committed(fresh)) => {
-                    self.committed(slice, &fresh);
+                Ok(Tx::Committed(outcome)) => {
+                    self.committed(slice, &outcome);
                     done = end;
                     end = match &failing {
                         None => batch.len(),
@@ -771,8 +958,11 @@ impl<A: Apply> Worker<A> {
                         }
                     };
                 }
-                Ok(Tx::Stopped { handled, fresh }) => {
-                    self.committed(&slice[..handled], &fresh);
+                Ok(Tx::Stopped {
+                    handled,
+                    done: outcome,
+                }) => {
+                    self.committed(&slice[..handled], &outcome);
                     return (done + handled, End::Stopped);
                 }
                 Ok(Tx::Failed { index, error }) => {
@@ -799,10 +989,12 @@ impl<A: Apply> Worker<A> {
         (done, End::All)
     }
 
-    /// After a commit: the hook, the counters and the ordering check (C6) of each event.
-    fn committed(&mut self, slice: &[Event], fresh: &[usize]) {
-        let duplicates = slice.len() - fresh.len();
-        self.metrics.processed(self.shard, fresh.len() as u64);
+    /// After a commit: the counters, and the hook and ordering check (C6) of each event
+    /// handled.
+    fn committed(&mut self, slice: &[Event], done: &Done) {
+        let duplicates = slice.len() - done.handled.len() - done.parked.len();
+        self.metrics
+            .processed(self.shard, done.handled.len() as u64);
         self.metrics.duplicates(self.shard, duplicates as u64);
         if duplicates > 0 {
             self.stats
@@ -813,91 +1005,101 @@ impl<A: Apply> Worker<A> {
                 duplicates, "already processed; acknowledging"
             );
         }
-        for &index in fresh {
+        if let Some(&first) = done.parked.first() {
+            self.count_parked(Parked::Behind, done.parked.len() as u64);
+            warn!(
+                shard = self.shard,
+                parked = done.parked.len(),
+                first_outbox_id = slice[first].id,
+                "parked behind an earlier parked event of their entity, not handled"
+            );
+        }
+        for &index in &done.handled {
             let event = &slice[index];
             if let Some(hook) = &self.after_commit {
                 hook(event);
             }
             bump(&self.stats.processed);
-            let order = event.order();
-            if let Some(mark) = self.order.regression(&event.entity_id, order) {
-                bump(&self.stats.out_of_order);
-                self.metrics.out_of_order();
-                warn!(
-                    shard = self.shard,
-                    outbox_id = event.id,
-                    stream_sequence = event.stream_sequence,
-                    ordering_key = %event.keys.ordering_key,
-                    processed_before = %ordering_key(mark),
-                    "out of order: this event's ordering key is not above one its entity already processed"
-                );
+            if self
+                .failing
+                .is_some_and(|f| f.stream_sequence == event.stream_sequence)
+            {
+                self.failing = None;
+                self.metrics.failing_attempts(self.shard, 0);
             }
-            self.order.record(&event.entity_id, order);
+            self.check_order(event);
         }
     }
 
-    /// One transaction over `slice`: its dedupe keys in one statement, the handler for the
-    /// new ones in stream order, commit (C1–C3).
+    /// C6: reports an event whose ordering key is not above its entity's mark.
+    fn check_order(&mut self, event: &Event) {
+        let order = event.order();
+        if let Some(mark) = self.order.regression(&event.entity_id, order) {
+            bump(&self.stats.out_of_order);
+            self.metrics.out_of_order();
+            warn!(
+                shard = self.shard,
+                outbox_id = event.id,
+                stream_sequence = event.stream_sequence,
+                ordering_key = %event.keys.ordering_key,
+                processed_before = %ordering_key(mark),
+                "out of order: this event's ordering key is not above one its entity already processed"
+            );
+        }
+        self.order.record(&event.entity_id, order);
+    }
+
+    /// One transaction over `slice`: its dedupe keys in one statement, the events of parked
+    /// entities parked (P2), the handler for the other new ones in stream order, commit
+    /// (C1–C3).
     async fn transact(&mut self, slice: &[Event]) -> Result<Tx, tokio_postgres::Error> {
-        let Some((client, [insert, remove])) = self.client.as_mut() else {
+        let Some(connection) = self.client.as_mut() else {
             unreachable!("a batch is handled after connecting");
         };
-        let mut tx = client.transaction().await?;
+        let tx = connection.client.transaction().await?;
+        let mut tx = Transaction::new(tx, &connection.statements);
         let keys: Vec<&str> = slice
             .iter()
             .map(|event| event.keys.dedupe_key.as_str())
             .collect();
-        let mut recorded: HashSet<String> = tx
-            .query(&*insert, &[&keys])
-            .await?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        // The same event twice in one batch (a replay, a redelivery) is new only once.
-        let fresh: Vec<usize> = (0..slice.len())
-            .filter(|&i| recorded.remove(keys[i]))
-            .collect();
-        if fresh.is_empty() {
-            tx.rollback().await?;
-            return Ok(Tx::Committed(fresh));
+        let fresh = record_keys(&tx, &connection.insert, &keys).await?;
+        let shard = (&*self.config, self.shard);
+        let (handled, parked) =
+            park::park_behind(&tx, shard, &mut self.parked, slice, fresh).await?;
+        if handled.is_empty() {
+            let tx = tx.into_inner();
+            match parked.is_empty() {
+                true => tx.rollback().await?,
+                false => tx.commit().await?,
+            }
+            return Ok(Tx::Committed(Done { handled, parked }));
         }
-        let events: Cow<'_, [Event]> = if fresh.len() == slice.len() {
-            Cow::Borrowed(slice)
-        } else {
-            Cow::Owned(fresh.iter().map(|&i| slice[i].clone()).collect())
-        };
+        let events = subset(slice, &handled);
         let started = Instant::now();
-        let result = AssertUnwindSafe(self.handler.apply(&mut tx, &events, &self.stop))
-            .catch_unwind()
-            .await;
-        let handled = started.elapsed();
+        let result = run_handler(&*self.handler, &mut tx, &events, &self.stop).await;
+        let handler_time = started.elapsed();
         // Indexes into `events` are turned into indexes into `slice` for the caller.
-        let (index, error) = match result {
-            Ok(Ok(())) => {
-                tx.commit().await?;
+        match result {
+            Ok(()) => {
+                tx.into_inner().commit().await?;
+                let commit_time = started.elapsed() - handler_time;
                 self.metrics
-                    .transaction(slice.len(), handled, started.elapsed() - handled);
-                return Ok(Tx::Committed(fresh));
+                    .transaction(slice.len(), handler_time, commit_time);
+                Ok(Tx::Committed(Done { handled, parked }))
             }
-            Ok(Err(Failure::Stopped { index })) => {
-                // Those not handled are not processed: their keys go, the rest commits.
-                let unhandled: Vec<&str> = fresh[index..].iter().map(|&i| keys[i]).collect();
-                tx.execute(&*remove, &[&unhandled]).await?;
-                tx.commit().await?;
-                let handled = fresh[index];
-                let mut fresh = fresh;
-                fresh.truncate(index);
-                return Ok(Tx::Stopped { handled, fresh });
+            Err(Failure::Stopped { index }) => {
+                let done = Done { handled, parked };
+                commit_stopped(tx, &connection.remove, &keys, done, index).await
             }
-            Ok(Err(Failure::Handler { index, error })) => (index.map(|i| fresh[i]), error),
-            Err(panic) => (
-                None,
-                format!("handler panicked: {}", panic_message(&*panic)),
-            ),
-        };
-        // A failed rollback leaves nothing committed either.
-        let _ = tx.rollback().await;
-        Ok(Tx::Failed { index, error })
+            Err(Failure::Handler { index, error }) => {
+                // A failed rollback leaves nothing committed either.
+                let _ = tx.into_inner().rollback().await;
+                Ok(Tx::Failed {
+                    index: index.map(|i| handled[i]),
+                    error,
+                })
+            }
+        }
     }
 
     /// Connects to Postgres if needed, creates the durable consumer, waits if messages
@@ -984,7 +1186,7 @@ impl<A: Apply> Worker<A> {
         if self
             .client
             .as_ref()
-            .is_some_and(|(client, _)| !client.is_closed())
+            .is_some_and(|connection| !connection.client.is_closed())
         {
             return Ok(());
         }
@@ -1006,7 +1208,17 @@ impl<A: Apply> Worker<A> {
             ))
             .await
             .map_err(|error| classify_prepare(table, error))?;
-        self.client = Some((client, [insert, remove]));
+        if self.parks() {
+            self.check_parked_table(&client).await?;
+            // P3: a new connection reads the parked entities before its first batch.
+            self.parked_loaded = false;
+        }
+        self.client = Some(Connection {
+            client,
+            insert,
+            remove,
+            statements: Statements::default(),
+        });
         Ok(())
     }
 
@@ -1095,21 +1307,94 @@ impl<A: Apply> Worker<A> {
 const SETTLE_MARGIN: Duration = Duration::from_millis(500);
 
 fn classify_prepare(table: &str, error: tokio_postgres::Error) -> Error {
-    // Class 42 (undefined table or column, insufficient privilege, ...) and 3F (invalid
-    // schema name): the table is not usable as it is.
-    let permanent = error.code().is_some_and(|code| {
-        code.code().starts_with("42") || *code == SqlState::INVALID_SCHEMA_NAME
-    });
-    if permanent {
+    if is_schema_error(&error) {
         SetupError::ProcessedTable {
             table: table.to_owned(),
-            reason: error
-                .as_db_error()
-                .map_or_else(|| error.to_string(), |db| db.message().to_owned()),
+            reason: db_message(&error),
         }
         .into()
     } else {
         Unavailable::Postgres(error).into()
+    }
+}
+
+/// Class 42 (undefined table or column, insufficient privilege, ...) and 3F (invalid
+/// schema name): a table is not usable as it is.
+fn is_schema_error(error: &tokio_postgres::Error) -> bool {
+    error
+        .code()
+        .is_some_and(|code| code.code().starts_with("42") || *code == SqlState::INVALID_SCHEMA_NAME)
+}
+
+/// Postgres's message, or the client's.
+fn db_message(error: &tokio_postgres::Error) -> String {
+    error
+        .as_db_error()
+        .map_or_else(|| error.to_string(), |db| db.message().to_owned())
+}
+
+/// Records `keys` in one statement (C2); the indexes of those that were not recorded
+/// before. The same event twice in one batch (a replay, a redelivery) is new only once.
+async fn record_keys(
+    tx: &Transaction<'_>,
+    insert: &Statement,
+    keys: &[&str],
+) -> Result<Vec<usize>, tokio_postgres::Error> {
+    let mut recorded: HashSet<String> = tx
+        .query(insert, &[&keys])
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    Ok((0..keys.len())
+        .filter(|&i| recorded.remove(keys[i]))
+        .collect())
+}
+
+/// The events of `slice` at `indexes` (all of them borrowed).
+fn subset<'a>(slice: &'a [Event], indexes: &[usize]) -> Cow<'a, [Event]> {
+    if indexes.len() == slice.len() {
+        Cow::Borrowed(slice)
+    } else {
+        Cow::Owned(indexes.iter().map(|&i| slice[i].clone()).collect())
+    }
+}
+
+/// The handler stopped before `done.handled[index]` (the consumer is stopping): the keys
+/// of the events it did not handle go, the rest commits.
+async fn commit_stopped(
+    tx: Transaction<'_>,
+    remove: &Statement,
+    keys: &[&str],
+    mut done: Done,
+    index: usize,
+) -> Result<Tx, tokio_postgres::Error> {
+    let unhandled: Vec<&str> = done.handled[index..].iter().map(|&i| keys[i]).collect();
+    tx.execute(remove, &[&unhandled]).await?;
+    tx.into_inner().commit().await?;
+    let end = done.handled[index];
+    done.handled.truncate(index);
+    // Parked ones after `end` are settled with the rest, as duplicates.
+    done.parked.retain(|&i| i < end);
+    Ok(Tx::Stopped { handled: end, done })
+}
+
+/// Runs the handler on `events` in `tx`; a panic is a failure naming no event.
+async fn run_handler<A: Apply>(
+    handler: &A,
+    tx: &mut Transaction<'_>,
+    events: &[Event],
+    stop: &watch::Receiver<bool>,
+) -> Result<(), Failure> {
+    match AssertUnwindSafe(handler.apply(tx, events, stop))
+        .catch_unwind()
+        .await
+    {
+        Ok(result) => result,
+        Err(panic) => Err(Failure::Handler {
+            index: None,
+            error: format!("handler panicked: {}", panic_message(&*panic)),
+        }),
     }
 }
 
