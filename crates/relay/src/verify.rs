@@ -566,6 +566,14 @@ impl Report {
     /// out and why, and the summary line (V6).
     pub fn render(&self, max_listed: usize) -> String {
         let mut out = String::new();
+        self.render_problems(&mut out, max_listed);
+        self.render_left_out(&mut out);
+        self.render_summary(&mut out);
+        out
+    }
+
+    /// The problems, at most `max_listed` per kind, discrepancies first.
+    fn render_problems(&self, out: &mut String, max_listed: usize) {
         let mut problems: Vec<&Problem> = self.problems.iter().collect();
         problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
         for kind in problems.chunk_by(|a, b| a.kind == b.kind) {
@@ -585,6 +593,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// What the slot's creation left out (V6), or why every row is expected.
+    fn render_left_out(&self, out: &mut String) {
         match &self.boundary {
             Some(crate::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
@@ -609,6 +621,10 @@ impl Report {
             }
             _ => {}
         }
+    }
+
+    /// The summary line: the verdict (V5) and each kind's count.
+    fn render_summary(&self, out: &mut String) {
         let seconds = self.elapsed.as_secs_f64();
         let rate = if seconds > 0.0 {
             self.rows as f64 / seconds
@@ -641,7 +657,6 @@ impl Report {
             self.count("dead-lettered"),
             self.left_out,
         );
-        out
     }
 }
 
