@@ -653,7 +653,24 @@ async fn gather_nats(
             )
         }
     };
-    let mut findings: Vec<Finding> = bootstrap::check_stream(&info, config, max_payload)
+    let mut findings = stream_findings(&info, config, max_payload);
+    let last_event = read_last_event(&stream, &info, config, now, &mut findings).await;
+    let stream = Stream {
+        name: config.stream.clone(),
+        exists: true,
+        state: Some(stream_state(&info, max_payload)),
+    };
+    (Some(stream), last_event, findings)
+}
+
+/// The stream's findings ([`bootstrap::check_stream`], B3) as status levels: refused or
+/// full is broken.
+fn stream_findings(
+    info: &jetstream::stream::Info,
+    config: &Config,
+    max_payload: usize,
+) -> Vec<Finding> {
+    bootstrap::check_stream(&info, config, max_payload)
         .into_iter()
         .map(|finding| {
             let level = match finding.severity {
@@ -662,8 +679,19 @@ async fn gather_nats(
             };
             Finding::new(level, finding.message)
         })
-        .collect();
-    let last_event = if info.state.last_sequence > 0 && info.state.messages > 0 {
+        .collect()
+}
+
+/// The stream's last message as the last event, if the stream holds any; a warning in
+/// `findings` when it cannot be read.
+async fn read_last_event(
+    stream: &jetstream::stream::Stream,
+    info: &jetstream::stream::Info,
+    config: &Config,
+    now: SystemTime,
+    findings: &mut Vec<Finding>,
+) -> Option<LastEvent> {
+    if info.state.last_sequence > 0 && info.state.messages > 0 {
         match stream.get_raw_message(info.state.last_sequence).await {
             Ok(message) => Some(last_event(&message, now)),
             Err(e) => {
@@ -679,13 +707,7 @@ async fn gather_nats(
         }
     } else {
         None
-    };
-    let stream = Stream {
-        name: config.stream.clone(),
-        exists: true,
-        state: Some(stream_state(&info, max_payload)),
-    };
-    (Some(stream), last_event, findings)
+    }
 }
 
 fn stream_state(info: &jetstream::stream::Info, max_payload: usize) -> StreamState {
