@@ -670,7 +670,7 @@ fn stream_findings(
     config: &Config,
     max_payload: usize,
 ) -> Vec<Finding> {
-    bootstrap::check_stream(&info, config, max_payload)
+    bootstrap::check_stream(info, config, max_payload)
         .into_iter()
         .map(|finding| {
             let level = match finding.severity {
