@@ -907,50 +907,66 @@ impl Reader {
             }
             Step::Watermark {
                 sink_running: false,
-            } => {
-                // The sink is gone: report its final watermark and stop.
-                let watermark = *self.confirmed.borrow();
-                if !intake_open {
-                    self.settle_marking(watermark).await;
-                    self.settle_vouched(watermark).await;
-                }
-                self.on_watermark(watermark);
-                self.send_status().await?;
-                if !intake_open {
-                    info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
-                }
-                return Ok(Some(ReaderEnd::SinkEnded { intake_open }));
-            }
-            Step::Tick => {
-                let now = TokioInstant::now();
-                if self.drain_until.is_some_and(|deadline| now >= deadline) {
-                    warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
-                    self.send_status().await?;
-                    return Ok(Some(ReaderEnd::DrainDeadlinePassed));
-                }
-                if self.feedback.due(now) {
-                    self.send_status().await?;
-                }
-            }
+            } => return self.on_sink_ended(intake_open).await.map(Some),
+            Step::Tick => return self.on_tick().await,
             Step::Handed => {}
-            Step::Message(message) => {
-                let mut pending = std::mem::take(&mut self.pending);
-                let before = pending.len();
-                self.on_message(message?, &mut pending).await?;
-                while pending.len() < MAX_BATCH {
-                    match self.stream.try_recv_buffered() {
-                        Some(message) => self.on_message(message?, &mut pending).await?,
-                        None => break,
-                    }
-                }
-                if let Some(marking) = &mut self.marking {
-                    marking.handed(&pending[before..]);
-                }
-                self.pending = pending;
-                self.metrics.set_received(self.framer.received());
-            }
+            Step::Message(message) => self.on_messages(message).await?,
         }
         Ok(None)
+    }
+
+    /// The sink is gone: reports its final watermark and stops (after settling what was
+    /// marked and vouched for, when drained).
+    async fn on_sink_ended(&mut self, intake_open: bool) -> Result<ReaderEnd> {
+        // The sink is gone: report its final watermark and stop.
+        let watermark = *self.confirmed.borrow();
+        if !intake_open {
+            self.settle_marking(watermark).await;
+            self.settle_vouched(watermark).await;
+        }
+        self.on_watermark(watermark);
+        self.send_status().await?;
+        if !intake_open {
+            info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
+        }
+        Ok(ReaderEnd::SinkEnded { intake_open })
+    }
+
+    /// The timer: the shutdown's drain deadline, and the status update when due.
+    async fn on_tick(&mut self) -> Result<Option<ReaderEnd>> {
+        let now = TokioInstant::now();
+        if self.drain_until.is_some_and(|deadline| now >= deadline) {
+            warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
+            self.send_status().await?;
+            return Ok(Some(ReaderEnd::DrainDeadlinePassed));
+        }
+        if self.feedback.due(now) {
+            self.send_status().await?;
+        }
+        Ok(None)
+    }
+
+    /// New WAL: `message` and what else the stream has buffered (up to [`MAX_BATCH`]
+    /// pending), handed for marking as it is framed.
+    async fn on_messages(
+        &mut self,
+        message: std::result::Result<ReplicationMessage, replication::Error>,
+    ) -> Result<()> {
+        let mut pending = std::mem::take(&mut self.pending);
+        let before = pending.len();
+        self.on_message(message?, &mut pending).await?;
+        while pending.len() < MAX_BATCH {
+            match self.stream.try_recv_buffered() {
+                Some(message) => self.on_message(message?, &mut pending).await?,
+                None => break,
+            }
+        }
+        if let Some(marking) = &mut self.marking {
+            marking.handed(&pending[before..]);
+        }
+        self.pending = pending;
+        self.metrics.set_received(self.framer.received());
+        Ok(())
     }
 
     /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
