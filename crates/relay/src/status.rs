@@ -386,39 +386,7 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
             )
         }
     };
-    let read = async {
-        let slot = read_slot(&client, &config.slot).await?;
-        let publication = read_publication(&client, config).await?;
-        let holder = crate::lease::holder(&client, &config.slot)
-            .await
-            .map_err(|e| e.to_string())?;
-        let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
-        let pids: Vec<i32> = holder.iter().chain(walsender.iter()).copied().collect();
-        let backends = read_backends(&client, &pids).await?;
-        let backend = |pid: i32| {
-            backends
-                .iter()
-                .find(|b| b.pid == pid)
-                .cloned()
-                .unwrap_or(Backend {
-                    pid,
-                    application_name: None,
-                    client_addr: None,
-                    client_port: None,
-                    backend_start: None,
-                })
-        };
-        let mut slot = slot;
-        if let Some(state) = slot.state.as_mut() {
-            state.walsender = state.active_pid.map(backend);
-        }
-        let lease = LeaseState {
-            held: holder.is_some(),
-            holder: holder.map(backend),
-        };
-        Ok::<_, String>((slot, lease, publication))
-    };
-    let (slot, lease, publication) = match read.await {
+    let (slot, lease, publication) = match read_parts(&client, config).await {
         Ok(read) => read,
         Err(e) => return (None, None, None, unknown(e)),
     };
@@ -441,6 +409,44 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
         }
     }
     (Some(slot), Some(lease), Some(publication), findings)
+}
+
+/// The slot, the lease and the publication, with the sessions of the lease's holder and
+/// of the slot's walsender.
+async fn read_parts(
+    client: &Client,
+    config: &Config,
+) -> Result<(Slot, LeaseState, Publication), String> {
+    let slot = read_slot(client, &config.slot).await?;
+    let publication = read_publication(client, config).await?;
+    let holder = crate::lease::holder(client, &config.slot)
+        .await
+        .map_err(|e| e.to_string())?;
+    let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
+    let pids: Vec<i32> = holder.iter().chain(walsender.iter()).copied().collect();
+    let backends = read_backends(client, &pids).await?;
+    let backend = |pid: i32| {
+        backends
+            .iter()
+            .find(|b| b.pid == pid)
+            .cloned()
+            .unwrap_or(Backend {
+                pid,
+                application_name: None,
+                client_addr: None,
+                client_port: None,
+                backend_start: None,
+            })
+    };
+    let mut slot = slot;
+    if let Some(state) = slot.state.as_mut() {
+        state.walsender = state.active_pid.map(backend);
+    }
+    let lease = LeaseState {
+        held: holder.is_some(),
+        holder: holder.map(backend),
+    };
+    Ok((slot, lease, publication))
 }
 
 fn sql_error(what: &str) -> impl Fn(tokio_postgres::Error) -> String + '_ {
@@ -539,6 +545,23 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
     .filter(|(key, _)| flag(key) == Some(true))
     .map(|(_, op)| (*op).to_owned())
     .collect();
+    let tables = read_published_tables(client, name).await?;
+    let ours = config.table.to_string();
+    Ok(Publication {
+        name: name.clone(),
+        exists: true,
+        state: Some(PublicationState {
+            all_tables: flag("puballtables").unwrap_or(false),
+            operations,
+            publish_via_partition_root: flag("pubviaroot"),
+            includes_outbox_table: tables.iter().any(|t| t.name == ours),
+            tables,
+        }),
+    })
+}
+
+/// The tables the publication publishes, with their row filters and column lists.
+async fn read_published_tables(client: &Client, name: &str) -> Result<Vec<PublishedTable>, String> {
     // Row filters and column lists exist from Postgres 15 on: read through to_jsonb, a
     // missing column is NULL. `attnames` always lists the published columns; a column list
     // is set when `pg_publication_rel.prattrs` is.
@@ -554,11 +577,11 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
                                          AND (pg_catalog.to_jsonb(r) ->> 'prattrs') IS NOT NULL) \
                          THEN (pg_catalog.to_jsonb(t) -> 'attnames')::text END \
                FROM pg_catalog.pg_publication_tables t WHERE t.pubname = $1 ORDER BY 1, 2",
-            &[name],
+            &[&name],
         )
         .await
         .map_err(sql_error("the publication's tables"))?;
-    let tables: Vec<PublishedTable> = rows
+    Ok(rows
         .iter()
         .map(|row| PublishedTable {
             name: format!("{}.{}", row.get::<_, String>(0), row.get::<_, String>(1)),
@@ -567,19 +590,7 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
                 .get::<_, Option<String>>(3)
                 .and_then(|json| serde_json::from_str(&json).ok()),
         })
-        .collect();
-    let ours = config.table.to_string();
-    Ok(Publication {
-        name: name.clone(),
-        exists: true,
-        state: Some(PublicationState {
-            all_tables: flag("puballtables").unwrap_or(false),
-            operations,
-            publish_via_partition_root: flag("pubviaroot"),
-            includes_outbox_table: tables.iter().any(|t| t.name == ours),
-            tables,
-        }),
-    })
+        .collect())
 }
 
 async fn read_backends(client: &Client, pids: &[i32]) -> Result<Vec<Backend>, String> {
