@@ -1234,21 +1234,27 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
         };
         rows.push((format!("# {name} = {}", quote(&value)), source));
     }
+    lines.extend(aligned(rows));
+    lines.push(String::new());
+    lines.join("\n")
+}
+
+/// Each `(line, source)` as the line with its source as a comment, the comments aligned
+/// (a row without a source is its line alone).
+fn aligned(rows: Vec<(String, String)>) -> impl Iterator<Item = String> {
     let width = rows
         .iter()
         .filter(|(_, source)| !source.is_empty())
         .map(|(line, _)| line.chars().count())
         .max()
         .unwrap_or(0);
-    for (line, source) in rows {
+    rows.into_iter().map(move |(line, source)| {
         if source.is_empty() {
-            lines.push(line);
+            line
         } else {
-            lines.push(format!("{line:<width$}  # {source}"));
+            format!("{line:<width$}  # {source}")
         }
-    }
-    lines.push(String::new());
-    lines.join("\n")
+    })
 }
 
 /// The settings of a stream the relay creates (`crate::bootstrap::stream`) besides its
