@@ -745,25 +745,7 @@ pub(crate) async fn scan_stream(
     prefix: &str,
     mut each: impl FnMut(u64, &jetstream::Message),
 ) -> Result<u64> {
-    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
-    // each message's subject against it.
-    let filter = format!("{prefix}.>");
-    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
-        String::new()
-    } else {
-        filter
-    };
-    let mut consumer = stream
-        .create_consumer(pull::Config {
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: filter,
-            inactive_threshold: Duration::from_secs(60),
-            memory_storage: true,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))?;
+    let mut consumer = scan_consumer(stream, prefix).await?;
     let pending = consumer
         .info()
         .await
@@ -805,6 +787,33 @@ pub(crate) async fn scan_stream(
     let name = consumer.cached_info().name.clone();
     let _ = stream.delete_consumer(&name).await;
     Ok(read)
+}
+
+/// The ephemeral pull consumer [`scan_stream`] reads through (V1: it acknowledges nothing
+/// and the server deletes it when idle).
+async fn scan_consumer(
+    stream: &jetstream::stream::Stream,
+    prefix: &str,
+) -> Result<jetstream::consumer::Consumer<pull::Config>> {
+    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
+    // each message's subject against it.
+    let filter = format!("{prefix}.>");
+    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
+        String::new()
+    } else {
+        filter
+    };
+    stream
+        .create_consumer(pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            filter_subject: filter,
+            inactive_threshold: Duration::from_secs(60),
+            memory_storage: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))
 }
 
 /// What reading the stream found: [`Entry`]s by id, and where copies and order went wrong.
