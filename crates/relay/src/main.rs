@@ -363,16 +363,13 @@ fn verify(
         .get_one::<usize>("max-listed")
         .copied()
         .unwrap_or(100);
-    match runtime.block_on(outbox_relay::verify::run(config, range)) {
-        Ok(report) => {
-            print!("{}", report.render(max_listed));
-            ExitCode::from(report.exit_code())
-        }
-        Err(e) => {
-            eprintln!("outbox-relay verify: {}", logging::scrub(&e.to_string()));
-            ExitCode::from(e.exit_code())
-        }
-    }
+    let result = runtime.block_on(outbox_relay::verify::run(config, range));
+    print_report("verify", result, |report| {
+        (
+            report.render(max_listed),
+            ExitCode::from(report.exit_code()),
+        )
+    })
 }
 
 /// `outbox-relay replay`: the report on stdout.
@@ -382,17 +379,31 @@ fn replay(
     sub_matches: &clap::ArgMatches,
 ) -> ExitCode {
     let force = sub_matches.get_flag("force");
-    match runtime.block_on(outbox_relay::replay::run(
+    let result = runtime.block_on(outbox_relay::replay::run(
         config,
         range_of(sub_matches),
         force,
-    )) {
-        Ok(report) => {
-            print!("{}", report.render());
-            ExitCode::SUCCESS
+    ));
+    print_report("replay", result, |report| {
+        (report.render(), ExitCode::SUCCESS)
+    })
+}
+
+/// A one-shot command's report on stdout with its exit status (`report` says both), or its
+/// error, scrubbed, on stderr with the error's exit status.
+fn print_report<R>(
+    command: &str,
+    result: outbox_relay::error::Result<R>,
+    report: impl FnOnce(R) -> (String, ExitCode),
+) -> ExitCode {
+    match result {
+        Ok(done) => {
+            let (text, exit) = report(done);
+            print!("{text}");
+            exit
         }
         Err(e) => {
-            eprintln!("outbox-relay replay: {}", logging::scrub(&e.to_string()));
+            eprintln!("outbox-relay {command}: {}", logging::scrub(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     }
