@@ -246,12 +246,8 @@ fn explicit_credentials(raw: &RawConfig) -> Result<Vec<Credential>, ConfigError>
     let user = raw.parse_optional(&opt::NATS_USER, text)?;
     let password = raw.parse_optional(&opt::NATS_PASSWORD, text)?;
     let token = raw.parse_optional(&opt::NATS_TOKEN, text)?;
-    let nkey = raw.parse_optional(&opt::NATS_NKEY, |v| {
-        read_seed(Path::new(v)).map(|_| PathBuf::from(v))
-    })?;
-    let creds = raw.parse_optional(&opt::NATS_CREDS, |v| {
-        read_creds(Path::new(v)).map(|_| PathBuf::from(v))
-    })?;
+    let nkey = file_option(raw, &opt::NATS_NKEY, read_seed)?;
+    let creds = file_option(raw, &opt::NATS_CREDS, read_creds)?;
 
     let mut given = Vec::new();
     if let Some((user, password)) = both(
@@ -290,19 +286,22 @@ fn explicit_credentials(raw: &RawConfig) -> Result<Vec<Credential>, ConfigError>
     Ok(given)
 }
 
+/// An option naming a file, checked by `check` (N4).
+fn file_option<T>(
+    raw: &RawConfig,
+    spec: &OptionSpec,
+    check: impl Fn(&Path) -> Result<T, String>,
+) -> Result<Option<PathBuf>, ConfigError> {
+    raw.parse_optional(spec, |v| check(Path::new(v)).map(|_| PathBuf::from(v)))
+}
+
 /// The TLS options: the CA, the client certificate and its key (N4: each file checked,
 /// the pair matching), TLS first.
 fn tls_from(raw: &RawConfig) -> Result<Tls, ConfigError> {
     let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
-    let ca = raw.parse_optional(&opt::NATS_TLSCA, |v| {
-        read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
-    })?;
-    let cert = raw.parse_optional(&opt::NATS_TLSCERT, |v| {
-        read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
-    })?;
-    let key = raw.parse_optional(&opt::NATS_TLSKEY, |v| {
-        read_key(Path::new(v)).map(|_| PathBuf::from(v))
-    })?;
+    let ca = file_option(raw, &opt::NATS_TLSCA, read_certificates)?;
+    let cert = file_option(raw, &opt::NATS_TLSCERT, read_certificates)?;
+    let key = file_option(raw, &opt::NATS_TLSKEY, read_key)?;
     let client = match both(raw, (cert, &opt::NATS_TLSCERT), (key, &opt::NATS_TLSKEY))? {
         Some((cert, key)) => {
             let given_by = format!(
