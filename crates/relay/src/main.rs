@@ -202,52 +202,10 @@ fn cli() -> Command {
 fn main() -> ExitCode {
     let matches = cli().get_matches();
     let (subcommand, sub_matches) = matches.subcommand().expect("a subcommand is required");
-    // Generated from the command line's definition: no configuration needed.
-    let mut generated = Vec::new();
-    match subcommand {
-        "completions" => {
-            if let Some(&shell) = sub_matches.get_one::<clap_complete::Shell>("shell") {
-                clap_complete::generate(shell, &mut cli(), "outbox-relay", &mut generated);
-            }
-        }
-        "man" => {
-            if let Err(e) = clap_mangen::Man::new(cli()).render(&mut generated) {
-                eprintln!("outbox-relay man: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
-        _ => {}
+    if let Some(exit) = print_generated(subcommand, sub_matches) {
+        return exit;
     }
-    if !generated.is_empty() {
-        use std::io::Write as _;
-        // A reader that stops early (`| head`) is no error.
-        let _ = std::io::stdout().write_all(&generated);
-        return ExitCode::SUCCESS;
-    }
-    let mut flags = BTreeMap::new();
-    for spec in opt::ALL {
-        if let Some(value) = sub_matches
-            .get_one::<String>(spec.key)
-            .or_else(|| matches.get_one::<String>(spec.key))
-        {
-            flags.insert(spec.key, value.clone());
-        }
-    }
-    let file = sub_matches
-        .get_one::<String>("config")
-        .or_else(|| matches.get_one::<String>("config"))
-        .cloned()
-        .or_else(|| std::env::var("OUTBOX_RELAY_CONFIG").ok())
-        .map(PathBuf::from);
-    let env_keys: Vec<String> = std::env::vars_os()
-        .filter_map(|(k, _)| k.into_string().ok())
-        .collect();
-    let raw = RawConfig::load(
-        &flags,
-        &|key| std::env::var(key).ok(),
-        &env_keys,
-        file.as_deref(),
-    );
+    let raw = load_raw(&matches, sub_matches);
     if subcommand == "probe" {
         let path = sub_matches
             .get_one::<String>("path")
@@ -282,98 +240,189 @@ fn main() -> ExitCode {
     }
     // One TLS crypto provider for the whole process (Postgres and NATS connections alike).
     let _ = rustls::crypto::ring::default_provider().install_default();
-
-    // One thread by default: the profile showed the relay's CPU per event dominated by
-    // cross-thread hand-offs when Postgres and nats-server share the machine's cores.
-    let runtime = if config.worker_threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(config.worker_threads)
-            .enable_all()
-            .build()
-    };
-    let runtime = match runtime {
+    let runtime = match runtime(config.worker_threads) {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("outbox-relay: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    if subcommand == "status" {
-        let status = runtime.block_on(outbox_relay::commands::status::gather(&config));
-        let text = if sub_matches.get_flag("json") {
-            match serde_json::to_string_pretty(&status) {
-                Ok(json) => json + "\n",
-                Err(e) => {
-                    eprintln!("outbox-relay: cannot write the status as JSON: {e}");
-                    return ExitCode::FAILURE;
-                }
-            }
-        } else {
-            outbox_relay::commands::status::render(&status)
-        };
-        print!("{}", logging::scrub(&text));
-        return ExitCode::from(status.exit_code);
+    match subcommand {
+        "status" => status(&runtime, &config, sub_matches),
+        "verify" => verify(&runtime, &config, sub_matches),
+        "replay" => replay(&runtime, &config, sub_matches),
+        _ => process(&runtime, subcommand, sub_matches, config),
     }
-    if subcommand == "verify" {
-        let range = range_of(sub_matches);
-        let max_listed = sub_matches
-            .get_one::<usize>("max-listed")
-            .copied()
-            .unwrap_or(100);
-        return match runtime.block_on(outbox_relay::commands::verify::run(&config, range)) {
-            Ok(report) => {
-                print!("{}", report.render(max_listed));
-                ExitCode::from(report.exit_code())
+}
+
+/// `completions` and `man`: generated from the command line's definition, no configuration
+/// needed. `None` for the other subcommands.
+fn print_generated(subcommand: &str, sub_matches: &clap::ArgMatches) -> Option<ExitCode> {
+    let mut generated = Vec::new();
+    match subcommand {
+        "completions" => {
+            if let Some(&shell) = sub_matches.get_one::<clap_complete::Shell>("shell") {
+                clap_complete::generate(shell, &mut cli(), "outbox-relay", &mut generated);
             }
+        }
+        "man" => {
+            if let Err(e) = clap_mangen::Man::new(cli()).render(&mut generated) {
+                eprintln!("outbox-relay man: {e}");
+                return Some(ExitCode::FAILURE);
+            }
+        }
+        _ => {}
+    }
+    if generated.is_empty() {
+        return None;
+    }
+    use std::io::Write as _;
+    // A reader that stops early (`| head`) is no error.
+    let _ = std::io::stdout().write_all(&generated);
+    Some(ExitCode::SUCCESS)
+}
+
+/// The raw configuration: the flags (the subcommand's over the top level's), the
+/// environment and the config file (`--config`, `OUTBOX_RELAY_CONFIG`).
+fn load_raw(
+    matches: &clap::ArgMatches,
+    sub_matches: &clap::ArgMatches,
+) -> Result<RawConfig, config::ConfigError> {
+    let mut flags = BTreeMap::new();
+    for spec in opt::ALL {
+        if let Some(value) = sub_matches
+            .get_one::<String>(spec.key)
+            .or_else(|| matches.get_one::<String>(spec.key))
+        {
+            flags.insert(spec.key, value.clone());
+        }
+    }
+    let file = sub_matches
+        .get_one::<String>("config")
+        .or_else(|| matches.get_one::<String>("config"))
+        .cloned()
+        .or_else(|| std::env::var("OUTBOX_RELAY_CONFIG").ok())
+        .map(PathBuf::from);
+    let env_keys: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .collect();
+    RawConfig::load(
+        &flags,
+        &|key| std::env::var(key).ok(),
+        &env_keys,
+        file.as_deref(),
+    )
+}
+
+/// The async runtime, `worker_threads` wide.
+fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    // One thread by default: the profile showed the relay's CPU per event dominated by
+    // cross-thread hand-offs when Postgres and nats-server share the machine's cores.
+    if worker_threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(worker_threads)
+            .enable_all()
+            .build()
+    }
+}
+
+/// `outbox-relay status`: the report on stdout (text or `--json`), its exit status.
+fn status(
+    runtime: &tokio::runtime::Runtime,
+    config: &Config,
+    sub_matches: &clap::ArgMatches,
+) -> ExitCode {
+    let status = runtime.block_on(outbox_relay::commands::status::gather(config));
+    let text = if sub_matches.get_flag("json") {
+        match serde_json::to_string_pretty(&status) {
+            Ok(json) => json + "\n",
             Err(e) => {
-                eprintln!("outbox-relay verify: {}", logging::scrub(&e.to_string()));
-                ExitCode::from(e.exit_code())
+                eprintln!("outbox-relay: cannot write the status as JSON: {e}");
+                return ExitCode::FAILURE;
             }
-        };
+        }
+    } else {
+        outbox_relay::commands::status::render(&status)
+    };
+    print!("{}", logging::scrub(&text));
+    ExitCode::from(status.exit_code)
+}
+
+/// `outbox-relay verify`: the report on stdout, its exit status (V5).
+fn verify(
+    runtime: &tokio::runtime::Runtime,
+    config: &Config,
+    sub_matches: &clap::ArgMatches,
+) -> ExitCode {
+    let range = range_of(sub_matches);
+    let max_listed = sub_matches
+        .get_one::<usize>("max-listed")
+        .copied()
+        .unwrap_or(100);
+    let result = runtime.block_on(outbox_relay::commands::verify::run(config, range));
+    print_report("verify", result, |report| {
+        (
+            report.render(max_listed),
+            ExitCode::from(report.exit_code()),
+        )
+    })
+}
+
+/// `outbox-relay replay`: the report on stdout.
+fn replay(
+    runtime: &tokio::runtime::Runtime,
+    config: &Config,
+    sub_matches: &clap::ArgMatches,
+) -> ExitCode {
+    let force = sub_matches.get_flag("force");
+    let result = runtime.block_on(outbox_relay::commands::replay::run(
+        config,
+        range_of(sub_matches),
+        force,
+    ));
+    print_report("replay", result, |report| {
+        (report.render(), ExitCode::SUCCESS)
+    })
+}
+
+/// A one-shot command's report on stdout with its exit status (`report` says both), or its
+/// error, scrubbed, on stderr with the error's exit status.
+fn print_report<R>(
+    command: &str,
+    result: outbox_relay::error::Result<R>,
+    report: impl FnOnce(R) -> (String, ExitCode),
+) -> ExitCode {
+    match result {
+        Ok(done) => {
+            let (text, exit) = report(done);
+            print!("{text}");
+            exit
+        }
+        Err(e) => {
+            eprintln!("outbox-relay {command}: {}", logging::scrub(&e.to_string()));
+            ExitCode::from(e.exit_code())
+        }
     }
-    if subcommand == "replay" {
-        let force = sub_matches.get_flag("force");
-        return match runtime.block_on(outbox_relay::commands::replay::run(
-            &config,
-            range_of(sub_matches),
-            force,
-        )) {
-            Ok(report) => {
-                print!("{}", report.render());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("outbox-relay replay: {}", logging::scrub(&e.to_string()));
-                ExitCode::from(e.exit_code())
-            }
-        };
-    }
+}
+
+/// `init`, `backfill` and `run` (the streaming process, until a signal): their error is
+/// logged and printed, its exit status returned.
+fn process(
+    runtime: &tokio::runtime::Runtime,
+    subcommand: &str,
+    sub_matches: &clap::ArgMatches,
+    config: Config,
+) -> ExitCode {
     let result = runtime.block_on(async move {
         match subcommand {
             "init" => outbox_relay::process::pipeline::init(&config, false).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
-            "backfill" => {
-                let filter = outbox_relay::process::backfill::Filter {
-                    pending_only: false,
-                    from_id: sub_matches.get_one::<i64>("from-id").copied(),
-                    to_id: sub_matches.get_one::<i64>("to-id").copied(),
-                    since: sub_matches.get_one::<String>("since").cloned(),
-                    until: sub_matches.get_one::<String>("until").cloned(),
-                };
-                let force = sub_matches.get_flag("force");
-                outbox_relay::process::backfill::range(&config, &filter, force).await.map(|report| {
-                    info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
-                    println!(
-                        "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",
-                        report.read, report.published, report.duplicates
-                    );
-                })
-            }
+            "backfill" => backfill(&config, sub_matches).await,
             _ => {
                 let shutdown = CancellationToken::new();
                 let trigger = shutdown.clone();
@@ -393,6 +442,28 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// `outbox-relay backfill`: the range given, its figures logged and printed.
+async fn backfill(
+    config: &Config,
+    sub_matches: &clap::ArgMatches,
+) -> outbox_relay::error::Result<()> {
+    let filter = outbox_relay::process::backfill::Filter {
+        pending_only: false,
+        from_id: sub_matches.get_one::<i64>("from-id").copied(),
+        to_id: sub_matches.get_one::<i64>("to-id").copied(),
+        since: sub_matches.get_one::<String>("since").cloned(),
+        until: sub_matches.get_one::<String>("until").cloned(),
+    };
+    let force = sub_matches.get_flag("force");
+    outbox_relay::process::backfill::range(config, &filter, force).await.map(|report| {
+        info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
+        println!(
+            "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",
+            report.read, report.published, report.duplicates
+        );
+    })
 }
 
 /// `outbox-relay probe PATH`: GET `PATH` from the relay's metrics address; exit 0 on 200 OK,

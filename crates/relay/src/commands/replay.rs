@@ -103,8 +103,46 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         )));
     }
     let started = Instant::now();
-    // R2: no relay publishes into a strict-mode stream while the replay does.
-    let _lease = if config.shared_stream {
+    let _lease = take_lease(config).await?;
+    let Opened {
+        client,
+        js,
+        mut stream,
+        condition,
+        params,
+        bounds,
+    } = verify::open(config, &mut range).await?;
+    let duplicate_window = stream
+        .info()
+        .await
+        .map(|info| info.config.duplicate_window)
+        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the stream: {e}")))?;
+    let mut report = Report {
+        duplicate_window,
+        ..Report::default()
+    };
+    let Some((low, high, _)) = bounds else {
+        report.elapsed = started.elapsed();
+        return Ok(report);
+    };
+    let positions = original_positions(config, &stream, low, high).await?;
+    publish_rows(
+        config,
+        &client,
+        &js,
+        (&condition, &params),
+        &positions,
+        &mut report,
+    )
+    .await?;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// R2: no relay publishes into a strict-mode stream while the replay does: the slot's
+/// lease, held by the connection returned (none for a shared stream).
+async fn take_lease(config: &Config) -> Result<Option<tokio_postgres::Client>> {
+    Ok(if config.shared_stream {
         None
     } else {
         let lease = replication::connect_sql(&config.database)
@@ -127,33 +165,20 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
             )));
         }
         Some(lease)
-    };
-    let Opened {
-        client,
-        js,
-        mut stream,
-        condition,
-        params,
-        bounds,
-    } = verify::open(config, &mut range).await?;
-    let duplicate_window = stream
-        .info()
-        .await
-        .map(|info| info.config.duplicate_window)
-        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the stream: {e}")))?;
-    let mut report = Report {
-        duplicate_window,
-        ..Report::default()
-    };
-    let Some((low, high, _)) = bounds else {
-        report.elapsed = started.elapsed();
-        return Ok(report);
-    };
+    })
+}
 
-    // The originals' positions.
+/// The originals' positions: the first event message of each id in `low..=high`
+/// (dead-letter records aside).
+async fn original_positions(
+    config: &Config,
+    stream: &async_nats::jetstream::stream::Stream,
+    low: i64,
+    high: i64,
+) -> Result<HashMap<i64, Position>> {
     let dead_letters = format!("{}.dlq", config.subject_prefix);
     let mut positions: HashMap<i64, Position> = HashMap::new();
-    verify::scan_stream(&stream, &config.subject_prefix, |_, message| {
+    verify::scan_stream(stream, &config.subject_prefix, |_, message| {
         let Some(headers) = &message.headers else {
             return;
         };
@@ -174,7 +199,19 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
     })
     .await?;
 
-    // The rows, in id order, published with a bounded window (R3).
+    Ok(positions)
+}
+
+/// The rows, in id order, published with a bounded window (R3), each at its original's
+/// position (0/0 without one); the outcomes counted into `report`.
+async fn publish_rows(
+    config: &Config,
+    client: &tokio_postgres::Client,
+    js: &async_nats::jetstream::Context,
+    (condition, params): (&str, &[Param]),
+    positions: &HashMap<i64, Position>,
+    report: &mut Report,
+) -> Result<()> {
     let sql = format!(
         "SELECT {} FROM {} WHERE {condition} ORDER BY id",
         verify::row_columns(),
@@ -215,15 +252,14 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         report.ids = Some(report.ids.map_or((id, id), |(lo, _)| (lo, id)));
         if in_flight.len() >= window {
             if let Some((id, ack)) = in_flight.pop_front() {
-                count(&mut report, id, ack.await)?;
+                count(report, id, ack.await)?;
             }
         }
     }
     while let Some((id, ack)) = in_flight.pop_front() {
-        count(&mut report, id, ack.await)?;
+        count(report, id, ack.await)?;
     }
-    report.elapsed = started.elapsed();
-    Ok(report)
+    Ok(())
 }
 
 fn publish_error(id: i64, error: impl std::fmt::Display) -> RelayError {

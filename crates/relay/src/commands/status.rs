@@ -386,39 +386,7 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
             )
         }
     };
-    let read = async {
-        let slot = read_slot(&client, &config.slot).await?;
-        let publication = read_publication(&client, config).await?;
-        let holder = crate::process::lease::holder(&client, &config.slot)
-            .await
-            .map_err(|e| e.to_string())?;
-        let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
-        let pids: Vec<i32> = holder.iter().chain(walsender.iter()).copied().collect();
-        let backends = read_backends(&client, &pids).await?;
-        let backend = |pid: i32| {
-            backends
-                .iter()
-                .find(|b| b.pid == pid)
-                .cloned()
-                .unwrap_or(Backend {
-                    pid,
-                    application_name: None,
-                    client_addr: None,
-                    client_port: None,
-                    backend_start: None,
-                })
-        };
-        let mut slot = slot;
-        if let Some(state) = slot.state.as_mut() {
-            state.walsender = state.active_pid.map(backend);
-        }
-        let lease = LeaseState {
-            held: holder.is_some(),
-            holder: holder.map(backend),
-        };
-        Ok::<_, String>((slot, lease, publication))
-    };
-    let (slot, lease, publication) = match read.await {
+    let (slot, lease, publication) = match read_parts(&client, config).await {
         Ok(read) => read,
         Err(e) => return (None, None, None, unknown(e)),
     };
@@ -441,6 +409,44 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
         }
     }
     (Some(slot), Some(lease), Some(publication), findings)
+}
+
+/// The slot, the lease and the publication, with the sessions of the lease's holder and
+/// of the slot's walsender.
+async fn read_parts(
+    client: &Client,
+    config: &Config,
+) -> Result<(Slot, LeaseState, Publication), String> {
+    let slot = read_slot(client, &config.slot).await?;
+    let publication = read_publication(client, config).await?;
+    let holder = crate::process::lease::holder(client, &config.slot)
+        .await
+        .map_err(|e| e.to_string())?;
+    let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
+    let pids: Vec<i32> = holder.iter().chain(walsender.iter()).copied().collect();
+    let backends = read_backends(client, &pids).await?;
+    let backend = |pid: i32| {
+        backends
+            .iter()
+            .find(|b| b.pid == pid)
+            .cloned()
+            .unwrap_or(Backend {
+                pid,
+                application_name: None,
+                client_addr: None,
+                client_port: None,
+                backend_start: None,
+            })
+    };
+    let mut slot = slot;
+    if let Some(state) = slot.state.as_mut() {
+        state.walsender = state.active_pid.map(backend);
+    }
+    let lease = LeaseState {
+        held: holder.is_some(),
+        holder: holder.map(backend),
+    };
+    Ok((slot, lease, publication))
 }
 
 fn sql_error(what: &str) -> impl Fn(tokio_postgres::Error) -> String + '_ {
@@ -539,6 +545,23 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
     .filter(|(key, _)| flag(key) == Some(true))
     .map(|(_, op)| (*op).to_owned())
     .collect();
+    let tables = read_published_tables(client, name).await?;
+    let ours = config.table.to_string();
+    Ok(Publication {
+        name: name.clone(),
+        exists: true,
+        state: Some(PublicationState {
+            all_tables: flag("puballtables").unwrap_or(false),
+            operations,
+            publish_via_partition_root: flag("pubviaroot"),
+            includes_outbox_table: tables.iter().any(|t| t.name == ours),
+            tables,
+        }),
+    })
+}
+
+/// The tables the publication publishes, with their row filters and column lists.
+async fn read_published_tables(client: &Client, name: &str) -> Result<Vec<PublishedTable>, String> {
     // Row filters and column lists exist from Postgres 15 on: read through to_jsonb, a
     // missing column is NULL. `attnames` always lists the published columns; a column list
     // is set when `pg_publication_rel.prattrs` is.
@@ -554,11 +577,11 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
                                          AND (pg_catalog.to_jsonb(r) ->> 'prattrs') IS NOT NULL) \
                          THEN (pg_catalog.to_jsonb(t) -> 'attnames')::text END \
                FROM pg_catalog.pg_publication_tables t WHERE t.pubname = $1 ORDER BY 1, 2",
-            &[name],
+            &[&name],
         )
         .await
         .map_err(sql_error("the publication's tables"))?;
-    let tables: Vec<PublishedTable> = rows
+    Ok(rows
         .iter()
         .map(|row| PublishedTable {
             name: format!("{}.{}", row.get::<_, String>(0), row.get::<_, String>(1)),
@@ -567,19 +590,7 @@ async fn read_publication(client: &Client, config: &Config) -> Result<Publicatio
                 .get::<_, Option<String>>(3)
                 .and_then(|json| serde_json::from_str(&json).ok()),
         })
-        .collect();
-    let ours = config.table.to_string();
-    Ok(Publication {
-        name: name.clone(),
-        exists: true,
-        state: Some(PublicationState {
-            all_tables: flag("puballtables").unwrap_or(false),
-            operations,
-            publish_via_partition_root: flag("pubviaroot"),
-            includes_outbox_table: tables.iter().any(|t| t.name == ours),
-            tables,
-        }),
-    })
+        .collect())
 }
 
 async fn read_backends(client: &Client, pids: &[i32]) -> Result<Vec<Backend>, String> {
@@ -653,7 +664,24 @@ async fn gather_nats(
             )
         }
     };
-    let mut findings: Vec<Finding> = bootstrap::check_stream(&info, config, max_payload)
+    let mut findings = stream_findings(&info, config, max_payload);
+    let last_event = read_last_event(&stream, &info, config, now, &mut findings).await;
+    let stream = Stream {
+        name: config.stream.clone(),
+        exists: true,
+        state: Some(stream_state(&info, max_payload)),
+    };
+    (Some(stream), last_event, findings)
+}
+
+/// The stream's findings ([`bootstrap::check_stream`], B3) as status levels: refused or
+/// full is broken.
+fn stream_findings(
+    info: &jetstream::stream::Info,
+    config: &Config,
+    max_payload: usize,
+) -> Vec<Finding> {
+    bootstrap::check_stream(info, config, max_payload)
         .into_iter()
         .map(|finding| {
             let level = match finding.severity {
@@ -662,8 +690,19 @@ async fn gather_nats(
             };
             Finding::new(level, finding.message)
         })
-        .collect();
-    let last_event = if info.state.last_sequence > 0 && info.state.messages > 0 {
+        .collect()
+}
+
+/// The stream's last message as the last event, if the stream holds any; a warning in
+/// `findings` when it cannot be read.
+async fn read_last_event(
+    stream: &jetstream::stream::Stream,
+    info: &jetstream::stream::Info,
+    config: &Config,
+    now: SystemTime,
+    findings: &mut Vec<Finding>,
+) -> Option<LastEvent> {
+    if info.state.last_sequence > 0 && info.state.messages > 0 {
         match stream.get_raw_message(info.state.last_sequence).await {
             Ok(message) => Some(last_event(&message, now)),
             Err(e) => {
@@ -679,13 +718,7 @@ async fn gather_nats(
         }
     } else {
         None
-    };
-    let stream = Stream {
-        name: config.stream.clone(),
-        exists: true,
-        state: Some(stream_state(&info, max_payload)),
-    };
-    (Some(stream), last_event, findings)
+    }
 }
 
 fn stream_state(info: &jetstream::stream::Info, max_payload: usize) -> StreamState {
@@ -761,119 +794,137 @@ fn last_event(message: &jetstream::message::StreamMessage, now: SystemTime) -> L
 /// Judges what was read: missing and lost objects, WAL retention and lag, the lease.
 pub fn assess(status: &Status, config: &Config) -> Vec<Finding> {
     let mut findings = Vec::new();
-    let mut say = |level, message: String| findings.push(Finding::new(level, message));
-    let slot_name = &config.slot;
     if let Some(slot) = &status.slot {
-        match &slot.state {
-            None => say(
-                Level::Broken,
-                format!(
-                    "replication slot {slot_name} does not exist: nothing is relayed, and events \
-                 committed while it is missing never will be; create it with outbox-relay init \
-                 (if the stream already holds events, the slot was dropped: events committed \
-                 since are missing from the stream)"
-                ),
-            ),
-            Some(state) => {
-                match state.wal_status.as_deref() {
-                    Some("lost") => say(
-                        Level::Broken,
-                        format!(
-                            "replication slot {slot_name} is lost (wal_status lost): Postgres \
-                         removed WAL it still needed (max_slot_wal_keep_size), so events \
-                         committed after its confirmed position {} are missing from the stream; \
-                         drop it and create it again with outbox-relay init, then recover the \
-                         missing events from the table (docs/operations.md)",
-                            state.confirmed_flush_lsn.as_deref().unwrap_or("?")
-                        ),
-                    ),
-                    Some("unreserved") => say(
-                        Level::Lagging,
-                        format!(
-                        "replication slot {slot_name} retains WAL beyond max_slot_wal_keep_size \
-                         (wal_status unreserved): the next checkpoint may remove it and lose the \
-                         slot; the relay must catch up now"
-                    ),
-                    ),
-                    Some("extended") => say(
-                        Level::Lagging,
-                        format!(
-                            "replication slot {slot_name} retains more WAL than max_wal_size \
-                         (wal_status extended): the relay is behind"
-                        ),
-                    ),
-                    _ => {}
-                }
-                if let Some(lag) = state.lag_bytes.filter(|&lag| lag > config.max_lag_bytes) {
-                    say(
-                        Level::Lagging,
-                        format!(
-                        "replication slot {slot_name} is {} behind the server's WAL, more than \
-                         {} ({}): the relay is behind or stopped, and Postgres keeps that WAL",
-                        format_size(lag),
-                        format_size(config.max_lag_bytes),
-                        opt::MAX_LAG_BYTES.env
-                    ),
-                    );
-                }
-            }
-        }
+        findings.extend(assess_slot(slot, config));
     }
     if let Some(publication) = &status.publication {
         if !publication.exists {
-            say(
+            findings.push(Finding::new(
                 Level::Broken,
                 format!(
                 "publication {} does not exist: nothing is relayed; create it with outbox-relay \
                  init, or as the table's owner with sql/publication.sql",
                 publication.name
             ),
-            );
+            ));
         }
     }
     let slot = status.slot.as_ref().and_then(|s| s.state.as_ref());
     if let Some(lease) = &status.lease {
-        match (&lease.holder, slot) {
-            (None, Some(slot)) if slot.active => say(
-                Level::Broken,
-                format!(
-                    "replication slot {slot_name} is read by {} but no relay holds the lease: \
-                 another program consumes the slot, and what it confirms never reaches the \
-                 stream; stop it (SELECT pg_terminate_backend({})) and run outbox-relay",
-                    describe_backend(slot.walsender.as_ref(), slot.active_pid),
-                    slot.active_pid
-                        .map_or("<pid>".into(), |pid| pid.to_string())
-                ),
-            ),
-            (None, _) => say(
-                Level::Lagging,
-                format!(
-                "no relay holds the lease for slot {slot_name}: no relay is running, so nothing \
-                 is relayed; start outbox-relay run"
-            ),
-            ),
-            (Some(holder), Some(slot)) if !slot.active => say(
-                Level::Lagging,
-                format!(
-                    "the relay holding the lease ({}) is not streaming: slot {slot_name} is \
-                 inactive (between sessions after a failure? its log says why)",
-                    describe_backend(Some(holder), Some(holder.pid))
-                ),
-            ),
-            _ => {}
-        }
+        findings.extend(assess_lease(lease, slot, config));
     }
     if let Some(stream) = &status.stream {
         if !stream.exists {
-            say(
+            findings.push(Finding::new(
                 Level::Broken,
                 format!(
                 "stream {} does not exist: nothing is relayed; create it with outbox-relay init \
                  (if the relay ran before, the stream was deleted with the events in it)",
                 stream.name
             ),
-            );
+            ));
         }
+    }
+    findings
+}
+
+/// The slot: missing, lost or at risk (its `wal_status`), or further behind than
+/// `--max-lag-bytes`.
+fn assess_slot(slot: &Slot, config: &Config) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    let mut say = |level, message: String| findings.push(Finding::new(level, message));
+    let slot_name = &config.slot;
+    match &slot.state {
+        None => say(
+            Level::Broken,
+            format!(
+                "replication slot {slot_name} does not exist: nothing is relayed, and events \
+             committed while it is missing never will be; create it with outbox-relay init \
+             (if the stream already holds events, the slot was dropped: events committed \
+             since are missing from the stream)"
+            ),
+        ),
+        Some(state) => {
+            match state.wal_status.as_deref() {
+                Some("lost") => say(
+                    Level::Broken,
+                    format!(
+                        "replication slot {slot_name} is lost (wal_status lost): Postgres \
+                     removed WAL it still needed (max_slot_wal_keep_size), so events \
+                     committed after its confirmed position {} are missing from the stream; \
+                     drop it and create it again with outbox-relay init, then recover the \
+                     missing events from the table (docs/operations.md)",
+                        state.confirmed_flush_lsn.as_deref().unwrap_or("?")
+                    ),
+                ),
+                Some("unreserved") => say(
+                    Level::Lagging,
+                    format!(
+                        "replication slot {slot_name} retains WAL beyond max_slot_wal_keep_size \
+                     (wal_status unreserved): the next checkpoint may remove it and lose the \
+                     slot; the relay must catch up now"
+                    ),
+                ),
+                Some("extended") => say(
+                    Level::Lagging,
+                    format!(
+                        "replication slot {slot_name} retains more WAL than max_wal_size \
+                     (wal_status extended): the relay is behind"
+                    ),
+                ),
+                _ => {}
+            }
+            if let Some(lag) = state.lag_bytes.filter(|&lag| lag > config.max_lag_bytes) {
+                say(
+                    Level::Lagging,
+                    format!(
+                        "replication slot {slot_name} is {} behind the server's WAL, more than \
+                     {} ({}): the relay is behind or stopped, and Postgres keeps that WAL",
+                        format_size(lag),
+                        format_size(config.max_lag_bytes),
+                        opt::MAX_LAG_BYTES.env
+                    ),
+                );
+            }
+        }
+    }
+    findings
+}
+
+/// The lease against the slot: a program reading the slot without the lease, no relay,
+/// or a relay holding the lease without streaming.
+fn assess_lease(lease: &LeaseState, slot: Option<&SlotState>, config: &Config) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    let mut say = |level, message: String| findings.push(Finding::new(level, message));
+    let slot_name = &config.slot;
+    match (&lease.holder, slot) {
+        (None, Some(slot)) if slot.active => say(
+            Level::Broken,
+            format!(
+                "replication slot {slot_name} is read by {} but no relay holds the lease: \
+             another program consumes the slot, and what it confirms never reaches the \
+             stream; stop it (SELECT pg_terminate_backend({})) and run outbox-relay",
+                describe_backend(slot.walsender.as_ref(), slot.active_pid),
+                slot.active_pid
+                    .map_or("<pid>".into(), |pid| pid.to_string())
+            ),
+        ),
+        (None, _) => say(
+            Level::Lagging,
+            format!(
+                "no relay holds the lease for slot {slot_name}: no relay is running, so nothing \
+             is relayed; start outbox-relay run"
+            ),
+        ),
+        (Some(holder), Some(slot)) if !slot.active => say(
+            Level::Lagging,
+            format!(
+                "the relay holding the lease ({}) is not streaming: slot {slot_name} is \
+             inactive (between sessions after a failure? its log says why)",
+                describe_backend(Some(holder), Some(holder.pid))
+            ),
+        ),
+        _ => {}
     }
     findings
 }

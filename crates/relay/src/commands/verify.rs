@@ -536,6 +536,14 @@ impl Report {
     /// out and why, and the summary line (V6).
     pub fn render(&self, max_listed: usize) -> String {
         let mut out = String::new();
+        self.render_problems(&mut out, max_listed);
+        self.render_left_out(&mut out);
+        self.render_summary(&mut out);
+        out
+    }
+
+    /// The problems, at most `max_listed` per kind, discrepancies first.
+    fn render_problems(&self, out: &mut String, max_listed: usize) {
         let mut problems: Vec<&Problem> = self.problems.iter().collect();
         problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
         for kind in problems.chunk_by(|a, b| a.kind == b.kind) {
@@ -555,6 +563,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// What the slot's creation left out (V6), or why every row is expected.
+    fn render_left_out(&self, out: &mut String) {
         match &self.boundary {
             Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
@@ -579,6 +591,10 @@ impl Report {
             }
             _ => {}
         }
+    }
+
+    /// The summary line: the verdict (V5) and each kind's count.
+    fn render_summary(&self, out: &mut String) {
         let seconds = self.elapsed.as_secs_f64();
         let rate = if seconds > 0.0 {
             self.rows as f64 / seconds
@@ -611,7 +627,6 @@ impl Report {
             self.count("dead-lettered"),
             self.left_out,
         );
-        out
     }
 }
 
@@ -700,25 +715,7 @@ pub(crate) async fn scan_stream(
     prefix: &str,
     mut each: impl FnMut(u64, &jetstream::Message),
 ) -> Result<u64> {
-    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
-    // each message's subject against it.
-    let filter = format!("{prefix}.>");
-    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
-        String::new()
-    } else {
-        filter
-    };
-    let mut consumer = stream
-        .create_consumer(pull::Config {
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: filter,
-            inactive_threshold: Duration::from_secs(60),
-            memory_storage: true,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))?;
+    let mut consumer = scan_consumer(stream, prefix).await?;
     let pending = consumer
         .info()
         .await
@@ -762,6 +759,33 @@ pub(crate) async fn scan_stream(
     Ok(read)
 }
 
+/// The ephemeral pull consumer [`scan_stream`] reads through (V1: it acknowledges nothing
+/// and the server deletes it when idle).
+async fn scan_consumer(
+    stream: &jetstream::stream::Stream,
+    prefix: &str,
+) -> Result<jetstream::consumer::Consumer<pull::Config>> {
+    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
+    // each message's subject against it.
+    let filter = format!("{prefix}.>");
+    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
+        String::new()
+    } else {
+        filter
+    };
+    stream
+        .create_consumer(pull::Config {
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            filter_subject: filter,
+            inactive_threshold: Duration::from_secs(60),
+            memory_storage: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))
+}
+
 /// What reading the stream found: [`Entry`]s by id, and where copies and order went wrong.
 struct StreamSide {
     /// Messages read.
@@ -771,6 +795,145 @@ struct StreamSide {
     out_of_order: Vec<(i64, String)>,
     /// The ids and sequences of second and later copies.
     duplicates: Vec<(i64, u64)>,
+}
+
+/// The commit order's checks as the stream is read (step 2): per entity, and globally in
+/// strict mode (not a shared stream).
+///
+/// Positions compare only within one WAL history (`Outbox-Source`): after a restore, a
+/// major-version upgrade or a fail-over's new history, LSNs start again lower, and the
+/// stream's order is still the commit order. Each history gets its own checks; the few
+/// sources a stream holds are kept in a list and found by comparison.
+#[derive(Default)]
+struct OrderCheck {
+    /// Every message must come after the one before it, not only per entity.
+    strict: bool,
+    sources: Vec<String>,
+    last_global: HashMap<usize, (Position, i64)>,
+    per_entity: HashMap<(usize, u64), (Position, i64)>,
+}
+
+impl OrderCheck {
+    /// The number of `source`'s history, given when first seen.
+    fn history(&mut self, source: &str) -> usize {
+        match self.sources.iter().position(|s| s == source) {
+            Some(history) => history,
+            None => {
+                self.sources.push(source.to_owned());
+                self.sources.len() - 1
+            }
+        }
+    }
+
+    /// Records the first copy of `id` (at `seq`, `position`, entity hash `entity`) and says
+    /// why it is out of order, if it is.
+    fn check(
+        &mut self,
+        seq: u64,
+        id: i64,
+        position: Position,
+        source: &str,
+        entity: u64,
+        headers: &HeaderMap,
+    ) -> Option<String> {
+        let at = |p: Position| format!("(commit {}, index {})", p.commit_lsn, p.index);
+        let history = self.history(source);
+        let key = (history, entity);
+        let mut problem = None;
+        match self.per_entity.get_mut(&key) {
+            Some((previous, previous_id)) if position < *previous => {
+                problem = Some(format!(
+                    "at sequence {seq}: entity {:?} {} comes after id {previous_id} {}, \
+                     committed later",
+                    Fields::of_message("", headers).entity_id,
+                    at(position),
+                    at(*previous)
+                ));
+            }
+            Some(last) => *last = (position, id),
+            None => {
+                self.per_entity.insert(key, (position, id));
+            }
+        }
+        let last_global = self.last_global.entry(history).or_insert((position, id));
+        if (position, id) != *last_global {
+            let (previous, previous_id) = *last_global;
+            if self.strict && position <= previous && problem.is_none() {
+                problem = Some(format!(
+                    "at sequence {seq}: {} is not after the message before it \
+                     (id {previous_id} {}): the stream's order is not the commit order",
+                    at(position),
+                    at(previous)
+                ));
+            }
+        }
+        if position > last_global.0 {
+            *last_global = (position, id);
+        }
+        problem
+    }
+}
+
+/// Step 2's fold: each message of the stream into the [`Index`] (ids in `low..=high` only),
+/// the copies and the order. A dead-letter record counts apart from the event (V3).
+struct Tally {
+    low: i64,
+    high: i64,
+    dead_letter_subject: String,
+    index: Index,
+    order: OrderCheck,
+    out_of_order: Vec<(i64, String)>,
+    duplicates: Vec<(i64, u64)>,
+}
+
+impl Tally {
+    fn new(config: &Config, low: i64, high: i64, rows_in_range: u64) -> Tally {
+        Tally {
+            low,
+            high,
+            dead_letter_subject: format!("{}.dlq", config.subject_prefix),
+            index: Index::new(low, high, rows_in_range),
+            order: OrderCheck {
+                strict: !config.shared_stream,
+                ..OrderCheck::default()
+            },
+            out_of_order: vec![],
+            duplicates: vec![],
+        }
+    }
+
+    fn message(&mut self, seq: u64, message: &jetstream::Message) {
+        let Some(headers) = &message.headers else {
+            return;
+        };
+        let seen = Seen::of(headers);
+        let id = seen.outbox_id.and_then(|v| v.parse::<i64>().ok());
+        let Some(id) = id.filter(|id| (self.low..=self.high).contains(id)) else {
+            return;
+        };
+        let entry = self.index.get(id);
+        if message.subject.as_str() == self.dead_letter_subject {
+            entry.dead_letters = entry.dead_letters.saturating_add(1);
+            if entry.count == 0 {
+                entry.seq = seq;
+            }
+            return;
+        }
+        entry.count = entry.count.saturating_add(1);
+        if entry.count > 1 {
+            self.duplicates.push((id, seq));
+            return;
+        }
+        let (digest, entity) = seen_digest(message.subject.as_str(), &seen, &message.payload);
+        entry.seq = seq;
+        entry.digest = digest;
+        if let Some(position) = Position::from_headers(seen.commit_lsn, seen.tx_index) {
+            let problem = self
+                .order
+                .check(seq, id, position, seen.source, entity, headers);
+            self.out_of_order.extend(problem.map(|p| (id, p)));
+        }
+    }
 }
 
 /// Step 2, on the calling thread, with its own NATS connection and a single-threaded
@@ -790,97 +953,18 @@ fn read_stream(
         .build()
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
     runtime.block_on(async {
-        let client = crate::connect::nats::connect(&config.nats).await.map_err(|e| {
-            RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}"))
-        })?;
+        let client = crate::connect::nats::connect(&config.nats)
+            .await
+            .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
         let stream = jetstream::new(client)
             .get_stream(&config.stream)
             .await
             .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        let mut index = Index::new(low, high, rows_in_range);
-        let strict = !config.shared_stream;
-        let mut out_of_order: Vec<(i64, String)> = vec![];
-        let mut duplicates: Vec<(i64, u64)> = vec![];
-        let dead_letter_subject = format!("{}.dlq", config.subject_prefix);
-        // Positions compare only within one WAL history (`Outbox-Source`): after a restore, a
-        // major-version upgrade or a fail-over's new history, LSNs start again lower, and the
-        // stream's order is still the commit order. Each history gets its own checks; the few
-        // sources a stream holds are kept in a list and found by comparison.
-        let mut sources: Vec<String> = Vec::new();
-        let mut last_global: HashMap<usize, (Position, i64)> = HashMap::new();
-        let mut per_entity: HashMap<(usize, u64), (Position, i64)> = HashMap::new();
+        let mut tally = Tally::new(config, low, high, rows_in_range);
         let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
-            if let Some(headers) = &message.headers {
-                let seen = Seen::of(headers);
-                let id = seen.outbox_id.and_then(|v| v.parse::<i64>().ok());
-                if let Some(id) = id.filter(|id| (low..=high).contains(id)) {
-                    let entry = index.get(id);
-                    if message.subject.as_str() == dead_letter_subject {
-                        entry.dead_letters = entry.dead_letters.saturating_add(1);
-                        if entry.count == 0 {
-                            entry.seq = seq;
-                        }
-                    } else {
-                        entry.count = entry.count.saturating_add(1);
-                        if entry.count > 1 {
-                            duplicates.push((id, seq));
-                        } else {
-                            let (digest, entity) =
-                                seen_digest(message.subject.as_str(), &seen, &message.payload);
-                            entry.seq = seq;
-                            entry.digest = digest;
-                            let position = Position::from_headers(seen.commit_lsn, seen.tx_index);
-                            if let Some(position) = position {
-                                let at = |p: Position| {
-                                    format!("(commit {}, index {})", p.commit_lsn, p.index)
-                                };
-                                let history = match sources.iter().position(|s| s == seen.source) {
-                                    Some(history) => history,
-                                    None => {
-                                        sources.push(seen.source.to_owned());
-                                        sources.len() - 1
-                                    }
-                                };
-                                let key = (history, entity);
-                                let mut problem = None;
-                                match per_entity.get_mut(&key) {
-                                    Some((previous, previous_id)) if position < *previous => {
-                                        problem = Some(format!(
-                                            "at sequence {seq}: entity {:?} {} comes after id {previous_id} {}, \
-                                             committed later",
-                                            Fields::of_message("", headers).entity_id,
-                                            at(position),
-                                            at(*previous)
-                                        ));
-                                    }
-                                    Some(last) => *last = (position, id),
-                                    None => {
-                                        per_entity.insert(key, (position, id));
-                                    }
-                                }
-                                let last_global = last_global.entry(history).or_insert((position, id));
-                                if (position, id) != *last_global {
-                                    let (previous, previous_id) = *last_global;
-                                    if strict && position <= previous && problem.is_none() {
-                                        problem = Some(format!(
-                                            "at sequence {seq}: {} is not after the message before it \
-                                             (id {previous_id} {}): the stream's order is not the commit order",
-                                            at(position),
-                                            at(previous)
-                                        ));
-                                    }
-                                }
-                                if position > last_global.0 {
-                                    *last_global = (position, id);
-                                }
-                                out_of_order.extend(problem.map(|p| (id, p)));
-                            }
-                        }
-                    }
-                }
-            }
-    })
-    .await?;
+            tally.message(seq, message)
+        })
+        .await?;
         tracing::info!(
             messages = read,
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -888,46 +972,21 @@ fn read_stream(
         );
         Ok(StreamSide {
             read,
-            index,
-            out_of_order,
-            duplicates,
+            index: tally.index,
+            out_of_order: tally.out_of_order,
+            duplicates: tally.duplicates,
         })
     })
 }
 
-/// Reconciles the rows in `range` with the stream (see the module docs).
-pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
-    let started = Instant::now();
-    let Opened {
-        client,
-        stream,
-        condition,
-        params,
-        bounds,
-        ..
-    } = open(config, &mut range).await?;
-    let table = &config.table;
-    let Some((low, high, rows_in_range)) = bounds else {
-        return Ok(Report {
-            elapsed: started.elapsed(),
-            ..Report::default()
-        });
-    };
-    // V6: what the slot's creation left out.
-    let boundary = crate::process::boundary::read(&client, config).await;
-    let runs = match &boundary {
-        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
-    };
-    let mut report = Report {
-        ids: Some((low, high)),
-        boundary: Some(boundary),
-        slot: config.slot.clone(),
-        ..Report::default()
-    };
-
-    // 2. The stream, on its own thread (see [`read_stream`]).
-    let (send, stream_side) = tokio::sync::oneshot::channel();
+/// Starts step 2 on a thread of its own (see [`read_stream`]); the future answers with what
+/// it read.
+fn spawn_stream_side(
+    config: &Config,
+    (low, high, rows_in_range): (i64, i64, u64),
+    started: Instant,
+) -> Result<impl std::future::Future<Output = Result<StreamSide>>> {
+    let (send, answer) = tokio::sync::oneshot::channel();
     let stream_config = config.clone();
     std::thread::Builder::new()
         .name("verify-stream".into())
@@ -941,17 +1000,77 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             ));
         })
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a thread: {e}")))?;
-    let stream_side = async {
-        stream_side.await.map_err(|_| {
+    Ok(async {
+        answer.await.map_err(|_| {
             RelayError::permanent(anyhow::anyhow!(
                 "the stream reader stopped without an answer"
             ))
         })?
-    };
+    })
+}
 
-    // 3. The table, in id order, streamed, at the same time: what each row's message must be.
-    // Its own task, so that building the rows' events runs beside the stream's side on a
-    // second worker thread.
+/// What reading the table found: each row as verify expects its message, and why the
+/// relay cannot publish the rows it cannot.
+struct TableSide {
+    expected: Vec<Expected>,
+    unpublishable: Vec<(i64, String)>,
+}
+
+/// What row `row` (of [`row_columns`] and the range's condition) must be on the stream:
+/// not checked when out of range or left out by the slot's creation (V6), else its event's
+/// digest (V2: `OutboxRow::into_event`'s), or why it is unpublishable. Rows come in id
+/// order, as `left_out` wants them.
+fn expect_row(
+    row: &tokio_postgres::Row,
+    left_out: &mut crate::process::boundary::RunCursor<'_>,
+    prefix: &str,
+    partitions: std::num::NonZeroU64,
+) -> (Expected, Option<String>) {
+    let id: i64 = row.get(0);
+    let state = if !row.get::<_, bool>(5) {
+        Expected::OUT_OF_RANGE
+    } else if left_out.left_out(id) {
+        Expected::LEFT_OUT
+    } else {
+        Expected::PUBLISHABLE
+    };
+    let unchecked = |state| Expected {
+        id,
+        digest: 0,
+        state,
+    };
+    if state != Expected::PUBLISHABLE {
+        return (unchecked(state), None);
+    }
+    match row_from(row) {
+        Ok(row) => {
+            let event = row.into_event(prefix, partitions, NO_POSITION);
+            let digest = event_digest(&event);
+            (
+                Expected {
+                    id,
+                    digest,
+                    state: Expected::PUBLISHABLE,
+                },
+                None,
+            )
+        }
+        Err((_, why)) => (unchecked(Expected::UNPUBLISHABLE), Some(why)),
+    }
+}
+
+/// Starts step 3: the table, in id order, streamed, at the same time as the stream: what
+/// each row's message must be. Its own task, so that building the rows' events runs beside
+/// the stream's side on a second worker thread.
+async fn spawn_table_side(
+    client: &tokio_postgres::Client,
+    config: &Config,
+    (condition, params): (&str, &[Param]),
+    (low, high, rows_in_range): (i64, i64, u64),
+    runs: crate::process::boundary::Boundary,
+    started: Instant,
+) -> Result<impl std::future::Future<Output = Result<TableSide>>> {
+    let table = &config.table;
     let sql = format!(
         "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
         row_columns()
@@ -962,7 +1081,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         .map_err(read_error("cannot read the outbox table"))?;
     let prefix = config.subject_prefix.clone();
     let partitions = config.partitions;
-    let table_side = tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         futures::pin_mut!(rows);
         let mut expected: Vec<Expected> =
             Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
@@ -970,69 +1089,80 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         let mut left_out = runs.cursor();
         while let Some(row) = rows.next().await {
             let row = row.map_err(read_error("cannot read the outbox table"))?;
-            let id: i64 = row.get(0);
-            // Rows arrive in id order, as the cursor wants them.
-            let state = if !row.get::<_, bool>(5) {
-                Expected::OUT_OF_RANGE
-            } else if left_out.left_out(id) {
-                Expected::LEFT_OUT
-            } else {
-                Expected::PUBLISHABLE
-            };
-            if state != Expected::PUBLISHABLE {
-                expected.push(Expected {
-                    id,
-                    digest: 0,
-                    state,
-                });
-                continue;
-            }
-            match row_from(&row) {
-                Ok(row) => {
-                    let event = row.into_event(&prefix, partitions, NO_POSITION);
-                    expected.push(Expected {
-                        id,
-                        digest: event_digest(&event),
-                        state: Expected::PUBLISHABLE,
-                    });
-                }
-                Err((id, why)) => {
-                    expected.push(Expected {
-                        id,
-                        digest: 0,
-                        state: Expected::UNPUBLISHABLE,
-                    });
-                    unpublishable.push((id, why));
-                }
-            }
+            let (row, why) = expect_row(&row, &mut left_out, &prefix, partitions);
+            expected.push(row);
+            unpublishable.extend(why.map(|why| (row.id, why)));
         }
         tracing::info!(
             rows = expected.len(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "read the table"
         );
-        Ok::<_, RelayError>((expected, unpublishable))
+        Ok::<_, RelayError>(TableSide {
+            expected,
+            unpublishable,
+        })
     });
-    let table_side = async {
-        table_side
-            .await
+    Ok(async {
+        task.await
             .map_err(|e| RelayError::permanent(anyhow::anyhow!("the table reader failed: {e}")))?
-    };
-    let (read, table_read) = tokio::join!(stream_side, table_side);
-    let StreamSide {
-        read,
-        mut index,
-        out_of_order,
-        duplicates,
-    } = read?;
-    report.messages = read;
-    let (expected, unpublishable) = table_read?;
+    })
+}
 
-    // The rows against the stream.
-    let mut unpublishable = unpublishable.into_iter().collect::<HashMap<_, _>>();
+/// The judge of one checked row's entry: what is wrong with it, if anything (V3: a
+/// dead-letter record in its place is reported as dead-lettered, not missing).
+fn judge_entry(row: &Expected, entry: Entry, why: impl FnOnce() -> String) -> Option<Problem> {
+    let problem = |kind, detail| {
+        Some(Problem {
+            kind,
+            id: row.id,
+            detail,
+        })
+    };
+    if row.state == Expected::UNPUBLISHABLE {
+        let why = why();
+        return if entry.count > 0 {
+            problem(
+                "unpublishable",
+                format!("{why}, yet the stream holds it at sequence {}", entry.seq),
+            )
+        } else if entry.dead_letters == 0 {
+            problem(
+                "unpublishable",
+                format!("{why}: the relay cannot publish it (it halts or dead-letters it)"),
+            )
+        } else {
+            None
+        };
+    }
+    if entry.count > 0 {
+        return None;
+    }
+    if entry.dead_letters > 0 {
+        problem(
+            "dead-lettered",
+            format!(
+                "a dead-letter record at sequence {} in its place",
+                entry.seq
+            ),
+        )
+    } else {
+        problem("missing", "no message on the stream".into())
+    }
+}
+
+/// The rows against the stream: marks each row's entry ([`ROW`], [`IN_RANGE`]), counts the
+/// rows checked and left out (V6) into `report`, and returns the problems found and the
+/// ids (with sequences) whose first copy's digest differs from the row's.
+fn judge_rows(
+    table: TableSide,
+    index: &mut Index,
+    report: &mut Report,
+) -> (Vec<Problem>, Vec<(i64, u64)>) {
+    let mut unpublishable = table.unpublishable.into_iter().collect::<HashMap<_, _>>();
     let mut mismatched: Vec<(i64, u64)> = vec![];
     let mut problems = vec![];
-    for row in expected {
+    for row in table.expected {
         let id = row.id;
         let entry = index.get(id);
         entry.flags |= ROW;
@@ -1048,53 +1178,32 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         entry.flags |= IN_RANGE;
         report.rows += 1;
         let entry = *entry;
-        if row.state == Expected::UNPUBLISHABLE {
-            let why = unpublishable.remove(&id).unwrap_or_default();
-            if entry.count > 0 {
-                problems.push(Problem {
-                    kind: "unpublishable",
-                    id,
-                    detail: format!("{why}, yet the stream holds it at sequence {}", entry.seq),
-                });
-            } else if entry.dead_letters == 0 {
-                problems.push(Problem {
-                    kind: "unpublishable",
-                    id,
-                    detail: format!(
-                        "{why}: the relay cannot publish it (it halts or dead-letters it)"
-                    ),
-                });
-            }
-            continue;
-        }
-        if entry.count == 0 {
-            if entry.dead_letters > 0 {
-                problems.push(Problem {
-                    kind: "dead-lettered",
-                    id,
-                    detail: format!(
-                        "a dead-letter record at sequence {} in its place",
-                        entry.seq
-                    ),
-                });
-            } else {
-                problems.push(Problem {
-                    kind: "missing",
-                    id,
-                    detail: "no message on the stream".into(),
-                });
-            }
-            continue;
-        }
-        if row.digest != entry.digest {
+        let why = || unpublishable.remove(&id).unwrap_or_default();
+        if let Some(problem) = judge_entry(&row, entry, why) {
+            problems.push(problem);
+        } else if row.state == Expected::PUBLISHABLE
+            && entry.count > 0
+            && row.digest != entry.digest
+        {
             mismatched.push((id, entry.seq));
         }
     }
+    (problems, mismatched)
+}
 
-    // Duplicates, order and ids on the stream without a row, for the rows in range.
+/// Duplicates, order and ids on the stream without a row, for the rows in range; ids
+/// without a row only when the whole table was read (`whole_table`).
+fn judge_stream(
+    index: &Index,
+    duplicates: Vec<(i64, u64)>,
+    out_of_order: Vec<(i64, String)>,
+    whole_table: bool,
+    problems: &mut Vec<Problem>,
+) {
+    let in_range = |id| index.peek(id).flags & IN_RANGE != 0;
     let mut duplicated: HashMap<i64, Vec<u64>> = HashMap::new();
     for (id, seq) in duplicates {
-        if index.peek(id).flags & IN_RANGE != 0 {
+        if in_range(id) {
             duplicated.entry(id).or_default().push(seq);
         }
     }
@@ -1115,7 +1224,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         });
     }
     for (id, detail) in out_of_order {
-        if index.peek(id).flags & IN_RANGE != 0 {
+        if in_range(id) {
             problems.push(Problem {
                 kind: "out of order",
                 id,
@@ -1123,7 +1232,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             });
         }
     }
-    if range.since.is_none() && range.until.is_none() {
+    if whole_table {
         index.for_each(|id, entry| {
             if entry.flags & ROW == 0 && (entry.count > 0 || entry.dead_letters > 0) {
                 problems.push(Problem {
@@ -1137,9 +1246,21 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             }
         });
     }
+}
 
-    // 4. Which field differs, for the mismatches: the row and the message read again.
-    let one_row = format!("SELECT {} FROM {table} WHERE id = $1", row_columns());
+/// Step 4: which field differs, for the mismatches: the row and the message read again.
+async fn explain_mismatches(
+    client: &tokio_postgres::Client,
+    stream: &jetstream::stream::Stream,
+    config: &Config,
+    mismatched: Vec<(i64, u64)>,
+) -> Result<Vec<Problem>> {
+    let one_row = format!(
+        "SELECT {} FROM {} WHERE id = $1",
+        row_columns(),
+        config.table
+    );
+    let mut problems = vec![];
     for (id, seq) in mismatched {
         let row = client
             .query_one(&one_row, &[&id])
@@ -1166,6 +1287,61 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             detail,
         });
     }
+    Ok(problems)
+}
+
+/// Reconciles the rows in `range` with the stream (see the module docs).
+pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
+    let started = Instant::now();
+    let Opened {
+        client,
+        stream,
+        condition,
+        params,
+        bounds,
+        ..
+    } = open(config, &mut range).await?;
+    let Some(bounds) = bounds else {
+        return Ok(Report {
+            elapsed: started.elapsed(),
+            ..Report::default()
+        });
+    };
+    // V6: what the slot's creation left out.
+    let boundary = crate::process::boundary::read(&client, config).await;
+    let runs = match &boundary {
+        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
+    };
+    let mut report = Report {
+        ids: Some((bounds.0, bounds.1)),
+        boundary: Some(boundary),
+        slot: config.slot.clone(),
+        ..Report::default()
+    };
+    // 2. and 3., side by side.
+    let stream_side = spawn_stream_side(config, bounds, started)?;
+    let table_side = spawn_table_side(
+        &client,
+        config,
+        (&condition, &params),
+        bounds,
+        runs,
+        started,
+    )
+    .await?;
+    let (read, table_read) = tokio::join!(stream_side, table_side);
+    let StreamSide {
+        read,
+        mut index,
+        out_of_order,
+        duplicates,
+    } = read?;
+    report.messages = read;
+    let (mut problems, mismatched) = judge_rows(table_read?, &mut index, &mut report);
+    let whole_table = range.since.is_none() && range.until.is_none();
+    judge_stream(&index, duplicates, out_of_order, whole_table, &mut problems);
+    problems.extend(explain_mismatches(&client, &stream, config, mismatched).await?);
     problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
     report.problems = problems;
     report.elapsed = started.elapsed();

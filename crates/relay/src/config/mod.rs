@@ -299,10 +299,34 @@ impl RawConfig {
                 raw.offer(spec, value, Origin::Env);
             }
         }
+        raw.offer_env_keys(env, env_keys)?;
+        if let Some(path) = file {
+            raw.offer_file(path)?;
+        }
+        for (var, spec) in NATS_CLI_ENV {
+            if let Some(value) = env(var) {
+                raw.offer(spec, value, Origin::NatsCliEnv(var));
+            }
+        }
+        for spec in opt::ALL {
+            if let Some(default) = spec.default {
+                raw.offer(spec, default.to_owned(), Origin::Default);
+            }
+        }
+        Ok(raw)
+    }
+
+    /// The `PG*`, `HOME` and `USER` variables, for libpq's rules; an unknown
+    /// `OUTBOX_RELAY_*` variable is an error.
+    fn offer_env_keys(
+        &mut self,
+        env: &dyn Fn(&str) -> Option<String>,
+        env_keys: &[String],
+    ) -> Result<(), ConfigError> {
         for key in env_keys {
             if key.starts_with("PG") || key == "HOME" || key == "USER" {
                 if let Some(value) = env(key) {
-                    raw.libpq_env.insert(key.clone(), value);
+                    self.libpq_env.insert(key.clone(), value);
                 }
             }
             let known =
@@ -319,52 +343,34 @@ impl RawConfig {
                 )));
             }
         }
-        if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                ConfigError(format!("cannot read config file {}: {e}", path.display()))
+        Ok(())
+    }
+
+    /// The config file's keys (TOML: strings, integers or booleans), each a known option;
+    /// remembers the file when it holds a secret.
+    fn offer_file(&mut self, path: &Path) -> Result<(), ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("cannot read config file {}: {e}", path.display())))?;
+        let table: toml::Table = text.parse().map_err(|e| toml_error(path, &text, &e))?;
+        for (key, value) in table {
+            let spec = opt::ALL.iter().find(|s| s.key == key).ok_or_else(|| {
+                ConfigError(format!(
+                    "unknown key {key:?} in config file {}: known keys are {}",
+                    path.display(),
+                    opt::ALL
+                        .iter()
+                        .map(|s| s.key)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
             })?;
-            let table: toml::Table = text.parse().map_err(|e| toml_error(path, &text, &e))?;
-            for (key, value) in table {
-                let spec = opt::ALL.iter().find(|s| s.key == key).ok_or_else(|| {
-                    ConfigError(format!(
-                        "unknown key {key:?} in config file {}: known keys are {}",
-                        path.display(),
-                        opt::ALL
-                            .iter()
-                            .map(|s| s.key)
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ))
-                })?;
-                let value = match value {
-                    toml::Value::String(s) => s,
-                    toml::Value::Integer(i) => i.to_string(),
-                    toml::Value::Boolean(b) => b.to_string(),
-                    other => {
-                        return Err(ConfigError(format!(
-                            "key {key} in config file {} must be a string, an integer or a boolean, not {}",
-                            path.display(),
-                            other.type_str()
-                        )))
-                    }
-                };
-                if value_holds_secret(spec, &value) {
-                    raw.secret_file = Some(path.to_owned());
-                }
-                raw.offer(spec, value, Origin::File(path.to_owned()));
+            let value = file_value(&key, value, path)?;
+            if value_holds_secret(spec, &value) {
+                self.secret_file = Some(path.to_owned());
             }
+            self.offer(spec, value, Origin::File(path.to_owned()));
         }
-        for (var, spec) in NATS_CLI_ENV {
-            if let Some(value) = env(var) {
-                raw.offer(spec, value, Origin::NatsCliEnv(var));
-            }
-        }
-        for spec in opt::ALL {
-            if let Some(default) = spec.default {
-                raw.offer(spec, default.to_owned(), Origin::Default);
-            }
-        }
-        Ok(raw)
+        Ok(())
     }
 
     /// The option as the operator gave it (`--flag`, `ENV`, `key (in file)`), if given.
@@ -705,173 +711,31 @@ impl Config {
     /// Validates every raw value; the first invalid one is the error.
     pub fn from_sources(raw: &RawConfig) -> Result<Config, ConfigError> {
         use opt::*;
-        let libpq_env = |name: &str| raw.libpq_env(name);
-        let database = if raw.values.contains_key(DATABASE_URL.key)
-            || !ConnInfo::env_has_parameters(libpq_env)
-        {
-            raw.parse(&DATABASE_URL, |v| {
-                ConnInfo::parse_with_env(v, libpq_env).map_err(|e| e.to_string())
-            })?
-        } else {
-            // libpq's habit: no connection string, the PG* variables say it all.
-            ConnInfo::parse_with_env("", libpq_env).map_err(|e| {
-                ConfigError(format!(
-                    "DATABASE_URL is not set, and the PG* environment variables do not make a \
-                     valid connection: {e}"
-                ))
-            })?
-        };
-        // libpq's fallback_application_name: without one of its own, the relay's sessions
-        // say who they are in pg_stat_activity (and in `outbox-relay status`).
-        let database = if database.application_name().is_none() {
-            database.with_application_name(FALLBACK_APPLICATION_NAME)
-        } else {
-            database
-        };
-        let nats_url = raw.parse(&NATS_URL, |v| {
-            for (i, url) in v.split(',').enumerate() {
-                let url = url.trim();
-                if ["ws://", "wss://"].iter().any(|s| url.starts_with(s)) {
-                    return Err(format!(
-                        "server {} of the list is a WebSocket URL (ws:// or wss://), which the \
-                         relay cannot use: it speaks the NATS TCP protocol only; give the \
-                         server's client port (4222 by default, not its websocket port) as \
-                         nats://host:4222, or tls://host:4222 for TLS",
-                        i + 1
-                    ));
-                }
-                let scheme_ok = ["nats://", "tls://"].iter().any(|s| url.starts_with(s))
-                    || !url.contains("://");
-                if url.is_empty() || !scheme_ok {
-                    return Err("expected nats://host:port (or tls://), comma-separated".into());
-                }
-                // Not quoted: the text may hold a password.
-                if !nats_host_port_ok(split_nats_url(url).2) {
-                    return Err(format!(
-                        "server {} of the list is not [user:password@]host[:port] with a \
-                         numeric port (a ',' or '@' in a password must be percent-encoded: \
-                         %2C, %40)",
-                        i + 1
-                    ));
-                }
-            }
-            if let Some(entry) = comma_in_credentials(v) {
-                return Err(format!(
-                    "server {entry} of the list has user information (user:password@ or \
-                     token@) but server {} does not, so a ',' may have split a credential: a \
-                     ',' in a user name, password or token must be percent-encoded as %2C; \
-                     separate servers need the same credentials in every URL (or --user and \
-                     --password, or --token, instead)",
-                    entry - 1
-                ));
-            }
-            Ok(NatsUrl(v.to_owned()))
-        })?;
+        let database = database_from(raw)?;
+        let nats_url = raw.parse(&NATS_URL, parse_nats_url)?;
         let nats = crate::config::nats::NatsOptions::from_raw(raw, &nats_url)?;
         let warnings = startup_warnings(raw, &database, &nats_url, &nats);
-        let table = raw.parse(&TABLE, |v| {
-            let (schema, name) = v.split_once('.').unwrap_or(("public", v));
-            if schema.is_empty() || name.is_empty() {
-                return Err("expected schema.table, e.g. public.outbox_events".into());
-            }
-            Ok(TableName {
-                schema: schema.to_owned(),
-                name: name.to_owned(),
-            })
-        })?;
-        let slot = raw.parse(&SLOT, |v| {
-            let valid = !v.is_empty()
-                && v.len() <= 63
-                && v.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-            if valid {
-                Ok(v.to_owned())
-            } else {
-                Err("replication slot names have 1 to 63 characters: lower-case letters, digits and underscores".into())
-            }
-        })?;
-        let publication = raw.parse(&PUBLICATION, |v| {
-            if v.is_empty() || v.len() > 63 {
-                Err("publication names have 1 to 63 characters".into())
-            } else {
-                Ok(v.to_owned())
-            }
-        })?;
-        let stream = raw.parse(&STREAM, |v| {
-            let valid = !v.is_empty()
-                && v.bytes().all(|b| {
-                    !matches!(b, b'.' | b'*' | b'>' | b'/' | b'\\') && b.is_ascii_graphic()
-                });
-            if valid {
-                Ok(v.to_owned())
-            } else {
-                Err(
-                    "stream names are printable ASCII without spaces, '.', '*', '>', '/' or '\\'"
-                        .into(),
-                )
-            }
-        })?;
-        let subject_prefix = raw.parse(&SUBJECT_PREFIX, |v| {
-            outbox::subject::validate_prefix(v)?;
-            Ok(v.to_owned())
-        })?;
-        let partitions = raw.parse(&PARTITIONS, |v| {
-            v.parse::<NonZeroU64>()
-                .map_err(|_| "expected a positive integer (the seed's default is 12)".to_owned())
-        })?;
-        let max_in_flight = raw.parse(&MAX_IN_FLIGHT, |v| match v.parse::<usize>() {
-            Ok(n) if (1..=1_000_000).contains(&n) => Ok(n),
-            _ => Err("expected an integer from 1 to 1000000".into()),
-        })?;
-        let duplicate_window = raw.parse(&DUPLICATE_WINDOW, parse_duration)?;
-        let stream_settings = StreamSettings::from_raw(raw)?;
-        if let Some(max_age) = stream_settings
-            .max_age
-            .filter(|age| *age < duplicate_window)
-        {
-            let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
-            return Err(ConfigError(format!(
-                "{} ({}) is shorter than {} ({}), which JetStream refuses: a stream keeps events \
-                 at least as long as it remembers their ids; raise one or lower the other",
-                name(&STREAM_MAX_AGE),
-                format_duration(max_age),
-                name(&DUPLICATE_WINDOW),
-                format_duration(duplicate_window)
-            )));
-        }
+        let table = raw.parse(&TABLE, parse_table_name)?;
+        let slot = raw.parse(&SLOT, parse_slot_name)?;
+        let publication = raw.parse(&PUBLICATION, parse_publication_name)?;
+        let stream = raw.parse(&STREAM, parse_stream_name)?;
+        let subject_prefix = raw.parse(&SUBJECT_PREFIX, parse_subject_prefix)?;
+        let partitions = raw.parse(&PARTITIONS, parse_partitions)?;
+        let max_in_flight = raw.parse(&MAX_IN_FLIGHT, |v| integer_in(v, 1, 1_000_000))?;
+        let (duplicate_window, stream_settings) = stream_limits(raw)?;
         let ack_timeout = raw.parse(&ACK_TIMEOUT, parse_duration)?;
         let shutdown_timeout = raw.parse(&SHUTDOWN_TIMEOUT, parse_duration)?;
         let shared_stream = raw.parse(&SHARED_STREAM, parse_bool)?;
-        let on_poison = raw.parse(&ON_POISON, |v| match v {
-            "halt" => Ok(sink::PoisonPolicy::Halt),
-            "dead-letter" => Ok(sink::PoisonPolicy::DeadLetter),
-            _ => Err("expected halt or dead-letter".into()),
-        })?;
-        let worker_threads = raw.parse(&WORKER_THREADS, |v| match v.parse::<usize>() {
-            Ok(n) if (1..=256).contains(&n) => Ok(n),
-            _ => Err("expected an integer from 1 to 256".into()),
-        })?;
+        let on_poison = raw.parse(&ON_POISON, parse_on_poison)?;
+        let worker_threads = raw.parse(&WORKER_THREADS, |v| integer_in(v, 1, 256))?;
         let max_lag_bytes = raw.parse(&MAX_LAG_BYTES, parse_size)?;
-        let log_format = raw.parse(&LOG_FORMAT, |v| match v {
-            "text" => Ok(LogFormat::Text),
-            "json" => Ok(LogFormat::Json),
-            _ => Err("expected text or json".into()),
-        })?;
+        let log_format = raw.parse(&LOG_FORMAT, parse_log_format)?;
         let heartbeat_interval =
             raw.parse(&HEARTBEAT_INTERVAL, |v| word_or("off", v, parse_duration))?;
         let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
-        let retention = match raw.parse(&RETENTION_GRACE, |v| word_or("off", v, parse_duration))? {
-            None => None,
-            Some(grace) => Some(RetentionConfig {
-                grace,
-                batch: raw.parse(&RETENTION_BATCH, |v| match v.parse::<i64>() {
-                    Ok(n) if (1..=100_000).contains(&n) => Ok(n),
-                    _ => Err("expected an integer from 1 to 100000".into()),
-                })?,
-                interval: raw.parse(&RETENTION_INTERVAL, parse_duration)?,
-            }),
-        };
+        let retention = retention_from(raw)?;
         Ok(Config {
             database,
             nats_url,
@@ -906,6 +770,225 @@ impl Config {
     }
 }
 
+/// The Postgres connection: `DATABASE_URL` (over the PG* variables), or the PG* variables
+/// alone when they say something and `DATABASE_URL` is not set; with the relay's
+/// application name when none is given.
+fn database_from(raw: &RawConfig) -> Result<ConnInfo, ConfigError> {
+    let libpq_env = |name: &str| raw.libpq_env(name);
+    let database = if raw.values.contains_key(opt::DATABASE_URL.key)
+        || !ConnInfo::env_has_parameters(libpq_env)
+    {
+        raw.parse(&opt::DATABASE_URL, |v| {
+            ConnInfo::parse_with_env(v, libpq_env).map_err(|e| e.to_string())
+        })?
+    } else {
+        // libpq's habit: no connection string, the PG* variables say it all.
+        ConnInfo::parse_with_env("", libpq_env).map_err(|e| {
+            ConfigError(format!(
+                "DATABASE_URL is not set, and the PG* environment variables do not make a \
+                 valid connection: {e}"
+            ))
+        })?
+    };
+    // libpq's fallback_application_name: without one of its own, the relay's sessions
+    // say who they are in pg_stat_activity (and in `outbox-relay status`).
+    Ok(if database.application_name().is_none() {
+        database.with_application_name(FALLBACK_APPLICATION_NAME)
+    } else {
+        database
+    })
+}
+
+/// `NATS_URL`: a comma-separated list of `nats://` or `tls://` servers (never WebSocket),
+/// each `[user:password@]host[:port]`, with the same credentials in every entry or none.
+/// The errors never quote the text (it may hold a password).
+fn parse_nats_url(v: &str) -> Result<NatsUrl, String> {
+    for (i, url) in v.split(',').enumerate() {
+        let url = url.trim();
+        if ["ws://", "wss://"].iter().any(|s| url.starts_with(s)) {
+            return Err(format!(
+                "server {} of the list is a WebSocket URL (ws:// or wss://), which the \
+                 relay cannot use: it speaks the NATS TCP protocol only; give the \
+                 server's client port (4222 by default, not its websocket port) as \
+                 nats://host:4222, or tls://host:4222 for TLS",
+                i + 1
+            ));
+        }
+        let scheme_ok =
+            ["nats://", "tls://"].iter().any(|s| url.starts_with(s)) || !url.contains("://");
+        if url.is_empty() || !scheme_ok {
+            return Err("expected nats://host:port (or tls://), comma-separated".into());
+        }
+        // Not quoted: the text may hold a password.
+        if !nats_host_port_ok(split_nats_url(url).2) {
+            return Err(format!(
+                "server {} of the list is not [user:password@]host[:port] with a \
+                 numeric port (a ',' or '@' in a password must be percent-encoded: \
+                 %2C, %40)",
+                i + 1
+            ));
+        }
+    }
+    if let Some(entry) = comma_in_credentials(v) {
+        return Err(format!(
+            "server {entry} of the list has user information (user:password@ or \
+             token@) but server {} does not, so a ',' may have split a credential: a \
+             ',' in a user name, password or token must be percent-encoded as %2C; \
+             separate servers need the same credentials in every URL (or --user and \
+             --password, or --token, instead)",
+            entry - 1
+        ));
+    }
+    Ok(NatsUrl(v.to_owned()))
+}
+
+/// The subjects' prefix ([`outbox::subject::validate_prefix`]).
+fn parse_subject_prefix(v: &str) -> Result<String, String> {
+    outbox::subject::validate_prefix(v)?;
+    Ok(v.to_owned())
+}
+
+/// `--partitions`: a positive integer.
+fn parse_partitions(v: &str) -> Result<NonZeroU64, String> {
+    v.parse::<NonZeroU64>()
+        .map_err(|_| "expected a positive integer (the seed's default is 12)".to_owned())
+}
+
+/// A publication's name, as Postgres accepts it.
+fn parse_publication_name(v: &str) -> Result<String, String> {
+    if v.is_empty() || v.len() > 63 {
+        Err("publication names have 1 to 63 characters".into())
+    } else {
+        Ok(v.to_owned())
+    }
+}
+
+/// An integer from `low` to `high`.
+fn integer_in<T>(v: &str, low: T, high: T) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+{
+    match v.parse::<T>() {
+        Ok(n) if (low..=high).contains(&n) => Ok(n),
+        _ => Err(format!("expected an integer from {low} to {high}")),
+    }
+}
+
+/// `--on-poison`: `halt` or `dead-letter`.
+fn parse_on_poison(v: &str) -> Result<sink::PoisonPolicy, String> {
+    match v {
+        "halt" => Ok(sink::PoisonPolicy::Halt),
+        "dead-letter" => Ok(sink::PoisonPolicy::DeadLetter),
+        _ => Err("expected halt or dead-letter".into()),
+    }
+}
+
+/// `--log-format`: `text` or `json`.
+fn parse_log_format(v: &str) -> Result<LogFormat, String> {
+    match v {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        _ => Err("expected text or json".into()),
+    }
+}
+
+/// `schema.table`, `public` when no schema is given.
+fn parse_table_name(v: &str) -> Result<TableName, String> {
+    let (schema, name) = v.split_once('.').unwrap_or(("public", v));
+    if schema.is_empty() || name.is_empty() {
+        return Err("expected schema.table, e.g. public.outbox_events".into());
+    }
+    Ok(TableName {
+        schema: schema.to_owned(),
+        name: name.to_owned(),
+    })
+}
+
+/// A replication slot's name, as Postgres accepts it.
+fn parse_slot_name(v: &str) -> Result<String, String> {
+    let valid = !v.is_empty()
+        && v.len() <= 63
+        && v.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if valid {
+        Ok(v.to_owned())
+    } else {
+        Err("replication slot names have 1 to 63 characters: lower-case letters, digits and underscores".into())
+    }
+}
+
+/// A JetStream stream's name, as the server accepts it.
+fn parse_stream_name(v: &str) -> Result<String, String> {
+    let valid = !v.is_empty()
+        && v.bytes()
+            .all(|b| !matches!(b, b'.' | b'*' | b'>' | b'/' | b'\\') && b.is_ascii_graphic());
+    if valid {
+        Ok(v.to_owned())
+    } else {
+        Err("stream names are printable ASCII without spaces, '.', '*', '>', '/' or '\\'".into())
+    }
+}
+
+/// The duplicate window and the stream's settings, which must agree.
+fn stream_limits(raw: &RawConfig) -> Result<(Duration, StreamSettings), ConfigError> {
+    let duplicate_window = raw.parse(&opt::DUPLICATE_WINDOW, parse_duration)?;
+    let stream_settings = StreamSettings::from_raw(raw)?;
+    check_max_age(raw, &stream_settings, duplicate_window)?;
+    Ok((duplicate_window, stream_settings))
+}
+
+/// JetStream refuses a stream whose max age is shorter than its duplicate window.
+fn check_max_age(
+    raw: &RawConfig,
+    stream_settings: &StreamSettings,
+    duplicate_window: Duration,
+) -> Result<(), ConfigError> {
+    let Some(max_age) = stream_settings
+        .max_age
+        .filter(|age| *age < duplicate_window)
+    else {
+        return Ok(());
+    };
+    let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
+    Err(ConfigError(format!(
+        "{} ({}) is shorter than {} ({}), which JetStream refuses: a stream keeps events \
+         at least as long as it remembers their ids; raise one or lower the other",
+        name(&opt::STREAM_MAX_AGE),
+        format_duration(max_age),
+        name(&opt::DUPLICATE_WINDOW),
+        format_duration(duplicate_window)
+    )))
+}
+
+/// Retention's settings, `None` when `--retention-grace off`.
+fn retention_from(raw: &RawConfig) -> Result<Option<RetentionConfig>, ConfigError> {
+    use opt::*;
+    let Some(grace) = raw.parse(&RETENTION_GRACE, |v| word_or("off", v, parse_duration))? else {
+        return Ok(None);
+    };
+    Ok(Some(RetentionConfig {
+        grace,
+        batch: raw.parse(&RETENTION_BATCH, |v| integer_in(v, 1, 100_000))?,
+        interval: raw.parse(&RETENTION_INTERVAL, parse_duration)?,
+    }))
+}
+
+/// A config file's value as text: TOML strings, integers and booleans only.
+fn file_value(key: &str, value: toml::Value, path: &Path) -> Result<String, ConfigError> {
+    Ok(match value {
+        toml::Value::String(s) => s,
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        other => {
+            return Err(ConfigError(format!(
+                "key {key} in config file {} must be a string, an integer or a boolean, not {}",
+                path.display(),
+                other.type_str()
+            )))
+        }
+    })
+}
+
 /// What is risky but allowed, for the log at start, one line each: the Postgres
 /// connection's own warnings ([`ConnInfo::warnings`]); secrets given on the command line
 /// (any user of the machine reads them in `ps`); files holding secrets that group or others
@@ -918,14 +1001,29 @@ fn startup_warnings(
     nats_url: &NatsUrl,
     nats: &crate::config::nats::NatsOptions,
 ) -> Vec<String> {
-    use opt::*;
     let mut warnings: Vec<String> = database.warnings().to_vec();
-    let from = |spec: &OptionSpec| {
-        raw.values
-            .get(spec.key)
-            .map(|(value, origin)| (value, origin))
-    };
+    warnings.extend(secrets_on_command_line(raw, database, nats_url));
+    warnings.extend(exposed_secret_files(raw));
+    warnings.extend(weak_secrets(database, nats));
+    warnings.extend(credentials_in_clear(database, nats));
+    warnings
+}
 
+/// The value and origin of `spec`, when it was given.
+fn given<'a>(raw: &'a RawConfig, spec: &OptionSpec) -> Option<(&'a String, &'a Origin)> {
+    raw.values
+        .get(spec.key)
+        .map(|(value, origin)| (value, origin))
+}
+
+/// Secrets given on the command line, which any user of the machine reads in `ps`.
+fn secrets_on_command_line(
+    raw: &RawConfig,
+    database: &ConnInfo,
+    nats_url: &NatsUrl,
+) -> Vec<String> {
+    use opt::*;
+    let mut warnings = vec![];
     // Secrets on the command line.
     let on_command_line = |spec: &OptionSpec, holds: &str, instead: &str| {
         format!(
@@ -935,7 +1033,7 @@ fn startup_warnings(
         )
     };
     for spec in [&NATS_PASSWORD, &NATS_TOKEN] {
-        if matches!(from(spec), Some((_, Origin::Flag))) {
+        if matches!(given(raw, spec), Some((_, Origin::Flag))) {
             let instead = format!(
                 "{} or the file key {} (in a file only the relay's user can read)",
                 spec.env, spec.key
@@ -943,7 +1041,7 @@ fn startup_warnings(
             warnings.push(on_command_line(spec, "is given", &instead));
         }
     }
-    if matches!(from(&DATABASE_URL), Some((_, Origin::Flag)))
+    if matches!(given(raw, &DATABASE_URL), Some((_, Origin::Flag)))
         && database.source("password") == &replication::Source::ConnString
     {
         warnings.push(on_command_line(
@@ -953,7 +1051,7 @@ fn startup_warnings(
              password file (PGPASSFILE, ~/.pgpass)",
         ));
     }
-    if matches!(from(&NATS_URL), Some((_, Origin::Flag))) && !nats_url.secrets().is_empty() {
+    if matches!(given(raw, &NATS_URL), Some((_, Origin::Flag))) && !nats_url.secrets().is_empty() {
         warnings.push(on_command_line(
             &NATS_URL,
             "holds credentials and is given",
@@ -962,6 +1060,13 @@ fn startup_warnings(
         ));
     }
 
+    warnings
+}
+
+/// Files holding secrets that group or others can read (libpq's rule).
+fn exposed_secret_files(raw: &RawConfig) -> Vec<String> {
+    use opt::*;
+    let mut warnings = vec![];
     // Files holding secrets that group or others can read.
     let exposed = |path: &Path, what: String, holds: &str| {
         replication::conninfo::exposed_secret_file(path, &what, true)
@@ -975,12 +1080,18 @@ fn startup_warnings(
         (&NATS_CREDS, "the NATS user's nkey seed"),
         (&NATS_TLSKEY, "the NATS client certificate's private key"),
     ] {
-        if let Some((path, _)) = from(spec) {
+        if let Some((path, _)) = given(raw, spec) {
             let name = raw.name(spec).unwrap_or_else(|| spec.flag());
             warnings.extend(exposed(Path::new(path), format!("{name} file"), holds));
         }
     }
 
+    warnings
+}
+
+/// Secrets too weak for the log scrubber ([`crate::config::secrets::weakness`]).
+fn weak_secrets(database: &ConnInfo, nats: &crate::config::nats::NatsOptions) -> Vec<String> {
+    let mut warnings = vec![];
     // Secrets the log scrubber cannot take out of free text.
     let mut names = vec![database.user()];
     names.extend(nats.user());
@@ -1007,6 +1118,16 @@ fn startup_warnings(
         }
     }
 
+    warnings
+}
+
+/// Credentials that would travel without verified TLS.
+fn credentials_in_clear(
+    database: &ConnInfo,
+    nats: &crate::config::nats::NatsOptions,
+) -> Vec<String> {
+    use opt::*;
+    let mut warnings = vec![];
     // Credentials that would travel without verified TLS.
     // channel_binding=require accepts SCRAM-SHA-256-PLUS only, which binds the exchange to
     // the TLS channel: neither the password nor the session goes to a server in the middle.
@@ -1128,21 +1249,27 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
         };
         rows.push((format!("# {name} = {}", quote(&value)), source));
     }
+    lines.extend(aligned(rows));
+    lines.push(String::new());
+    lines.join("\n")
+}
+
+/// Each `(line, source)` as the line with its source as a comment, the comments aligned
+/// (a row without a source is its line alone).
+fn aligned(rows: Vec<(String, String)>) -> impl Iterator<Item = String> {
     let width = rows
         .iter()
         .filter(|(_, source)| !source.is_empty())
         .map(|(line, _)| line.chars().count())
         .max()
         .unwrap_or(0);
-    for (line, source) in rows {
+    rows.into_iter().map(move |(line, source)| {
         if source.is_empty() {
-            lines.push(line);
+            line
         } else {
-            lines.push(format!("{line:<width$}  # {source}"));
+            format!("{line:<width$}  # {source}")
         }
-    }
-    lines.push(String::new());
-    lines.join("\n")
+    })
 }
 
 /// The settings of a stream the relay creates (`crate::process::bootstrap::stream`) besides its

@@ -151,134 +151,172 @@ impl NatsOptions {
     /// Validates the NATS options of `raw` (`url` already parsed): splits the URLs' user
     /// information off, enforces N2, and checks every file (N4).
     pub(crate) fn from_raw(raw: &RawConfig, url: &NatsUrl) -> Result<NatsOptions, ConfigError> {
-        let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
-        let url_name = name(&opt::NATS_URL);
-        let mut servers = Vec::new();
-        let mut from_url: Option<CredentialKind> = None;
-        for server in url.expose().split(',') {
-            let (bare, credential) = split_user_info(server.trim())
-                .map_err(|why| ConfigError(format!("invalid {url_name}: {why}")))?;
-            if let Some(credential) = credential {
-                if from_url.as_ref().is_some_and(|seen| *seen != credential) {
-                    return Err(ConfigError(format!(
-                        "{url_name} gives different credentials for different servers, but the relay sends one \
-                         credential to every server: give the same user:password@ (or token@) in every URL, or use \
-                         --user and --password, or --token (a ',' in a credential must be percent-encoded as %2C)"
-                    )));
-                }
-                from_url = Some(credential);
-            }
-            servers.push(bare);
-        }
-
-        let text = |v: &str| {
-            if v.is_empty() {
-                Err("must not be empty".to_owned())
-            } else {
-                Ok(v.to_owned())
-            }
-        };
-        let user = raw.parse_optional(&opt::NATS_USER, text)?;
-        let password = raw.parse_optional(&opt::NATS_PASSWORD, text)?;
-        let token = raw.parse_optional(&opt::NATS_TOKEN, text)?;
-        let nkey = raw.parse_optional(&opt::NATS_NKEY, |v| {
-            read_seed(Path::new(v)).map(|_| PathBuf::from(v))
-        })?;
-        let creds = raw.parse_optional(&opt::NATS_CREDS, |v| {
-            read_creds(Path::new(v)).map(|_| PathBuf::from(v))
-        })?;
-
-        let mut given = Vec::new();
-        if let Some((user, password)) = both(
-            raw,
-            (user, &opt::NATS_USER),
-            (password, &opt::NATS_PASSWORD),
-        )? {
-            given.push(Credential {
-                kind: CredentialKind::UserPassword {
-                    user,
-                    password: Secret::new(password),
-                },
-                given_by: format!(
-                    "{} and {}",
-                    name(&opt::NATS_USER),
-                    name(&opt::NATS_PASSWORD)
-                ),
-            });
-        }
-        let explicit = [
-            (
-                token.map(|t| CredentialKind::Token(Secret::new(t))),
-                &opt::NATS_TOKEN,
-            ),
-            (nkey.map(CredentialKind::Nkey), &opt::NATS_NKEY),
-            (creds.map(CredentialKind::Creds), &opt::NATS_CREDS),
-        ];
-        for (kind, spec) in explicit {
-            if let Some(kind) = kind {
-                given.push(Credential {
-                    kind,
-                    given_by: name(spec),
-                });
-            }
-        }
-        if let Some(kind) = from_url {
-            let what = match kind {
-                CredentialKind::UserPassword { .. } => "user:password",
-                _ => "token",
-            };
-            given.push(Credential {
-                kind,
-                given_by: format!("the {what} in {url_name}"),
-            });
-        }
-        if given.len() > 1 {
-            return Err(ConfigError(format!(
-                "NATS credentials are given more than once ({}): give exactly one",
-                given
-                    .iter()
-                    .map(|c| c.given_by.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-
-        let ca = raw.parse_optional(&opt::NATS_TLSCA, |v| {
-            read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
-        })?;
-        let cert = raw.parse_optional(&opt::NATS_TLSCERT, |v| {
-            read_certificates(Path::new(v)).map(|_| PathBuf::from(v))
-        })?;
-        let key = raw.parse_optional(&opt::NATS_TLSKEY, |v| {
-            read_key(Path::new(v)).map(|_| PathBuf::from(v))
-        })?;
-        let client = match both(raw, (cert, &opt::NATS_TLSCERT), (key, &opt::NATS_TLSKEY))? {
-            Some((cert, key)) => {
-                let given_by = format!(
-                    "{} and {}",
-                    name(&opt::NATS_TLSCERT),
-                    name(&opt::NATS_TLSKEY)
-                );
-                check_key_pair(&cert, &key)
-                    .map_err(|why| ConfigError(format!("invalid {given_by}: {why}")))?;
-                Some((cert, key, given_by))
-            }
-            None => None,
-        };
-        let tls = Tls {
-            ca: ca.map(|ca| (ca, name(&opt::NATS_TLSCA))),
-            client,
-            first: raw.parse(&opt::NATS_TLSFIRST, parse_bool)?,
-        };
+        let url_name = raw
+            .name(&opt::NATS_URL)
+            .unwrap_or_else(|| opt::NATS_URL.flag());
+        let (servers, from_url) = split_servers(url, &url_name)?;
+        let credential = the_credential(raw, from_url, &url_name)?;
+        let tls = tls_from(raw)?;
         Ok(NatsOptions {
             servers,
-            credential: given.pop(),
+            credential,
             tls,
             inbox_prefix: raw.parse(&opt::NATS_INBOX_PREFIX, parse_inbox_prefix)?,
             no_randomize: raw.parse(&opt::NATS_NO_RANDOMIZE, parse_bool)?,
             learned: Default::default(),
         })
     }
+}
+
+/// The servers of `url` without their user information, and the one credential the user
+/// information gives (N2: the same in every URL, or none).
+fn split_servers(
+    url: &NatsUrl,
+    url_name: &str,
+) -> Result<(Vec<String>, Option<CredentialKind>), ConfigError> {
+    let mut servers = Vec::new();
+    let mut from_url: Option<CredentialKind> = None;
+    for server in url.expose().split(',') {
+        let (bare, credential) = split_user_info(server.trim())
+            .map_err(|why| ConfigError(format!("invalid {url_name}: {why}")))?;
+        if let Some(credential) = credential {
+            if from_url.as_ref().is_some_and(|seen| *seen != credential) {
+                return Err(ConfigError(format!(
+                    "{url_name} gives different credentials for different servers, but the relay sends one \
+                     credential to every server: give the same user:password@ (or token@) in every URL, or use \
+                     --user and --password, or --token (a ',' in a credential must be percent-encoded as %2C)"
+                )));
+            }
+            from_url = Some(credential);
+        }
+        servers.push(bare);
+    }
+
+    Ok((servers, from_url))
+}
+
+/// The one NATS credential (N2): user and password, a token, an nkey seed file or a
+/// `.creds` file (N4: each file checked), or the URLs' user information; more than one is
+/// refused.
+fn the_credential(
+    raw: &RawConfig,
+    from_url: Option<CredentialKind>,
+    url_name: &str,
+) -> Result<Option<Credential>, ConfigError> {
+    let mut given = explicit_credentials(raw)?;
+    if let Some(kind) = from_url {
+        let what = match kind {
+            CredentialKind::UserPassword { .. } => "user:password",
+            _ => "token",
+        };
+        given.push(Credential {
+            kind,
+            given_by: format!("the {what} in {url_name}"),
+        });
+    }
+    if given.len() > 1 {
+        return Err(ConfigError(format!(
+            "NATS credentials are given more than once ({}): give exactly one",
+            given
+                .iter()
+                .map(|c| c.given_by.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+
+    Ok(given.pop())
+}
+
+/// The credentials given by the options (not the URLs), in order: user and password, a
+/// token, an nkey seed file, a `.creds` file (N4: each file checked).
+fn explicit_credentials(raw: &RawConfig) -> Result<Vec<Credential>, ConfigError> {
+    let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
+    let text = |v: &str| {
+        if v.is_empty() {
+            Err("must not be empty".to_owned())
+        } else {
+            Ok(v.to_owned())
+        }
+    };
+    let user = raw.parse_optional(&opt::NATS_USER, text)?;
+    let password = raw.parse_optional(&opt::NATS_PASSWORD, text)?;
+    let token = raw.parse_optional(&opt::NATS_TOKEN, text)?;
+    let nkey = file_option(raw, &opt::NATS_NKEY, read_seed)?;
+    let creds = file_option(raw, &opt::NATS_CREDS, read_creds)?;
+
+    let mut given = Vec::new();
+    if let Some((user, password)) = both(
+        raw,
+        (user, &opt::NATS_USER),
+        (password, &opt::NATS_PASSWORD),
+    )? {
+        given.push(Credential {
+            kind: CredentialKind::UserPassword {
+                user,
+                password: Secret::new(password),
+            },
+            given_by: format!(
+                "{} and {}",
+                name(&opt::NATS_USER),
+                name(&opt::NATS_PASSWORD)
+            ),
+        });
+    }
+    let explicit = [
+        (
+            token.map(|t| CredentialKind::Token(Secret::new(t))),
+            &opt::NATS_TOKEN,
+        ),
+        (nkey.map(CredentialKind::Nkey), &opt::NATS_NKEY),
+        (creds.map(CredentialKind::Creds), &opt::NATS_CREDS),
+    ];
+    for (kind, spec) in explicit {
+        if let Some(kind) = kind {
+            given.push(Credential {
+                kind,
+                given_by: name(spec),
+            });
+        }
+    }
+    Ok(given)
+}
+
+/// An option naming a file, checked by `check` (N4).
+fn file_option<T>(
+    raw: &RawConfig,
+    spec: &OptionSpec,
+    check: impl Fn(&Path) -> Result<T, String>,
+) -> Result<Option<PathBuf>, ConfigError> {
+    raw.parse_optional(spec, |v| check(Path::new(v)).map(|_| PathBuf::from(v)))
+}
+
+/// The TLS options: the CA, the client certificate and its key (N4: each file checked,
+/// the pair matching), TLS first.
+fn tls_from(raw: &RawConfig) -> Result<Tls, ConfigError> {
+    let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
+    let ca = file_option(raw, &opt::NATS_TLSCA, read_certificates)?;
+    let cert = file_option(raw, &opt::NATS_TLSCERT, read_certificates)?;
+    let key = file_option(raw, &opt::NATS_TLSKEY, read_key)?;
+    let client = match both(raw, (cert, &opt::NATS_TLSCERT), (key, &opt::NATS_TLSKEY))? {
+        Some((cert, key)) => {
+            let given_by = format!(
+                "{} and {}",
+                name(&opt::NATS_TLSCERT),
+                name(&opt::NATS_TLSKEY)
+            );
+            check_key_pair(&cert, &key)
+                .map_err(|why| ConfigError(format!("invalid {given_by}: {why}")))?;
+            Some((cert, key, given_by))
+        }
+        None => None,
+    };
+    let tls = Tls {
+        ca: ca.map(|ca| (ca, name(&opt::NATS_TLSCA))),
+        client,
+        first: raw.parse(&opt::NATS_TLSFIRST, parse_bool)?,
+    };
+    Ok(tls)
 }
 
 /// A subject prefix for replies: dot-separated tokens of printable ASCII without the

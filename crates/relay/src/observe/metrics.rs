@@ -514,10 +514,20 @@ fn emit<V: EncodeMetric>(
 
 impl Collector for State {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        self.encode_sink(&mut encoder)?;
+        self.encode_session(&mut encoder)?;
+        self.encode_slot(&mut encoder)?;
+        self.encode_nats(&mut encoder)
+    }
+}
+
+impl State {
+    /// The sink's counters and latency histograms.
+    fn encode_sink(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let sink = &self.sink;
         let load = |counter: &AtomicU64| ConstCounter::new(counter.load(Ordering::Relaxed));
         emit(
-            &mut encoder,
+            encoder,
             "events",
             "Events acknowledged by JetStream, by outcome: stored (as themselves), duplicate (JetStream already held their Nats-Msg-Id), dead_lettered (a dead-letter record stored in their place), skipped (replayed after a restart, already in the stream by its tail)",
             MetricType::Counter,
@@ -529,14 +539,14 @@ impl Collector for State {
             ],
         )?;
         emit(
-            &mut encoder,
+            encoder,
             "poison_events",
             "Events JetStream can never accept (too large, a publish line too long, a reused outbox id): dead-lettered, or halting the relay",
             MetricType::Counter,
             &[(None, load(&sink.poison))],
         )?;
         emit(
-            &mut encoder,
+            encoder,
             "reused_id",
             "Events JetStream acknowledged as duplicates of another event: their outbox id was reused (TRUNCATE ... RESTART IDENTITY, a restored sequence)",
             MetricType::Counter,
@@ -563,6 +573,12 @@ impl Collector for State {
                 None,
             )?;
         }
+        Ok(())
+    }
+
+    /// The lease, streaming, in-flight and position gauges.
+    fn encode_session(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let sink = &self.sink;
         let gauge = |value: f64| ConstGauge::new(value);
         let phase = Phase::from_u8(self.phase.load(Ordering::Relaxed));
         let held = matches!(
@@ -570,21 +586,21 @@ impl Collector for State {
             Phase::SettingUp | Phase::Streaming | Phase::ShuttingDown
         );
         emit(
-            &mut encoder,
+            encoder,
             "lease_held",
             "1 while this relay holds the slot's lease (the active relay), 0 on a standby",
             MetricType::Gauge,
             &[(None, gauge(f64::from(u8::from(held))))],
         )?;
         emit(
-            &mut encoder,
+            encoder,
             "streaming",
             "1 while this relay relays events (holding the lease, its session set up)",
             MetricType::Gauge,
             &[(None, gauge(f64::from(u8::from(phase == Phase::Streaming))))],
         )?;
         emit(
-            &mut encoder,
+            encoder,
             "in_flight_events",
             "Publishes awaiting JetStream's ack",
             MetricType::Gauge,
@@ -594,7 +610,7 @@ impl Collector for State {
             (sink::latency::unix_micros_now() - commit_us).max(0) as f64 / 1e6
         });
         emit(
-            &mut encoder,
+            encoder,
             "oldest_unconfirmed_event_age_seconds",
             "Age (since its commit) of the oldest transaction with events that the relay read but JetStream has not stored yet; 0 when none",
             MetricType::Gauge,
@@ -614,14 +630,20 @@ impl Collector for State {
         ] {
             let lsn = lsn.load(Ordering::Relaxed);
             if lsn != 0 {
-                emit(&mut encoder, name, help, MetricType::Gauge, &[(None, gauge(lsn as f64))])?;
+                emit(encoder, name, help, MetricType::Gauge, &[(None, gauge(lsn as f64))])?;
             }
         }
+        Ok(())
+    }
+
+    /// The slot's gauges, from the lease holder's poll only (M2).
+    fn encode_slot(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let gauge = |value: f64| ConstGauge::new(value);
         // M2: the slot's gauges only from the lease holder's poll.
         let slot = lock(&self.slot).clone();
         if let Some(slot) = slot {
             emit(
-                &mut encoder,
+                encoder,
                 "slot_lag_bytes",
                 "WAL the slot retains past its confirmed position, as the server sees it: pg_current_wal_lsn() - confirmed_flush_lsn (polled every few seconds)",
                 MetricType::Gauge,
@@ -638,7 +660,7 @@ impl Collector for State {
                     })
                     .collect();
                 emit(
-                    &mut encoder,
+                    encoder,
                     "slot_wal_status",
                     "The slot's wal_status, 1 for the current one: reserved (within max_wal_size), extended (beyond it, kept for the slot), unreserved (beyond max_slot_wal_keep_size: at risk), lost (invalidated)",
                     MetricType::Gauge,
@@ -650,7 +672,7 @@ impl Collector for State {
                     (None, _) => f64::INFINITY,
                 };
                 emit(
-                    &mut encoder,
+                    encoder,
                     "slot_safe_wal_size_bytes",
                     "WAL that can still be written before the slot is at risk of invalidation (safe_wal_size); +Inf when max_slot_wal_keep_size is -1 (no limit: the disk is the limit)",
                     MetricType::Gauge,
@@ -658,12 +680,18 @@ impl Collector for State {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// The session's NATS connection, during a session.
+    fn encode_nats(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let gauge = |value: f64| ConstGauge::new(value);
         let nats = lock(&self.nats)
             .as_ref()
             .map(|client| client.connection_state() == async_nats::connection::State::Connected);
         if let Some(connected) = nats {
             emit(
-                &mut encoder,
+                encoder,
                 "nats_connected",
                 "1 while the session's NATS connection is up (shown during a session)",
                 MetricType::Gauge,

@@ -258,6 +258,53 @@ pub async fn at_slot_creation(
         }
         return Ok(());
     }
+    mark_start(client, config, &marker, resumed).await?;
+
+    // F5: the exporting connection stays open and idle until the backfill is done.
+    let mut replication = ReplicationConnection::connect(&config.database).await?;
+    let system = replication.identify_system().await?;
+    let source = crate::connect::source(&system, config);
+    let exported = replication
+        .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
+        .await?;
+    info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
+        "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
+    let reader = read_in_snapshot(config, &exported.snapshot).await?;
+    // F7: what the slot's creation leaves out, recorded for verify before anything is
+    // backfilled (crate::process::boundary N2).
+    let boundary =
+        crate::process::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
+            .await
+            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    crate::process::boundary::record(client, config, &boundary).await;
+    let filter = Filter {
+        pending_only: mode == Mode::Pending,
+        ..Filter::default()
+    };
+    let cursor = Cursor::open(&reader, config, &filter).await?;
+    let started = Instant::now();
+    let (read, skipped, stats) =
+        publish_snapshot(jetstream, config, cursor, resumed, source).await?;
+    reader
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| sql_error("cannot end the backfill's snapshot transaction", e))?;
+    let _ = replication.close().await;
+    drop_slot(client, &marker).await?;
+    info!(
+        read,
+        published = stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+        duplicates = stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
+        already_in_stream = skipped,
+        elapsed = ?started.elapsed(),
+        "backfill done; streaming from the slot's consistent point"
+    );
+    Ok(())
+}
+
+/// Before the slot is created: the marker slot says a backfill is under way (created
+/// now, or left by an interrupted one, whose slot is dropped to be created again).
+async fn mark_start(client: &Client, config: &Config, marker: &str, resumed: bool) -> Result<()> {
     if !config.create {
         return Err(RelayError::setup(anyhow::anyhow!(
             "a backfill of slot {:?} was interrupted (marker slot {marker:?} exists), and --no-create forbids creating the slot again: start without --no-create to backfill again, or drop {marker:?} to give it up",
@@ -285,37 +332,32 @@ pub async fn at_slot_creation(
             })?;
     }
 
-    // F5: the exporting connection stays open and idle until the backfill is done.
-    let mut replication = ReplicationConnection::connect(&config.database).await?;
-    let system = replication.identify_system().await?;
-    let source = crate::connect::source(&system, config);
-    let exported = replication
-        .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
-        .await?;
-    info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
-        "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
+    Ok(())
+}
 
+/// A connection reading the table in the exported snapshot (read-only, repeatable read).
+async fn read_in_snapshot(config: &Config, snapshot: &str) -> Result<Client> {
     let reader = replication::connect_sql(&config.database).await?;
     reader
         .batch_execute(&format!(
             "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; SET TRANSACTION SNAPSHOT {}",
-            quote_literal(&exported.snapshot)
+            quote_literal(snapshot)
         ))
         .await
         .map_err(|e| sql_error("cannot read the table in the slot's snapshot", e))?;
-    // F7: what the slot's creation leaves out, recorded for verify before anything is
-    // backfilled (crate::process::boundary N2).
-    let boundary =
-        crate::process::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
-            .await
-            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
-    crate::process::boundary::record(client, config, &boundary).await;
-    let filter = Filter {
-        pending_only: mode == Mode::Pending,
-        ..Filter::default()
-    };
-    let mut cursor = Cursor::open(&reader, config, &filter).await?;
+    Ok(reader)
+}
 
+/// Publishes the cursor's rows through a sink of its own (with the relay's keys and
+/// checks), skipping those a resumed backfill finds on the stream already; returns the
+/// rows read, those skipped, and the sink's figures.
+async fn publish_snapshot(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    mut cursor: Cursor<'_>,
+    resumed: bool,
+    source: String,
+) -> Result<(u64, u64, Arc<SinkStats>)> {
     let tail = sink::resume::read_tail(jetstream, &config.stream, false)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
@@ -353,7 +395,29 @@ pub async fn at_slot_creation(
         stats.clone(),
     )));
 
-    let started = Instant::now();
+    let (read, skipped) = feed(&mut cursor, &stored, &items_tx, &stats).await?;
+    drop(items_tx);
+    match (&mut sink).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(error.into()),
+        Err(join) => {
+            return Err(RelayError::permanent(anyhow::anyhow!(
+                "the backfill's sink task failed: {join}"
+            )))
+        }
+    }
+    Ok((read, skipped, stats))
+}
+
+/// Hands the cursor's rows to the sink, one batch per fetch between a `Begin` and a
+/// `Commit`, without those in `stored`; stops early when the sink ended (its result says
+/// why). Returns the rows read and those skipped.
+async fn feed(
+    cursor: &mut Cursor<'_>,
+    stored: &HashSet<i64>,
+    items_tx: &mpsc::Sender<Vec<Item<Position>>>,
+    stats: &SinkStats,
+) -> Result<(u64, u64)> {
     let mut last_log = Instant::now();
     let (mut read, mut skipped) = (0u64, 0u64);
     while let Some(events) = cursor.next().await? {
@@ -388,31 +452,7 @@ pub async fn at_slot_creation(
             );
         }
     }
-    drop(items_tx);
-    match (&mut sink).await {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(error.into()),
-        Err(join) => {
-            return Err(RelayError::permanent(anyhow::anyhow!(
-                "the backfill's sink task failed: {join}"
-            )))
-        }
-    }
-    reader
-        .batch_execute("COMMIT")
-        .await
-        .map_err(|e| sql_error("cannot end the backfill's snapshot transaction", e))?;
-    let _ = replication.close().await;
-    drop_slot(client, &marker).await?;
-    info!(
-        read,
-        published = stats.stored.load(std::sync::atomic::Ordering::Relaxed),
-        duplicates = stats.duplicates.load(std::sync::atomic::Ordering::Relaxed),
-        already_in_stream = skipped,
-        elapsed = ?started.elapsed(),
-        "backfill done; streaming from the slot's consistent point"
-    );
-    Ok(())
+    Ok((read, skipped))
 }
 
 async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
@@ -598,7 +638,19 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await
         .map_err(|e| sql_error("cannot read the outbox table", e))?;
-    let mut cursor = Cursor::open(&client, config, filter).await?;
+    let cursor = Cursor::open(&client, config, filter).await?;
+    let report = publish_range(&jetstream, config, cursor).await?;
+    let _ = client.batch_execute("COMMIT").await;
+    Ok(report)
+}
+
+/// Publishes the cursor's rows directly (at most `max_in_flight` acks awaited at once),
+/// counting what JetStream stored and what it dropped as duplicates.
+async fn publish_range(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    mut cursor: Cursor<'_>,
+) -> Result<RangeReport> {
     let mut report = RangeReport::default();
     let mut acks = std::collections::VecDeque::new();
     let mut last_log = Instant::now();
@@ -634,7 +686,6 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
     while let Some(ack) = acks.pop_front() {
         settle(ack, &mut report).await?;
     }
-    let _ = client.batch_execute("COMMIT").await;
     Ok(report)
 }
 

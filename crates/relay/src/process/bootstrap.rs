@@ -228,6 +228,38 @@ pub(crate) async fn server_version(client: &Client) -> Result<i32> {
 /// and returns what the decoder must know about the relations it publishes.
 async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRelations> {
     let version = server_version(client).await?;
+    let pg15 = version >= PG15;
+    let (publication_oid, mut facts) = read_or_create_publication(client, config, version).await?;
+    let (table_oid, is_partition) =
+        read_table_facts(client, config, publication_oid, pg15, &mut facts).await?;
+    let mut known = KnownRelations {
+        publication: config.publication.clone(),
+        ..KnownRelations::default()
+    };
+    read_partitions(client, publication_oid, table_oid, &mut facts, &mut known).await?;
+    if is_partition {
+        facts.published_ancestor =
+            read_published_ancestor(client, publication_oid, table_oid, &facts, pg15).await?;
+    }
+    if let Some(refusal) = facts.refusal(&config.publication, &config.table) {
+        return Err(setup(refusal));
+    }
+    known.others = read_other_tables(client, config, table_oid, &known).await?;
+    if facts.all_tables {
+        info!(publication = %config.publication, "the publication publishes all tables: the walsender decodes every table's changes for the relay, which costs decoding work; the relay relays only the outbox table's inserts");
+    } else if !known.others.is_empty() {
+        info!(publication = %config.publication, other_tables = known.others.len(), "the publication also publishes other tables: the walsender decodes their changes for the relay too, which costs decoding work; the relay ignores them");
+    }
+    Ok(known)
+}
+
+/// The publication's oid and options, created first when missing and allowed
+/// (`--no-create` forbids it).
+async fn read_or_create_publication(
+    client: &Client,
+    config: &Config,
+    version: i32,
+) -> Result<(u32, PublicationFacts)> {
     let via_root_supported = version >= VIA_ROOT_VERSION;
     let select = format!(
         "SELECT p.oid, p.puballtables, p.pubinsert, p.pubupdate, p.pubdelete, {}, {} \
@@ -272,8 +304,7 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
             config.publication
         )));
     };
-    let publication_oid: u32 = row.get(0);
-    let mut facts = PublicationFacts {
+    let facts = PublicationFacts {
         all_tables: row.get(1),
         insert: row.get(2),
         update: row.get(3),
@@ -282,8 +313,18 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
         via_root: row.get(6),
         ..PublicationFacts::default()
     };
+    Ok((row.get(0), facts))
+}
 
-    let pg15 = version >= PG15;
+/// The outbox table as the publication sees it (listed, by schema, row filter, column
+/// list) into `facts`; returns the table's oid and whether it is itself a partition.
+async fn read_table_facts(
+    client: &Client,
+    config: &Config,
+    publication_oid: u32,
+    pg15: bool,
+    facts: &mut PublicationFacts,
+) -> Result<(u32, bool)> {
     let table_query = format!(
         "SELECT c.oid, c.relkind = 'p', c.relispartition, pr.prrelid IS NOT NULL, {}, {}, {} \
            FROM pg_catalog.pg_class c \
@@ -321,15 +362,23 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
                 config.table
             ))
         })?;
-    let table_oid: u32 = table.get(0);
     facts.partitioned = table.get(1);
-    let is_partition: bool = table.get(2);
     facts.listed = table.get(3);
     facts.schema_listed = table.get(4);
     facts.row_filter = table.get(5);
     facts.columns = table.get(6);
+    Ok((table.get(0), table.get(2)))
+}
 
-    // The table's partitions at any level, and whether the publication lists each.
+/// The table's partitions at any level into `known`, and those the publication lists
+/// into `facts`.
+async fn read_partitions(
+    client: &Client,
+    publication_oid: u32,
+    table_oid: u32,
+    facts: &mut PublicationFacts,
+    known: &mut KnownRelations,
+) -> Result<()> {
     let partitions = client
         .query(
             "WITH RECURSIVE parts(oid) AS ( \
@@ -345,52 +394,58 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
         )
         .await
         .map_err(|e| sql_error("cannot read the outbox table's partitions", e))?;
-    let mut known = KnownRelations {
-        publication: config.publication.clone(),
-        ..KnownRelations::default()
-    };
     for partition in &partitions {
         known.partitions.insert(partition.get(0));
         if partition.get::<_, bool>(2) {
             facts.listed_partitions.push(partition.get(1));
         }
     }
+    Ok(())
+}
 
-    if is_partition {
-        // The table is itself a partition: an ancestor the publication publishes would
-        // publish the table's inserts as its own (with publish_via_partition_root).
-        let ancestor = client
-            .query_opt(
-                &format!(
-                    "WITH RECURSIVE up(oid, child) AS ( \
-                         SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhrelid = $2 \
-                         UNION SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.oid) \
-                     SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) \
-                       FROM up JOIN pg_catalog.pg_class c ON c.oid = up.oid \
-                       JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-                      WHERE $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel pr \
-                                           WHERE pr.prpubid = $1 AND pr.prrelid = c.oid) {} \
-                      LIMIT 1",
-                    if pg15 {
-                        "OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_namespace pn \
-                                     WHERE pn.pnpubid = $1 AND pn.pnnspid = c.relnamespace)"
-                    } else {
-                        ""
-                    }
-                ),
-                &[&publication_oid, &table_oid, &facts.all_tables],
-            )
-            .await
-            .map_err(|e| sql_error("cannot read the outbox table's ancestors", e))?;
-        facts.published_ancestor = ancestor.map(|row| row.get(0));
-    }
+/// The table is itself a partition: an ancestor the publication publishes would publish
+/// the table's inserts as its own (with publish_via_partition_root). Its name, if any.
+async fn read_published_ancestor(
+    client: &Client,
+    publication_oid: u32,
+    table_oid: u32,
+    facts: &PublicationFacts,
+    pg15: bool,
+) -> Result<Option<String>> {
+    let ancestor = client
+        .query_opt(
+            &format!(
+                "WITH RECURSIVE up(oid, child) AS ( \
+                     SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhrelid = $2 \
+                     UNION SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits i JOIN up ON i.inhrelid = up.oid) \
+                 SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) \
+                   FROM up JOIN pg_catalog.pg_class c ON c.oid = up.oid \
+                   JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE $3 OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel pr \
+                                       WHERE pr.prpubid = $1 AND pr.prrelid = c.oid) {} \
+                  LIMIT 1",
+                if pg15 {
+                    "OR EXISTS (SELECT 1 FROM pg_catalog.pg_publication_namespace pn \
+                                 WHERE pn.pnpubid = $1 AND pn.pnnspid = c.relnamespace)"
+                } else {
+                    ""
+                }
+            ),
+            &[&publication_oid, &table_oid, &facts.all_tables],
+        )
+        .await
+        .map_err(|e| sql_error("cannot read the outbox table's ancestors", e))?;
+    Ok(ancestor.map(|row| row.get(0)))
+}
 
-    if let Some(refusal) = facts.refusal(&config.publication, &config.table) {
-        return Err(setup(refusal));
-    }
-
-    // What else the publication publishes (with their partitions): the decoder ignores
-    // their inserts (D2, D6), but the walsender decodes their changes all the same.
+/// What else the publication publishes (with their partitions): the decoder ignores their
+/// inserts (D2, D6), but the walsender decodes their changes all the same.
+async fn read_other_tables(
+    client: &Client,
+    config: &Config,
+    table_oid: u32,
+    known: &KnownRelations,
+) -> Result<std::collections::HashSet<u32>> {
     let published = client
         .query(
             "WITH RECURSIVE pub(oid) AS ( \
@@ -404,17 +459,11 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
         )
         .await
         .map_err(|e| sql_error("cannot read the publication's tables", e))?;
-    known.others = published
+    Ok(published
         .iter()
         .map(|row| row.get::<_, u32>(0))
         .filter(|oid| *oid != table_oid && !known.partitions.contains(oid))
-        .collect();
-    if facts.all_tables {
-        info!(publication = %config.publication, "the publication publishes all tables: the walsender decodes every table's changes for the relay, which costs decoding work; the relay relays only the outbox table's inserts");
-    } else if !known.others.is_empty() {
-        info!(publication = %config.publication, other_tables = known.others.len(), "the publication also publishes other tables: the walsender decodes their changes for the relay too, which costs decoding work; the relay ignores them");
-    }
-    Ok(known)
+        .collect())
 }
 
 /// What the catalog says about a publication and the outbox table, for [`Self::refusal`].
@@ -457,80 +506,120 @@ enum Fix {
     Do(String),
 }
 
+/// What [`PublicationFacts::refusal`] found: each problem in the catalog's words, the fixes
+/// in order, and whether the problems hid inserts already.
+#[derive(Debug, Default)]
+struct Findings {
+    problems: Vec<String>,
+    fixes: Vec<Fix>,
+    hid_rows: bool,
+}
+
 impl PublicationFacts {
     /// Why the publication would hide an outbox insert from the relay, with the exact fix;
     /// `None` when it hides none (whatever else it publishes).
     pub fn refusal(&self, publication: &str, table: &TableName) -> Option<String> {
         let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
         let table_sql = table_sql(table);
-        let mut problems: Vec<String> = Vec::new();
-        let mut fixes: Vec<Fix> = Vec::new();
-        let mut hid_rows = false;
-        if !self.insert {
-            let actions: Vec<&str> = [
-                (true, "insert"),
-                (self.update, "update"),
-                (self.delete, "delete"),
-                (self.truncate, "truncate"),
-            ]
-            .iter()
-            .filter_map(|(on, action)| on.then_some(*action))
-            .collect();
-            problems.push(format!(
-                "does not publish inserts (publish = '{}')",
-                actions[1..].join(", ")
+        let mut found = Findings::default();
+        self.check_inserts(&alter, &mut found);
+        self.check_listed(table, &alter, &table_sql, &mut found);
+        self.check_partition_root(table, &alter, &mut found);
+        self.check_filter_and_columns(table, &alter, &table_sql, &mut found);
+        self.check_ancestor(table, &mut found);
+        if found.problems.is_empty() {
+            return None;
+        }
+        Some(found.message(publication, table))
+    }
+
+    /// The publication must publish inserts.
+    fn check_inserts(&self, alter: &str, found: &mut Findings) {
+        if self.insert {
+            return;
+        }
+        let actions: Vec<&str> = [
+            (true, "insert"),
+            (self.update, "update"),
+            (self.delete, "delete"),
+            (self.truncate, "truncate"),
+        ]
+        .iter()
+        .filter_map(|(on, action)| on.then_some(*action))
+        .collect();
+        found.problems.push(format!(
+            "does not publish inserts (publish = '{}')",
+            actions[1..].join(", ")
+        ));
+        found.fixes.push(Fix::Sql(format!(
+            "{alter} SET (publish = '{}');",
+            actions.join(", ")
+        )));
+        found.hid_rows = true;
+    }
+
+    /// The publication must publish the table itself (not only some of its partitions).
+    fn check_listed(&self, table: &TableName, alter: &str, table_sql: &str, found: &mut Findings) {
+        if self.all_tables || self.listed || self.schema_listed {
+            return;
+        }
+        if self.listed_partitions.is_empty() {
+            found.problems.push(format!("does not publish {table}"));
+        } else {
+            found.problems.push(format!(
+                "publishes only partitions of {table} ({}), not the table itself, so their \
+                 inserts arrive under the partitions' names and partitions added later are \
+                 not published",
+                self.listed_partitions.join(", ")
             ));
-            fixes.push(Fix::Sql(format!(
-                "{alter} SET (publish = '{}');",
-                actions.join(", ")
+        }
+        found
+            .fixes
+            .push(Fix::Sql(format!("{alter} ADD TABLE {table_sql};")));
+        // A table dropped and created again, or swapped in by rename, is no longer the
+        // table the publication names: its inserts so far were hidden (issue 18).
+        found.hid_rows = true;
+    }
+
+    /// A partitioned table's inserts must arrive under its own name.
+    fn check_partition_root(&self, table: &TableName, alter: &str, found: &mut Findings) {
+        if !self.partitioned || self.via_root == Some(true) {
+            return;
+        }
+        if self.via_root.is_none() {
+            found.problems.push(format!(
+                "cannot publish the partitioned table {table} before Postgres 13"
+            ));
+            found.fixes.push(Fix::Do(
+                "upgrade Postgres to 13 or later, or use an unpartitioned outbox table".to_owned(),
+            ));
+        } else {
+            found.problems.push(format!(
+                "publishes the inserts into {table}'s partitions under each partition's \
+                 name, not the table's (publish_via_partition_root is off)"
+            ));
+            found.fixes.push(Fix::Sql(format!(
+                "{alter} SET (publish_via_partition_root = true);"
             )));
-            hid_rows = true;
         }
-        if !(self.all_tables || self.listed || self.schema_listed) {
-            if self.listed_partitions.is_empty() {
-                problems.push(format!("does not publish {table}"));
-            } else {
-                problems.push(format!(
-                    "publishes only partitions of {table} ({}), not the table itself, so their \
-                     inserts arrive under the partitions' names and partitions added later are \
-                     not published",
-                    self.listed_partitions.join(", ")
-                ));
-            }
-            fixes.push(Fix::Sql(format!("{alter} ADD TABLE {table_sql};")));
-            // A table dropped and created again, or swapped in by rename, is no longer the
-            // table the publication names: its inserts so far were hidden (issue 18).
-            hid_rows = true;
-        }
-        if self.partitioned && self.via_root != Some(true) {
-            match self.via_root {
-                None => {
-                    problems.push(format!(
-                        "cannot publish the partitioned table {table} before Postgres 13"
-                    ));
-                    fixes.push(Fix::Do(
-                        "upgrade Postgres to 13 or later, or use an unpartitioned outbox table"
-                            .to_owned(),
-                    ));
-                }
-                Some(_) => {
-                    problems.push(format!(
-                        "publishes the inserts into {table}'s partitions under each partition's \
-                         name, not the table's (publish_via_partition_root is off)"
-                    ));
-                    fixes.push(Fix::Sql(format!(
-                        "{alter} SET (publish_via_partition_root = true);"
-                    )));
-                }
-            }
-        }
+    }
+
+    /// Every row, with every column the relay reads: no row filter, no column list without
+    /// them.
+    fn check_filter_and_columns(
+        &self,
+        table: &TableName,
+        alter: &str,
+        table_sql: &str,
+        found: &mut Findings,
+    ) {
         let mut relist = false;
         if let Some(filter) = &self.row_filter {
-            problems.push(format!(
+            found.problems.push(format!(
                 "publishes only the rows of {table} that match the row filter WHERE {filter}"
             ));
             relist = true;
-            hid_rows = true;
+            found.hid_rows = true;
         }
         if let Some(columns) = &self.columns {
             let missing: Vec<&str> = REQUIRED_COLUMNS
@@ -539,7 +628,7 @@ impl PublicationFacts {
                 .filter(|name| !columns.iter().any(|c| c == name))
                 .collect();
             if !missing.is_empty() {
-                problems.push(format!(
+                found.problems.push(format!(
                     "publishes only the columns {} of {table}, without {}, which the relay reads",
                     columns.join(", "),
                     missing.join(", ")
@@ -550,62 +639,69 @@ impl PublicationFacts {
         if relist {
             // Re-adding the table drops its row filter and column list, in one transaction
             // so that no insert slips between the two.
-            fixes.push(Fix::Sql(format!(
+            found.fixes.push(Fix::Sql(format!(
                 "BEGIN; {alter} DROP TABLE {table_sql}; {alter} ADD TABLE {table_sql}; COMMIT;"
             )));
         }
+    }
+
+    /// A published ancestor (with publish_via_partition_root) takes the table's inserts as
+    /// its own.
+    fn check_ancestor(&self, table: &TableName, found: &mut Findings) {
         if let (Some(ancestor), Some(true)) = (&self.published_ancestor, self.via_root) {
-            problems.push(format!(
+            found.problems.push(format!(
                 "publishes the inserts into {table} as those of its ancestor {ancestor} \
                  (publish_via_partition_root)"
             ));
-            fixes.push(Fix::Do(format!(
+            found.fixes.push(Fix::Do(format!(
                 "set OUTBOX_RELAY_TABLE to {ancestor}, or use a publication that does not \
                  publish {ancestor}"
             )));
         }
-        if problems.is_empty() {
-            return None;
-        }
-        let sql: Vec<&str> = fixes
+    }
+}
+
+impl Findings {
+    /// The refusal: the problems, the SQL fixes in one `run`, the other fixes, and when rows
+    /// were hidden already, how to find and publish them.
+    fn message(&self, publication: &str, table: &TableName) -> String {
+        let sql: Vec<&str> = self
+            .fixes
             .iter()
             .filter_map(|fix| match fix {
                 Fix::Sql(sql) => Some(sql.as_str()),
                 Fix::Do(_) => None,
             })
             .collect();
-        let other: Vec<&str> = fixes
-            .iter()
-            .filter_map(|fix| match fix {
-                Fix::Do(text) => Some(text.as_str()),
-                Fix::Sql(_) => None,
-            })
-            .collect();
+        let other = self.fixes.iter().filter_map(|fix| match fix {
+            Fix::Do(text) => Some(text.as_str()),
+            Fix::Sql(_) => None,
+        });
         let mut todo = Vec::new();
         if !sql.is_empty() {
             todo.push(format!("run {}", sql.join(" ")));
         }
-        todo.extend(other.iter().map(|text| (*text).to_owned()));
+        todo.extend(other.map(str::to_owned));
         let mut message = format!(
             "publication {publication:?} would hide inserts into {table} from the relay: it {}. \
              To fix it, {} (or choose another OUTBOX_RELAY_PUBLICATION)",
-            problems.join("; it "),
+            self.problems.join("; it "),
             todo.join(", and ")
         );
-        if hid_rows {
+        if self.hid_rows {
             message.push_str(
                 ". Postgres decodes each transaction with the publication as it was at the \
-                 commit, so inserts it hid before the fix stay hidden (a table dropped and \
-                 created again, or swapped in by rename, is not the table the publication \
-                 named): run the fix in a transaction that first holds inserts back (LOCK \
-                 TABLE … IN SHARE MODE) and last reads SELECT max(id), then, before the relay \
-                 starts, `outbox-relay verify` lists the rows missing from the stream and \
-                 `outbox-relay backfill --from-id <the first of them> --to-id <that max>` (with \
-                 --force on a strict stream) publishes those the publication hid \
-                 (docs/operations.md)",
+             commit, so inserts it hid before the fix stay hidden (a table dropped and \
+             created again, or swapped in by rename, is not the table the publication \
+             named): run the fix in a transaction that first holds inserts back (LOCK \
+             TABLE … IN SHARE MODE) and last reads SELECT max(id), then, before the relay \
+             starts, `outbox-relay verify` lists the rows missing from the stream and \
+             `outbox-relay backfill --from-id <the first of them> --to-id <that max>` (with \
+             --force on a strict stream) publishes those the publication hid \
+             (docs/operations.md)",
             );
         }
-        Some(message)
+        message
     }
 }
 
@@ -636,6 +732,22 @@ fn failover_supported(config: &Config, version: i32) -> Result<()> {
 async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
     let version = server_version(client).await?;
     failover_supported(config, version)?;
+    let row = read_or_create_slot(client, config, version).await?;
+    let current_db: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .map_err(|e| sql_error("cannot read the current database", e))?
+        .get(0);
+    judge_slot(config, &row, &current_db)
+}
+
+/// The slot's row of `pg_replication_slots` (plugin, type, database, confirmed flush LSN,
+/// fail-over), the slot created first when missing and allowed (`--no-create` forbids it).
+async fn read_or_create_slot(
+    client: &Client,
+    config: &Config,
+    version: i32,
+) -> Result<tokio_postgres::Row> {
     let failover_column = if version >= FAILOVER_VERSION {
         "failover"
     } else {
@@ -650,7 +762,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
         .query_opt(query, &[&config.slot])
         .await
         .map_err(|e| sql_error("cannot read replication slots", e))?;
-    let row = match row {
+    Ok(match row {
         Some(row) => row,
         None if !config.create => {
             return Err(setup(format!(
@@ -683,7 +795,13 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
                 .await
                 .map_err(|e| sql_error("cannot read the new slot", e))?
         }
-    };
+    })
+}
+
+/// The slot found, judged: a logical pgoutput slot of `current_db` (else refused), a
+/// warning when `--failover-slot` is on and it is not a fail-over slot; its confirmed
+/// flush LSN.
+fn judge_slot(config: &Config, row: &tokio_postgres::Row, current_db: &str) -> Result<Lsn> {
     let plugin: Option<String> = row.get(0);
     let slot_type: Option<String> = row.get(1);
     let database: Option<String> = row.get(2);
@@ -700,11 +818,6 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
             quote_identifier(&config.slot)
         );
     }
-    let current_db: String = client
-        .query_one("SELECT current_database()::text", &[])
-        .await
-        .map_err(|e| sql_error("cannot read the current database", e))?
-        .get(0);
     if slot_type.as_deref() != Some("logical") || plugin.as_deref() != Some("pgoutput") {
         return Err(setup(format!(
             "replication slot {:?} is a {} slot with plugin {}, not a logical pgoutput slot: drop \
@@ -714,7 +827,7 @@ async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
             plugin.unwrap_or_else(|| "none".into())
         )));
     }
-    if database.as_deref() != Some(current_db.as_str()) {
+    if database.as_deref() != Some(current_db) {
         return Err(setup(format!(
             "replication slot {:?} belongs to database {:?}, not {current_db:?}: choose another OUTBOX_RELAY_SLOT",
             config.slot,
@@ -887,10 +1000,23 @@ pub fn check_stream(
     config: &Config,
     max_payload: usize,
 ) -> Vec<StreamFinding> {
-    use async_nats::jetstream::stream::{DiscardPolicy, RetentionPolicy};
     let name = &config.stream;
     let stream = &info.config;
     let mut findings = Vec::new();
+    check_stream_subjects(name, stream, config, &mut findings);
+    check_stream_settings(name, stream, config, max_payload, &mut findings);
+    check_stream_retention(name, stream, &mut findings);
+    check_stream_limits(name, info, &mut findings);
+    findings
+}
+
+/// The stream's subjects cover `{prefix}.>`, or the relay refuses it.
+fn check_stream_subjects(
+    name: &str,
+    stream: &StreamConfig,
+    config: &Config,
+    findings: &mut Vec<StreamFinding>,
+) {
     let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
     let ours = format!("{}.>", config.subject_prefix);
     if !stream
@@ -904,6 +1030,18 @@ pub fn check_stream(
             stream.subjects
         ));
     }
+}
+
+/// File storage, the duplicate window, the settings given explicitly, and `max_msg_size`
+/// against the server's `max_payload`.
+fn check_stream_settings(
+    name: &str,
+    stream: &StreamConfig,
+    config: &Config,
+    max_payload: usize,
+    findings: &mut Vec<StreamFinding>,
+) {
+    let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
     if stream.storage == StorageType::Memory {
         say(
             StreamSeverity::Warning,
@@ -952,6 +1090,13 @@ pub fn check_stream(
             ),
         );
     }
+}
+
+/// A retention that can delete events no consumer has read: interest or work-queue
+/// retention, a max age.
+fn check_stream_retention(name: &str, stream: &StreamConfig, findings: &mut Vec<StreamFinding>) {
+    use async_nats::jetstream::stream::RetentionPolicy;
+    let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
     match stream.retention {
         RetentionPolicy::Limits => {}
         RetentionPolicy::Interest => say(
@@ -984,6 +1129,18 @@ pub fn check_stream(
             ),
         );
     }
+}
+
+/// The stream's limits: with `discard: old` they delete unread events; with `discard: new`
+/// they refuse the relay's publishes, and whether they are reached now.
+fn check_stream_limits(
+    name: &str,
+    info: &jetstream::stream::Info,
+    findings: &mut Vec<StreamFinding>,
+) {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    let stream = &info.config;
+    let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
     let positive = |v: i64| u64::try_from(v).ok().filter(|&v| v > 0);
     let max_bytes = positive(stream.max_bytes);
     let max_messages = positive(stream.max_messages);
@@ -1035,7 +1192,6 @@ pub fn check_stream(
             }
         }
     }
-    findings
 }
 
 /// The settings given explicitly in `settings` that `stream` does not have, each as

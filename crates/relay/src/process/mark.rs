@@ -303,13 +303,50 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
             RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges: {e}"))
         })?
         .get(0);
+    let columns: Vec<Column> = rows
+        .iter()
+        .map(|row| Column {
+            name: row.get(0),
+            type_name: row.get(1),
+            fits: row.get(2),
+            may_update: row.get(3),
+            may_select: row.get(4),
+        })
+        .collect();
+    let problems = judge_columns(&table, &columns, id_readable);
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(RelayError::setup(anyhow::anyhow!(
+        "--mark-published (OUTBOX_RELAY_MARK_PUBLISHED) sets status, published_at and attempts on relayed rows of {table}, but {}; \
+         fix that or turn --mark-published off",
+        problems.join("; ")
+    )))
+}
+
+/// One column of [`CHECK_SQL`]'s answer: its type (`None`: no such column), whether the
+/// type fits, and the relay's privileges on it.
+struct Column {
+    name: String,
+    type_name: Option<String>,
+    fits: Option<bool>,
+    may_update: bool,
+    may_select: bool,
+}
+
+/// U5's judge: every problem with the columns and the relay's privileges, each with its
+/// fix (`id_readable`: the relay may read `id`).
+fn judge_columns(table: &str, columns: &[Column], id_readable: bool) -> Vec<String> {
     let mut problems = Vec::new();
     let mut ungranted = Vec::new();
-    for row in rows {
-        let name: String = row.get(0);
-        let type_name: Option<String> = row.get(1);
-        let fits: Option<bool> = row.get(2);
-        let (may_update, may_select): (bool, bool) = (row.get(3), row.get(4));
+    for column in columns {
+        let Column {
+            name,
+            type_name,
+            fits,
+            may_update,
+            may_select,
+        } = column;
         let Some((_, wanted, add)) = COLUMNS.iter().find(|(column, _, _)| *column == name) else {
             continue;
         };
@@ -317,14 +354,14 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
             None => problems.push(format!(
                 "the table has no column {name} (add it: ALTER TABLE {table} ADD COLUMN {add};)"
             )),
-            Some(type_name) if fits != Some(true) => problems.push(format!(
+            Some(type_name) if *fits != Some(true) => problems.push(format!(
                 "column {name} is of type {type_name}, expected {wanted}"
             )),
             Some(_) => {
-                if !may_update {
+                if !*may_update {
                     ungranted.push(format!("UPDATE ({name})"));
                 }
-                if !may_select && name == "status" {
+                if !*may_select && name == "status" {
                     ungranted.push("SELECT (status)".to_owned());
                 }
             }
@@ -340,14 +377,7 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
             ungranted.join(", ")
         ));
     }
-    if problems.is_empty() {
-        return Ok(());
-    }
-    Err(RelayError::setup(anyhow::anyhow!(
-        "--mark-published (OUTBOX_RELAY_MARK_PUBLISHED) sets status, published_at and attempts on relayed rows of {table}, but {}; \
-         fix that or turn --mark-published off",
-        problems.join("; ")
-    )))
+    problems
 }
 
 #[cfg(test)]

@@ -426,7 +426,49 @@ async fn prepare(
     // first, so that a subscription the server forbids is named before any request of
     // async-nats's waits for its reply in vain.
     let publishing = crate::connect::nats::open_publishing(&connector, &jetstream, config).await?;
-    // The checks run on the lease's control connection.
+    let slot = check_postgres(config, bootstrapped, lease, identity, &jetstream).await?;
+    // V2: the reader's cap starts at the slot's position.
+    identity.resume_from(slot.confirmed_flush_lsn);
+    let mut connection = ReplicationConnection::connect(&config.database).await?;
+    let system = connection.identify_system().await?;
+    info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
+    let source = source(&system, config);
+    // S5: positions of an ancestor timeline count below where this timeline's history left it.
+    let history = timeline_history(&mut connection, system.timeline).await?;
+    let session = sink::resume::Session {
+        source: &source,
+        wal_end: system.xlogpos,
+        history: &history,
+        acknowledged: None,
+        tail_check: Ok(()),
+        strict: !config.shared_stream,
+    };
+    let (tail, resume) = plan_resume(config, metrics, lease, &jetstream, session).await?;
+    let max_message_bytes = max_message_bytes(&tail, max_payload);
+    let (stream, status_interval) = start_replication(connection, lease, config).await?;
+    Ok(Prepared {
+        jetstream,
+        slot,
+        stream,
+        status_interval,
+        tail,
+        resume,
+        source,
+        max_message_bytes,
+        publishing,
+    })
+}
+
+/// The checks, on the lease's control connection: the first session sets everything up
+/// ([`ensure`]); later ones check that nothing changed under them (V1, B3), creating
+/// nothing. Returns the slot's state.
+async fn check_postgres(
+    config: &Config,
+    bootstrapped: &mut bool,
+    lease: &Lease,
+    identity: &identity::Watch,
+    jetstream: &jetstream::Context,
+) -> Result<bootstrap::SlotState> {
     let slot = if *bootstrapped {
         // V1: the table the process streamed, checked first, so that a table created again
         // is named as such rather than as one the publication does not cover (B3).
@@ -440,21 +482,26 @@ async fn prepare(
         checking.create = false;
         bootstrap::postgres(lease.client(), &checking).await?
     } else {
-        let slot = ensure(lease.client(), &jetstream, config, true).await?;
+        let slot = ensure(lease.client(), jetstream, config, true).await?;
         // V1: the first session's identity, once the publication exists.
         identity.begin(lease.client(), config).await?;
         slot
     };
     *bootstrapped = true;
-    // V2: the reader's cap starts at the slot's position.
-    identity.resume_from(slot.confirmed_flush_lsn);
-    let mut connection = ReplicationConnection::connect(&config.database).await?;
-    let system = connection.identify_system().await?;
-    info!(system_id = %system.systemid, timeline = system.timeline, wal_end = %system.xlogpos, "connected to Postgres for replication");
-    let source = source(&system, config);
-    // S5: positions of an ancestor timeline count below where this timeline's history left it.
-    let history = timeline_history(&mut connection, system.timeline).await?;
-    let tail = sink::resume::read_tail(&jetstream, &config.stream, !config.shared_stream)
+    Ok(slot)
+}
+
+/// The stream's tail and the resume plan for `session` (its `acknowledged` and
+/// `tail_check` filled in here), each distrust of the tail recorded.
+async fn plan_resume(
+    config: &Config,
+    metrics: &Metrics,
+    lease: &Lease,
+    jetstream: &jetstream::Context,
+    mut session: sink::resume::Session<'_>,
+) -> Result<(sink::resume::Tail, sink::resume::Resume)> {
+    let source = session.source;
+    let tail = sink::resume::read_tail(jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
     // P6, I6: what is stored already, by positions of this session's own history only,
@@ -465,7 +512,7 @@ async fn prepare(
     } else {
         Ok(())
     };
-    let acknowledged = match metrics.sink().stored_through(&source) {
+    let acknowledged = match metrics.sink().stored_through(source) {
         Some(acknowledged) if strict => Some((
             acknowledged.position,
             crate::process::stored::check_acknowledged(lease.client(), config, &acknowledged)
@@ -473,26 +520,26 @@ async fn prepare(
         )),
         _ => None,
     };
-    let resume = sink::resume::plan(
-        &tail,
-        &sink::resume::Session {
-            source: &source,
-            wal_end: system.xlogpos,
-            history: &history,
-            acknowledged,
-            tail_check,
-            strict,
-        },
-    );
+    session.acknowledged = acknowledged;
+    session.tail_check = tail_check;
+    let resume = sink::resume::plan(&tail, &session);
     for why in &resume.distrust {
         metrics.record(Event::TailDistrusted {
             why,
             last_sequence: tail.last_sequence,
-            source: &source,
+            source,
         });
     }
-    let max_message_bytes = max_message_bytes(&tail, max_payload);
+    Ok((tail, resume))
+}
 
+/// Starts replication from the slot (on the lease's server, L2), with the walsender's
+/// timeout as the idle timeout; returns the stream and the status interval.
+async fn start_replication(
+    mut connection: ReplicationConnection,
+    lease: &Lease,
+    config: &Config,
+) -> Result<(ReplicationStream, Duration)> {
     same_server(&mut connection, lease, config).await?;
     let wal_sender_timeout = connection.wal_sender_timeout().await?;
     let status_interval = replication::status_interval(wal_sender_timeout);
@@ -517,17 +564,7 @@ async fn prepare(
         // A server that vanishes without closing the connection becomes a transient error.
         stream.set_idle_timeout(Some(timeout));
     }
-    Ok(Prepared {
-        jetstream,
-        slot,
-        stream,
-        status_interval,
-        tail,
-        resume,
-        source,
-        max_message_bytes,
-        publishing,
-    })
+    Ok((stream, status_interval))
 }
 
 /// Aborts `task` and waits until it is gone: nothing it does happens after this returns.
@@ -818,50 +855,66 @@ impl Reader {
             }
             Step::Watermark {
                 sink_running: false,
-            } => {
-                // The sink is gone: report its final watermark and stop.
-                let watermark = *self.confirmed.borrow();
-                if !intake_open {
-                    self.settle_marking(watermark).await;
-                    self.settle_vouched(watermark).await;
-                }
-                self.on_watermark(watermark);
-                self.send_status().await?;
-                if !intake_open {
-                    info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
-                }
-                return Ok(Some(ReaderEnd::SinkEnded { intake_open }));
-            }
-            Step::Tick => {
-                let now = TokioInstant::now();
-                if self.drain_until.is_some_and(|deadline| now >= deadline) {
-                    warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
-                    self.send_status().await?;
-                    return Ok(Some(ReaderEnd::DrainDeadlinePassed));
-                }
-                if self.feedback.due(now) {
-                    self.send_status().await?;
-                }
-            }
+            } => return self.on_sink_ended(intake_open).await.map(Some),
+            Step::Tick => return self.on_tick().await,
             Step::Handed => {}
-            Step::Message(message) => {
-                let mut pending = std::mem::take(&mut self.pending);
-                let before = pending.len();
-                self.on_message(message?, &mut pending).await?;
-                while pending.len() < MAX_BATCH {
-                    match self.stream.try_recv_buffered() {
-                        Some(message) => self.on_message(message?, &mut pending).await?,
-                        None => break,
-                    }
-                }
-                if let Some(marking) = &mut self.marking {
-                    marking.handed(&pending[before..]);
-                }
-                self.pending = pending;
-                self.metrics.set_received(self.framer.received());
-            }
+            Step::Message(message) => self.on_messages(message).await?,
         }
         Ok(None)
+    }
+
+    /// The sink is gone: reports its final watermark and stops (after settling what was
+    /// marked and vouched for, when drained).
+    async fn on_sink_ended(&mut self, intake_open: bool) -> Result<ReaderEnd> {
+        // The sink is gone: report its final watermark and stop.
+        let watermark = *self.confirmed.borrow();
+        if !intake_open {
+            self.settle_marking(watermark).await;
+            self.settle_vouched(watermark).await;
+        }
+        self.on_watermark(watermark);
+        self.send_status().await?;
+        if !intake_open {
+            info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
+        }
+        Ok(ReaderEnd::SinkEnded { intake_open })
+    }
+
+    /// The timer: the shutdown's drain deadline, and the status update when due.
+    async fn on_tick(&mut self) -> Result<Option<ReaderEnd>> {
+        let now = TokioInstant::now();
+        if self.drain_until.is_some_and(|deadline| now >= deadline) {
+            warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
+            self.send_status().await?;
+            return Ok(Some(ReaderEnd::DrainDeadlinePassed));
+        }
+        if self.feedback.due(now) {
+            self.send_status().await?;
+        }
+        Ok(None)
+    }
+
+    /// New WAL: `message` and what else the stream has buffered (up to [`MAX_BATCH`]
+    /// pending), handed for marking as it is framed.
+    async fn on_messages(
+        &mut self,
+        message: std::result::Result<ReplicationMessage, replication::Error>,
+    ) -> Result<()> {
+        let mut pending = std::mem::take(&mut self.pending);
+        let before = pending.len();
+        self.on_message(message?, &mut pending).await?;
+        while pending.len() < MAX_BATCH {
+            match self.stream.try_recv_buffered() {
+                Some(message) => self.on_message(message?, &mut pending).await?,
+                None => break,
+            }
+        }
+        if let Some(marking) = &mut self.marking {
+            marking.handed(&pending[before..]);
+        }
+        self.pending = pending;
+        self.metrics.set_received(self.framer.received());
+        Ok(())
     }
 
     /// The sink's watermark is `watermark`: what it passed is offered for marking, and the

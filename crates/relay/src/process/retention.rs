@@ -222,6 +222,34 @@ impl Task {
         }
     }
 
+    /// Step 2: the slot's confirmed position, polled until it reaches `wal` or the wait
+    /// (at most an interval) is over; `None` without a slot.
+    async fn wait_confirmed(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        wal: Lsn,
+    ) -> anyhow::Result<Option<Lsn>> {
+        let waited_until = tokio::time::Instant::now() + CONFIRM_WAIT.min(self.settings.interval);
+        Ok(loop {
+            let confirmed = transaction
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await?
+            .and_then(|row| row.get::<_, Option<String>>(0))
+            .map(|text| text.parse::<Lsn>())
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("confirmed_flush_lsn: {e}"))?;
+            if confirmed.is_some_and(|confirmed| confirmed >= wal)
+                || tokio::time::Instant::now() >= waited_until
+            {
+                break confirmed;
+            }
+            tokio::time::sleep(CONFIRM_POLL).await;
+        })
+    }
+
     /// Deletes old confirmed rows, a batch at a time, until a batch is not full (X1, X3).
     async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
         let client = match client {
@@ -237,33 +265,9 @@ impl Task {
                 .start()
                 .await?;
             // Step 1: the snapshot is taken as this statement starts.
-            let wal: Lsn = transaction
-                .query_one("SELECT pg_catalog.pg_current_wal_insert_lsn()::text", &[])
-                .await?
-                .get::<_, String>(0)
-                .parse()
-                .map_err(|e| anyhow::anyhow!("pg_current_wal_insert_lsn: {e}"))?;
+            let wal = current_wal(&transaction).await?;
             // Step 2.
-            let waited_until =
-                tokio::time::Instant::now() + CONFIRM_WAIT.min(self.settings.interval);
-            let confirmed = loop {
-                let confirmed = transaction
-                    .query_opt(
-                        "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
-                        &[&self.slot],
-                    )
-                    .await?
-                    .and_then(|row| row.get::<_, Option<String>>(0))
-                    .map(|text| text.parse::<Lsn>())
-                    .transpose()
-                    .map_err(|e| anyhow::anyhow!("confirmed_flush_lsn: {e}"))?;
-                if confirmed.is_some_and(|confirmed| confirmed >= wal)
-                    || tokio::time::Instant::now() >= waited_until
-                {
-                    break confirmed;
-                }
-                tokio::time::sleep(CONFIRM_POLL).await;
-            };
+            let confirmed = self.wait_confirmed(&transaction, wal).await?;
             if confirmed.is_none_or(|confirmed| confirmed < wal) {
                 transaction.commit().await?;
                 return Ok(Round::Unconfirmed {
@@ -307,6 +311,16 @@ impl Task {
             }
         }
     }
+}
+
+/// The server's WAL insert position (step 1).
+async fn current_wal(transaction: &tokio_postgres::Transaction<'_>) -> anyhow::Result<Lsn> {
+    transaction
+        .query_one("SELECT pg_catalog.pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get::<_, String>(0)
+        .parse()
+        .map_err(|e| anyhow::anyhow!("pg_current_wal_insert_lsn: {e}"))
 }
 
 #[cfg(test)]
