@@ -1564,7 +1564,18 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
         Some((host_port, path)) => (host_port, Some(path)),
         None => (main, None),
     };
-    // `host1:port1,host2:port2`: libpq's lists, an entry without a port being the default.
+    url_hosts(host_port, &mut pairs)?;
+    if let Some(path) = path {
+        pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
+    }
+    if let Some(query) = query {
+        url_query(query, &mut pairs)?;
+    }
+    Ok(pairs)
+}
+
+/// `host1:port1,host2:port2`: libpq's lists, an entry without a port being the default.
+fn url_hosts(host_port: &str, pairs: &mut Vec<Pair>) -> Result<(), Error> {
     let mut hosts = Vec::new();
     let mut ports = Vec::new();
     for host_port in host_port.split(',') {
@@ -1585,11 +1596,12 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
     if ports.iter().any(|port| !port.is_empty()) {
         pairs.push(Pair::new("port", ports.join(",")));
     }
-    if let Some(path) = path {
-        pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
-    }
-    let params = query.into_iter().flat_map(|q| q.split('&'));
-    for (index, param) in (1..).zip(params) {
+    Ok(())
+}
+
+/// `k=v&...`, each pair numbered (from 1) by its place in the query string.
+fn url_query(query: &str, pairs: &mut Vec<Pair>) -> Result<(), Error> {
+    for (index, param) in (1..).zip(query.split('&')) {
         if param.is_empty() {
             continue;
         }
@@ -1607,7 +1619,7 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
         pair.url_query_index = Some(index);
         pairs.push(pair);
     }
-    Ok(pairs)
+    Ok(())
 }
 
 /// `host`, `host:port`, `[ipv6]` or `[ipv6]:port`; the host percent-decoded, the port as
@@ -1758,48 +1770,12 @@ fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
             ));
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
-        let mut value = String::new();
         let quoted = chars.next_if_eq(&'\'').is_some();
-        if quoted {
-            loop {
-                match chars.next() {
-                    None if key == "password" || after_bare_password => {
-                        return Err(Error::Config(
-                            "unterminated quoted password in connection info string".to_owned(),
-                        ))
-                    }
-                    None => {
-                        return Err(Error::Config(format!(
-                            "unterminated quoted value of {key:?} in connection info string"
-                        )))
-                    }
-                    Some('\\') => {
-                        if let Some(c) = chars.next() {
-                            value.push(c);
-                        }
-                    }
-                    Some('\'') => {
-                        // Extension: '' inside quotes is one quote (libpq would reject it).
-                        if chars.next_if_eq(&'\'').is_some() {
-                            value.push('\'');
-                        } else {
-                            break;
-                        }
-                    }
-                    Some(c) => value.push(c),
-                }
-            }
+        let value = if quoted {
+            quoted_value(&mut chars, &key, after_bare_password)?
         } else {
-            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
-                if c == '\\' {
-                    if let Some(escaped) = chars.next() {
-                        value.push(escaped);
-                    }
-                } else {
-                    value.push(c);
-                }
-            }
-        }
+            bare_value(&mut chars)
+        };
         let bare_password = key == "password" && !quoted;
         pairs.push(Pair {
             key,
@@ -1809,6 +1785,61 @@ fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
         });
         after_bare_password = bare_password;
     }
+}
+
+/// A quoted value's text after its opening quote, through the closing one: a backslash
+/// escapes the next character and (an extension) `''` is one quote. The error for a missing
+/// closing quote names the parameter `key`, never the text; a password's (or what follows a
+/// bare password, `after_bare_password`) does not even name it.
+fn quoted_value(
+    chars: &mut std::iter::Peekable<std::str::Chars<'_>>,
+    key: &str,
+    after_bare_password: bool,
+) -> Result<String, Error> {
+    let mut value = String::new();
+    loop {
+        match chars.next() {
+            None if key == "password" || after_bare_password => {
+                return Err(Error::Config(
+                    "unterminated quoted password in connection info string".to_owned(),
+                ))
+            }
+            None => {
+                return Err(Error::Config(format!(
+                    "unterminated quoted value of {key:?} in connection info string"
+                )))
+            }
+            Some('\\') => {
+                if let Some(c) = chars.next() {
+                    value.push(c);
+                }
+            }
+            Some('\'') => {
+                // Extension: '' inside quotes is one quote (libpq would reject it).
+                if chars.next_if_eq(&'\'').is_some() {
+                    value.push('\'');
+                } else {
+                    return Ok(value);
+                }
+            }
+            Some(c) => value.push(c),
+        }
+    }
+}
+
+/// An unquoted value: up to the next whitespace, a backslash escaping the next character.
+fn bare_value(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) -> String {
+    let mut value = String::new();
+    while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+        if c == '\\' {
+            if let Some(escaped) = chars.next() {
+                value.push(escaped);
+            }
+        } else {
+            value.push(c);
+        }
+    }
+    value
 }
 
 #[cfg(test)]
