@@ -261,14 +261,7 @@ impl ReplicationConnection {
                     .map_err(|_| nul_in_password())?;
             }
             Authentication::Sasl { mechanisms } => {
-                let password = password(info)?;
-                let (mechanism, binding) =
-                    choose_sasl(&mechanisms, transport, info.channel_binding())?;
-                let state = ScramSha256::new(password.as_bytes(), binding);
-                frontend::sasl_initial_response(mechanism, state.message(), &mut self.writer.buf)
-                    .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
-                self.sasl_mechanism = Some(mechanism);
-                *scram = Some(state);
+                *scram = Some(self.start_sasl(&mechanisms, info, transport)?);
             }
             Authentication::SaslContinue(data) => {
                 let state = scram
@@ -303,6 +296,24 @@ impl ReplicationConnection {
             }
         }
         Ok(AuthStep::Answered)
+    }
+
+    /// SASL's first message: the mechanism chosen from the server's `mechanisms` (with
+    /// channel binding over TLS when allowed) and SCRAM's first message; returns SCRAM's
+    /// state for the messages that follow.
+    fn start_sasl(
+        &mut self,
+        mechanisms: &[String],
+        info: &ConnInfo,
+        transport: &Transport,
+    ) -> Result<ScramSha256, Error> {
+        let password = password(info)?;
+        let (mechanism, binding) = choose_sasl(mechanisms, transport, info.channel_binding())?;
+        let state = ScramSha256::new(password.as_bytes(), binding);
+        frontend::sasl_initial_response(mechanism, state.message(), &mut self.writer.buf)
+            .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
+        self.sasl_mechanism = Some(mechanism);
+        Ok(state)
     }
 
     /// After authentication: the server's parameters and the backend's key data, up to
