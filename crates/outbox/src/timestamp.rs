@@ -81,16 +81,8 @@ impl Fields {
     /// out of range.
     #[inline]
     fn unix_micros(&self, bc: bool) -> Result<UnixMicros, &'static str> {
-        let Fields {
-            year,
-            month,
-            day,
-            hour,
-            minute,
-            second,
-            micros,
-            offset_seconds,
-        } = *self;
+        let (year, month, day) = (self.year, self.month, self.day);
+        let (hour, minute, second, micros) = (self.hour, self.minute, self.second, self.micros);
         if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
             return Err("date out of range");
         }
@@ -104,7 +96,7 @@ impl Fields {
         // Postgres counts 1 BC as astronomical year 0.
         let astronomical_year = if bc { 1 - year } else { year };
         let days = days_from_civil(astronomical_year, month, day);
-        let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - offset_seconds;
+        let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - self.offset_seconds;
         Ok(i128::from(seconds) * 1_000_000 + i128::from(micros))
     }
 }

@@ -523,9 +523,8 @@ enum AckItem<P> {
     /// Already in the stream (P6): counts as acknowledged.
     Stored,
     Publish {
-        id: i64,
-        position: Position,
-        created_at_ms: i64,
+        /// The event published (or whose dead-letter record is).
+        event: Acknowledged,
         /// A dead-letter record in the event's place (P7).
         dead_letter: bool,
         /// Its number in the session: its reply subject is `{inbox}.{sequence}` (P10).
@@ -821,9 +820,11 @@ impl<'s> Publisher<'s> {
             &payload,
         );
         Ok(AckItem::Publish {
-            id,
-            position,
-            created_at_ms,
+            event: Acknowledged {
+                position,
+                id,
+                created_at_ms,
+            },
             dead_letter,
             sequence,
             subject,
@@ -1287,21 +1288,14 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
             };
             let moved = match item {
                 AckItem::Publish {
-                    id,
-                    position,
-                    created_at_ms,
+                    event,
                     dead_letter,
                     sequence,
                     subject,
                     // Released once the ack is in (P2).
                     _permit,
                 } => {
-                    let acknowledged = Acknowledged {
-                        position,
-                        id,
-                        created_at_ms,
-                    };
-                    self.acknowledge(acknowledged, dead_letter, sequence, subject)
+                    self.acknowledge(event, dead_letter, sequence, subject)
                         .await?
                 }
                 AckItem::Begin { commit_time_us } => self.begin(commit_time_us)?,
