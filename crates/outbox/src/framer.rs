@@ -37,7 +37,7 @@ use std::fmt;
 use std::num::NonZeroU64;
 
 use pgoutput::copy_data::PgTimestamp;
-use pgoutput::logical::LogicalMessage;
+use pgoutput::logical::{Begin, Commit, Insert, LogicalMessage};
 use pgoutput::{Lsn, Relation, ReplicationMessage};
 
 use crate::event::{EventBuilder, EventError, OutboxColumns, OutboxEvent, Position};
@@ -316,76 +316,90 @@ impl Framer {
         out: &mut Vec<Item<Lsn>>,
     ) -> Result<(), FrameError> {
         match message {
-            LogicalMessage::Begin(begin) => {
-                if let Some(open) = self.open_commit_lsn {
-                    return Err(protocol(format!(
-                        "Begin of {} while the transaction of {open} is open",
-                        begin.final_lsn
-                    )));
-                }
-                self.open_commit_lsn = Some(begin.final_lsn);
-                self.open_commit_time = begin.commit_time;
-                self.next_index = 0;
-                out.push(Item::Begin {
-                    commit_time_us: begin.commit_time.saturating_add(PG_EPOCH_UNIX_US),
-                });
-            }
-            LogicalMessage::Commit(commit) => {
-                if self.open_commit_lsn.take().is_none() {
-                    return Err(protocol(format!(
-                        "Commit of {} with no transaction open",
-                        commit.commit_lsn
-                    )));
-                }
-                self.received = self.received.max(commit.end_lsn);
-                out.push(Item::Commit(commit.end_lsn));
-            }
-            LogicalMessage::Relation(relation) => self.on_relation(&relation)?,
-            LogicalMessage::Insert(insert) => {
-                let Some(routed) = self.relations.get_mut(&insert.rel_id) else {
-                    return Ok(());
-                };
-                let commit_lsn = self
-                    .open_commit_lsn
-                    .ok_or_else(|| protocol("Insert with no transaction open".to_owned()))?;
-                let builder = match routed {
-                    Routed::Events { builder, partition } => {
-                        if let Some(partition) = partition.take() {
-                            self.notices.push(Notice::PartitionInsert {
-                                partition,
-                                commit_lsn,
-                            });
-                        }
-                        &*builder
-                    }
-                    Routed::Unreadable(error) => {
-                        return Err(FrameError::TableChanged(error.clone()))
-                    }
-                    Routed::Unknown(relation) => {
-                        return Err(FrameError::UnknownRelation(Box::new(UnplacedInsert {
-                            relation: relation.clone(),
-                            table: self.table.clone(),
-                            publication: self.known.publication.clone(),
-                            commit_lsn,
-                        })))
-                    }
-                };
-                let position = Position {
-                    commit_lsn,
-                    index: self.next_index,
-                };
-                self.next_index += 1;
-                self.first_commit_time.get_or_insert(self.open_commit_time);
-                let event = builder.build(&insert.new_tuple, position)?;
-                out.push(Item::Event(event));
-            }
+            LogicalMessage::Begin(begin) => self.on_begin(&begin, out),
+            LogicalMessage::Commit(commit) => self.on_commit(&commit, out),
+            LogicalMessage::Relation(relation) => self.on_relation(&relation),
+            LogicalMessage::Insert(insert) => self.on_insert(&insert, out),
             LogicalMessage::Update(_)
             | LogicalMessage::Delete(_)
             | LogicalMessage::Truncate(_)
             | LogicalMessage::Origin(_)
             | LogicalMessage::Type(_)
-            | LogicalMessage::Message(_) => {}
+            | LogicalMessage::Message(_) => Ok(()),
         }
+    }
+
+    /// A transaction opens (none may be open): its events are numbered from 0.
+    #[inline]
+    fn on_begin(&mut self, begin: &Begin, out: &mut Vec<Item<Lsn>>) -> Result<(), FrameError> {
+        if let Some(open) = self.open_commit_lsn {
+            return Err(protocol(format!(
+                "Begin of {} while the transaction of {open} is open",
+                begin.final_lsn
+            )));
+        }
+        self.open_commit_lsn = Some(begin.final_lsn);
+        self.open_commit_time = begin.commit_time;
+        self.next_index = 0;
+        out.push(Item::Begin {
+            commit_time_us: begin.commit_time.saturating_add(PG_EPOCH_UNIX_US),
+        });
+        Ok(())
+    }
+
+    /// The open transaction ends at its `end_lsn`.
+    #[inline]
+    fn on_commit(&mut self, commit: &Commit, out: &mut Vec<Item<Lsn>>) -> Result<(), FrameError> {
+        if self.open_commit_lsn.take().is_none() {
+            return Err(protocol(format!(
+                "Commit of {} with no transaction open",
+                commit.commit_lsn
+            )));
+        }
+        self.received = self.received.max(commit.end_lsn);
+        out.push(Item::Commit(commit.end_lsn));
+        Ok(())
+    }
+
+    /// An insert into a relation of the publication: an event of the outbox table (or its
+    /// partition: noticed once), at the next position of the open transaction; a relation
+    /// that cannot be read or placed is an error; others are not the outbox's.
+    #[inline]
+    fn on_insert(&mut self, insert: &Insert, out: &mut Vec<Item<Lsn>>) -> Result<(), FrameError> {
+        let Some(routed) = self.relations.get_mut(&insert.rel_id) else {
+            return Ok(());
+        };
+        let commit_lsn = self
+            .open_commit_lsn
+            .ok_or_else(|| protocol("Insert with no transaction open".to_owned()))?;
+        let builder = match routed {
+            Routed::Events { builder, partition } => {
+                if let Some(partition) = partition.take() {
+                    self.notices.push(Notice::PartitionInsert {
+                        partition,
+                        commit_lsn,
+                    });
+                }
+                &*builder
+            }
+            Routed::Unreadable(error) => return Err(FrameError::TableChanged(error.clone())),
+            Routed::Unknown(relation) => {
+                return Err(FrameError::UnknownRelation(Box::new(UnplacedInsert {
+                    relation: relation.clone(),
+                    table: self.table.clone(),
+                    publication: self.known.publication.clone(),
+                    commit_lsn,
+                })))
+            }
+        };
+        let position = Position {
+            commit_lsn,
+            index: self.next_index,
+        };
+        self.next_index += 1;
+        self.first_commit_time.get_or_insert(self.open_commit_time);
+        let event = builder.build(&insert.new_tuple, position)?;
+        out.push(Item::Event(event));
         Ok(())
     }
 }

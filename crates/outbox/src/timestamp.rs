@@ -39,7 +39,9 @@ pub fn epoch_millis(micros: UnixMicros) -> i64 {
     i64::try_from(micros.div_euclid(1000)).unwrap_or(if micros < 0 { i64::MIN } else { i64::MAX })
 }
 
-/// Parses a `timestamptz` rendered with `DateStyle=ISO` into Unix microseconds.
+/// Parses a `timestamptz` rendered with `DateStyle=ISO` into Unix microseconds: the
+/// fields as written ([`Cursor::timestamp`]), then their ranges and the instant they name
+/// ([`Fields::unix_micros`]).
 pub fn parse_timestamptz(text: &[u8]) -> Result<UnixMicros, TimestampError> {
     match text {
         b"infinity" => return Err(TimestampError::Infinite("infinity")),
@@ -50,83 +52,53 @@ pub fn parse_timestamptz(text: &[u8]) -> Result<UnixMicros, TimestampError> {
         text: String::from_utf8_lossy(&text[..text.len().min(64)]).into_owned(),
         reason,
     };
-    let mut cursor = Cursor { text, at: 0 };
     let (body, bc) = match text.strip_suffix(b" BC") {
         Some(body) => (body, true),
         None => (text, false),
     };
-    cursor.text = body;
+    let fields = Cursor { text: body, at: 0 }
+        .timestamp()
+        .map_err(malformed)?;
+    fields.unix_micros(bc).map_err(malformed)
+}
 
-    let year = cursor.number(4, 9).ok_or_else(|| malformed("year"))?;
-    cursor
-        .expect(b'-')
-        .ok_or_else(|| malformed("'-' after year"))?;
-    let month = cursor.number(2, 2).ok_or_else(|| malformed("month"))?;
-    cursor
-        .expect(b'-')
-        .ok_or_else(|| malformed("'-' after month"))?;
-    let day = cursor.number(2, 2).ok_or_else(|| malformed("day"))?;
-    cursor
-        .expect(b' ')
-        .ok_or_else(|| malformed("' ' after date"))?;
-    let hour = cursor.number(2, 2).ok_or_else(|| malformed("hour"))?;
-    cursor
-        .expect(b':')
-        .ok_or_else(|| malformed("':' after hour"))?;
-    let minute = cursor.number(2, 2).ok_or_else(|| malformed("minute"))?;
-    cursor
-        .expect(b':')
-        .ok_or_else(|| malformed("':' after minute"))?;
-    let second = cursor.number(2, 2).ok_or_else(|| malformed("second"))?;
-    let mut micros = 0i64;
-    if cursor.peek() == Some(b'.') {
-        cursor.at += 1;
-        let start = cursor.at;
-        let fraction = cursor.number(1, 6).ok_or_else(|| malformed("fraction"))?;
-        let digits = cursor.at - start;
-        micros = fraction * 10i64.pow(6 - digits as u32);
-    }
-    let sign = match cursor.peek() {
-        Some(b'+') => 1,
-        Some(b'-') => -1,
-        _ => return Err(malformed("UTC offset")),
-    };
-    cursor.at += 1;
-    let mut offset_seconds = cursor
-        .number(2, 2)
-        .ok_or_else(|| malformed("offset hours"))?
-        * 3600;
-    if cursor.peek() == Some(b':') {
-        cursor.at += 1;
-        offset_seconds += cursor
-            .number(2, 2)
-            .ok_or_else(|| malformed("offset minutes"))?
-            * 60;
-        if cursor.peek() == Some(b':') {
-            cursor.at += 1;
-            offset_seconds += cursor
-                .number(2, 2)
-                .ok_or_else(|| malformed("offset seconds"))?;
+/// A timestamp's fields as written, not yet checked against the calendar.
+struct Fields {
+    year: i64,
+    month: i64,
+    day: i64,
+    hour: i64,
+    minute: i64,
+    second: i64,
+    micros: i64,
+    /// The UTC offset, signed.
+    offset_seconds: i64,
+}
+
+impl Fields {
+    /// The instant, once the date exists (`bc`: before Christ) and the time is one of a day
+    /// (`24:00:00` and a leap second allowed, as Postgres allows them); `Err` names what is
+    /// out of range.
+    #[inline]
+    fn unix_micros(&self, bc: bool) -> Result<UnixMicros, &'static str> {
+        let (year, month, day) = (self.year, self.month, self.day);
+        let (hour, minute, second, micros) = (self.hour, self.minute, self.second, self.micros);
+        if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
+            return Err("date out of range");
         }
+        if hour > 24
+            || minute > 59
+            || second > 60
+            || (hour == 24 && (minute, second, micros) != (0, 0, 0))
+        {
+            return Err("time out of range");
+        }
+        // Postgres counts 1 BC as astronomical year 0.
+        let astronomical_year = if bc { 1 - year } else { year };
+        let days = days_from_civil(astronomical_year, month, day);
+        let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - self.offset_seconds;
+        Ok(i128::from(seconds) * 1_000_000 + i128::from(micros))
     }
-    if cursor.at != cursor.text.len() {
-        return Err(malformed("trailing characters"));
-    }
-    if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
-        return Err(malformed("date out of range"));
-    }
-    if hour > 24
-        || minute > 59
-        || second > 60
-        || (hour == 24 && (minute, second, micros) != (0, 0, 0))
-    {
-        return Err(malformed("time out of range"));
-    }
-    // Postgres counts 1 BC as astronomical year 0.
-    let astronomical_year = if bc { 1 - year } else { year };
-    let days = days_from_civil(astronomical_year, month, day);
-    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - sign * offset_seconds;
-    Ok(i128::from(seconds) * 1_000_000 + i128::from(micros))
 }
 
 struct Cursor<'a> {
@@ -135,6 +107,72 @@ struct Cursor<'a> {
 }
 
 impl Cursor<'_> {
+    /// `YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]]`, the whole text; `Err` names what did
+    /// not match.
+    #[inline]
+    fn timestamp(&mut self) -> Result<Fields, &'static str> {
+        let year = self.number(4, 9).ok_or("year")?;
+        self.expect(b'-').ok_or("'-' after year")?;
+        let month = self.number(2, 2).ok_or("month")?;
+        self.expect(b'-').ok_or("'-' after month")?;
+        let day = self.number(2, 2).ok_or("day")?;
+        self.expect(b' ').ok_or("' ' after date")?;
+        let hour = self.number(2, 2).ok_or("hour")?;
+        self.expect(b':').ok_or("':' after hour")?;
+        let minute = self.number(2, 2).ok_or("minute")?;
+        self.expect(b':').ok_or("':' after minute")?;
+        let second = self.number(2, 2).ok_or("second")?;
+        let micros = self.fraction()?;
+        let offset_seconds = self.offset()?;
+        if self.at != self.text.len() {
+            return Err("trailing characters");
+        }
+        Ok(Fields {
+            year,
+            month,
+            day,
+            hour,
+            minute,
+            second,
+            micros,
+            offset_seconds,
+        })
+    }
+
+    /// `.f` to `.ffffff` after the seconds, in microseconds (0 when there is none).
+    #[inline]
+    fn fraction(&mut self) -> Result<i64, &'static str> {
+        if self.peek() != Some(b'.') {
+            return Ok(0);
+        }
+        self.at += 1;
+        let start = self.at;
+        let fraction = self.number(1, 6).ok_or("fraction")?;
+        let digits = self.at - start;
+        Ok(fraction * 10i64.pow(6 - digits as u32))
+    }
+
+    /// `±HH[:MM[:SS]]`, in seconds east of UTC.
+    #[inline]
+    fn offset(&mut self) -> Result<i64, &'static str> {
+        let sign = match self.peek() {
+            Some(b'+') => 1,
+            Some(b'-') => -1,
+            _ => return Err("UTC offset"),
+        };
+        self.at += 1;
+        let mut offset_seconds = self.number(2, 2).ok_or("offset hours")? * 3600;
+        if self.peek() == Some(b':') {
+            self.at += 1;
+            offset_seconds += self.number(2, 2).ok_or("offset minutes")? * 60;
+            if self.peek() == Some(b':') {
+                self.at += 1;
+                offset_seconds += self.number(2, 2).ok_or("offset seconds")?;
+            }
+        }
+        Ok(sign * offset_seconds)
+    }
+
     fn peek(&self) -> Option<u8> {
         self.text.get(self.at).copied()
     }

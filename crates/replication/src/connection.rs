@@ -100,6 +100,16 @@ const PINNED: &[(&str, &str)] = &[
     ("standard_conforming_strings", "on"),
 ];
 
+/// Where authentication stands after one request is answered.
+enum AuthStep {
+    /// `AuthenticationOk`.
+    Authenticated,
+    /// An answer is written, to be sent.
+    Answered,
+    /// SCRAM's final message checked: nothing to send.
+    Verified,
+}
+
 impl ReplicationConnection {
     /// Connects and authenticates; see the module docs. With several hosts, the first that
     /// connects and is what `target_session_attrs` asks for ([`connect_first`]).
@@ -173,8 +183,18 @@ impl ReplicationConnection {
         Ok(connection)
     }
 
+    /// The startup message, authentication, then the server's parameters up to
+    /// `ReadyForQuery`.
     async fn startup(&mut self, info: &ConnInfo, transport: Transport) -> Result<(), Error> {
-        let mut check = AuthCheck::new(info, &transport)?;
+        let check = AuthCheck::new(info, &transport)?;
+        self.send_startup(info).await?;
+        self.authenticate(info, &transport, check).await?;
+        self.await_ready().await
+    }
+
+    /// The startup message: the user, the database in replication mode, the pinned settings
+    /// and the application name.
+    async fn send_startup(&mut self, info: &ConnInfo) -> Result<(), Error> {
         let mut parameters = vec![
             ("user", info.user()),
             ("database", info.dbname()),
@@ -187,81 +207,118 @@ impl ReplicationConnection {
         frontend::startup_message(parameters, &mut self.writer.buf).map_err(|_| {
             Error::Config("user, dbname and application_name must not contain NUL".to_owned())
         })?;
-        self.writer.flush().await?;
+        self.writer.flush().await
+    }
 
+    /// Answers the server's authentication requests, each first passed by `check`, until
+    /// `AuthenticationOk`.
+    async fn authenticate(
+        &mut self,
+        info: &ConnInfo,
+        transport: &Transport,
+        mut check: AuthCheck,
+    ) -> Result<(), Error> {
         let mut scram: Option<ScramSha256> = None;
         loop {
             let frame = self.reader.next_frame("while authenticating").await?;
             match frame.tag {
-                wire::AUTHENTICATION => match wire::authentication(&frame.body)
-                    .and_then(|request| check.on_request(&request).map(|()| request))?
-                {
-                    Authentication::Ok => break,
-                    Authentication::CleartextPassword => {
-                        let password = password(info)?;
-                        frontend::password_message(password.as_bytes(), &mut self.writer.buf)
-                            .map_err(|_| nul_in_password())?;
+                wire::AUTHENTICATION => {
+                    let request = wire::authentication(&frame.body)
+                        .and_then(|request| check.on_request(&request).map(|()| request))?;
+                    match self.answer(request, info, transport, &mut scram)? {
+                        AuthStep::Authenticated => return Ok(()),
+                        AuthStep::Verified => continue,
+                        AuthStep::Answered => {}
                     }
-                    Authentication::Md5Password { salt } => {
-                        let password = password(info)?;
-                        let hash = md5_hash(info.user().as_bytes(), password.as_bytes(), salt);
-                        frontend::password_message(hash.as_bytes(), &mut self.writer.buf)
-                            .map_err(|_| nul_in_password())?;
-                    }
-                    Authentication::Sasl { mechanisms } => {
-                        let password = password(info)?;
-                        let (mechanism, binding) =
-                            choose_sasl(&mechanisms, &transport, info.channel_binding())?;
-                        let state = ScramSha256::new(password.as_bytes(), binding);
-                        frontend::sasl_initial_response(
-                            mechanism,
-                            state.message(),
-                            &mut self.writer.buf,
-                        )
-                        .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
-                        self.sasl_mechanism = Some(mechanism);
-                        scram = Some(state);
-                    }
-                    Authentication::SaslContinue(data) => {
-                        let state = scram.as_mut().ok_or_else(|| {
-                            Error::protocol("SASL continuation without SASL start")
-                        })?;
-                        state.update(&data).map_err(|e| {
-                            Error::Auth(format!("invalid SCRAM message from the server: {e}"))
-                        })?;
-                        frontend::sasl_response(state.message(), &mut self.writer.buf).map_err(
-                            |e| Error::Auth(format!("cannot encode SCRAM message: {e}")),
-                        )?;
-                    }
-                    Authentication::SaslFinal(data) => {
-                        let state = scram.as_mut().ok_or_else(|| {
-                            Error::protocol("SASL final message without SASL start")
-                        })?;
-                        // Verifies that the server knows the password too.
-                        state.finish(&data).map_err(|e| {
-                            Error::Auth(format!(
-                                "the server failed to prove it knows the password ({e}); \
-                                 this can mean a man-in-the-middle"
-                            ))
-                        })?;
-                        continue;
-                    }
-                    Authentication::Unsupported(code) => {
-                        return Err(Error::Auth(format!(
-                            "the server asks for {}, which this client does not implement; \
-                             hint: use scram-sha-256, md5, password or trust for this user in \
-                             pg_hba.conf",
-                            auth_method_name(code)
-                        )))
-                    }
-                },
+                }
                 wire::ERROR_RESPONSE => return Err(wire::error_response(&frame.body, &self.user)),
                 wire::NOTICE_RESPONSE => wire::log_notice(&frame.body, &self.target),
                 other => return Err(unexpected(other, "while authenticating")),
             }
             self.writer.flush().await?;
         }
+    }
 
+    /// Writes the answer to one authentication request (SCRAM's state in `scram`).
+    fn answer(
+        &mut self,
+        request: Authentication,
+        info: &ConnInfo,
+        transport: &Transport,
+        scram: &mut Option<ScramSha256>,
+    ) -> Result<AuthStep, Error> {
+        match request {
+            Authentication::Ok => return Ok(AuthStep::Authenticated),
+            Authentication::CleartextPassword => {
+                let password = password(info)?;
+                frontend::password_message(password.as_bytes(), &mut self.writer.buf)
+                    .map_err(|_| nul_in_password())?;
+            }
+            Authentication::Md5Password { salt } => {
+                let password = password(info)?;
+                let hash = md5_hash(info.user().as_bytes(), password.as_bytes(), salt);
+                frontend::password_message(hash.as_bytes(), &mut self.writer.buf)
+                    .map_err(|_| nul_in_password())?;
+            }
+            Authentication::Sasl { mechanisms } => {
+                *scram = Some(self.start_sasl(&mechanisms, info, transport)?);
+            }
+            Authentication::SaslContinue(data) => {
+                let state = scram
+                    .as_mut()
+                    .ok_or_else(|| Error::protocol("SASL continuation without SASL start"))?;
+                state.update(&data).map_err(|e| {
+                    Error::Auth(format!("invalid SCRAM message from the server: {e}"))
+                })?;
+                frontend::sasl_response(state.message(), &mut self.writer.buf)
+                    .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
+            }
+            Authentication::SaslFinal(data) => {
+                let state = scram
+                    .as_mut()
+                    .ok_or_else(|| Error::protocol("SASL final message without SASL start"))?;
+                // Verifies that the server knows the password too.
+                state.finish(&data).map_err(|e| {
+                    Error::Auth(format!(
+                        "the server failed to prove it knows the password ({e}); \
+                         this can mean a man-in-the-middle"
+                    ))
+                })?;
+                return Ok(AuthStep::Verified);
+            }
+            Authentication::Unsupported(code) => {
+                return Err(Error::Auth(format!(
+                    "the server asks for {}, which this client does not implement; \
+                     hint: use scram-sha-256, md5, password or trust for this user in \
+                     pg_hba.conf",
+                    auth_method_name(code)
+                )))
+            }
+        }
+        Ok(AuthStep::Answered)
+    }
+
+    /// SASL's first message: the mechanism chosen from the server's `mechanisms` (with
+    /// channel binding over TLS when allowed) and SCRAM's first message; returns SCRAM's
+    /// state for the messages that follow.
+    fn start_sasl(
+        &mut self,
+        mechanisms: &[String],
+        info: &ConnInfo,
+        transport: &Transport,
+    ) -> Result<ScramSha256, Error> {
+        let password = password(info)?;
+        let (mechanism, binding) = choose_sasl(mechanisms, transport, info.channel_binding())?;
+        let state = ScramSha256::new(password.as_bytes(), binding);
+        frontend::sasl_initial_response(mechanism, state.message(), &mut self.writer.buf)
+            .map_err(|e| Error::Auth(format!("cannot encode SCRAM message: {e}")))?;
+        self.sasl_mechanism = Some(mechanism);
+        Ok(state)
+    }
+
+    /// After authentication: the server's parameters and the backend's key data, up to
+    /// `ReadyForQuery`.
+    async fn await_ready(&mut self) -> Result<(), Error> {
         loop {
             let frame = self.reader.next_frame("after authentication").await?;
             match frame.tag {

@@ -723,260 +723,32 @@ impl ConnInfo {
     }
 
     fn from_pairs(pairs: Vec<Pair>, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, Error> {
-        let mut values = Values {
-            given: BTreeMap::new(),
-            sources: BTreeMap::new(),
-            env,
-        };
-        let mut neutral_given = Vec::new();
-        for pair in pairs {
-            if let Some(parameter) = PARAMETERS.iter().find(|p| p.name == pair.key) {
-                // Last one wins, as in libpq; an empty value means "not given".
-                if pair.value.is_empty() {
-                    values.given.remove(parameter.name);
-                } else {
-                    values.given.insert(parameter.name, pair.value);
-                }
-            } else if let Some(neutral) = NEUTRAL.iter().find(|n| n.0 == pair.key) {
-                check_neutral(neutral, &pair.value, None)?;
-                neutral_given.push(neutral.0);
-            } else if let Some(index) = pair
-                .url_query_index
-                .filter(|_| !LIBPQ_KEYWORDS.contains(&pair.key.as_str()))
-            {
-                // Not quoted (R8): `?password=hun&ter2=x` makes "ter2" a name.
-                return Err(Error::Config(format!(
-                    "unsupported parameter: query parameter {index} of the URL is not a libpq \
-                     parameter{} (its name is not shown: it may be the tail of a password with \
-                     an unencoded '&'; percent-encode '&', '=' and '#' in values as %26, %3D, \
-                     %23); supported: {}",
-                    closest_parameter(&pair.key)
-                        .map(|name| format!(" (did you mean {name}?)"))
-                        .unwrap_or_default(),
-                    supported_parameters()
-                )));
-            } else if pair.follows_bare_password {
-                // The "key" may be the rest of a password that has a space in it.
-                return Err(Error::Config(
-                    "unsupported parameter after the password; if the password contains a \
-                     space, put it in single quotes: password='...'"
-                        .to_owned(),
-                ));
-            } else {
-                return Err(Error::Config(format!(
-                    "unsupported parameter {:?}; supported: {}",
-                    pair.key,
-                    supported_parameters()
-                )));
-            }
-        }
-        for (variable, feature) in UNSUPPORTED_ENV {
-            if env(variable).is_some() {
-                return Err(Error::Config(format!(
-                    "the environment variable {variable} is set, but outbox-relay does not \
-                     support {feature}; unset it"
-                )));
-            }
-        }
-        for neutral in NEUTRAL.iter().filter(|n| !neutral_given.contains(&n.0)) {
-            if let Some(value) = env(neutral.1) {
-                check_neutral(neutral, &value, Some(neutral.1))?;
-            }
-        }
-        let mut warnings: Vec<String> = PINNED_ENV
-            .iter()
-            .filter(|variable| env(variable).is_some())
-            .map(|variable| {
-                format!(
-                    "{variable} is ignored: the relay pins DateStyle=ISO and TimeZone=UTC for \
-                     its sessions"
-                )
-            })
-            .collect();
+        let (mut values, neutral_given) = Values::sort(pairs, env)?;
+        let mut warnings = check_environment(env, &neutral_given)?;
         let home = env("HOME").map(PathBuf::from);
 
         let user = values
             .take("user")
             .unwrap_or_else(|| env("USER").unwrap_or_else(|| "postgres".to_owned()));
-        // libpq: an empty entry of either list is the default.
-        let host_list: Vec<String> = match values.take("host") {
-            None => vec![DEFAULT_HOST.to_owned()],
-            Some(list) => list
-                .split(',')
-                .map(|host| match host.trim() {
-                    "" => DEFAULT_HOST.to_owned(),
-                    host => host.to_owned(),
-                })
-                .collect(),
-        };
-        let port_list: Vec<u16> = match values.take("port") {
-            None => vec![DEFAULT_PORT],
-            Some(list) => list
-                .split(',')
-                .map(|port| match port.trim() {
-                    "" => Ok(DEFAULT_PORT),
-                    text => match text.parse::<u16>() {
-                        Ok(port) if port != 0 => Ok(port),
-                        _ => Err(Error::Config(format!(
-                            "invalid port {}: expected a number from 1 to 65535{}",
-                            values.shown("port", &list),
-                            if list.contains(',') {
-                                " for each host, comma-separated"
-                            } else {
-                                ""
-                            }
-                        ))),
-                    },
-                })
-                .collect::<Result<_, _>>()?,
-        };
-        let hosts: Vec<(String, u16)> = match (host_list.len(), port_list.len()) {
-            (_, 1) => host_list
-                .into_iter()
-                .map(|host| (host, port_list[0]))
-                .collect(),
-            (h, p) if h == p => host_list.into_iter().zip(port_list).collect(),
-            (h, p) => {
-                return Err(Error::Config(format!(
-                    "{p} ports for {h} hosts: give one port for all hosts, or one for each \
-                     (port=5432,5433 for host=a,b)"
-                )))
-            }
-        };
+        let hosts = values.hosts()?;
         let (host, port) = hosts[0].clone();
-        let target_session_attrs = match values.take("target_session_attrs") {
-            None => TargetSessionAttrs::Any,
-            Some(text) => TargetSessionAttrs::ALL
-                .into_iter()
-                .find(|attrs| attrs.as_str().eq_ignore_ascii_case(text.trim()))
-                .ok_or_else(|| {
-                    Error::Config(format!(
-                        "invalid target_session_attrs {}: expected any, read-write, read-only, \
-                         primary, standby or prefer-standby",
-                        values.shown("target_session_attrs", &text)
-                    ))
-                })?,
-        };
-        let load_balance_hosts = match values.take("load_balance_hosts") {
-            None => LoadBalanceHosts::Disable,
-            Some(text) => match text.trim().to_ascii_lowercase().as_str() {
-                "disable" => LoadBalanceHosts::Disable,
-                "random" => LoadBalanceHosts::Random,
-                _ => {
-                    return Err(Error::Config(format!(
-                        "invalid load_balance_hosts {}: expected disable or random",
-                        values.shown("load_balance_hosts", &text)
-                    )))
-                }
-            },
-        };
+        let target_session_attrs = values.target_session_attrs()?;
+        let load_balance_hosts = values.load_balance_hosts()?;
         let dbname = values.take("dbname").unwrap_or_else(|| user.clone());
         let passfile = values
             .take("passfile")
             .map(PathBuf::from)
             .or_else(|| home.as_ref().map(|home| home.join(".pgpass")));
-        let mut password = values.take("password").map(Secret);
-        if password.is_none() {
-            if let Some(path) = &passfile {
-                let key = [host.as_str(), &port.to_string(), &dbname, &user];
-                password = password_from_file(path, key, &mut warnings);
-                if password.is_some() {
-                    values
-                        .sources
-                        .insert("password", Source::PassFile(path.clone()));
-                }
-            }
-        }
-
-        let explicit_sslmode = match values.take("sslmode") {
-            None => None,
-            Some(mode) => Some(mode.parse::<SslMode>().map_err(|_| {
-                Error::Config(format!(
-                    "invalid sslmode {}: expected one of disable, prefer, require, verify-ca, \
-                     verify-full",
-                    values.shown("sslmode", &mode)
-                ))
-            })?),
-        };
-        let sslrootcert = match values.take("sslrootcert") {
-            Some(text) if text == "system" => Some(RootCerts::System),
-            Some(path) => Some(RootCerts::File(PathBuf::from(path))),
-            None => home
-                .as_ref()
-                .map(|home| home.join(".postgresql").join("root.crt"))
-                .filter(|path| path.is_file())
-                .map(RootCerts::File),
-        };
-        let sslmode = match (explicit_sslmode, &sslrootcert) {
-            (Some(SslMode::VerifyFull) | None, Some(RootCerts::System)) => SslMode::VerifyFull,
-            (Some(weak), Some(RootCerts::System)) => {
-                return Err(Error::Config(format!(
-                    "weak sslmode {:?} may not be used with sslrootcert=system (use \
-                     \"verify-full\")",
-                    weak.as_str()
-                )))
-            }
-            (mode, _) => mode.unwrap_or_default(),
-        };
-        let sslcert = values.take("sslcert").map(PathBuf::from).or_else(|| {
-            home.as_ref()
-                .map(|home| home.join(".postgresql").join("postgresql.crt"))
-                .filter(|path| path.is_file())
-        });
-        let sslkey = values.take("sslkey").map(PathBuf::from).or_else(|| {
-            sslcert.as_ref()?;
-            home.as_ref()
-                .map(|home| home.join(".postgresql").join("postgresql.key"))
-        });
-        let channel_binding = match values.take("channel_binding").as_deref() {
-            None => ChannelBinding::default(),
-            Some("disable") => ChannelBinding::Disable,
-            Some("prefer") => ChannelBinding::Prefer,
-            Some("require") => ChannelBinding::Require,
-            Some(other) => {
-                return Err(Error::Config(format!(
-                    "invalid channel_binding {}: expected disable, prefer or require",
-                    values.shown("channel_binding", other)
-                )))
-            }
-        };
-        if channel_binding == ChannelBinding::Require {
-            if sslmode == SslMode::Disable {
-                return Err(Error::Config(
-                    "channel_binding=require needs TLS, but sslmode=disable; use \
-                     sslmode=require or stricter"
-                        .to_owned(),
-                ));
-            }
-            if hosts.iter().any(|(host, _)| host.starts_with('/')) {
-                return Err(Error::Config(
-                    "channel_binding=require needs TLS, which is not used over a Unix socket; \
-                     connect over TCP"
-                        .to_owned(),
-                ));
-            }
-        }
+        let key = [host.as_str(), &port.to_string(), &dbname, &user];
+        let password = values.password(passfile.as_deref(), key, &mut warnings);
+        let tls = values.tls(home.as_deref())?;
+        let channel_binding = values.channel_binding(tls.sslmode, &hosts)?;
         let require_auth = values
             .take("require_auth")
             .map(|text| text.parse::<RequireAuth>())
             .transpose()?;
         let application_name = values.take("application_name");
-        let connect_timeout = match values.take("connect_timeout") {
-            None => Some(DEFAULT_CONNECT_TIMEOUT),
-            Some(text) => {
-                let seconds = text.trim().parse::<i64>().map_err(|_| {
-                    Error::Config(format!(
-                        "invalid connect_timeout {}: expected a whole number of seconds",
-                        values.shown("connect_timeout", &text)
-                    ))
-                })?;
-                // libpq: zero or negative waits forever; the minimum is 2 seconds.
-                u64::try_from(seconds)
-                    .ok()
-                    .filter(|s| *s > 0)
-                    .map(|s| Duration::from_secs(s.max(2)))
-            }
-        };
+        let connect_timeout = values.connect_timeout()?;
         Ok(ConnInfo {
             host,
             port,
@@ -987,10 +759,10 @@ impl ConnInfo {
             password,
             dbname,
             passfile,
-            sslmode,
-            sslrootcert,
-            sslcert,
-            sslkey,
+            sslmode: tls.sslmode,
+            sslrootcert: tls.sslrootcert,
+            sslcert: tls.sslcert,
+            sslkey: tls.sslkey,
             channel_binding,
             require_auth,
             application_name,
@@ -1001,12 +773,119 @@ impl ConnInfo {
     }
 }
 
+/// The error for a connection string's parameter the relay does not support, quoting no
+/// value and, from a URL's query string, not even the name (R8).
+fn unsupported(pair: &Pair) -> Error {
+    if let Some(index) = pair
+        .url_query_index
+        .filter(|_| !LIBPQ_KEYWORDS.contains(&pair.key.as_str()))
+    {
+        // Not quoted (R8): `?password=hun&ter2=x` makes "ter2" a name.
+        return Error::Config(format!(
+            "unsupported parameter: query parameter {index} of the URL is not a libpq \
+             parameter{} (its name is not shown: it may be the tail of a password with \
+             an unencoded '&'; percent-encode '&', '=' and '#' in values as %26, %3D, \
+             %23); supported: {}",
+            closest_parameter(&pair.key)
+                .map(|name| format!(" (did you mean {name}?)"))
+                .unwrap_or_default(),
+            supported_parameters()
+        ));
+    }
+    if pair.follows_bare_password {
+        // The "key" may be the rest of a password that has a space in it.
+        return Error::Config(
+            "unsupported parameter after the password; if the password contains a \
+             space, put it in single quotes: password='...'"
+                .to_owned(),
+        );
+    }
+    Error::Config(format!(
+        "unsupported parameter {:?}; supported: {}",
+        pair.key,
+        supported_parameters()
+    ))
+}
+
+/// The environment's part that no parameter takes: a variable of a libpq feature the relay
+/// does not support is an error, a neutral parameter's variable (unless the connection
+/// string gave the parameter, `neutral_given`) must have the neutral value, and the pinned
+/// session settings' variables are ignored with the warnings returned.
+fn check_environment(
+    env: &dyn Fn(&str) -> Option<String>,
+    neutral_given: &[&str],
+) -> Result<Vec<String>, Error> {
+    for (variable, feature) in UNSUPPORTED_ENV {
+        if env(variable).is_some() {
+            return Err(Error::Config(format!(
+                "the environment variable {variable} is set, but outbox-relay does not \
+                 support {feature}; unset it"
+            )));
+        }
+    }
+    for neutral in NEUTRAL.iter().filter(|n| !neutral_given.contains(&n.0)) {
+        if let Some(value) = env(neutral.1) {
+            check_neutral(neutral, &value, Some(neutral.1))?;
+        }
+    }
+    Ok(PINNED_ENV
+        .iter()
+        .filter(|variable| env(variable).is_some())
+        .map(|variable| {
+            format!(
+                "{variable} is ignored: the relay pins DateStyle=ISO and TimeZone=UTC for \
+                 its sessions"
+            )
+        })
+        .collect())
+}
+
+/// The TLS parameters, with libpq's defaults from `~/.postgresql` (`home`).
+struct Tls {
+    sslmode: SslMode,
+    sslrootcert: Option<RootCerts>,
+    sslcert: Option<PathBuf>,
+    sslkey: Option<PathBuf>,
+}
+
 /// The connection string's values and the environment, handing out each parameter once
 /// and recording where it came from.
 struct Values<'a> {
     given: BTreeMap<&'static str, String>,
     sources: BTreeMap<&'static str, Source>,
     env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl<'a> Values<'a> {
+    /// Sorts the connection string's pairs: a supported parameter's value is kept (the last
+    /// one wins, as in libpq; an empty value means "not given"), a neutral parameter's is
+    /// checked and its name returned, anything else is an error ([`unsupported`]).
+    fn sort(
+        pairs: Vec<Pair>,
+        env: &'a dyn Fn(&str) -> Option<String>,
+    ) -> Result<(Self, Vec<&'static str>), Error> {
+        let mut values = Values {
+            given: BTreeMap::new(),
+            sources: BTreeMap::new(),
+            env,
+        };
+        let mut neutral_given = Vec::new();
+        for pair in pairs {
+            if let Some(parameter) = PARAMETERS.iter().find(|p| p.name == pair.key) {
+                if pair.value.is_empty() {
+                    values.given.remove(parameter.name);
+                } else {
+                    values.given.insert(parameter.name, pair.value);
+                }
+            } else if let Some(neutral) = NEUTRAL.iter().find(|n| n.0 == pair.key) {
+                check_neutral(neutral, &pair.value, None)?;
+                neutral_given.push(neutral.0);
+            } else {
+                return Err(unsupported(&pair));
+            }
+        }
+        Ok((values, neutral_given))
+    }
 }
 
 impl Values<'_> {
@@ -1028,6 +907,213 @@ impl Values<'_> {
             Some(Source::Env(variable)) => format!("{variable}={value:?}"),
             _ => "(the connection string's value, not shown)".to_owned(),
         }
+    }
+
+    /// `host` and `port`, paired: one port for all hosts, or one for each.
+    fn hosts(&mut self) -> Result<Vec<(String, u16)>, Error> {
+        let host_list = self.host_list();
+        let port_list = self.port_list()?;
+        match (host_list.len(), port_list.len()) {
+            (_, 1) => Ok(host_list
+                .into_iter()
+                .map(|host| (host, port_list[0]))
+                .collect()),
+            (h, p) if h == p => Ok(host_list.into_iter().zip(port_list).collect()),
+            (h, p) => Err(Error::Config(format!(
+                "{p} ports for {h} hosts: give one port for all hosts, or one for each \
+                 (port=5432,5433 for host=a,b)"
+            ))),
+        }
+    }
+
+    /// `host`'s comma-separated list; libpq: an empty entry is the default.
+    fn host_list(&mut self) -> Vec<String> {
+        match self.take("host") {
+            None => vec![DEFAULT_HOST.to_owned()],
+            Some(list) => list
+                .split(',')
+                .map(|host| match host.trim() {
+                    "" => DEFAULT_HOST.to_owned(),
+                    host => host.to_owned(),
+                })
+                .collect(),
+        }
+    }
+
+    /// `port`'s comma-separated list; libpq: an empty entry is the default.
+    fn port_list(&mut self) -> Result<Vec<u16>, Error> {
+        let Some(list) = self.take("port") else {
+            return Ok(vec![DEFAULT_PORT]);
+        };
+        list.split(',')
+            .map(|port| match port.trim() {
+                "" => Ok(DEFAULT_PORT),
+                text => match text.parse::<u16>() {
+                    Ok(port) if port != 0 => Ok(port),
+                    _ => Err(Error::Config(format!(
+                        "invalid port {}: expected a number from 1 to 65535{}",
+                        self.shown("port", &list),
+                        if list.contains(',') {
+                            " for each host, comma-separated"
+                        } else {
+                            ""
+                        }
+                    ))),
+                },
+            })
+            .collect()
+    }
+
+    fn target_session_attrs(&mut self) -> Result<TargetSessionAttrs, Error> {
+        let Some(text) = self.take("target_session_attrs") else {
+            return Ok(TargetSessionAttrs::Any);
+        };
+        TargetSessionAttrs::ALL
+            .into_iter()
+            .find(|attrs| attrs.as_str().eq_ignore_ascii_case(text.trim()))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "invalid target_session_attrs {}: expected any, read-write, read-only, \
+                     primary, standby or prefer-standby",
+                    self.shown("target_session_attrs", &text)
+                ))
+            })
+    }
+
+    fn load_balance_hosts(&mut self) -> Result<LoadBalanceHosts, Error> {
+        let Some(text) = self.take("load_balance_hosts") else {
+            return Ok(LoadBalanceHosts::Disable);
+        };
+        match text.trim().to_ascii_lowercase().as_str() {
+            "disable" => Ok(LoadBalanceHosts::Disable),
+            "random" => Ok(LoadBalanceHosts::Random),
+            _ => Err(Error::Config(format!(
+                "invalid load_balance_hosts {}: expected disable or random",
+                self.shown("load_balance_hosts", &text)
+            ))),
+        }
+    }
+
+    /// `password`, or else the password file's entry for `key` (host, port, dbname, user).
+    fn password(
+        &mut self,
+        passfile: Option<&Path>,
+        key: [&str; 4],
+        warnings: &mut Vec<String>,
+    ) -> Option<Secret> {
+        if let Some(password) = self.take("password") {
+            return Some(Secret(password));
+        }
+        let path = passfile?;
+        let password = password_from_file(path, key, warnings);
+        if password.is_some() {
+            self.sources
+                .insert("password", Source::PassFile(path.to_path_buf()));
+        }
+        password
+    }
+
+    /// `sslmode`, `sslrootcert`, `sslcert` and `sslkey`, the files defaulting to those in
+    /// `~/.postgresql` that exist; `sslrootcert=system` means `verify-full`.
+    fn tls(&mut self, home: Option<&Path>) -> Result<Tls, Error> {
+        let explicit_sslmode = match self.take("sslmode") {
+            None => None,
+            Some(mode) => Some(mode.parse::<SslMode>().map_err(|_| {
+                Error::Config(format!(
+                    "invalid sslmode {}: expected one of disable, prefer, require, verify-ca, \
+                     verify-full",
+                    self.shown("sslmode", &mode)
+                ))
+            })?),
+        };
+        let in_home = |file: &str| home.map(|home| home.join(".postgresql").join(file));
+        let sslrootcert = match self.take("sslrootcert") {
+            Some(text) if text == "system" => Some(RootCerts::System),
+            Some(path) => Some(RootCerts::File(PathBuf::from(path))),
+            None => in_home("root.crt")
+                .filter(|path| path.is_file())
+                .map(RootCerts::File),
+        };
+        let sslmode = match (explicit_sslmode, &sslrootcert) {
+            (Some(SslMode::VerifyFull) | None, Some(RootCerts::System)) => SslMode::VerifyFull,
+            (Some(weak), Some(RootCerts::System)) => {
+                return Err(Error::Config(format!(
+                    "weak sslmode {:?} may not be used with sslrootcert=system (use \
+                     \"verify-full\")",
+                    weak.as_str()
+                )))
+            }
+            (mode, _) => mode.unwrap_or_default(),
+        };
+        let sslcert = self
+            .take("sslcert")
+            .map(PathBuf::from)
+            .or_else(|| in_home("postgresql.crt").filter(|path| path.is_file()));
+        let sslkey = self.take("sslkey").map(PathBuf::from).or_else(|| {
+            sslcert.as_ref()?;
+            in_home("postgresql.key")
+        });
+        Ok(Tls {
+            sslmode,
+            sslrootcert,
+            sslcert,
+            sslkey,
+        })
+    }
+
+    /// `channel_binding`; `require` needs TLS, so neither `sslmode=disable` nor a socket.
+    fn channel_binding(
+        &mut self,
+        sslmode: SslMode,
+        hosts: &[(String, u16)],
+    ) -> Result<ChannelBinding, Error> {
+        let channel_binding = match self.take("channel_binding").as_deref() {
+            None => ChannelBinding::default(),
+            Some("disable") => ChannelBinding::Disable,
+            Some("prefer") => ChannelBinding::Prefer,
+            Some("require") => ChannelBinding::Require,
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "invalid channel_binding {}: expected disable, prefer or require",
+                    self.shown("channel_binding", other)
+                )))
+            }
+        };
+        if channel_binding == ChannelBinding::Require {
+            if sslmode == SslMode::Disable {
+                return Err(Error::Config(
+                    "channel_binding=require needs TLS, but sslmode=disable; use \
+                     sslmode=require or stricter"
+                        .to_owned(),
+                ));
+            }
+            if hosts.iter().any(|(host, _)| host.starts_with('/')) {
+                return Err(Error::Config(
+                    "channel_binding=require needs TLS, which is not used over a Unix socket; \
+                     connect over TCP"
+                        .to_owned(),
+                ));
+            }
+        }
+        Ok(channel_binding)
+    }
+
+    /// `connect_timeout` in seconds; libpq: zero or negative waits forever, the minimum is 2
+    /// seconds.
+    fn connect_timeout(&mut self) -> Result<Option<Duration>, Error> {
+        let Some(text) = self.take("connect_timeout") else {
+            return Ok(Some(DEFAULT_CONNECT_TIMEOUT));
+        };
+        let seconds = text.trim().parse::<i64>().map_err(|_| {
+            Error::Config(format!(
+                "invalid connect_timeout {}: expected a whole number of seconds",
+                self.shown("connect_timeout", &text)
+            ))
+        })?;
+        Ok(u64::try_from(seconds)
+            .ok()
+            .filter(|s| *s > 0)
+            .map(|s| Duration::from_secs(s.max(2))))
     }
 }
 
@@ -1274,7 +1360,18 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
         Some((host_port, path)) => (host_port, Some(path)),
         None => (main, None),
     };
-    // `host1:port1,host2:port2`: libpq's lists, an entry without a port being the default.
+    url_hosts(host_port, &mut pairs)?;
+    if let Some(path) = path {
+        pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
+    }
+    if let Some(query) = query {
+        url_query(query, &mut pairs)?;
+    }
+    Ok(pairs)
+}
+
+/// `host1:port1,host2:port2`: libpq's lists, an entry without a port being the default.
+fn url_hosts(host_port: &str, pairs: &mut Vec<Pair>) -> Result<(), Error> {
     let mut hosts = Vec::new();
     let mut ports = Vec::new();
     for host_port in host_port.split(',') {
@@ -1295,11 +1392,12 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
     if ports.iter().any(|port| !port.is_empty()) {
         pairs.push(Pair::new("port", ports.join(",")));
     }
-    if let Some(path) = path {
-        pairs.push(Pair::new("dbname", percent_decode(path, "dbname")?));
-    }
-    let params = query.into_iter().flat_map(|q| q.split('&'));
-    for (index, param) in (1..).zip(params) {
+    Ok(())
+}
+
+/// `k=v&...`, each pair numbered (from 1) by its place in the query string.
+fn url_query(query: &str, pairs: &mut Vec<Pair>) -> Result<(), Error> {
+    for (index, param) in (1..).zip(query.split('&')) {
         if param.is_empty() {
             continue;
         }
@@ -1317,7 +1415,7 @@ fn parse_url(rest: &str) -> Result<Vec<Pair>, Error> {
         pair.url_query_index = Some(index);
         pairs.push(pair);
     }
-    Ok(pairs)
+    Ok(())
 }
 
 /// `host`, `host:port`, `[ipv6]` or `[ipv6]:port`; the host percent-decoded, the port as
@@ -1468,48 +1566,12 @@ fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
             ));
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
-        let mut value = String::new();
         let quoted = chars.next_if_eq(&'\'').is_some();
-        if quoted {
-            loop {
-                match chars.next() {
-                    None if key == "password" || after_bare_password => {
-                        return Err(Error::Config(
-                            "unterminated quoted password in connection info string".to_owned(),
-                        ))
-                    }
-                    None => {
-                        return Err(Error::Config(format!(
-                            "unterminated quoted value of {key:?} in connection info string"
-                        )))
-                    }
-                    Some('\\') => {
-                        if let Some(c) = chars.next() {
-                            value.push(c);
-                        }
-                    }
-                    Some('\'') => {
-                        // Extension: '' inside quotes is one quote (libpq would reject it).
-                        if chars.next_if_eq(&'\'').is_some() {
-                            value.push('\'');
-                        } else {
-                            break;
-                        }
-                    }
-                    Some(c) => value.push(c),
-                }
-            }
+        let value = if quoted {
+            quoted_value(&mut chars, &key, after_bare_password)?
         } else {
-            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
-                if c == '\\' {
-                    if let Some(escaped) = chars.next() {
-                        value.push(escaped);
-                    }
-                } else {
-                    value.push(c);
-                }
-            }
-        }
+            bare_value(&mut chars)
+        };
         let bare_password = key == "password" && !quoted;
         pairs.push(Pair {
             key,
@@ -1519,6 +1581,61 @@ fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
         });
         after_bare_password = bare_password;
     }
+}
+
+/// A quoted value's text after its opening quote, through the closing one: a backslash
+/// escapes the next character and (an extension) `''` is one quote. The error for a missing
+/// closing quote names the parameter `key`, never the text; a password's (or what follows a
+/// bare password, `after_bare_password`) does not even name it.
+fn quoted_value(
+    chars: &mut std::iter::Peekable<std::str::Chars<'_>>,
+    key: &str,
+    after_bare_password: bool,
+) -> Result<String, Error> {
+    let mut value = String::new();
+    loop {
+        match chars.next() {
+            None if key == "password" || after_bare_password => {
+                return Err(Error::Config(
+                    "unterminated quoted password in connection info string".to_owned(),
+                ))
+            }
+            None => {
+                return Err(Error::Config(format!(
+                    "unterminated quoted value of {key:?} in connection info string"
+                )))
+            }
+            Some('\\') => {
+                if let Some(c) = chars.next() {
+                    value.push(c);
+                }
+            }
+            Some('\'') => {
+                // Extension: '' inside quotes is one quote (libpq would reject it).
+                if chars.next_if_eq(&'\'').is_some() {
+                    value.push('\'');
+                } else {
+                    return Ok(value);
+                }
+            }
+            Some(c) => value.push(c),
+        }
+    }
+}
+
+/// An unquoted value: up to the next whitespace, a backslash escaping the next character.
+fn bare_value(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) -> String {
+    let mut value = String::new();
+    while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+        if c == '\\' {
+            if let Some(escaped) = chars.next() {
+                value.push(escaped);
+            }
+        } else {
+            value.push(c);
+        }
+    }
+    value
 }
 
 #[cfg(test)]

@@ -295,6 +295,14 @@ impl<'a> Parser<'a> {
                     expected: "UTF-8 text",
                 });
         }
+        self.escaped_string(start)
+    }
+
+    /// The rest of a string (its text from `start`, after the opening quote) that holds an
+    /// escape, a control character or no closing quote: decoded into a buffer of its own
+    /// from the first escape on.
+    fn escaped_string(&mut self, start: usize) -> Result<Cow<'a, str>, ParseError> {
+        let input = self.input;
         let mut owned: Option<Vec<u8>> = None;
         loop {
             let Some(byte) = self.peek() else {
@@ -317,29 +325,7 @@ impl<'a> Parser<'a> {
                 b'\\' => {
                     let buffer = owned.get_or_insert_with(|| input[start..self.at].to_vec());
                     self.at += 1;
-                    let escaped = self.peek().ok_or_else(|| self.expected("an escape"))?;
-                    self.at += 1;
-                    let plain = match escaped {
-                        b'"' => b'"',
-                        b'\\' => b'\\',
-                        b'/' => b'/',
-                        b'b' => 0x08,
-                        b'f' => 0x0c,
-                        b'n' => b'\n',
-                        b'r' => b'\r',
-                        b't' => b'\t',
-                        b'u' => {
-                            let c = self.unicode_escape()?;
-                            let mut utf8 = [0; 4];
-                            buffer.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
-                            continue;
-                        }
-                        _ => {
-                            self.at -= 1;
-                            return Err(self.expected("a valid escape"));
-                        }
-                    };
-                    buffer.push(plain);
+                    self.escape(buffer)?;
                 }
                 0x00..=0x1f => return Err(self.expected("no control character in a string")),
                 _ => {
@@ -350,6 +336,34 @@ impl<'a> Parser<'a> {
                 }
             }
         }
+    }
+
+    /// The escape after a backslash (consumed), its character appended to `buffer`.
+    fn escape(&mut self, buffer: &mut Vec<u8>) -> Result<(), ParseError> {
+        let escaped = self.peek().ok_or_else(|| self.expected("an escape"))?;
+        self.at += 1;
+        let plain = match escaped {
+            b'"' => b'"',
+            b'\\' => b'\\',
+            b'/' => b'/',
+            b'b' => 0x08,
+            b'f' => 0x0c,
+            b'n' => b'\n',
+            b'r' => b'\r',
+            b't' => b'\t',
+            b'u' => {
+                let c = self.unicode_escape()?;
+                let mut utf8 = [0; 4];
+                buffer.extend_from_slice(c.encode_utf8(&mut utf8).as_bytes());
+                return Ok(());
+            }
+            _ => {
+                self.at -= 1;
+                return Err(self.expected("a valid escape"));
+            }
+        };
+        buffer.push(plain);
+        Ok(())
     }
 
     /// The `XXXX` of `\uXXXX` (the `\u` consumed), with a surrogate pair's second half.

@@ -332,52 +332,14 @@ impl Connector {
         if self.tls_first {
             stream = self.tls(stream, tls_name).await?;
         }
-        let mut update = None;
-        let first = read_op(&mut stream, &mut buffer, |op| match op {
-            ServerOp::Info(json) => {
-                update = Some(json.to_vec());
-                Some(())
-            }
-            _ => None,
-        })
-        .await?;
-        let mut info = match (first, update) {
-            (Some(()), Some(json)) => Info::parse(&json)?,
-            _ => return Err("the server's first message is not INFO".into()),
-        };
-        if !info.headers {
-            return Err(Failure::Refused(
-                crate::Refusal::NoHeaders,
-                "the server does not support message headers (\"headers\": false in its INFO), which every JetStream publish needs: remove no_header_support from its configuration, or upgrade it to nats-server 2.2 or later".to_owned(),
-            ));
-        }
+        let mut info = first_info(&mut stream, &mut buffer).await?;
         let tls = self.tls_first || self.tls_required || address.tls || info.tls_required;
         if !self.tls_first && tls {
             stream = self.tls(stream, tls_name).await?;
         }
         let connect = self.connect_json(&info, tls)?;
-        let mut hello = Vec::with_capacity(connect.len() + 64);
-        hello.extend_from_slice(b"CONNECT ");
-        hello.extend_from_slice(connect.as_bytes());
-        hello.extend_from_slice(b"\r\nPING\r\n");
-        send(&mut stream, &hello, "cannot send CONNECT").await?;
-        // C2: PONG, or the server's refusal; C6: the INFO after CONNECT is applied.
-        if let Err(text) = pong(&mut stream, &mut buffer, &mut info).await? {
-            return Err(match classify(&text) {
-                ServerError::Authentication => Failure::Refused(
-                    crate::Refusal::Authentication,
-                    format!("the server refused us: {text}"),
-                ),
-                _ => Failure::Other(format!("the server refused us: {text}")),
-            });
-        }
-        // C2: the subscription, confirmed by the next PONG: a server that forbids it says so
-        // first (a permissions violation leaves the connection open).
-        let subscribe = format!("SUB {reply_prefix}* {SID}\r\nPING\r\n");
-        send(&mut stream, subscribe.as_bytes(), "cannot subscribe").await?;
-        if let Err(text) = pong(&mut stream, &mut buffer, &mut info).await? {
-            return Err(Failure::Subscription(text));
-        }
+        hello(&mut stream, &mut buffer, &mut info, &connect).await?;
+        subscribe(&mut stream, &mut buffer, &mut info, reply_prefix).await?;
         // C8: whatever came with the PONG is the reader's.
         Ok((stream, info, buffer))
     }
@@ -673,6 +635,71 @@ fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 type Stream = Box<dyn Io>;
+
+/// The server's first message, its `INFO`, which must announce header support.
+async fn first_info(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Info, Failure> {
+    let mut update = None;
+    let first = read_op(stream, buffer, |op| match op {
+        ServerOp::Info(json) => {
+            update = Some(json.to_vec());
+            Some(())
+        }
+        _ => None,
+    })
+    .await?;
+    let info = match (first, update) {
+        (Some(()), Some(json)) => Info::parse(&json)?,
+        _ => return Err("the server's first message is not INFO".into()),
+    };
+    if !info.headers {
+        return Err(Failure::Refused(
+            crate::Refusal::NoHeaders,
+            "the server does not support message headers (\"headers\": false in its INFO), which every JetStream publish needs: remove no_header_support from its configuration, or upgrade it to nats-server 2.2 or later".to_owned(),
+        ));
+    }
+    Ok(info)
+}
+
+/// `CONNECT` (its JSON, `connect`) and a `PING`: C2, the `PONG` or the server's refusal; C6,
+/// an `INFO` after `CONNECT` is applied to `info`.
+async fn hello(
+    stream: &mut Stream,
+    buffer: &mut BytesMut,
+    info: &mut Info,
+    connect: &str,
+) -> Result<(), Failure> {
+    let mut hello = Vec::with_capacity(connect.len() + 64);
+    hello.extend_from_slice(b"CONNECT ");
+    hello.extend_from_slice(connect.as_bytes());
+    hello.extend_from_slice(b"\r\nPING\r\n");
+    send(stream, &hello, "cannot send CONNECT").await?;
+    match pong(stream, buffer, info).await? {
+        Ok(()) => Ok(()),
+        Err(text) => Err(match classify(&text) {
+            ServerError::Authentication => Failure::Refused(
+                crate::Refusal::Authentication,
+                format!("the server refused us: {text}"),
+            ),
+            _ => Failure::Other(format!("the server refused us: {text}")),
+        }),
+    }
+}
+
+/// C2: the subscription to `{reply_prefix}*`, confirmed by the next `PONG`: a server that
+/// forbids it says so first (a permissions violation leaves the connection open).
+async fn subscribe(
+    stream: &mut Stream,
+    buffer: &mut BytesMut,
+    info: &mut Info,
+    reply_prefix: &str,
+) -> Result<(), Failure> {
+    let subscribe = format!("SUB {reply_prefix}* {SID}\r\nPING\r\n");
+    send(stream, subscribe.as_bytes(), "cannot subscribe").await?;
+    match pong(stream, buffer, info).await? {
+        Ok(()) => Ok(()),
+        Err(text) => Err(Failure::Subscription(text)),
+    }
+}
 
 /// Writes and flushes `bytes`; an error says `what` failed.
 async fn send(stream: &mut Stream, bytes: &[u8], what: &str) -> Result<(), String> {
@@ -1026,56 +1053,10 @@ async fn read_answers(mut reader: Reader) {
         reader.info.max_payload
     };
     let why = loop {
-        let mut closed = None;
-        loop {
-            let (answer, used) = match wire::parse(&reader.buffer, MAX_INFO_LINE, max_payload) {
-                Parsed::Op(op, used) => (answer_of(op, &reader.reply_prefix), used),
-                Parsed::Incomplete => break,
-                Parsed::Invalid(why) => {
-                    closed = Some(format!(
-                        "the NATS server sent what is not the protocol: {why}"
-                    ));
-                    break;
-                }
-            };
-            reader.buffer.advance(used);
-            let answer = match answer {
-                Reading::Answer(answer) => answer,
-                Reading::Ping => {
-                    reader.pongs.owed.fetch_add(1, Ordering::Relaxed);
-                    reader.pongs.notify.notify_one();
-                    continue;
-                }
-                Reading::Pong => {
-                    reader.unanswered.store(0, Ordering::Relaxed);
-                    continue;
-                }
-                Reading::Info(json) => match reader.apply(&json) {
-                    Ok(None) => continue,
-                    Ok(Some(answer)) => answer,
-                    Err(why) => {
-                        closed = Some(why);
-                        break;
-                    }
-                },
-                Reading::Error(text) => match classify(&text) {
-                    ServerError::PublishDenied(subject) => Answer::Denied {
-                        subject: subject.to_owned(),
-                        why: text.clone(),
-                    },
-                    _ => {
-                        closed = Some(format!("the NATS server said: {text}"));
-                        break;
-                    }
-                },
-                Reading::Nothing => continue,
-            };
-            if reader.answers.send(answer).await.is_err() {
-                return;
-            }
-        }
-        if let Some(why) = closed {
-            break why;
+        match reader.answer_buffered(max_payload).await {
+            Buffered::Read => {}
+            Buffered::Closed(why) => break why,
+            Buffered::AckerGone => return,
         }
         match reader.read.read_buf(&mut reader.buffer).await {
             Ok(0) => break "the NATS server closed the connection".to_owned(),
@@ -1086,7 +1067,69 @@ async fn read_answers(mut reader: Reader) {
     let _ = reader.answers.send(Answer::Closed(why)).await;
 }
 
+/// Where the reader stands after the operations its buffer holds.
+enum Buffered {
+    /// Every whole operation is taken: read more.
+    Read,
+    /// The connection is to be closed, for this reason (C3, C4, C7).
+    Closed(String),
+    /// The acker is gone: the session ended.
+    AckerGone,
+}
+
 impl Reader {
+    /// Takes every whole operation in the buffer, handing the answers to the acker.
+    async fn answer_buffered(&mut self, max_payload: usize) -> Buffered {
+        loop {
+            let (reading, used) = match wire::parse(&self.buffer, MAX_INFO_LINE, max_payload) {
+                Parsed::Op(op, used) => (answer_of(op, &self.reply_prefix), used),
+                Parsed::Incomplete => return Buffered::Read,
+                Parsed::Invalid(why) => {
+                    return Buffered::Closed(format!(
+                        "the NATS server sent what is not the protocol: {why}"
+                    ))
+                }
+            };
+            self.buffer.advance(used);
+            let answer = match self.on_reading(reading) {
+                Ok(Some(answer)) => answer,
+                Ok(None) => continue,
+                Err(why) => return Buffered::Closed(why),
+            };
+            if self.answers.send(answer).await.is_err() {
+                return Buffered::AckerGone;
+            }
+        }
+    }
+
+    /// What one operation read means: `Ok(Some)` an answer for the acker, `Ok(None)` nothing
+    /// for it (a `PING` to answer, a `PONG`, an `INFO` with nothing to tell), `Err` the
+    /// session's end (an `-ERR` other than a denied publish, C7).
+    #[inline]
+    fn on_reading(&mut self, reading: Reading) -> Result<Option<Answer>, String> {
+        match reading {
+            Reading::Answer(answer) => Ok(Some(answer)),
+            Reading::Ping => {
+                self.pongs.owed.fetch_add(1, Ordering::Relaxed);
+                self.pongs.notify.notify_one();
+                Ok(None)
+            }
+            Reading::Pong => {
+                self.unanswered.store(0, Ordering::Relaxed);
+                Ok(None)
+            }
+            Reading::Info(json) => self.apply(&json),
+            Reading::Error(text) => match classify(&text) {
+                ServerError::PublishDenied(subject) => Ok(Some(Answer::Denied {
+                    subject: subject.to_owned(),
+                    why: text.clone(),
+                })),
+                _ => Err(format!("the NATS server said: {text}")),
+            },
+            Reading::Nothing => Ok(None),
+        }
+    }
+
     /// Applies an in-session `INFO` (C6): `Ok(Some)` for the acker, `Err` ends the session.
     fn apply(&mut self, json: &[u8]) -> Result<Option<Answer>, String> {
         let before = self.info.max_payload;

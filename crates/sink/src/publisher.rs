@@ -91,12 +91,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::Poll;
 use std::time::Duration;
 
 use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
+use async_nats::jetstream::message::StreamMessage;
 use bytes::{Bytes, BytesMut};
 use outbox::{encoding, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
@@ -291,9 +292,8 @@ enum AckItem<P> {
     /// Already in the stream (P6): counts as acknowledged.
     Stored,
     Publish {
-        id: i64,
-        position: Position,
-        created_at_ms: i64,
+        /// The event published (or whose dead-letter record is).
+        event: Acknowledged,
         /// A dead-letter record in the event's place (P7).
         dead_letter: bool,
         /// Its number in the session: its reply subject is `{inbox}.{sequence}` (P10).
@@ -338,7 +338,9 @@ where
     result
 }
 
-/// [`run`], but for counting a halt on poison.
+/// [`run`], but for counting a halt on poison: sets up the session (its window, the acker
+/// task, the publisher's state), publishes the input, then ends the session
+/// ([`Publisher::finish`]).
 async fn publish<P>(
     jetstream: Context,
     connection: Connection,
@@ -350,10 +352,11 @@ async fn publish<P>(
 where
     P: Ord + Copy + Send + Sync + std::fmt::Debug + 'static,
 {
-    let window = Arc::new(Semaphore::new(options.max_in_flight.max(1)));
+    let window_size = options.max_in_flight.max(1);
+    let window = Arc::new(Semaphore::new(window_size));
     *stats.window.lock().unwrap_or_else(PoisonError::into_inner) =
-        Some((Arc::downgrade(&window), options.max_in_flight.max(1)));
-    let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(options.max_in_flight.max(1));
+        Some((Arc::downgrade(&window), window_size));
+    let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(window_size);
     let start = *watermark.borrow();
     // P10, C2: the session's own connection, subscribed to `{inbox}.*` before any publish.
     let Connection {
@@ -365,30 +368,8 @@ where
         reply_prefix,
         tasks: _tasks,
     } = connection;
-    let mut limits = options.limits;
-    // P12: the account's limit when the server announced one.
-    if max_payload > 0 {
-        limits.max_message_bytes = limits.max_message_bytes.min(max_payload);
-    }
-    // P7: a reply subject longer than the budget's (a custom inbox prefix) leaves that much
-    // less of the control line; the session's longest is `{reply_prefix}{u64::MAX}`.
-    let reply_len = reply_prefix.len() + u64::MAX.to_string().len();
-    limits.max_control_line = limits
-        .max_control_line
-        .saturating_sub(reply_len.saturating_sub(crate::REPLY_SUBJECT_LEN));
-    let acks = Acks {
-        answers,
-        window: options.max_in_flight.max(1) as u64,
-        timeout: options.ack_timeout,
-        deadline: Box::pin(tokio::time::sleep(options.ack_timeout)),
-        early: BTreeMap::new(),
-        awaited: 0,
-        closed: None,
-        denied: Vec::new(),
-        lame_duck: None,
-        server: server.clone(),
-    };
-    let mut sequence: u64 = 0;
+    let limits = session_limits(options.limits, max_payload, &reply_prefix);
+    let acks = Acks::new(answers, &options, server.clone());
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
     let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
         ack_rx,
@@ -403,24 +384,94 @@ where
             poison: options.poison,
         },
     )));
-    let mut fence = options.fence.map(Fence::at);
-    // P8: events an earlier session found to reuse another event's id.
-    let dead_letter_instead = stats.dead_letter_instead();
-    // P11: subjects an earlier session was denied.
-    let denied_subjects = stats.denied_subjects();
-    // The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
-    // commit LSN is 0/0 too).
-    let mut commit_lsn: (Option<outbox::Lsn>, String) = (None, String::new());
-    // Frames not yet handed to the writer, and one message's header block.
-    let mut out = Frames {
-        buffer: BytesMut::with_capacity(FLUSH_BYTES * 2),
-        frames,
-        timeout: options.ack_timeout,
-        last_id: 0,
+    let mut publisher = Publisher::new(&options, limits, frames, reply_prefix, &stats);
+    let publishing = publisher.publish_input(&mut input, &ack_tx, &window, &lame_duck);
+    let published = tokio::select! {
+        result = publishing => result,
+        // The acker only ends early on an error; stop publishing at once.
+        result = &mut acker => return flatten(result),
     };
-    let mut block = BytesMut::with_capacity(1024);
+    drop(ack_tx);
+    publisher.finish(published, acker, &lame_duck, server).await
+}
 
-    let publishing = async {
+/// The session's limits: `limits` with the account's `max_payload` when the server
+/// announced one (P12), and the control line's budget less what a reply subject longer
+/// than the budget's takes (P7: a custom inbox prefix; the session's longest reply subject
+/// is `{reply_prefix}{u64::MAX}`).
+fn session_limits(mut limits: Limits, max_payload: usize, reply_prefix: &str) -> Limits {
+    if max_payload > 0 {
+        limits.max_message_bytes = limits.max_message_bytes.min(max_payload);
+    }
+    let reply_len = reply_prefix.len() + u64::MAX.to_string().len();
+    limits.max_control_line = limits
+        .max_control_line
+        .saturating_sub(reply_len.saturating_sub(crate::REPLY_SUBJECT_LEN));
+    limits
+}
+
+/// The publisher's state for one session: what it checks events against, the fence, the
+/// frames not yet handed to the writer and the publishes' numbers (P10).
+struct Publisher<'s> {
+    options: &'s SinkOptions,
+    stats: &'s SinkStats,
+    limits: Limits,
+    fence: Option<Fence>,
+    /// P8: events an earlier session found to reuse another event's id.
+    dead_letter_instead: HashMap<Position, String>,
+    /// P11: subjects an earlier session was denied.
+    denied_subjects: HashMap<String, String>,
+    /// The commit LSN's text, formatted once per transaction (none yet: a backfilled row's
+    /// commit LSN is 0/0 too).
+    commit_lsn: (Option<outbox::Lsn>, String),
+    /// Frames not yet handed to the writer.
+    out: Frames,
+    /// One message's header block.
+    block: BytesMut,
+    /// The newest publish's number in the session (P10).
+    sequence: u64,
+    reply_prefix: String,
+}
+
+impl<'s> Publisher<'s> {
+    fn new(
+        options: &'s SinkOptions,
+        limits: Limits,
+        frames: mpsc::Sender<Bytes>,
+        reply_prefix: String,
+        stats: &'s SinkStats,
+    ) -> Self {
+        Publisher {
+            options,
+            stats,
+            limits,
+            fence: options.fence.map(Fence::at),
+            dead_letter_instead: stats.dead_letter_instead(),
+            denied_subjects: stats.denied_subjects(),
+            commit_lsn: (None, String::new()),
+            out: Frames {
+                buffer: BytesMut::with_capacity(FLUSH_BYTES * 2),
+                frames,
+                timeout: options.ack_timeout,
+                last_id: 0,
+            },
+            block: BytesMut::with_capacity(1024),
+            sequence: 0,
+            reply_prefix,
+        }
+    }
+
+    /// Publishes the input's batches, handing each item to the acker in order, until the
+    /// input closes, the server goes into lame-duck mode (P12) or the acker stops (then its
+    /// result says why). Frames are handed to the writer after each batch, every
+    /// [`FLUSH_BYTES`] and before any wait.
+    async fn publish_input<P>(
+        &mut self,
+        input: &mut mpsc::Receiver<Vec<Item<P>>>,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        window: &Arc<Semaphore>,
+        lame_duck: &AtomicBool,
+    ) -> Result<(), SinkError> {
         while let Some(batch) = input.recv().await {
             // P12: a server in lame-duck mode takes nothing more; what is in flight is
             // acknowledged (the batch is taken again by the next session).
@@ -432,72 +483,30 @@ where
                     Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
                     Item::Commit(p) => AckItem::Commit(p),
                     Item::Idle(p) => AckItem::Idle(p),
+                    // P6: already stored.
+                    Item::Event(event) if self.is_stored(&event) => {
+                        self.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                        AckItem::Stored
+                    }
                     Item::Event(event) => {
-                        if options
-                            .resume_after
-                            .is_some_and(|tail| event.position <= tail)
-                        {
-                            stats.skipped.fetch_add(1, Ordering::Relaxed);
-                            AckItem::Stored
-                        } else {
-                            // Nothing waits on a frame still in `out`: hand them to the
-                            // writer before waiting for room in the window.
-                            let permit = match window.clone().try_acquire_owned() {
-                                Ok(permit) => permit,
-                                Err(_) => {
-                                    out.flush().await?;
-                                    // The semaphore is never closed, so acquire cannot fail.
-                                    let Ok(permit) = window.clone().acquire_owned().await else {
-                                        return Ok(());
-                                    };
-                                    permit
-                                }
-                            };
-                            let (id, position, created_at_ms) =
-                                (event.id, event.position, event.created_at_ms);
-                            if commit_lsn.0 != Some(position.commit_lsn) {
-                                commit_lsn =
-                                    (Some(position.commit_lsn), position.commit_lsn.to_string());
-                            }
-                            // An empty map answers without hashing.
-                            let instead = match dead_letter_instead.get(&position) {
-                                Some(reason) => Some((PoisonKind::ReusedId, reason.as_str())),
-                                None => denied_subjects
-                                    .get(&event.subject)
-                                    .map(|why| (PoisonKind::Denied, why.as_str())),
-                            };
-                            let (subject, payload, dead_letter) = prepare(
-                                event,
-                                &commit_lsn.1,
-                                &options,
-                                limits,
-                                &mut fence,
-                                instead,
-                                &mut block,
-                            )?;
-                            sequence += 1;
-                            out.push(id, &subject, &reply_prefix, sequence, &block, &payload);
-                            if out.buffer.len() >= FLUSH_BYTES {
-                                out.flush().await?;
-                            }
-                            AckItem::Publish {
-                                id,
-                                position,
-                                created_at_ms,
-                                dead_letter,
-                                sequence,
-                                subject,
-                                _permit: permit,
-                            }
+                        let permit = match window.clone().try_acquire_owned() {
+                            Ok(permit) => permit,
+                            Err(_) => match self.wait_for_room(window).await? {
+                                Some(permit) => permit,
+                                None => return Ok(()),
+                            },
+                        };
+                        let publish = self.frame(event, permit)?;
+                        if self.out.buffer.len() >= FLUSH_BYTES {
+                            self.out.flush().await?;
                         }
+                        publish
                     }
                 };
                 match ack_tx.try_send(item) {
                     Ok(()) => {}
                     Err(mpsc::error::TrySendError::Full(item)) => {
-                        // The acker may be awaiting a frame still in `out`.
-                        out.flush().await?;
-                        if ack_tx.send(item).await.is_err() {
+                        if !self.wait_for_acker(ack_tx, item).await? {
                             return Ok(());
                         }
                     }
@@ -505,34 +514,120 @@ where
                     Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
                 }
             }
-            out.flush().await?;
+            self.out.flush().await?;
         }
-        Ok::<(), SinkError>(())
-    };
+        Ok(())
+    }
 
-    let published = tokio::select! {
-        result = publishing => result,
-        // The acker only ends early on an error; stop publishing at once.
-        result = &mut acker => return flatten(result),
-    };
-    drop(ack_tx);
-    match published {
-        Ok(()) => flatten(acker.await).and_then(|()| match lame_duck.load(Ordering::Relaxed) {
-            // P12: everything published is acknowledged; the rest is the next session's.
-            true => Err(SinkError::LameDuck { server }),
-            false => Ok(()),
-        }),
-        // P7 halt stops *at* the poison event: the publishes before it are awaited (stored,
-        // and confirmed as far as whole transactions go) before the error ends the run.
-        // Aborting the acker here would drop them unflushed, and a relay halting on every
-        // restart would never deliver the events before the poison one.
-        Err(error) if error.poison_id().is_some() => {
-            let flushed = out.flush().await;
-            flatten(acker.await).and(flushed).and(Err(error))
+    /// P6: whether the stream's tail shows `event` stored.
+    #[inline]
+    fn is_stored(&self, event: &OutboxEvent) -> bool {
+        self.options
+            .resume_after
+            .is_some_and(|tail| event.position <= tail)
+    }
+
+    /// P2: a permit of the full window, once a publish is acknowledged; `None` never (the
+    /// semaphore is never closed). Nothing waits on a frame still in `out`: they are handed
+    /// to the writer first.
+    async fn wait_for_room(
+        &mut self,
+        window: &Arc<Semaphore>,
+    ) -> Result<Option<OwnedSemaphorePermit>, SinkError> {
+        self.out.flush().await?;
+        Ok(window.clone().acquire_owned().await.ok())
+    }
+
+    /// Hands `item` to the acker, whose queue is full; `false` when the acker stopped. The
+    /// acker may be awaiting a frame still in `out`: they are handed to the writer first.
+    async fn wait_for_acker<P>(
+        &mut self,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        item: AckItem<P>,
+    ) -> Result<bool, SinkError> {
+        self.out.flush().await?;
+        Ok(ack_tx.send(item).await.is_ok())
+    }
+
+    /// Writes `event`'s frame (or its dead-letter record's, P7, P8, P11) into `out` as the
+    /// session's next publish, holding a permit of the window (P2).
+    #[inline]
+    fn frame<P>(
+        &mut self,
+        event: OutboxEvent,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<AckItem<P>, SinkError> {
+        let (id, position, created_at_ms) = (event.id, event.position, event.created_at_ms);
+        if self.commit_lsn.0 != Some(position.commit_lsn) {
+            self.commit_lsn = (Some(position.commit_lsn), position.commit_lsn.to_string());
         }
-        Err(error) => {
-            acker.abort();
-            Err(error)
+        // An empty map answers without hashing.
+        let instead = match self.dead_letter_instead.get(&position) {
+            Some(reason) => Some((PoisonKind::ReusedId, reason.as_str())),
+            None => self
+                .denied_subjects
+                .get(&event.subject)
+                .map(|why| (PoisonKind::Denied, why.as_str())),
+        };
+        let (subject, payload, dead_letter) = prepare(
+            event,
+            &self.commit_lsn.1,
+            self.options,
+            self.limits,
+            &mut self.fence,
+            instead,
+            &mut self.block,
+        )?;
+        self.sequence += 1;
+        let sequence = self.sequence;
+        self.out.push(
+            id,
+            &subject,
+            &self.reply_prefix,
+            sequence,
+            &self.block,
+            &payload,
+        );
+        Ok(AckItem::Publish {
+            event: Acknowledged {
+                position,
+                id,
+                created_at_ms,
+            },
+            dead_letter,
+            sequence,
+            subject,
+            _permit: permit,
+        })
+    }
+
+    /// The session's end once the input is published (`published`) or failed: P4, the acker
+    /// drains what is in flight; P12, lame-duck mode ends the session after that.
+    async fn finish(
+        mut self,
+        published: Result<(), SinkError>,
+        acker: AbortOnDropHandle<Result<(), SinkError>>,
+        lame_duck: &AtomicBool,
+        server: String,
+    ) -> Result<(), SinkError> {
+        match published {
+            Ok(()) => flatten(acker.await).and_then(|()| match lame_duck.load(Ordering::Relaxed) {
+                // P12: everything published is acknowledged; the rest is the next session's.
+                true => Err(SinkError::LameDuck { server }),
+                false => Ok(()),
+            }),
+            // P7 halt stops *at* the poison event: the publishes before it are awaited
+            // (stored, and confirmed as far as whole transactions go) before the error ends
+            // the run. Aborting the acker here would drop them unflushed, and a relay halting
+            // on every restart would never deliver the events before the poison one.
+            Err(error) if error.poison_id().is_some() => {
+                let flushed = self.out.flush().await;
+                flatten(acker.await).and(flushed).and(Err(error))
+            }
+            Err(error) => {
+                acker.abort();
+                Err(error)
+            }
         }
     }
 }
@@ -635,6 +730,22 @@ struct Acks {
 }
 
 impl Acks {
+    /// The acker's side of a session's connection, `answers`, awaiting nothing yet.
+    fn new(answers: mpsc::Receiver<Answer>, options: &SinkOptions, server: String) -> Self {
+        Acks {
+            answers,
+            window: options.max_in_flight.max(1) as u64,
+            timeout: options.ack_timeout,
+            deadline: Box::pin(tokio::time::sleep(options.ack_timeout)),
+            early: BTreeMap::new(),
+            awaited: 0,
+            closed: None,
+            denied: Vec::new(),
+            lame_duck: None,
+            server,
+        }
+    }
+
     /// The answer to publish `sequence` (outbox row `id`, to `subject`), the oldest
     /// unacknowledged one (P10); `Ok(Err(why))` when the server denied it (P11).
     async fn next(
@@ -673,30 +784,29 @@ impl Acks {
                 }
                 Poll::Pending => self.wait(&mut armed, id).await?,
             };
-            let (answer_to, ack) = match answer {
-                Some(Answer::Ack { sequence, ack }) => (sequence, ack),
-                Some(Answer::Denied { subject, why }) => {
-                    self.denied.push((subject, why));
-                    continue;
-                }
-                Some(Answer::LameDuck) => {
-                    self.lame_duck = Some(());
-                    continue;
-                }
-                Some(Answer::Closed(why)) => {
-                    self.closed = Some(why);
-                    continue;
-                }
-                None => {
-                    self.closed = Some(CONNECTION_CLOSED.into());
-                    continue;
-                }
+            let Some((answer_to, ack)) = self.note(answer) else {
+                continue;
             };
             if answer_to == sequence {
                 return answered(ack);
             }
             self.keep_early(sequence, answer_to, ack);
         }
+    }
+
+    /// What the connection said (`None`: it is gone), kept for the session (a denied
+    /// subject, P11; lame-duck mode, P12; why it closed, C3), or, for an ack, the publish
+    /// it answers and the ack.
+    #[inline]
+    fn note(&mut self, answer: Option<Answer>) -> Option<(u64, Result<Acked, PublishError>)> {
+        match answer {
+            Some(Answer::Ack { sequence, ack }) => return Some((sequence, ack)),
+            Some(Answer::Denied { subject, why }) => self.denied.push((subject, why)),
+            Some(Answer::LameDuck) => self.lame_duck = Some(()),
+            Some(Answer::Closed(why)) => self.closed = Some(why),
+            None => self.closed = Some(CONNECTION_CLOSED.into()),
+        }
+        None
     }
 
     /// Waits for the next answer, arming the oldest publish's deadline first (P10).
@@ -744,16 +854,11 @@ impl Acks {
             if let Some(why) = &self.closed {
                 return SinkError::Disconnected(why.clone());
             }
-            match self.answers.recv().await {
-                Some(Answer::Ack { sequence, ack }) => {
-                    // Every publish up to `awaited` is answered: the oldest in flight, if
-                    // any, is the next one.
-                    self.keep_early(self.awaited + 1, sequence, ack);
-                }
-                Some(Answer::Denied { subject, why }) => self.denied.push((subject, why)),
-                Some(Answer::LameDuck) => self.lame_duck = Some(()),
-                Some(Answer::Closed(why)) => self.closed = Some(why),
-                None => self.closed = Some(CONNECTION_CLOSED.into()),
+            let answer = self.answers.recv().await;
+            if let Some((sequence, ack)) = self.note(answer) {
+                // Every publish up to `awaited` is answered: the oldest in flight, if any,
+                // is the next one.
+                self.keep_early(self.awaited + 1, sequence, ack);
             }
         }
     }
@@ -775,37 +880,17 @@ fn prepare(
     let source = options.source.as_str();
     let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
     block.clear();
-    // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII database
-    // stores any bytes).
-    let not_utf8 = std::str::from_utf8(&event.payload).err();
-    let problem = match (instead, not_utf8) {
-        (Some((kind, reason)), _) => Err((kind, reason.to_owned())),
-        (None, Some(error)) => Err((
-            PoisonKind::NotUtf8,
-            format!(
-                "its payload is not valid UTF-8 (from byte {}), so no consumer could decode it",
-                error.valid_up_to()
-            ),
-        )),
-        (None, None) => {
-            let msg_id = write_event_block(
-                block,
-                &event,
-                hostile,
-                commit_lsn,
-                Some(source),
-                fence.as_ref(),
-            );
-            // M2: the size checked is the size of what is sent.
-            limits
-                .check(
-                    block.len() + event.payload.len(),
-                    event.payload.len(),
-                    event.subject.len(),
-                )
-                .map(|()| msg_id)
-                .map_err(|(excess, reason)| (PoisonKind::from(excess), reason))
-        }
+    let problem = match instead {
+        Some((kind, reason)) => Err((kind, reason.to_owned())),
+        None => event_block(
+            block,
+            &event,
+            hostile,
+            commit_lsn,
+            source,
+            fence.as_ref(),
+            limits,
+        ),
     };
     let (subject, payload, msg_id, dead_letter) = match problem {
         Ok(msg_id) => (event.subject, event.payload, msg_id, false),
@@ -817,31 +902,90 @@ fn prepare(
             })
         }
         Err((_, reason)) => {
-            let subject = options.dead_letter_subject.as_str();
-            let (map, payload, cut) = fit_dead_letter(
+            let (payload, msg_id) = dead_letter_block(
+                block,
                 &event,
                 hostile,
                 &reason,
-                source,
-                subject,
+                options,
                 fence.as_ref(),
                 limits,
-            )
-            .map_err(|why| SinkError::Poison {
-                id: event.id,
-                kind: PoisonKind::DeadLetterTooLarge,
-                reason: format!("{reason}; {why}"),
-            })?;
-            warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
-            block.clear();
-            let msg_id = write_map_block(block, &map, fence.as_ref());
-            (subject.to_owned(), payload, msg_id, true)
+            )?;
+            (options.dead_letter_subject.clone(), payload, msg_id, true)
         }
     };
     if let Some(fence) = fence.as_mut() {
         fence.advance(block.get(msg_id).unwrap_or_default());
     }
     Ok((subject, payload, dead_letter))
+}
+
+/// Writes `event`'s own header block into `block` (empty) and returns where its
+/// `Nats-Msg-Id` is, or why the event cannot be published as is (P7): a payload that is not
+/// UTF-8, or a message beyond the limits.
+#[inline]
+fn event_block(
+    block: &mut BytesMut,
+    event: &OutboxEvent,
+    hostile: bool,
+    commit_lsn: &str,
+    source: &str,
+    fence: Option<&Fence>,
+    limits: Limits,
+) -> Result<std::ops::Range<usize>, (PoisonKind, String)> {
+    // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII database
+    // stores any bytes).
+    if let Err(error) = std::str::from_utf8(&event.payload) {
+        return Err((
+            PoisonKind::NotUtf8,
+            format!(
+                "its payload is not valid UTF-8 (from byte {}), so no consumer could decode it",
+                error.valid_up_to()
+            ),
+        ));
+    }
+    let msg_id = write_event_block(block, event, hostile, commit_lsn, Some(source), fence);
+    // M2: the size checked is the size of what is sent.
+    limits
+        .check(
+            block.len() + event.payload.len(),
+            event.payload.len(),
+            event.subject.len(),
+        )
+        .map(|()| msg_id)
+        .map_err(|(excess, reason)| (PoisonKind::from(excess), reason))
+}
+
+/// P7 under [`PoisonPolicy::DeadLetter`]: writes the header block of the dead-letter record
+/// in `event`'s place (for `reason`) into `block`, cut to what fits (M3), and returns its
+/// payload and where its `Nats-Msg-Id` is; poison when even the record cannot fit.
+fn dead_letter_block(
+    block: &mut BytesMut,
+    event: &OutboxEvent,
+    hostile: bool,
+    reason: &str,
+    options: &SinkOptions,
+    fence: Option<&Fence>,
+    limits: Limits,
+) -> Result<(Bytes, std::ops::Range<usize>), SinkError> {
+    let subject = options.dead_letter_subject.as_str();
+    let (map, payload, cut) = fit_dead_letter(
+        event,
+        hostile,
+        reason,
+        &options.source,
+        subject,
+        fence,
+        limits,
+    )
+    .map_err(|why| SinkError::Poison {
+        id: event.id,
+        kind: PoisonKind::DeadLetterTooLarge,
+        reason: format!("{reason}; {why}"),
+    })?;
+    warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
+    block.clear();
+    Ok((payload, write_map_block(block, &map, fence)))
 }
 
 fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Result<(), SinkError> {
@@ -853,106 +997,160 @@ fn flatten(result: Result<Result<(), SinkError>, tokio::task::JoinError>) -> Res
 }
 
 async fn acker<P: Ord + Copy + std::fmt::Debug>(
-    mut items: mpsc::Receiver<AckItem<P>>,
-    mut acks: Acks,
-    mut tracker: AckTracker<P>,
+    items: mpsc::Receiver<AckItem<P>>,
+    acks: Acks,
+    tracker: AckTracker<P>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
     source: String,
     duplicates: Duplicates,
 ) -> Result<(), SinkError> {
-    let mut clock = stats.timing.then(|| {
+    let clock = stats.timing.then(|| {
         TxnClock::new(
             &stats.commit_to_ack,
             &stats.created_to_ack,
             &stats.oldest_unconfirmed_us,
         )
     });
-    loop {
-        let item = match items.try_recv() {
-            Ok(item) => item,
-            Err(mpsc::error::TryRecvError::Disconnected) => break,
-            Err(mpsc::error::TryRecvError::Empty) => tokio::select! {
-                biased;
-                item = items.recv() => match item {
-                    Some(item) => item,
-                    None => break,
+    let acker = Acker {
+        acks,
+        tracker,
+        watermark,
+        stats: &stats,
+        source,
+        duplicates,
+        clock,
+    };
+    acker.run(items).await
+}
+
+/// The acker task's state: the answers (P10), the tracker the watermark moves through (P1),
+/// the counters (P9) and the transactions' clock when timed.
+struct Acker<'s, P> {
+    acks: Acks,
+    tracker: AckTracker<P>,
+    watermark: watch::Sender<P>,
+    stats: &'s SinkStats,
+    source: String,
+    duplicates: Duplicates,
+    clock: Option<TxnClock<'s>>,
+}
+
+impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
+    /// Takes the publisher's items in order, awaiting each publish's ack, and publishes the
+    /// watermark whenever the tracker moves it, until the publisher is done (P4) or an
+    /// error ends the session (P3).
+    async fn run(mut self, mut items: mpsc::Receiver<AckItem<P>>) -> Result<(), SinkError> {
+        loop {
+            let item = match items.try_recv() {
+                Ok(item) => item,
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
+                Err(mpsc::error::TryRecvError::Empty) => tokio::select! {
+                    biased;
+                    item = items.recv() => match item {
+                        Some(item) => item,
+                        None => break,
+                    },
+                    // C3: a connection that closes while the session is idle ends it now.
+                    end = self.acks.closed() => return Err(end),
                 },
-                // C3: a connection that closes while the session is idle ends it now.
-                end = acks.closed() => return Err(end),
-            },
-        };
-        let moved = match item {
-            AckItem::Begin { commit_time_us } => {
-                tracker.begin()?;
-                if let Some(clock) = &mut clock {
-                    clock.begin(commit_time_us);
+            };
+            let moved = match item {
+                AckItem::Publish {
+                    event,
+                    dead_letter,
+                    sequence,
+                    subject,
+                    // Released once the ack is in (P2).
+                    _permit,
+                } => {
+                    self.acknowledge(event, dead_letter, sequence, subject)
+                        .await?
                 }
-                None
+                AckItem::Begin { commit_time_us } => self.begin(commit_time_us)?,
+                AckItem::Stored => self.stored()?,
+                AckItem::Commit(end) => self.commit(end)?,
+                AckItem::Idle(position) => self.tracker.idle(position),
+            };
+            if let Some(position) = moved {
+                self.watermark.send_replace(position);
             }
-            AckItem::Stored => {
-                if let Some(clock) = &mut clock {
-                    clock.awaiting();
-                }
-                let ticket = tracker.publish()?;
-                tracker.ack(ticket)?
-            }
-            AckItem::Commit(end) => {
-                if let Some(clock) = &mut clock {
-                    clock.commit();
-                }
-                tracker.commit(end)?
-            }
-            AckItem::Idle(position) => tracker.idle(position),
-            AckItem::Publish {
-                id,
-                position,
-                created_at_ms,
-                dead_letter,
-                sequence,
-                subject,
-                _permit,
-            } => {
-                let ticket: Ticket = tracker.publish()?;
-                if let Some(clock) = &mut clock {
-                    clock.awaiting();
-                }
-                let acknowledged = Acknowledged {
-                    position,
-                    id,
-                    created_at_ms,
-                };
-                let ack = match acks.next(sequence, id, &subject).await? {
-                    Ok(ack) => ack,
-                    Err(why) => {
-                        return Err(duplicates.denied(id, subject, why, dead_letter, &stats));
-                    }
-                };
-                if ack.duplicate {
-                    stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                    duplicates
-                        .check(&ack.stream, ack.sequence, &acknowledged, &stats)
-                        .await?;
-                } else if dead_letter {
-                    stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                    stats.poison.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    stats.stored.fetch_add(1, Ordering::Relaxed);
-                }
-                if let Some(clock) = &mut clock {
-                    clock.acked(created_at_ms);
-                }
-                // Acks are awaited in publish order, so every earlier publish of this
-                // session is acknowledged too.
-                stats.note_stored(&source, acknowledged);
-                tracker.ack(ticket)?
-            }
-        };
-        if let Some(position) = moved {
-            watermark.send_replace(position);
         }
+        Ok(())
     }
-    Ok(())
+
+    /// A transaction's start (with events, P9's clock).
+    #[inline]
+    fn begin(&mut self, commit_time_us: i64) -> Result<Option<P>, SinkError> {
+        self.tracker.begin()?;
+        if let Some(clock) = &mut self.clock {
+            clock.begin(commit_time_us);
+        }
+        Ok(None)
+    }
+
+    /// An event already stored (P6): acknowledged without a publish.
+    #[inline]
+    fn stored(&mut self) -> Result<Option<P>, SinkError> {
+        if let Some(clock) = &mut self.clock {
+            clock.awaiting();
+        }
+        let ticket = self.tracker.publish()?;
+        Ok(self.tracker.ack(ticket)?)
+    }
+
+    /// A transaction's end, at `end`.
+    #[inline]
+    fn commit(&mut self, end: P) -> Result<Option<P>, SinkError> {
+        if let Some(clock) = &mut self.clock {
+            clock.commit();
+        }
+        Ok(self.tracker.commit(end)?)
+    }
+
+    /// Awaits the ack of publish `sequence` (`event`'s, or its dead-letter record's), checks
+    /// a duplicate (P8), counts it (P9) and hands it to the tracker (P1).
+    #[inline]
+    async fn acknowledge(
+        &mut self,
+        event: Acknowledged,
+        dead_letter: bool,
+        sequence: u64,
+        subject: String,
+    ) -> Result<Option<P>, SinkError> {
+        let stats = self.stats;
+        let ticket: Ticket = self.tracker.publish()?;
+        if let Some(clock) = &mut self.clock {
+            clock.awaiting();
+        }
+        let ack = match self.acks.next(sequence, event.id, &subject).await? {
+            Ok(ack) => ack,
+            Err(why) => {
+                let denied = self
+                    .duplicates
+                    .denied(event.id, subject, why, dead_letter, stats);
+                return Err(denied);
+            }
+        };
+        if ack.duplicate {
+            stats.duplicates.fetch_add(1, Ordering::Relaxed);
+            self.duplicates
+                .check(&ack.stream, ack.sequence, &event, stats)
+                .await?;
+        } else if dead_letter {
+            stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            stats.poison.fetch_add(1, Ordering::Relaxed);
+        } else {
+            stats.stored.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(clock) = &mut self.clock {
+            clock.acked(event.created_at_ms);
+        }
+        // Acks are awaited in publish order, so every earlier publish of this session is
+        // acknowledged too.
+        stats.note_stored(&self.source, event);
+        Ok(self.tracker.ack(ticket)?)
+    }
 }
 
 /// P8: what the acker needs to check a duplicate's original.
@@ -1007,7 +1205,25 @@ impl Duplicates {
         event: &Acknowledged,
         stats: &SinkStats,
     ) -> Result<(), SinkError> {
-        let id = event.id;
+        let Some(original) = self.original(stream, sequence, event.id).await? else {
+            return Ok(());
+        };
+        let mark = crate::resume::Mark::of(&original);
+        match self.other_event(&mark, sequence, event) {
+            None => Ok(()),
+            Some((kind, reason)) => self.lost(kind, reason, sequence, event, stats),
+        }
+    }
+
+    /// Reads `stream`'s message `sequence`, the original of a duplicate of outbox row `id`:
+    /// `None` when it is no longer in the stream (deleted or aged out), which leaves nothing
+    /// to check.
+    async fn original(
+        &self,
+        stream: &str,
+        sequence: u64,
+        id: i64,
+    ) -> Result<Option<StreamMessage>, SinkError> {
         let stream = self
             .jetstream
             .get_stream_no_info(stream)
@@ -1019,8 +1235,8 @@ impl Duplicates {
                     e,
                 ),
             })?;
-        let original = match stream.get_raw_message(sequence).await {
-            Ok(original) => original,
+        match stream.get_raw_message(sequence).await {
+            Ok(original) => Ok(Some(original)),
             Err(error)
                 if error.kind()
                     == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
@@ -1030,11 +1246,22 @@ impl Duplicates {
                     sequence,
                     "JetStream acknowledged this event as a duplicate of a message no longer in the stream (deleted or aged out), so whether it was the same event cannot be checked"
                 );
-                return Ok(());
+                Ok(None)
             }
-            Err(source) => return Err(SinkError::Verify { id, source }),
-        };
-        let mark = crate::resume::Mark::of(&original);
+            Err(source) => Err(SinkError::Verify { id, source }),
+        }
+    }
+
+    /// P8's judgement of the original's `mark` (stream sequence `sequence`): `None` when it
+    /// is this row's event, or, in shared mode, another writer's copy of it (no row
+    /// identity); otherwise what the event would be lost as, and why.
+    fn other_event(
+        &self,
+        mark: &crate::resume::Mark,
+        sequence: u64,
+        event: &Acknowledged,
+    ) -> Option<(PoisonKind, String)> {
+        let id = event.id;
         if mark.claim.is_row(id, event.created_at_ms) {
             // The same row's event: a replay of the relay's own publish, or of `outbox-relay
             // replay`/`backfill`'s.
@@ -1042,44 +1269,41 @@ impl Duplicates {
                 outbox_id = id,
                 sequence, "JetStream already held this event"
             );
-            return Ok(());
+            return None;
         }
-        let here = event.position;
-        let (kind, reason) = if mark.claim.is_anonymous() {
-            if !self.strict {
-                // Shared mode: another writer (e.g. a polling publisher during a migration)
-                // published it under the same id; that is what shared mode allows.
-                debug!(
-                    outbox_id = id,
-                    sequence,
-                    "JetStream already held a message with this event's id from another writer"
-                );
-                return Ok(());
-            }
-            (
-                PoisonKind::ForeignDuplicate,
-                format!(
-                    "JetStream acknowledged it as a duplicate of stream sequence {sequence}, a message the relay did not write for it (no Outbox-Id or ordering key): another writer published a message under this event's id within the duplicate window"
-                ),
-            )
-        } else {
-            let theirs = match mark.position {
-                Some(p) => format!("commit LSN {}, index {}", p.commit_lsn, p.index),
-                None => "no position".to_owned(),
-            };
-            (
-                PoisonKind::ReusedId,
-                format!(
-                    "JetStream acknowledged it as a duplicate of stream sequence {}, another event (outbox id {}, ordering key {}, {theirs}; this one is at commit LSN {}, index {}, ordering key {}): its outbox id was reused within the duplicate window",
-                    sequence,
-                    mark.claim.id.map_or_else(|| "none".to_owned(), |i| i.to_string()),
-                    mark.claim.ordering_key.as_deref().unwrap_or("none"),
-                    here.commit_lsn,
-                    here.index,
-                    outbox::ordering_key(id, event.created_at_ms),
-                ),
-            )
-        };
+        if !mark.claim.is_anonymous() {
+            return Some((PoisonKind::ReusedId, reused_reason(mark, sequence, event)));
+        }
+        if !self.strict {
+            // Shared mode: another writer (e.g. a polling publisher during a migration)
+            // published it under the same id; that is what shared mode allows.
+            debug!(
+                outbox_id = id,
+                sequence,
+                "JetStream already held a message with this event's id from another writer"
+            );
+            return None;
+        }
+        Some((
+            PoisonKind::ForeignDuplicate,
+            format!(
+                "JetStream acknowledged it as a duplicate of stream sequence {sequence}, a message the relay did not write for it (no Outbox-Id or ordering key): another writer published a message under this event's id within the duplicate window"
+            ),
+        ))
+    }
+
+    /// The event would be lost as `kind` (P8): counted; shared mode warns and goes on,
+    /// strict mode halts or, under [`PoisonPolicy::DeadLetter`], ends the session so that
+    /// the next one publishes a dead-letter record in its place.
+    fn lost(
+        &self,
+        kind: PoisonKind,
+        reason: String,
+        sequence: u64,
+        event: &Acknowledged,
+        stats: &SinkStats,
+    ) -> Result<(), SinkError> {
+        let id = event.id;
         stats.reused_ids.fetch_add(1, Ordering::Relaxed);
         if !self.strict {
             warn!(
@@ -1098,11 +1322,30 @@ impl Duplicates {
                     .dead_letter_instead
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .insert(here, reason.clone());
+                    .insert(event.position, reason.clone());
                 Err(SinkError::ReusedId { id, reason })
             }
         }
     }
+}
+
+/// Why a duplicate of another row's message (`mark`, at stream sequence `sequence`) means
+/// `event`'s outbox id was reused (P8).
+fn reused_reason(mark: &crate::resume::Mark, sequence: u64, event: &Acknowledged) -> String {
+    let theirs = match mark.position {
+        Some(p) => format!("commit LSN {}, index {}", p.commit_lsn, p.index),
+        None => "no position".to_owned(),
+    };
+    let here = event.position;
+    format!(
+        "JetStream acknowledged it as a duplicate of stream sequence {}, another event (outbox id {}, ordering key {}, {theirs}; this one is at commit LSN {}, index {}, ordering key {}): its outbox id was reused within the duplicate window",
+        sequence,
+        mark.claim.id.map_or_else(|| "none".to_owned(), |i| i.to_string()),
+        mark.claim.ordering_key.as_deref().unwrap_or("none"),
+        here.commit_lsn,
+        here.index,
+        outbox::ordering_key(event.id, event.created_at_ms),
+    )
 }
 
 #[cfg(test)]

@@ -390,44 +390,7 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
     if !session.strict {
         return resume;
     }
-    // The tail's position, if it is of this session's source (S1).
-    let from_tail = match &tail.last {
-        None => Ok(None),
-        Some(Err(error)) => Err(Distrust::Unreadable {
-            error: error.clone(),
-        }),
-        Some(Ok(Mark { position: None, .. })) => Err(Distrust::NoPosition),
-        Some(Ok(Mark {
-            position: Some(position),
-            source,
-            ..
-        })) => {
-            let ancestor = source.as_deref().and_then(|theirs| {
-                let timeline = other_timeline(theirs, session.source)?;
-                let switch = session.history.iter().find(|s| s.timeline == timeline)?;
-                Some((theirs, switch.switch_point))
-            });
-            match ancestor {
-                _ if source.as_deref() == Some(session.source) => {
-                    Ok(Some((Stored::Tail, *position, &session.tail_check)))
-                }
-                // S5: the commit record starts before the switch point, so the current
-                // history holds it unchanged.
-                Some((_, switch_point)) if position.commit_lsn < switch_point => {
-                    Ok(Some((Stored::Tail, *position, &session.tail_check)))
-                }
-                Some((theirs, switch_point)) => Err(Distrust::PastSwitchPoint {
-                    theirs: theirs.to_owned(),
-                    commit_lsn: position.commit_lsn,
-                    switch_point,
-                }),
-                None => Err(Distrust::OtherSource {
-                    theirs: source.clone(),
-                }),
-            }
-        }
-    };
-    let from_tail = from_tail.unwrap_or_else(|why| {
+    let from_tail = tail_position(tail, session).unwrap_or_else(|why| {
         resume.distrust.push(why);
         None
     });
@@ -435,31 +398,82 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
         .acknowledged
         .as_ref()
         .map(|(position, check)| (Stored::Acknowledged, *position, check));
-    // Both only below the WAL end (S1, S2), and only once their rows checked out (S4).
-    let trusted =
-        [from_tail, acknowledged]
-            .into_iter()
-            .flatten()
-            .filter_map(|(stored, position, check)| {
-                if position.commit_lsn >= session.wal_end {
-                    resume.distrust.push(Distrust::BeyondWalEnd {
-                        stored,
-                        commit_lsn: position.commit_lsn,
-                    });
-                    None
-                } else if let Err(why) = check {
-                    resume.distrust.push(Distrust::NotTheRow {
-                        stored,
-                        why: why.clone(),
-                    });
-                    None
-                } else {
-                    Some(position)
-                }
-            });
     // Skip through the further of the two (P6).
-    resume.skip_through = trusted.max();
+    resume.skip_through = [from_tail, acknowledged]
+        .into_iter()
+        .flatten()
+        .filter_map(|candidate| trusted(candidate, session.wal_end, &mut resume.distrust))
+        .max();
     resume
+}
+
+/// The tail's position with its row's check, if it is of this session's source (S1) or of
+/// an ancestor timeline's before the switch point (S5); `Ok(None)` for an empty stream.
+fn tail_position<'s>(
+    tail: &Tail,
+    session: &'s Session<'_>,
+) -> Result<Option<(Stored, Position, &'s Verdict)>, Distrust> {
+    let (position, source) = match &tail.last {
+        None => return Ok(None),
+        Some(Err(error)) => {
+            return Err(Distrust::Unreadable {
+                error: error.clone(),
+            })
+        }
+        Some(Ok(Mark { position: None, .. })) => return Err(Distrust::NoPosition),
+        Some(Ok(Mark {
+            position: Some(position),
+            source,
+            ..
+        })) => (position, source),
+    };
+    let ancestor = source.as_deref().and_then(|theirs| {
+        let timeline = other_timeline(theirs, session.source)?;
+        let switch = session.history.iter().find(|s| s.timeline == timeline)?;
+        Some((theirs, switch.switch_point))
+    });
+    match ancestor {
+        _ if source.as_deref() == Some(session.source) => {
+            Ok(Some((Stored::Tail, *position, &session.tail_check)))
+        }
+        // S5: the commit record starts before the switch point, so the current history holds
+        // it unchanged.
+        Some((_, switch_point)) if position.commit_lsn < switch_point => {
+            Ok(Some((Stored::Tail, *position, &session.tail_check)))
+        }
+        Some((theirs, switch_point)) => Err(Distrust::PastSwitchPoint {
+            theirs: theirs.to_owned(),
+            commit_lsn: position.commit_lsn,
+            switch_point,
+        }),
+        None => Err(Distrust::OtherSource {
+            theirs: source.clone(),
+        }),
+    }
+}
+
+/// A stored position to skip through, only below the WAL end (S1, S2) and only once its row
+/// checked out (S4); otherwise why not, pushed to `distrust`.
+fn trusted(
+    (stored, position, check): (Stored, Position, &Verdict),
+    wal_end: Lsn,
+    distrust: &mut Vec<Distrust>,
+) -> Option<Position> {
+    if position.commit_lsn >= wal_end {
+        distrust.push(Distrust::BeyondWalEnd {
+            stored,
+            commit_lsn: position.commit_lsn,
+        });
+        None
+    } else if let Err(why) = check {
+        distrust.push(Distrust::NotTheRow {
+            stored,
+            why: why.clone(),
+        });
+        None
+    } else {
+        Some(position)
+    }
 }
 
 #[cfg(test)]

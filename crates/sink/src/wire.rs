@@ -159,7 +159,8 @@ fn bare<'a>(op: ServerOp<'a>, verb: &str, rest: &[u8], line_len: usize) -> Parse
 }
 
 /// `MSG <subject> <sid> [reply-to] <#bytes>` or `HMSG <subject> <sid> [reply-to]
-/// <#header bytes> <#total bytes>`, whose line (`line_len` bytes with its CRLF) starts `buf`.
+/// <#header bytes> <#total bytes>`, whose line (`line_len` bytes with its CRLF) starts `buf`:
+/// the line's fields, then the payload after it.
 fn message<'a>(
     buf: &'a [u8],
     line_len: usize,
@@ -168,12 +169,38 @@ fn message<'a>(
     max_payload: usize,
 ) -> Parsed<'a> {
     let verb = if headed { "HMSG" } else { "MSG" };
+    match message_line(arguments, headed, verb, max_payload) {
+        Ok(line) => message_body(buf, line_len, line, headed, verb),
+        Err(invalid) => invalid,
+    }
+}
+
+/// What a `MSG` or `HMSG` line says, its numbers read and checked (W3).
+struct MessageLine<'a> {
+    subject: &'a [u8],
+    sid: u64,
+    reply: Option<&'a [u8]>,
+    /// `HMSG`'s header size, at most `total`.
+    header_len: Option<usize>,
+    /// The payload's size (`HMSG`: headers and payload), at most `max_payload`.
+    total: usize,
+}
+
+/// The fields after the verb, by their number (`[reply-to]` is the optional one), with the
+/// subscription id and the sizes read as numbers and checked against `max_payload`.
+#[inline]
+fn message_line<'a>(
+    arguments: &'a [u8],
+    headed: bool,
+    verb: &str,
+    max_payload: usize,
+) -> Result<MessageLine<'a>, Parsed<'a>> {
     let mut fields: [&[u8]; 5] = [&[]; 5];
     let mut count = 0;
     for field in arguments.split(|&b| is_blank(b)).filter(|f| !f.is_empty()) {
         match fields.get_mut(count) {
             Some(slot) => *slot = field,
-            None => return invalid(format!("{verb} with more than 5 fields")),
+            None => return Err(invalid(format!("{verb} with more than 5 fields"))),
         }
         count += 1;
     }
@@ -187,37 +214,76 @@ fn message<'a>(
         }
         _ => {
             let fewest = if headed { 4 } else { 3 };
-            return invalid(format!(
+            return Err(invalid(format!(
                 "{verb} with {count} fields, not {fewest} or {}",
                 fewest + 1
-            ));
+            )));
         }
     };
+    let (sid, header_len, total) = message_numbers(verb, sid, header_len, total, max_payload)?;
+    Ok(MessageLine {
+        subject,
+        sid,
+        reply,
+        header_len,
+        total,
+    })
+}
+
+/// The subscription id, the header size and the total size of a message line, as numbers
+/// within the limits (W3).
+#[inline]
+fn message_numbers<'a>(
+    verb: &str,
+    sid: &[u8],
+    header_len: Option<&[u8]>,
+    total: &[u8],
+    max_payload: usize,
+) -> Result<(u64, Option<usize>, usize), Parsed<'a>> {
     let Some(sid) = number(sid) else {
-        return invalid(format!("{verb} with a subscription id {}", quoted(sid)));
+        return Err(invalid(format!(
+            "{verb} with a subscription id {}",
+            quoted(sid)
+        )));
     };
     let size = |text: &[u8]| number(text).and_then(|size| usize::try_from(size).ok());
     let header_len = match header_len.map(|text| (text, size(text))) {
         None => None,
         Some((_, Some(header_len))) => Some(header_len),
         Some((text, None)) => {
-            return invalid(format!("{verb} with a header size {}", quoted(text)))
+            return Err(invalid(format!(
+                "{verb} with a header size {}",
+                quoted(text)
+            )))
         }
     };
     let Some(total) = size(total) else {
-        return invalid(format!("{verb} with a size {}", quoted(total)));
+        return Err(invalid(format!("{verb} with a size {}", quoted(total))));
     };
     if total > max_payload {
-        return invalid(format!(
+        return Err(invalid(format!(
             "{verb} with {total} bytes, more than the maximum payload of {max_payload}"
-        ));
+        )));
     }
     if header_len.is_some_and(|header_len| header_len > total) {
-        return invalid(format!(
+        return Err(invalid(format!(
             "HMSG with a header size larger than its total size {total}"
-        ));
+        )));
     }
-    let Some(payload_end) = line_len.checked_add(total) else {
+    Ok((sid, header_len, total))
+}
+
+/// The message whose `line` (`line_len` bytes) starts `buf`, once its payload and the CRLF
+/// after it have arrived (W2).
+#[inline]
+fn message_body<'a>(
+    buf: &'a [u8],
+    line_len: usize,
+    line: MessageLine<'a>,
+    headed: bool,
+    verb: &str,
+) -> Parsed<'a> {
+    let Some(payload_end) = line_len.checked_add(line.total) else {
         return invalid(format!("{verb} with a size beyond memory"));
     };
     // The CRLF after the payload is checked as far as it has arrived (W2: a wrong byte is
@@ -230,14 +296,14 @@ fn message<'a>(
     if arrived < 2 {
         return Parsed::Incomplete;
     }
-    let header_len = header_len.unwrap_or(0);
+    let header_len = line.header_len.unwrap_or(0);
     let block = buf.get(line_len..payload_end).unwrap_or_default();
     let (headers, payload) = block.split_at(header_len.min(block.len()));
     Parsed::Op(
         ServerOp::Msg {
-            subject,
-            sid,
-            reply,
+            subject: line.subject,
+            sid: line.sid,
+            reply: line.reply,
             headers: headed.then_some(headers),
             payload,
         },
