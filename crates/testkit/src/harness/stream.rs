@@ -46,8 +46,16 @@ impl Stored {
     }
 }
 
-/// The first `count` messages of `stream`, in stream order, through an ephemeral consumer
-/// that acknowledges nothing; panics if they do not arrive within `timeout`.
+/// How long [`read_stream`] waits for the next message from one consumer before it reads on
+/// through a new one.
+const CONSUMER_STALL: Duration = Duration::from_secs(10);
+
+/// The first `count` messages of `stream`, in stream order, through ephemeral consumers that
+/// acknowledge nothing; panics if they do not arrive within `timeout`. A consumer that stops
+/// delivering while the stream holds more (seen on a three-node cluster after its stream
+/// leader was killed twice, nats-server 2.12.8: the stream's state counted every message and
+/// the ephemeral consumer's pull went unanswered) is replaced, after [`CONSUMER_STALL`], by one
+/// that starts at the next sequence: what the stream holds is read all the same, and said.
 pub async fn read_stream(
     js: &jetstream::Context,
     stream: &str,
@@ -55,49 +63,72 @@ pub async fn read_stream(
     timeout: Duration,
 ) -> Vec<Stored> {
     let stream = js.get_stream(stream).await.expect("stream exists");
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::Config {
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            inactive_threshold: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await
-        .expect("consumer");
-    let mut out = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-    let mut messages = consumer.messages().await.expect("messages");
+    let mut out: Vec<Stored> = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
     let deadline = tokio::time::Instant::now() + timeout;
     while (out.len() as u64) < count {
-        let next = tokio::time::timeout_at(deadline, messages.next())
-            .await
-            .expect("reading the stream timed out");
-        let message = next.expect("stream ended").expect("message");
-        let info = message.info().expect("jetstream message");
-        let (sequence, published_ns) =
-            (info.stream_sequence, info.published.unix_timestamp_nanos());
-        let headers: HashMap<String, String> = message
-            .headers
-            .as_ref()
-            .map(|h| {
-                h.iter()
-                    .map(|(k, v)| {
-                        (
-                            k.to_string(),
-                            v.first().map(|v| v.as_str().to_owned()).unwrap_or_default(),
-                        )
-                    })
-                    .collect()
+        let deliver_policy = match out.last() {
+            None => jetstream::consumer::DeliverPolicy::All,
+            Some(last) => jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: last.sequence + 1,
+            },
+        };
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                deliver_policy,
+                ack_policy: jetstream::consumer::AckPolicy::None,
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
             })
-            .unwrap_or_default();
-        out.push(Stored {
-            sequence,
-            subject: message.subject.to_string(),
-            headers,
-            payload: message.payload.to_vec(),
-            published_ns,
-        });
+            .await
+            .expect("consumer");
+        let mut messages = consumer.messages().await.expect("messages");
+        while (out.len() as u64) < count {
+            let wait = deadline.min(tokio::time::Instant::now() + CONSUMER_STALL);
+            let Ok(next) = tokio::time::timeout_at(wait, messages.next()).await else {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "reading the stream timed out: {} of {count} messages read",
+                    out.len()
+                );
+                eprintln!(
+                    "testkit: no message from the stream's consumer for {CONSUMER_STALL:?} \
+                     with {} of {count} read; reading on through a new consumer",
+                    out.len()
+                );
+                break;
+            };
+            let message = next.expect("stream ended").expect("message");
+            out.push(stored(&message));
+        }
     }
     out
+}
+
+/// What a test keeps of a message read from the stream.
+fn stored(message: &jetstream::Message) -> Stored {
+    let info = message.info().expect("jetstream message");
+    let (sequence, published_ns) = (info.stream_sequence, info.published.unix_timestamp_nanos());
+    let headers: HashMap<String, String> = message
+        .headers
+        .as_ref()
+        .map(|h| {
+            h.iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_string(),
+                        v.first().map(|v| v.as_str().to_owned()).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Stored {
+        sequence,
+        subject: message.subject.to_string(),
+        headers,
+        payload: message.payload.to_vec(),
+        published_ns,
+    }
 }
 
 /// The stream's last sequence and, if it has a last message with an outbox position, that
