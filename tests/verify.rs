@@ -328,7 +328,7 @@ async fn verify_throughput() {
         .then(|row| {
             let row = outbox_relay::process::stored::row_from(&row.unwrap()).unwrap();
             let position = outbox::Position {
-                commit_lsn: outbox::Lsn(u64::try_from(row.id).unwrap()),
+                commit_lsn: outbox::Lsn(u64::try_from(row.id.as_int().unwrap()).unwrap()),
                 index: 0,
             };
             let event = row.into_event(&prefix, partitions, position);

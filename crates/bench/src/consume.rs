@@ -149,13 +149,13 @@ async fn prepare(bench: &Bench, case: &Case) -> Result<()> {
 fn relay_events(case: &Case, n: u64) -> Vec<OutboxEvent> {
     (1..=n as i64)
         .map(|id| {
-            OutboxRow {
+            OutboxRow::seed(
                 id,
-                entity_id: format!("entity-{}", id % 1000),
-                event_type: "OrderPaid".to_owned(),
-                payload: format!("{{\"amount\": 10, \"order_id\": {id}}}").into(),
-                created_at_ms: 1_700_000_000_000 + id,
-            }
+                format!("entity-{}", id % 1000),
+                "OrderPaid",
+                format!("{{\"amount\": 10, \"order_id\": {id}}}"),
+                1_700_000_000_000 + id,
+            )
             .into_event(
                 &case.prefix,
                 load::PARTITIONS,

@@ -100,7 +100,7 @@ pub async fn drain(
                         .context("polling: publish")?
                         .await
                         .context("polling: ack")?;
-                    tx.execute(&mark, &[&event.id]).await?;
+                    tx.execute(&mark, &[&event.id.as_int()]).await?;
                 }
             }
             Variant::Batched { .. } => {
@@ -115,7 +115,7 @@ pub async fn drain(
                 for ack in acks {
                     ack.await.context("polling: ack")?;
                 }
-                let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+                let ids: Vec<i64> = events.iter().filter_map(|e| e.id.as_int()).collect();
                 tx.execute(
                     "update outbox_events set status = 'published', attempts = attempts + 1, \
                      published_at = now() where id = any($1)",

@@ -1,10 +1,16 @@
 //! From a decoded outbox INSERT to the event the relay publishes.
 //!
 //! # Invariants
-//! - E1 Only the row's `id`, `entity_id`, `event_type`, `created_at` and `payload` are read.
-//!   The table's own `dedupe_key`, `partition_key` and `ordering_key` columns are never
-//!   trusted: applications fill them with placeholders (the seed's `seed.py` does).
-//! - E2 The payload is the column's text exactly as pgoutput sent it, a zero-copy slice.
+//! - E1 Only the columns the [`Mapping`] names are read: the seed's `id`, `entity_id`,
+//!   `event_type`, `created_at` and `payload` by default, plus the subject template's, the
+//!   header columns and the trace context's when configured. The table's own
+//!   `dedupe_key`, `partition_key` and `ordering_key` columns are never trusted:
+//!   applications fill them with placeholders (the seed's `seed.py` does).
+//! - E2 The payload is the column's text exactly as pgoutput sent it, a zero-copy slice
+//!   (a `bytea` payload: its bytes, decoded from the hex output).
+//! - E4 A replication tuple and a query's row go through one builder
+//!   ([`EventBuilder::build_values`]), so backfill, verify and replay derive exactly the
+//!   event streaming derives.
 //! - E3 A row from which no faithful event can be built (a NULL key column, `infinity`) is
 //!   an [`EventError`] naming the outbox id and the column: never a silently altered or
 //!   dropped event. Values a header cannot carry verbatim (a line break, a header name) are
@@ -16,54 +22,22 @@ use std::num::NonZeroU64;
 use bytes::Bytes;
 use pgoutput::{ColumnValue, Lsn, Relation, TupleData};
 
-use crate::keys::{compute_keys, shard_for_key, Keys};
+use std::sync::Arc;
+
+use crate::encoding;
+use crate::id::EventId;
+use crate::keys::{shard_for_key, Keys};
+use crate::mapping::{
+    trace_context, EventTypeFilter, IdKind, Mapping, PayloadKind, Role, TimeKind, TRACEPARENT,
+    TRACESTATE,
+};
 use crate::subject::subject;
+use crate::template::SubjectTemplate;
 use crate::timestamp::{epoch_millis, parse_timestamptz, TimestampError};
 
-/// Type OIDs the relay understands (`pg_type.oid`; stable across Postgres versions).
-pub mod oid {
-    /// `smallint`.
-    pub const INT2: u32 = 21;
-    /// `integer`.
-    pub const INT4: u32 = 23;
-    /// `bigint`.
-    pub const INT8: u32 = 20;
-    /// `text`.
-    pub const TEXT: u32 = 25;
-    /// `character varying`.
-    pub const VARCHAR: u32 = 1043;
-    /// `name`.
-    pub const NAME: u32 = 19;
-    /// `uuid`.
-    pub const UUID: u32 = 2950;
-    /// `json`.
-    pub const JSON: u32 = 114;
-    /// `jsonb`.
-    pub const JSONB: u32 = 3802;
-    /// `timestamp with time zone`.
-    pub const TIMESTAMPTZ: u32 = 1184;
+pub use crate::mapping::oid;
 
-    /// A readable name for the types above.
-    pub fn name(oid: u32) -> String {
-        match oid {
-            INT2 => "smallint".into(),
-            INT4 => "integer".into(),
-            INT8 => "bigint".into(),
-            TEXT => "text".into(),
-            VARCHAR => "varchar".into(),
-            NAME => "name".into(),
-            UUID => "uuid".into(),
-            JSON => "json".into(),
-            JSONB => "jsonb".into(),
-            TIMESTAMPTZ => "timestamptz".into(),
-            1114 => "timestamp (without time zone)".into(),
-            1042 => "char(n)".into(),
-            other => format!("type oid {other}"),
-        }
-    }
-}
-
-/// The columns the relay reads, and the types each may have.
+/// The seed's columns and the types each may have (`sql/schema.sql`).
 pub const REQUIRED_COLUMNS: [(&str, &[u32]); 5] = [
     ("id", &[oid::INT8, oid::INT4, oid::INT2]),
     (
@@ -80,10 +54,12 @@ pub const REQUIRED_COLUMNS: [(&str, &[u32]); 5] = [
 pub struct SchemaError {
     /// The table, as `schema.name`.
     pub table: String,
-    /// Required columns that do not exist.
-    pub missing: Vec<&'static str>,
+    /// Columns the mapping names that do not exist.
+    pub missing: Vec<String>,
     /// `(column, found type, accepted types)`.
-    pub wrong_type: Vec<(&'static str, String, String)>,
+    pub wrong_type: Vec<(String, String, String)>,
+    /// Whether the mapping is the seed's (the advice differs).
+    pub seed: bool,
 }
 
 impl fmt::Display for SchemaError {
@@ -100,78 +76,176 @@ impl fmt::Display for SchemaError {
             };
             write!(f, "{sep}column {column} is {found}, expected {accepted}")?;
         }
-        write!(
-            f,
-            " (the relay reads id bigint, entity_id text, event_type text, payload jsonb and \
-             created_at timestamptz; see sql/schema.sql)"
-        )
+        if self.seed {
+            write!(
+                f,
+                " (the relay reads id bigint, entity_id text, event_type text, payload jsonb and \
+                 created_at timestamptz; see sql/schema.sql, or map your own columns with \
+                 OUTBOX_RELAY_TABLE_PRESET or the OUTBOX_RELAY_*_COLUMN settings, docs/own-table.md)"
+            )
+        } else {
+            write!(
+                f,
+                " (name the table's columns with the OUTBOX_RELAY_*_COLUMN settings or the \
+                 preset OUTBOX_RELAY_TABLE_PRESET; docs/own-table.md)"
+            )
+        }
     }
 }
 
 impl std::error::Error for SchemaError {}
 
-/// Where the columns the relay reads sit in a tuple of the outbox table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where the columns the relay reads sit in a tuple of the outbox table, and what they hold:
+/// the mapping resolved against the table's columns.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxColumns {
-    id: usize,
-    entity_id: usize,
-    event_type: usize,
-    payload: usize,
-    created_at: usize,
+    /// The columns read, in [`Mapping::read_columns`] order: `(name, index in the table)`.
+    read: Vec<(Arc<str>, usize)>,
+    /// The role columns' places in `read` (the first five, in [`Role::ALL`] order).
+    id_kind: IdKind,
+    payload_kind: PayloadKind,
+    time_kind: TimeKind,
+    /// The template's columns' places in `read`, in template order.
+    template: Vec<usize>,
+    /// Header columns: place in `read`, header name.
+    headers: Vec<(usize, Arc<str>)>,
+    /// The trace-context column's place in `read`.
+    trace: Option<usize>,
 }
 
 impl OutboxColumns {
-    /// Locates and type-checks the columns, from `(name, type oid)` pairs in table order
-    /// (a pgoutput `Relation`, or `pg_attribute` at bootstrap).
+    /// Locates and type-checks the seed's columns, from `(name, type oid)` pairs in table
+    /// order (a pgoutput `Relation`, or `pg_attribute` at bootstrap).
     pub fn resolve<'a>(
         table: &str,
         columns: impl IntoIterator<Item = (&'a str, u32)>,
     ) -> Result<Self, SchemaError> {
+        Self::resolve_mapped(table, &Mapping::default(), columns)
+    }
+
+    /// Locates and type-checks the columns `mapping` reads.
+    pub fn resolve_mapped<'a>(
+        table: &str,
+        mapping: &Mapping,
+        columns: impl IntoIterator<Item = (&'a str, u32)>,
+    ) -> Result<Self, SchemaError> {
         let columns: Vec<(&str, u32)> = columns.into_iter().collect();
-        let mut found = [usize::MAX; 5];
+        let seed = mapping.is_default();
         let mut error = SchemaError {
             table: table.to_owned(),
             missing: vec![],
             wrong_type: vec![],
+            seed,
         };
-        for (slot, (name, accepted)) in REQUIRED_COLUMNS.iter().enumerate() {
-            match columns.iter().position(|(column, _)| column == name) {
-                None => error.missing.push(name),
-                Some(index) if accepted.contains(&columns[index].1) => found[slot] = index,
-                Some(index) => error.wrong_type.push((
-                    name,
-                    oid::name(columns[index].1),
-                    accepted
+        let find = |name: &str| columns.iter().position(|(column, _)| *column == name);
+        let trace_column = mapping
+            .trace_context
+            .as_ref()
+            .and_then(|t| (t.required || find(&t.column).is_some()).then_some(t.column.as_str()));
+        let mut read: Vec<(Arc<str>, usize)> = Vec::new();
+        let mut types: Vec<u32> = Vec::new();
+        for name in mapping.read_columns() {
+            let optional_trace = mapping
+                .trace_context
+                .as_ref()
+                .is_some_and(|t| t.column == name && trace_column.is_none());
+            if optional_trace {
+                continue;
+            }
+            match find(name) {
+                None => error.missing.push(name.to_owned()),
+                Some(index) => {
+                    read.push((name.into(), index));
+                    types.push(columns[index].1);
+                }
+            }
+        }
+        for role in Role::ALL {
+            let name = mapping.column(role);
+            let Some(i) = read.iter().position(|(n, _)| &**n == name) else {
+                continue;
+            };
+            // The seed's table keeps its narrower types (its messages are frozen).
+            let seed_types = REQUIRED_COLUMNS[role as usize].1;
+            let ok = if seed {
+                seed_types.contains(&types[i])
+            } else {
+                role.accepts(types[i])
+            };
+            if !ok {
+                let accepted = if seed {
+                    seed_types
                         .iter()
                         .map(|&o| oid::name(o))
                         .collect::<Vec<_>>()
-                        .join(" or "),
-                )),
+                        .join(" or ")
+                } else {
+                    role.accepted().to_owned()
+                };
+                error
+                    .wrong_type
+                    .push((name.to_owned(), oid::name(types[i]), accepted));
             }
         }
         if !error.missing.is_empty() || !error.wrong_type.is_empty() {
             return Err(error);
         }
-        let [id, entity_id, event_type, payload, created_at] = found;
+        let place = |name: &str| {
+            read.iter()
+                .position(|(n, _)| &**n == name)
+                .expect("every read column was found")
+        };
+        let [id, _, _, payload, created_at] = Role::ALL.map(|r| types[place(mapping.column(r))]);
         Ok(Self {
-            id,
-            entity_id,
-            event_type,
-            payload,
-            created_at,
+            id_kind: IdKind::of(id).expect("type checked"),
+            payload_kind: PayloadKind::of(payload).expect("type checked"),
+            time_kind: TimeKind::of(created_at).expect("type checked"),
+            template: mapping.template.columns().map(place).collect(),
+            headers: mapping
+                .headers
+                .iter()
+                .map(|h| (place(&h.column), Arc::from(h.header.as_str())))
+                .collect(),
+            trace: trace_column.map(place),
+            read,
         })
     }
 
     /// [`Self::resolve`] for a pgoutput `Relation` message.
     pub fn from_relation(relation: &Relation) -> Result<Self, SchemaError> {
+        Self::from_relation_mapped(relation, &Mapping::default())
+    }
+
+    /// [`Self::resolve_mapped`] for a pgoutput `Relation` message.
+    pub fn from_relation_mapped(
+        relation: &Relation,
+        mapping: &Mapping,
+    ) -> Result<Self, SchemaError> {
         let table = format!("{}.{}", relation.namespace, relation.name);
-        Self::resolve(
+        Self::resolve_mapped(
             &table,
+            mapping,
             relation
                 .columns
                 .iter()
                 .map(|c| (c.name.as_str(), c.type_oid)),
         )
+    }
+
+    /// The columns read, in the order [`EventBuilder::build_values`] takes their values:
+    /// a query selects them in this order (each as text, [`Self::select_list`]).
+    pub fn read_columns(&self) -> impl Iterator<Item = &str> {
+        self.read.iter().map(|(name, _)| &**name)
+    }
+
+    /// The id column's kind.
+    pub fn id_kind(&self) -> IdKind {
+        self.id_kind
+    }
+
+    /// The payload column's kind.
+    pub fn payload_kind(&self) -> PayloadKind {
+        self.payload_kind
     }
 }
 
@@ -180,35 +254,100 @@ impl OutboxColumns {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {
     /// `id`.
-    pub id: i64,
+    pub id: EventId,
     /// `entity_id`, as text.
     pub entity_id: String,
     /// `event_type`, exactly.
     pub event_type: String,
-    /// `payload`, its text unchanged.
+    /// `payload`, its text unchanged (or a `bytea`'s bytes).
     pub payload: Bytes,
     /// `created_at` in epoch milliseconds (floor, [`crate::timestamp::epoch_millis`]).
     pub created_at_ms: i64,
+    /// The texts of the subject template's columns, in template order.
+    pub subject_values: Vec<String>,
+    /// Headers from columns (NULL columns give none), the trace context's included.
+    pub headers: Vec<(Arc<str>, String)>,
+}
+
+/// What shapes every event of a session beside its row: the subject prefix and template,
+/// the shard count, the id kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    /// The subject prefix.
+    pub prefix: String,
+    /// The shard count.
+    pub partitions: NonZeroU64,
+    /// The subject template.
+    pub template: SubjectTemplate,
+}
+
+impl Shape {
+    /// The seed's subjects under `prefix`, `partitions` shards.
+    pub fn new(prefix: impl Into<String>, partitions: NonZeroU64) -> Shape {
+        Shape {
+            prefix: prefix.into(),
+            partitions,
+            template: SubjectTemplate::default(),
+        }
+    }
 }
 
 impl OutboxRow {
-    /// The event the relay publishes for this row at `position`: the seed's keys, the shard
-    /// of the partition key among `partitions`, the subject under `prefix`.
+    /// A row of the seed's table (no subject columns, no extra headers).
+    pub fn seed(
+        id: i64,
+        entity_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: impl Into<Bytes>,
+        created_at_ms: i64,
+    ) -> OutboxRow {
+        OutboxRow {
+            id: EventId::Int(id),
+            entity_id: entity_id.into(),
+            event_type: event_type.into(),
+            payload: payload.into(),
+            created_at_ms,
+            subject_values: Vec::new(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// The event the relay publishes for this row at `position` under the seed's subjects.
     pub fn into_event(
         self,
         prefix: &str,
         partitions: NonZeroU64,
         position: Position,
     ) -> OutboxEvent {
-        let keys = compute_keys(
-            self.id,
-            &self.entity_id,
-            &self.event_type,
-            self.created_at_ms,
-        );
-        let shard = shard_for_key(partitions, &keys.partition_key);
+        self.into_shaped_event(&Shape::new(prefix, partitions), position)
+    }
+
+    /// The event the relay publishes for this row at `position`: the keys (ID1, ID2), the
+    /// shard of the partition key, the subject of the template (TPL2).
+    pub fn into_shaped_event(self, shape: &Shape, position: Position) -> OutboxEvent {
+        let keys = self
+            .id
+            .keys(&self.entity_id, &self.event_type, self.created_at_ms);
+        let shard = shard_for_key(shape.partitions, &keys.partition_key);
+        let subject = if shape.template.is_default() {
+            subject(&shape.prefix, shard, &self.event_type)
+        } else {
+            let mut out = String::with_capacity(shape.prefix.len() + 48);
+            let names: Vec<&str> = shape.template.columns().collect();
+            let values = &self.subject_values;
+            shape
+                .template
+                .render(&mut out, &shape.prefix, shard, &self.event_type, |name| {
+                    names
+                        .iter()
+                        .position(|n| *n == name)
+                        .and_then(|i| values.get(i))
+                        .map_or("", String::as_str)
+                });
+            out
+        };
         OutboxEvent {
-            subject: subject(prefix, shard, &self.event_type),
+            subject,
             id: self.id,
             entity_id: self.entity_id,
             event_type: self.event_type,
@@ -217,6 +356,7 @@ impl OutboxRow {
             payload: self.payload,
             position,
             created_at_ms: self.created_at_ms,
+            headers: self.headers,
         }
     }
 }
@@ -224,8 +364,8 @@ impl OutboxRow {
 /// One event, ready to publish.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxEvent {
-    /// The outbox row's `id`.
-    pub id: i64,
+    /// The outbox row's id.
+    pub id: EventId,
     /// The row's `entity_id`, as text.
     pub entity_id: String,
     /// The row's `event_type`, exactly.
@@ -234,15 +374,27 @@ pub struct OutboxEvent {
     pub keys: Keys,
     /// `shard_for_key(partitions, partition_key)`.
     pub shard: u64,
-    /// `{prefix}.{shard}.{event_type_token}`.
+    /// The subject: `{prefix}.{shard}.{event_type_token}` or the template's.
     pub subject: String,
-    /// The row's `payload` text, unchanged.
+    /// The row's `payload` text, unchanged (a `bytea`'s bytes).
     pub payload: Bytes,
     /// Where the event stands in the commit order; stable across replays.
     pub position: Position,
     /// The row's `created_at` in exact milliseconds since the Unix epoch (the ordering key's
     /// first part), for the created → stored latency the relay measures.
     pub created_at_ms: i64,
+    /// Headers from the row's columns (the mapping's), in mapping order.
+    pub headers: Vec<(Arc<str>, String)>,
+}
+
+impl OutboxEvent {
+    /// Whether a header cannot carry one of the row's values verbatim
+    /// ([`crate::encoding`]): its entity id, event type, a text id or a header column's.
+    pub fn is_hostile(&self) -> bool {
+        encoding::row_is_hostile(&self.entity_id, &self.event_type)
+            || self.id.as_text().is_some_and(encoding::is_hostile)
+            || self.headers.iter().any(|(_, v)| encoding::is_hostile(v))
+    }
 }
 
 /// An event's place in the commit order: its transaction's commit LSN, then its index
@@ -271,12 +423,24 @@ impl Position {
 
 /// Why no event could be built from a row.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("outbox row {}: {kind}", id.map_or_else(|| "with unreadable id".to_owned(), |id| format!("id={id}")))]
+#[error("outbox row {}: {kind}", id.as_ref().map_or_else(|| "with unreadable id".to_owned(), |id| format!("id={}", shown_id(id))))]
 pub struct EventError {
     /// The row's id, when it could be read.
-    pub id: Option<i64>,
+    pub id: Option<EventId>,
     /// What is wrong.
     pub kind: EventErrorKind,
+}
+
+/// An id as an error message shows it: a text id quoted and cut, so that no row value
+/// can forge a log line.
+fn shown_id(id: &EventId) -> String {
+    match id {
+        EventId::Int(id) => id.to_string(),
+        EventId::Text(text) => {
+            let cut: String = text.chars().take(80).collect();
+            format!("{cut:?}")
+        }
+    }
 }
 
 /// What is wrong with a row.
@@ -292,19 +456,22 @@ pub enum EventErrorKind {
     },
     /// A column the keys need is NULL.
     #[error("column {0} is NULL")]
-    Null(&'static str),
+    Null(Arc<str>),
     /// The value was not sent (unchanged TOAST; impossible for an INSERT).
     #[error("column {0} was not sent by the server")]
-    Unsent(&'static str),
+    Unsent(Arc<str>),
     /// The value came in binary format (the relay asks for text).
     #[error("column {0} arrived in binary format")]
-    Binary(&'static str),
+    Binary(Arc<str>),
     /// Not UTF-8.
     #[error("column {0} is not valid UTF-8")]
-    Utf8(&'static str),
-    /// `id` is not an integer.
-    #[error("column id is not an integer")]
-    Id,
+    Utf8(Arc<str>),
+    /// `id` is not what its column's type prints.
+    #[error("column {0} is not an id of its type")]
+    Id(Arc<str>),
+    /// A `bytea` payload that is not in hex output.
+    #[error("column {0} is not bytea hex output (\\x...)")]
+    Bytea(Arc<str>),
     /// `created_at` cannot give epoch milliseconds.
     #[error(transparent)]
     CreatedAt(#[from] TimestampError),
@@ -314,25 +481,45 @@ pub enum EventErrorKind {
 #[derive(Debug, Clone)]
 pub struct EventBuilder {
     columns: OutboxColumns,
-    prefix: String,
-    partitions: NonZeroU64,
+    shape: Shape,
+    filter: EventTypeFilter,
 }
 
+/// A column's value as the builder takes it: its text (or `None` for NULL), or what else
+/// the server sent.
+pub type Value = Result<Option<Bytes>, fn(Arc<str>) -> EventErrorKind>;
+
 impl EventBuilder {
-    /// A builder for a table whose columns were resolved.
+    /// A builder for a table whose columns were resolved, under the seed's subjects.
     pub fn new(columns: OutboxColumns, prefix: impl Into<String>, partitions: NonZeroU64) -> Self {
+        Self::shaped(
+            columns,
+            Shape::new(prefix, partitions),
+            EventTypeFilter::default(),
+        )
+    }
+
+    /// A builder with a subject template and an event-type filter.
+    pub fn shaped(columns: OutboxColumns, shape: Shape, filter: EventTypeFilter) -> Self {
         Self {
             columns,
-            prefix: prefix.into(),
-            partitions,
+            shape,
+            filter,
         }
     }
 
-    /// Derives the event for one inserted row at `position` in the commit order.
-    pub fn build(&self, tuple: &TupleData, position: Position) -> Result<OutboxEvent, EventError> {
-        let c = &self.columns;
-        let need = [c.id, c.entity_id, c.event_type, c.payload, c.created_at]
-            .into_iter()
+    /// Derives the event for one inserted row at `position` in the commit order; `None`
+    /// when the filter excludes its event type.
+    pub fn build(
+        &self,
+        tuple: &TupleData,
+        position: Position,
+    ) -> Result<Option<OutboxEvent>, EventError> {
+        let need = self
+            .columns
+            .read
+            .iter()
+            .map(|(_, at)| *at)
             .max()
             .unwrap_or(0);
         if tuple.len() <= need {
@@ -344,60 +531,147 @@ impl EventBuilder {
                 },
             });
         }
-        let mut values: [Option<ColumnValue>; 5] = Default::default();
+        // One walk over the tuple; the values on the stack for any usual mapping.
+        let read = &self.columns.read;
+        let mut small: [Option<ColumnValue>; 16] = Default::default();
+        let mut large: Vec<Option<ColumnValue>>;
+        let values: &mut [Option<ColumnValue>] = if read.len() <= small.len() {
+            &mut small[..read.len()]
+        } else {
+            large = vec![None; read.len()];
+            &mut large
+        };
         for (index, value) in tuple.iter().enumerate().take(need + 1) {
-            for (slot, wanted) in [c.id, c.entity_id, c.event_type, c.payload, c.created_at]
-                .into_iter()
-                .enumerate()
-            {
-                if index == wanted {
+            for (slot, (_, at)) in read.iter().enumerate() {
+                if *at == index {
                     values[slot] = Some(value.clone());
                 }
             }
         }
-        let [id, entity_id, event_type, payload, created_at] = values;
+        self.build_values(
+            |i| match &values[i] {
+                Some(ColumnValue::Text(bytes)) => Ok(Some(bytes.clone())),
+                Some(ColumnValue::Null) | None => Ok(None),
+                Some(ColumnValue::UnchangedToast) => Err(EventErrorKind::Unsent),
+                Some(ColumnValue::Binary(_)) => Err(EventErrorKind::Binary),
+            },
+            position,
+        )
+    }
 
-        let id_text = text("id", id).map_err(|kind| EventError { id: None, kind })?;
-        let id: i64 = std::str::from_utf8(&id_text)
+    /// [`Self::build`] from the read columns' values (`value(i)` for the `i`-th of
+    /// [`OutboxColumns::read_columns`]): a replication tuple's, or a query's that selected
+    /// them as text.
+    pub fn build_values(
+        &self,
+        value: impl Fn(usize) -> Value,
+        position: Position,
+    ) -> Result<Option<OutboxEvent>, EventError> {
+        let row = self.row(value)?;
+        if !self.filter.admits(&row.event_type) {
+            return Ok(None);
+        }
+        Ok(Some(row.into_shaped_event(&self.shape, position)))
+    }
+
+    /// The row's decoded columns.
+    fn row(&self, value: impl Fn(usize) -> Value) -> Result<OutboxRow, EventError> {
+        let c = &self.columns;
+        let name = |i: usize| c.read[i].0.clone();
+        let get = |i: usize| -> Result<Bytes, EventErrorKind> {
+            match value(i) {
+                Ok(Some(bytes)) => Ok(bytes),
+                Ok(None) => Err(EventErrorKind::Null(name(i))),
+                Err(kind) => Err(kind(name(i))),
+            }
+        };
+        let id_text = get(0).map_err(|kind| EventError { id: None, kind })?;
+        let id = std::str::from_utf8(&id_text)
             .ok()
-            .and_then(|t| t.parse().ok())
+            .and_then(|t| EventId::parse(c.id_kind, t))
             .ok_or(EventError {
                 id: None,
-                kind: EventErrorKind::Id,
+                kind: EventErrorKind::Id(name(0)),
             })?;
-        let fail = |kind| EventError { id: Some(id), kind };
-
-        let entity_id =
-            utf8("entity_id", text("entity_id", entity_id).map_err(fail)?).map_err(fail)?;
-        let event_type =
-            utf8("event_type", text("event_type", event_type).map_err(fail)?).map_err(fail)?;
-        let payload = text("payload", payload).map_err(fail)?;
-        let created_at = text("created_at", created_at).map_err(fail)?;
-        let created_at_ms =
-            epoch_millis(parse_timestamptz(&created_at).map_err(|e| fail(e.into()))?);
-
-        let row = OutboxRow {
+        let fail = |kind| EventError {
+            id: Some(id.clone()),
+            kind,
+        };
+        let text = |i: usize| -> Result<String, EventError> {
+            let bytes = get(i).map_err(fail)?;
+            String::from_utf8(bytes.to_vec()).map_err(|_| fail(EventErrorKind::Utf8(name(i))))
+        };
+        let entity_id = text(1)?;
+        let event_type = text(2)?;
+        let payload = get(3).map_err(fail)?;
+        let payload = match c.payload_kind {
+            PayloadKind::Text => payload,
+            PayloadKind::Bytes => {
+                bytea_hex(&payload).ok_or_else(|| fail(EventErrorKind::Bytea(name(3))))?
+            }
+        };
+        let created_at = get(4).map_err(fail)?;
+        let micros = match c.time_kind {
+            TimeKind::WithZone => parse_timestamptz(&created_at),
+            TimeKind::Utc => {
+                let mut utc = created_at.to_vec();
+                utc.extend_from_slice(b"+00");
+                match created_at.as_ref() {
+                    b"infinity" | b"-infinity" => parse_timestamptz(&created_at),
+                    _ => parse_timestamptz(&utc),
+                }
+            }
+        };
+        let created_at_ms = epoch_millis(micros.map_err(|e| fail(e.into()))?);
+        let subject_values = c
+            .template
+            .iter()
+            .map(|&i| text(i))
+            .collect::<Result<_, _>>()?;
+        let mut headers = Vec::new();
+        for (i, header) in &c.headers {
+            if let Ok(Some(bytes)) = value(*i) {
+                let value = String::from_utf8(bytes.to_vec())
+                    .map_err(|_| fail(EventErrorKind::Utf8(name(*i))))?;
+                headers.push((header.clone(), value));
+            }
+        }
+        if let Some(i) = c.trace {
+            if let Ok(Some(bytes)) = value(i) {
+                if let Some((parent, state)) =
+                    std::str::from_utf8(&bytes).ok().and_then(trace_context)
+                {
+                    headers.push((Arc::from(TRACEPARENT), parent));
+                    if let Some(state) = state {
+                        headers.push((Arc::from(TRACESTATE), state));
+                    }
+                }
+            }
+        }
+        Ok(OutboxRow {
             id,
             entity_id,
             event_type,
             payload,
             created_at_ms,
-        };
-        Ok(row.into_event(&self.prefix, self.partitions, position))
+            subject_values,
+            headers,
+        })
     }
 }
 
-fn text(column: &'static str, value: Option<ColumnValue>) -> Result<Bytes, EventErrorKind> {
-    match value {
-        Some(ColumnValue::Text(bytes)) => Ok(bytes),
-        Some(ColumnValue::Null) | None => Err(EventErrorKind::Null(column)),
-        Some(ColumnValue::UnchangedToast) => Err(EventErrorKind::Unsent(column)),
-        Some(ColumnValue::Binary(_)) => Err(EventErrorKind::Binary(column)),
+/// `\x` followed by hex digit pairs (Postgres' `bytea_output = hex`, which the relay's
+/// sessions pin) → the bytes.
+pub fn bytea_hex(text: &[u8]) -> Option<Bytes> {
+    let hex = text.strip_prefix(b"\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
     }
-}
-
-fn utf8(column: &'static str, bytes: Bytes) -> Result<String, EventErrorKind> {
-    String::from_utf8(bytes.to_vec()).map_err(|_| EventErrorKind::Utf8(column))
+    let digit = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    hex.chunks(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+        .collect::<Option<Vec<u8>>>()
+        .map(Bytes::from)
 }
 
 #[cfg(test)]

@@ -40,7 +40,8 @@ use pgoutput::copy_data::PgTimestamp;
 use pgoutput::logical::{Begin, Commit, Insert, LogicalMessage};
 use pgoutput::{Lsn, Relation, ReplicationMessage};
 
-use crate::event::{EventBuilder, EventError, OutboxColumns, OutboxEvent, Position};
+use crate::event::{EventBuilder, EventError, OutboxColumns, OutboxEvent, Position, Shape};
+use crate::mapping::Mapping;
 
 /// What the framer hands on, in replication order (D1).
 // Events dominate the stream and travel in batches (`Vec<Item>`); boxing them would add an
@@ -164,13 +165,18 @@ pub enum Route {
 }
 
 /// Where the inserts of `relation` go (D2, D5, D6).
-pub fn route(relation: &Relation, table: &TableName, known: &KnownRelations) -> Route {
+pub fn route(
+    relation: &Relation,
+    table: &TableName,
+    known: &KnownRelations,
+    mapping: &Mapping,
+) -> Route {
     if relation.namespace == table.schema && relation.name == table.name {
         Route::Table
     } else if known.partitions.contains(&relation.rel_id) {
         Route::Partition
     } else if known.others.contains(&relation.rel_id)
-        || OutboxColumns::from_relation(relation).is_err()
+        || OutboxColumns::from_relation_mapped(relation, mapping).is_err()
     {
         Route::Ignore
     } else {
@@ -199,8 +205,11 @@ enum Routed {
 #[derive(Debug)]
 pub struct Framer {
     table: TableName,
-    prefix: String,
-    partitions: NonZeroU64,
+    shape: Shape,
+    mapping: Mapping,
+    /// Inserts whose event type the mapping's filter excludes (MAP4): confirmed with their
+    /// transactions, never published.
+    pub excluded: u64,
     known: KnownRelations,
     /// The relations whose inserts matter, by relation id, once their Relation message came.
     relations: HashMap<u32, Routed>,
@@ -224,8 +233,9 @@ impl Framer {
     pub fn new(table: TableName, prefix: String, partitions: NonZeroU64) -> Self {
         Self {
             table,
-            prefix,
-            partitions,
+            shape: Shape::new(prefix, partitions),
+            mapping: Mapping::default(),
+            excluded: 0,
             known: KnownRelations::default(),
             relations: HashMap::new(),
             open_commit_lsn: None,
@@ -238,6 +248,13 @@ impl Framer {
         }
     }
 
+    /// The framer reading the user's table through `mapping` (its template and filter too).
+    pub fn with_mapping(mut self, mapping: Mapping) -> Self {
+        self.shape.template = mapping.template.clone();
+        self.mapping = mapping;
+        self
+    }
+
     /// The framer, told what the session's start learned about the relations (D5, D6).
     pub fn with_relations(mut self, known: KnownRelations) -> Self {
         self.known = known;
@@ -247,7 +264,7 @@ impl Framer {
     /// Routes a relation's later inserts (D2, D4, D5, D6); a Relation message replaces what
     /// an earlier one for the same id said.
     fn on_relation(&mut self, relation: &Relation) -> Result<(), FrameError> {
-        let route = route(relation, &self.table, &self.known);
+        let route = route(relation, &self.table, &self.known, &self.mapping);
         let routed = match route {
             Route::Ignore => {
                 self.relations.remove(&relation.rel_id);
@@ -257,17 +274,23 @@ impl Framer {
                 schema: relation.namespace.clone(),
                 name: relation.name.clone(),
             }),
-            Route::Table | Route::Partition => match OutboxColumns::from_relation(relation) {
-                Ok(columns) => Routed::Events {
-                    builder: EventBuilder::new(columns, self.prefix.clone(), self.partitions),
-                    partition: (route == Route::Partition)
-                        .then(|| format!("{}.{}", relation.namespace, relation.name)),
-                },
-                Err(error) if route == Route::Table => {
-                    return Err(FrameError::TableChanged(error.to_string()))
+            Route::Table | Route::Partition => {
+                match OutboxColumns::from_relation_mapped(relation, &self.mapping) {
+                    Ok(columns) => Routed::Events {
+                        builder: EventBuilder::shaped(
+                            columns,
+                            self.shape.clone(),
+                            self.mapping.filter.clone(),
+                        ),
+                        partition: (route == Route::Partition)
+                            .then(|| format!("{}.{}", relation.namespace, relation.name)),
+                    },
+                    Err(error) if route == Route::Table => {
+                        return Err(FrameError::TableChanged(error.to_string()))
+                    }
+                    Err(error) => Routed::Unreadable(error.to_string()),
                 }
-                Err(error) => Routed::Unreadable(error.to_string()),
-            },
+            }
         };
         self.relations.insert(relation.rel_id, routed);
         Ok(())
@@ -396,10 +419,14 @@ impl Framer {
             commit_lsn,
             index: self.next_index,
         };
-        self.next_index += 1;
-        self.first_commit_time.get_or_insert(self.open_commit_time);
-        let event = builder.build(&insert.new_tuple, position)?;
-        out.push(Item::Event(event));
+        match builder.build(&insert.new_tuple, position)? {
+            Some(event) => {
+                self.next_index += 1;
+                self.first_commit_time.get_or_insert(self.open_commit_time);
+                out.push(Item::Event(event));
+            }
+            None => self.excluded += 1,
+        }
         Ok(())
     }
 }
@@ -485,7 +512,12 @@ mod tests {
         ];
         for (relation, expected) in cases {
             assert_eq!(
-                route(&relation, &table, &known),
+                route(
+                    &relation,
+                    &table,
+                    &known,
+                    &crate::mapping::Mapping::default()
+                ),
                 expected,
                 "{}",
                 relation.name
@@ -495,7 +527,15 @@ mod tests {
             namespace: "archive".into(),
             ..relation(10, "outbox_events", &OUTBOX)
         };
-        assert_eq!(route(&other_schema, &table, &known), Route::Unknown);
+        assert_eq!(
+            route(
+                &other_schema,
+                &table,
+                &known,
+                &crate::mapping::Mapping::default()
+            ),
+            Route::Unknown
+        );
     }
 }
 

@@ -26,5 +26,17 @@ pub const OUTBOX_SOURCE: &str = "Outbox-Source";
 pub const OUTBOX_DEAD_LETTER_REASON: &str = "Outbox-Dead-Letter-Reason";
 /// `percent` on a message whose row values are percent-encoded (`crate::encoding`): then the
 /// values of `Nats-Msg-Id`, `Outbox-Entity-Id`, `Outbox-Event-Type` and
-/// `Outbox-Partition-Key` must be decoded. Absent on every other message.
+/// `Outbox-Partition-Key` must be decoded, and those of every header a column gave
+/// (`--header-columns`, the trace context), and of `Outbox-Id` and `Outbox-Ordering-Key`
+/// when `Outbox-Id-Kind` is present. Absent on every other message.
 pub const OUTBOX_ENCODING: &str = "Outbox-Encoding";
+/// `uuid` or `text` on the message of a row whose id column is not an integer
+/// ([`crate::mapping::IdKind`]); absent for integer ids (the seed's table).
+pub const OUTBOX_ID_KIND: &str = "Outbox-Id-Kind";
+
+/// Whether a header named `name` is one of the relay's own (`Nats-*` or `Outbox-*`, any
+/// case), as opposed to one a column gave.
+pub fn is_relay_header(name: &str) -> bool {
+    let lower = |n: usize| name.get(..n).map(str::to_ascii_lowercase);
+    lower(5).as_deref() == Some("nats-") || lower(7).as_deref() == Some("outbox-")
+}

@@ -16,15 +16,22 @@
 //!   and a row that cannot be represented faithfully is an error, never altered.
 //! - H1–H4 ([`encoding`]): header values no row can subvert; a hostile row's values are
 //!   percent-encoded, exactly recoverable.
+//! - MAP1–MAP4 ([`mapping`]): the user's table and settings; the default is the seed's.
+//! - ID1–ID3 ([`id`]): integer ids keep the seed's keys; uuid and text ids its formulas.
+//! - TPL1–TPL3 ([`template`]): subject templates stay under the prefix, one token per
+//!   placeholder, escaped.
 
 pub mod encoding;
 pub mod event;
 pub mod framer;
 pub mod headers;
+pub mod id;
 pub mod keys;
+pub mod mapping;
 mod percent;
 pub mod source;
 pub mod subject;
+pub mod template;
 pub mod timestamp;
 
 pub use event::{
@@ -32,6 +39,9 @@ pub use event::{
     SchemaError,
 };
 pub use framer::{FrameError, Framer, Item, KnownRelations, Notice, TableName};
+pub use id::EventId;
 pub use keys::{compute_keys, ordering_key, shard_for_key, Keys};
+pub use mapping::{IdKind, Mapping, PayloadKind, Preset, Role};
 /// The LSN type of [`Position::commit_lsn`], so users of positions need not know the decoder.
 pub use pgoutput::Lsn;
+pub use template::SubjectTemplate;

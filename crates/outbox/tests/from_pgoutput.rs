@@ -54,7 +54,8 @@ fn events(fixture: &str) -> Vec<(outbox::OutboxEvent, String)> {
                 };
                 let event = builder
                     .build(&insert.new_tuple, outbox::Position { commit_lsn, index })
-                    .expect("event");
+                    .expect("event")
+                    .expect("no filter");
                 index += 1;
                 out.push((event, String::from_utf8(created_at.to_vec()).unwrap()));
             }
@@ -76,7 +77,7 @@ fn seed_style_rows_get_derived_keys_not_the_placeholders() {
     let ms = epoch_millis(parse_timestamptz(created_at.as_bytes()).unwrap());
     assert_eq!(
         event.keys,
-        compute_keys(event.id, "order-42", "order.created", ms)
+        compute_keys(event.id.as_int().unwrap(), "order-42", "order.created", ms)
     );
     assert_eq!(
         event.keys.dedupe_key,

@@ -94,7 +94,7 @@ async fn connect(
     config
         .user(info.user())
         .dbname(info.dbname())
-        .options("-c TimeZone=UTC -c DateStyle=ISO -c standard_conforming_strings=on")
+        .options("-c TimeZone=UTC -c DateStyle=ISO -c standard_conforming_strings=on -c bytea_output=hex")
         .channel_binding(match info.channel_binding() {
             ChannelBinding::Disable => PgChannelBinding::Disable,
             ChannelBinding::Prefer => PgChannelBinding::Prefer,

@@ -15,7 +15,7 @@ pub enum SinkError {
     #[error("publishing outbox event id={id} failed: {source}")]
     Publish {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// Why, in async-nats's error type (the frame could not be handed to the
         /// connection in time, or the connection is gone).
         source: async_nats::jetstream::context::PublishError,
@@ -24,7 +24,7 @@ pub enum SinkError {
     #[error("JetStream did not store outbox event id={id}: {source}")]
     Ack {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// The server's answer, classified as async-nats classifies it (K3), or a timeout.
         source: async_nats::jetstream::context::PublishError,
     },
@@ -33,7 +33,7 @@ pub enum SinkError {
     #[error("outbox event id={id} cannot be stored: {reason}")]
     Poison {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// What kind of problem.
         kind: PoisonKind,
         /// Why, in detail.
@@ -44,7 +44,7 @@ pub enum SinkError {
     #[error("outbox event id={id} cannot be stored: {reason}; re-syncing to publish a dead-letter record in its place")]
     ReusedId {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// Why.
         reason: String,
     },
@@ -54,7 +54,7 @@ pub enum SinkError {
     )]
     Verify {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// What async-nats reported.
         source: async_nats::jetstream::stream::RawMessageError,
     },
@@ -75,7 +75,7 @@ pub enum SinkError {
     #[error("the publishing connection to NATS closed before outbox event id={id} was acknowledged: {why}")]
     Closed {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// Why, in the server's words when it said any.
         why: String,
     },
@@ -100,7 +100,7 @@ pub enum SinkError {
     #[error("the NATS server denied publishing outbox event id={id} to {subject}: {why}; re-syncing to publish a dead-letter record in place of every event to that subject")]
     Denied {
         /// The outbox row id.
-        id: i64,
+        id: outbox::EventId,
         /// The subject.
         subject: String,
         /// The server's words.
@@ -217,15 +217,15 @@ impl SinkError {
 
     /// The outbox id of an event JetStream will never accept, whatever we retry (an
     /// oversized payload): the caller must stop or dead-letter it, not retry forever.
-    pub fn poison_id(&self) -> Option<i64> {
+    pub fn poison_id(&self) -> Option<outbox::EventId> {
         match self {
-            SinkError::Poison { id, .. } => Some(*id),
+            SinkError::Poison { id, .. } => Some(id.clone()),
             SinkError::Publish { id, source }
                 if source.kind() == PublishErrorKind::MaxPayloadExceeded =>
             {
-                Some(*id)
+                Some(id.clone())
             }
-            SinkError::Ack { id, source } if is_size_refusal(source) => Some(*id),
+            SinkError::Ack { id, source } if is_size_refusal(source) => Some(id.clone()),
             _ => None,
         }
     }

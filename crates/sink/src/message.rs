@@ -25,7 +25,7 @@ use std::fmt::Write as _;
 
 use async_nats::{HeaderMap, Subject};
 use bytes::{Bytes, BytesMut};
-use outbox::{encoding, OutboxEvent};
+use outbox::{encoding, EventId, OutboxEvent};
 use sha2::{Digest, Sha256};
 
 use crate::wire;
@@ -179,7 +179,7 @@ pub fn control_line_len(subject_len: usize, headers_len: usize, total_len: usize
 /// The JetStream message for an event: its subject's payload and the frozen headers.
 pub fn publish_message(event: &OutboxEvent) -> async_nats::jetstream::message::PublishMessage {
     let commit_lsn = event.position.commit_lsn.to_string();
-    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+    let hostile = event.is_hostile();
     let (_, map, payload) = into_message(event.clone(), hostile, &commit_lsn, None);
     async_nats::jetstream::message::PublishMessage::build()
         .headers(map)
@@ -193,7 +193,7 @@ fn event_headers(
     hostile: bool,
     commit_lsn: &str,
     source: Option<&str>,
-    mut put: impl FnMut(&'static str, &str),
+    mut put: impl FnMut(&str, &str),
 ) {
     use outbox::headers as h;
     fn cow(text: &str, hostile: bool) -> std::borrow::Cow<'_, str> {
@@ -206,23 +206,53 @@ fn event_headers(
     let row = |text| cow(text, hostile);
     let k = &event.keys;
     put(h::NATS_MSG_ID, &row(&k.dedupe_key));
-    put(h::OUTBOX_ID, itoa::Buffer::new().format(event.id));
-    put(h::OUTBOX_ENTITY_ID, &row(&event.entity_id));
-    put(h::OUTBOX_EVENT_TYPE, &row(&event.event_type));
-    put(h::OUTBOX_PARTITION_KEY, &row(&k.partition_key));
-    put(h::OUTBOX_ORDERING_KEY, &k.ordering_key);
+    match &event.id {
+        EventId::Int(id) => {
+            put(h::OUTBOX_ID, itoa::Buffer::new().format(*id));
+            put(h::OUTBOX_ENTITY_ID, &row(&event.entity_id));
+            put(h::OUTBOX_EVENT_TYPE, &row(&event.event_type));
+            put(h::OUTBOX_PARTITION_KEY, &row(&k.partition_key));
+            put(h::OUTBOX_ORDERING_KEY, &k.ordering_key);
+        }
+        EventId::Text(id) => {
+            put(h::OUTBOX_ID, &row(id));
+            put(h::OUTBOX_ENTITY_ID, &row(&event.entity_id));
+            put(h::OUTBOX_EVENT_TYPE, &row(&event.event_type));
+            put(h::OUTBOX_PARTITION_KEY, &row(&k.partition_key));
+            put(h::OUTBOX_ORDERING_KEY, &row(&k.ordering_key));
+        }
+    }
     put(h::OUTBOX_SHARD, itoa::Buffer::new().format(event.shard));
     put(h::OUTBOX_COMMIT_LSN, commit_lsn);
     put(
         h::OUTBOX_TX_INDEX,
         itoa::Buffer::new().format(event.position.index),
     );
+    if let Some(kind) = id_kind(&event.id, event.keys.ordering_key.as_str()) {
+        put(h::OUTBOX_ID_KIND, kind);
+    }
     if hostile {
         put(h::OUTBOX_ENCODING, encoding::PERCENT);
     }
     if let Some(source) = source {
         put(h::OUTBOX_SOURCE, source);
     }
+    for (name, value) in &event.headers {
+        put(name, &row(value));
+    }
+}
+
+/// `Outbox-Id-Kind` for a uuid or text id: `uuid` when it has a uuid's shape (a text column
+/// holding uuids says `uuid` too; either way the id is its text).
+fn id_kind(id: &EventId, _ordering_key: &str) -> Option<&'static str> {
+    let text = id.as_text()?;
+    Some(
+        if outbox::EventId::parse(outbox::IdKind::Uuid, text).is_some() {
+            "uuid"
+        } else {
+            "text"
+        },
+    )
 }
 
 /// The subject, headers and payload for `event`, for publishing through async-nats
@@ -236,7 +266,7 @@ pub(crate) fn into_message(
 ) -> (Subject, HeaderMap, Bytes) {
     let mut map = HeaderMap::new();
     event_headers(&event, hostile, commit_lsn, source, |name, value| {
-        map.insert(async_nats::HeaderName::from_static(name), value);
+        map.insert(name, value);
     });
     (Subject::from(event.subject), map, event.payload)
 }
@@ -389,7 +419,7 @@ pub(crate) fn dead_letter_record(
     debug_assert!(!encoding::is_hostile(reason), "{reason:?}");
     let mut map = HeaderMap::new();
     map.insert(name::NATS_MSG_ID, dead_letter_id(event, hostile));
-    map.insert(name::OUTBOX_ID, int(event.id));
+    map.insert(name::OUTBOX_ID, event.id.to_string());
     map.insert(
         name::OUTBOX_COMMIT_LSN,
         event.position.commit_lsn.to_string(),
@@ -403,7 +433,10 @@ pub(crate) fn dead_letter_record(
         map.insert(name::OUTBOX_ENCODING, encoding::PERCENT);
     }
     let mut record = serde_json::json!({
-        "outbox_id": event.id,
+        "outbox_id": match &event.id {
+            EventId::Int(id) => serde_json::json!(id),
+            EventId::Text(id) => serde_json::json!(id),
+        },
         "ordering_key": event.keys.ordering_key,
         "shard": event.shard,
         "commit_lsn": event.position.commit_lsn.to_string(),
@@ -525,7 +558,8 @@ mod tests {
     ) -> OutboxEvent {
         let keys = outbox::compute_keys(id, entity_id, event_type, 1_700_000_000_000);
         OutboxEvent {
-            id,
+            id: EventId::Int(id),
+            headers: Vec::new(),
             entity_id: entity_id.to_owned(),
             event_type: event_type.to_owned(),
             shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), entity_id),

@@ -99,7 +99,7 @@ use std::time::Duration;
 use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::StreamMessage;
 use bytes::{Bytes, BytesMut};
-use outbox::{encoding, Item, OutboxEvent, Position};
+use outbox::{encoding, EventId, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
@@ -193,12 +193,12 @@ pub struct SinkStats {
 /// The newest event a process saw acknowledged, with every earlier one of its session
 /// ([`SinkStats::stored_through`]): its position, and the row it was, for the next session
 /// to check against the table before it skips by it (`crate::resume` S4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Acknowledged {
     /// The event's position.
     pub position: Position,
     /// Its outbox id.
-    pub id: i64,
+    pub id: EventId,
     /// Its row's `created_at` in milliseconds (the ordering key's first part).
     pub created_at_ms: i64,
 }
@@ -247,7 +247,7 @@ impl SinkStats {
     /// `source`, as far as this process saw acknowledged.
     pub fn stored_through(&self, source: &str) -> Option<Acknowledged> {
         match &*self.through_lock() {
-            Some((seen, acknowledged)) if seen == source => Some(*acknowledged),
+            Some((seen, acknowledged)) if seen == source => Some(acknowledged.clone()),
             _ => None,
         }
     }
@@ -453,7 +453,7 @@ impl<'s> Publisher<'s> {
                 buffer: BytesMut::with_capacity(FLUSH_BYTES * 2),
                 frames,
                 timeout: options.ack_timeout,
-                last_id: 0,
+                last_id: EventId::Int(0),
             },
             block: BytesMut::with_capacity(1024),
             sequence: 0,
@@ -557,7 +557,7 @@ impl<'s> Publisher<'s> {
         event: OutboxEvent,
         permit: OwnedSemaphorePermit,
     ) -> Result<AckItem<P>, SinkError> {
-        let (id, position, created_at_ms) = (event.id, event.position, event.created_at_ms);
+        let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
             self.commit_lsn = (Some(position.commit_lsn), position.commit_lsn.to_string());
         }
@@ -581,7 +581,7 @@ impl<'s> Publisher<'s> {
         self.sequence += 1;
         let sequence = self.sequence;
         self.out.push(
-            id,
+            &id,
             &subject,
             &self.reply_prefix,
             sequence,
@@ -645,14 +645,14 @@ struct Frames {
     frames: mpsc::Sender<Bytes>,
     timeout: Duration,
     /// The newest event in `buffer`, to name in an error.
-    last_id: i64,
+    last_id: EventId,
 }
 
 impl Frames {
     /// Appends one `HPUB` frame: its line, the header block, the payload.
     fn push(
         &mut self,
-        id: i64,
+        id: &EventId,
         subject: &str,
         reply_prefix: &str,
         sequence: u64,
@@ -670,7 +670,7 @@ impl Frames {
         self.buffer.extend_from_slice(block);
         self.buffer.extend_from_slice(payload);
         self.buffer.extend_from_slice(b"\r\n");
-        self.last_id = id;
+        self.last_id.clone_from(id);
     }
 
     /// Hands the frames to the writer. Its queue takes them at once unless it is full (the
@@ -680,9 +680,9 @@ impl Frames {
             return Ok(());
         }
         let chunk = self.buffer.split().freeze();
-        let id = self.last_id;
+        let id = &self.last_id;
         let closed = || SinkError::Closed {
-            id,
+            id: id.clone(),
             why: CONNECTION_CLOSED.into(),
         };
         match self.frames.try_send(chunk) {
@@ -693,7 +693,7 @@ impl Frames {
                     Ok(Ok(())) => Ok(()),
                     Ok(Err(_)) => Err(closed()),
                     Err(_) => Err(SinkError::Publish {
-                        id,
+                        id: id.clone(),
                         source: PublishError::new(PublishErrorKind::TimedOut),
                     }),
                 }
@@ -751,12 +751,15 @@ impl Acks {
     async fn next(
         &mut self,
         sequence: u64,
-        id: i64,
+        id: &EventId,
         subject: &str,
     ) -> Result<Result<Acked, String>, SinkError> {
         self.awaited = sequence;
         let answered = |ack: Result<Acked, PublishError>| {
-            ack.map(Ok).map_err(|source| SinkError::Ack { id, source })
+            ack.map(Ok).map_err(|source| SinkError::Ack {
+                id: id.clone(),
+                source,
+            })
         };
         if !self.early.is_empty() {
             if let Some(answer) = self.early.remove(&sequence) {
@@ -767,7 +770,7 @@ impl Acks {
         loop {
             if let Some(why) = &self.closed {
                 return Err(SinkError::Closed {
-                    id,
+                    id: id.clone(),
                     why: why.clone(),
                 });
             }
@@ -810,7 +813,7 @@ impl Acks {
     }
 
     /// Waits for the next answer, arming the oldest publish's deadline first (P10).
-    async fn wait(&mut self, armed: &mut bool, id: i64) -> Result<Option<Answer>, SinkError> {
+    async fn wait(&mut self, armed: &mut bool, id: &EventId) -> Result<Option<Answer>, SinkError> {
         if !*armed {
             self.deadline.as_mut().reset(Instant::now() + self.timeout);
             *armed = true;
@@ -819,7 +822,7 @@ impl Acks {
             biased;
             answer = self.answers.recv() => Ok(answer),
             () = self.deadline.as_mut() => Err(SinkError::Ack {
-                id,
+                id: id.clone(),
                 source: PublishError::new(PublishErrorKind::TimedOut),
             }),
         }
@@ -896,7 +899,7 @@ fn prepare(
         Ok(msg_id) => (event.subject, event.payload, msg_id, false),
         Err((kind, reason)) if options.poison == PoisonPolicy::Halt => {
             return Err(SinkError::Poison {
-                id: event.id,
+                id: event.id.clone(),
                 kind,
                 reason,
             })
@@ -979,11 +982,11 @@ fn dead_letter_block(
         limits,
     )
     .map_err(|why| SinkError::Poison {
-        id: event.id,
+        id: event.id.clone(),
         kind: PoisonKind::DeadLetterTooLarge,
         reason: format!("{reason}; {why}"),
     })?;
-    warn!(outbox_id = event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
+    warn!(outbox_id = %event.id, reason = %reason, ?cut, "publishing a dead-letter record in place of the event");
     block.clear();
     Ok((payload, write_map_block(block, &map, fence)))
 }
@@ -1123,12 +1126,12 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         if let Some(clock) = &mut self.clock {
             clock.awaiting();
         }
-        let ack = match self.acks.next(sequence, event.id, &subject).await? {
+        let ack = match self.acks.next(sequence, &event.id, &subject).await? {
             Ok(ack) => ack,
             Err(why) => {
-                let denied = self
-                    .duplicates
-                    .denied(event.id, subject, why, dead_letter, stats);
+                let denied =
+                    self.duplicates
+                        .denied(event.id.clone(), subject, why, dead_letter, stats);
                 return Err(denied);
             }
         };
@@ -1166,7 +1169,7 @@ impl Duplicates {
     /// dead-letter record it denies halts.
     fn denied(
         &self,
-        id: i64,
+        id: EventId,
         subject: String,
         why: String,
         dead_letter: bool,
@@ -1205,7 +1208,7 @@ impl Duplicates {
         event: &Acknowledged,
         stats: &SinkStats,
     ) -> Result<(), SinkError> {
-        let Some(original) = self.original(stream, sequence, event.id).await? else {
+        let Some(original) = self.original(stream, sequence, &event.id).await? else {
             return Ok(());
         };
         let mark = crate::resume::Mark::of(&original);
@@ -1222,14 +1225,14 @@ impl Duplicates {
         &self,
         stream: &str,
         sequence: u64,
-        id: i64,
+        id: &EventId,
     ) -> Result<Option<StreamMessage>, SinkError> {
         let stream = self
             .jetstream
             .get_stream_no_info(stream)
             .await
             .map_err(|e| SinkError::Verify {
-                id,
+                id: id.clone(),
                 source: async_nats::jetstream::stream::RawMessageError::with_source(
                     async_nats::jetstream::stream::RawMessageErrorKind::Other,
                     e,
@@ -1242,13 +1245,16 @@ impl Duplicates {
                     == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
             {
                 warn!(
-                    outbox_id = id,
+                    outbox_id = %id,
                     sequence,
                     "JetStream acknowledged this event as a duplicate of a message no longer in the stream (deleted or aged out), so whether it was the same event cannot be checked"
                 );
                 Ok(None)
             }
-            Err(source) => Err(SinkError::Verify { id, source }),
+            Err(source) => Err(SinkError::Verify {
+                id: id.clone(),
+                source,
+            }),
         }
     }
 
@@ -1261,12 +1267,12 @@ impl Duplicates {
         sequence: u64,
         event: &Acknowledged,
     ) -> Option<(PoisonKind, String)> {
-        let id = event.id;
+        let id = &event.id;
         if mark.claim.is_row(id, event.created_at_ms) {
             // The same row's event: a replay of the relay's own publish, or of `outbox-relay
             // replay`/`backfill`'s.
             debug!(
-                outbox_id = id,
+                outbox_id = %id,
                 sequence, "JetStream already held this event"
             );
             return None;
@@ -1278,7 +1284,7 @@ impl Duplicates {
             // Shared mode: another writer (e.g. a polling publisher during a migration)
             // published it under the same id; that is what shared mode allows.
             debug!(
-                outbox_id = id,
+                outbox_id = %id,
                 sequence,
                 "JetStream already held a message with this event's id from another writer"
             );
@@ -1303,11 +1309,11 @@ impl Duplicates {
         event: &Acknowledged,
         stats: &SinkStats,
     ) -> Result<(), SinkError> {
-        let id = event.id;
+        let id = event.id.clone();
         stats.reused_ids.fetch_add(1, Ordering::Relaxed);
         if !self.strict {
             warn!(
-                outbox_id = id,
+                outbox_id = %id,
                 sequence,
                 metric = REUSED_ID_METRIC,
                 reason = %reason,
@@ -1340,11 +1346,11 @@ fn reused_reason(mark: &crate::resume::Mark, sequence: u64, event: &Acknowledged
     format!(
         "JetStream acknowledged it as a duplicate of stream sequence {}, another event (outbox id {}, ordering key {}, {theirs}; this one is at commit LSN {}, index {}, ordering key {}): its outbox id was reused within the duplicate window",
         sequence,
-        mark.claim.id.map_or_else(|| "none".to_owned(), |i| i.to_string()),
+        mark.claim.id.as_ref().map_or_else(|| "none".to_owned(), |i| i.to_string()),
         mark.claim.ordering_key.as_deref().unwrap_or("none"),
         here.commit_lsn,
         here.index,
-        outbox::ordering_key(event.id, event.created_at_ms),
+        event.id.ordering_key(event.created_at_ms),
     )
 }
 
@@ -1358,7 +1364,7 @@ mod fence_tests {
     #[test]
     fn both_halves_of_the_fence_are_fence_refusals() {
         let ack = |kind| SinkError::Ack {
-            id: 7,
+            id: EventId::Int(7),
             source: PublishError::new(kind),
         };
         assert!(ack(PublishErrorKind::WrongLastSequence).is_fence_refusal());

@@ -36,7 +36,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::StreamMessage};
-use outbox::{headers, Lsn, OutboxEvent, Position};
+use outbox::{headers, EventId, Lsn, OutboxEvent, Position};
 
 /// What the relay wrote into a stored message to identify it: its position in the commit
 /// order, the history it belongs to, and the row it was published for.
@@ -81,7 +81,7 @@ fn header<'a>(message: &'a StreamMessage, name: &str) -> Option<&'a str> {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Claim {
     /// `Outbox-Id`.
-    pub id: Option<i64>,
+    pub id: Option<EventId>,
     /// `Nats-Msg-Id`, as stored (percent-encoded for a header-hostile row).
     pub msg_id: Option<String>,
     /// `Outbox-Ordering-Key`, or a dead-letter record's `ordering_key`.
@@ -102,8 +102,16 @@ impl Claim {
         } else {
             header(headers::OUTBOX_ORDERING_KEY).map(str::to_owned)
         };
+        // A uuid or text id (and the ordering key holding it) is percent-encoded on a
+        // hostile row's message: read back decoded, as the row gives them.
+        let kind = header(headers::OUTBOX_ID_KIND);
+        let percent = header(headers::OUTBOX_ENCODING) == Some(outbox::encoding::PERCENT);
+        let ordering_key = match (kind.is_some() && percent && !dead_letter, ordering_key) {
+            (true, Some(key)) => outbox::encoding::decode(&key),
+            (_, key) => key,
+        };
         Claim {
-            id: header(headers::OUTBOX_ID).and_then(|id| id.parse().ok()),
+            id: header(headers::OUTBOX_ID).and_then(|id| EventId::from_header(id, kind, percent)),
             msg_id: header(headers::NATS_MSG_ID).map(str::to_owned),
             ordering_key,
             dead_letter,
@@ -118,10 +126,9 @@ impl Claim {
     /// Whether the message is the event of the row with `id` created at `created_at_ms` (or
     /// its dead-letter record): the same id and ordering key. With the `Nats-Msg-Id` the
     /// server matched (event type, entity, id), that is every key of the row (P8).
-    pub fn is_row(&self, id: i64, created_at_ms: i64) -> bool {
-        self.id == Some(id)
-            && self.ordering_key.as_deref()
-                == Some(outbox::ordering_key(id, created_at_ms).as_str())
+    pub fn is_row(&self, id: &EventId, created_at_ms: i64) -> bool {
+        self.id.as_ref() == Some(id)
+            && self.ordering_key.as_deref() == Some(id.ordering_key(created_at_ms).as_str())
     }
 
     /// Whether the message is what the relay publishes for `event`, the row with the
@@ -134,7 +141,7 @@ impl Claim {
             crate::message::msg_id(event)
         };
         let ordering_key = &event.keys.ordering_key;
-        if self.id == Some(event.id)
+        if self.id.as_ref() == Some(&event.id)
             && self.msg_id.as_deref() == Some(msg_id.as_str())
             && self.ordering_key.as_deref() == Some(ordering_key.as_str())
         {
@@ -769,19 +776,19 @@ mod tests {
     }
 
     fn event(id: i64, entity_id: &str, event_type: &str, created_at_ms: i64) -> OutboxEvent {
-        outbox::OutboxRow {
+        outbox::OutboxRow::seed(
             id,
-            entity_id: entity_id.into(),
-            event_type: event_type.into(),
-            payload: bytes::Bytes::from_static(b"{}"),
+            entity_id,
+            event_type,
+            bytes::Bytes::from_static(b"{}"),
             created_at_ms,
-        }
+        )
         .into_event("outbox", std::num::NonZeroU64::new(8).unwrap(), at(500, 0))
     }
 
     fn claim_of(event: &OutboxEvent) -> Claim {
         Claim {
-            id: Some(event.id),
+            id: Some(event.id.clone()),
             msg_id: Some(crate::message::msg_id(event)),
             ordering_key: Some(event.keys.ordering_key.clone()),
             dead_letter: false,
@@ -794,12 +801,12 @@ mod tests {
     fn a_claim_checks_out_only_against_the_row_it_was_written_for() {
         let row = event(300, "order-1", "order.created", 1_700_000_000_123);
         assert_eq!(claim_of(&row).check(&row), Ok(()));
-        assert!(claim_of(&row).is_row(300, 1_700_000_000_123));
+        assert!(claim_of(&row).is_row(&EventId::Int(300), 1_700_000_000_123));
 
         // The same id, written again after a restore: another time, or another entity.
         let later = event(300, "order-1", "order.created", 1_700_000_099_000);
         assert!(claim_of(&row).check(&later).is_err());
-        assert!(!claim_of(&row).is_row(300, 1_700_000_099_000));
+        assert!(!claim_of(&row).is_row(&EventId::Int(300), 1_700_000_099_000));
         let other = event(300, "order-2", "order.created", 1_700_000_000_123);
         let why = claim_of(&row).check(&other).unwrap_err();
         assert!(why.contains("order.created:order-2:300"), "{why}");
@@ -825,7 +832,7 @@ mod tests {
         };
         assert!(forged.is_anonymous());
         assert!(forged.check(&row).is_err());
-        assert!(!forged.is_row(300, 1_700_000_000_123));
+        assert!(!forged.is_row(&EventId::Int(300), 1_700_000_000_123));
     }
 
     #[test]

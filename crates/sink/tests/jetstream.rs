@@ -325,13 +325,13 @@ fn hostile_event(n: u32) -> outbox::OutboxEvent {
     } else {
         format!("OrderPaid\r\nNats-Msg-Id: x-{n}")
     };
-    let row = outbox::OutboxRow {
-        id: i64::from(n),
+    let row = outbox::OutboxRow::seed(
+        i64::from(n),
         entity_id,
         event_type,
-        payload: Bytes::from_static(b"{}"),
-        created_at_ms: 1_700_000_000_000,
-    };
+        Bytes::from_static(b"{}"),
+        1_700_000_000_000,
+    );
     let position = outbox::Position {
         commit_lsn: outbox::Lsn(0x100 + u64::from(n)),
         index: 0,
@@ -437,13 +437,13 @@ async fn a_publish_line_over_the_control_line_limit_is_never_acknowledged() {
 }
 
 fn event(prefix: &str, id: i64, index: u32) -> outbox::OutboxEvent {
-    let row = outbox::OutboxRow {
+    let row = outbox::OutboxRow::seed(
         id,
-        entity_id: format!("order-{id}"),
-        event_type: "OrderPaid".to_owned(),
-        payload: Bytes::from_static(b"{\"amount\":10}"),
-        created_at_ms: 1_700_000_000_000,
-    };
+        format!("order-{id}"),
+        "OrderPaid".to_owned(),
+        Bytes::from_static(b"{\"amount\":10}"),
+        1_700_000_000_000,
+    );
     let position = outbox::Position {
         commit_lsn: outbox::Lsn(0x1000),
         index,
@@ -842,13 +842,13 @@ fn frames_the_sink_writes_are_stored_as_the_contract_says_to_the_byte() {
     runner
         .run(&rows, |(entity_id, event_type, payload_len, index)| {
             next_id.set(next_id.get() + 1);
-            let row = outbox::OutboxRow {
-                id: next_id.get(),
+            let row = outbox::OutboxRow::seed(
+                next_id.get(),
                 entity_id,
                 event_type,
-                payload: Bytes::from(vec![b'p'; payload_len]),
-                created_at_ms: 1_700_000_000_000 + next_id.get(),
-            };
+                Bytes::from(vec![b'p'; payload_len]),
+                1_700_000_000_000 + next_id.get(),
+            );
             let position = outbox::Position {
                 commit_lsn: outbox::Lsn(0x1000 + next_id.get() as u64),
                 index,

@@ -92,6 +92,9 @@ impl Report {
 
 /// Re-publishes the rows of `range` (module docs). `force` allows a strict-mode stream (R2).
 pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Report> {
+    config
+        .check_mapping_support("outbox-relay replay")
+        .map_err(RelayError::setup)?;
     if !config.shared_stream && !force {
         return Err(RelayError::setup(anyhow::anyhow!(
             "stream {} is in strict mode (the relay is its only writer: every event once, in \
@@ -235,7 +238,7 @@ async fn publish_rows(
                 continue;
             }
         };
-        let id = row.id;
+        let id = row.id.as_int().expect("replay reads integer ids (TB3)");
         let position = positions.get(&id).copied().unwrap_or_else(|| {
             report.without_original += 1;
             Position {

@@ -1292,6 +1292,9 @@ async fn explain_mismatches(
 
 /// Reconciles the rows in `range` with the stream (see the module docs).
 pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
+    config
+        .check_mapping_support("outbox-relay verify")
+        .map_err(RelayError::setup)?;
     let started = Instant::now();
     let Opened {
         client,
@@ -1412,13 +1415,13 @@ mod tests {
     }
 
     fn event(entity_id: &str, event_type: &str) -> OutboxEvent {
-        OutboxRow {
-            id: 7,
-            entity_id: entity_id.into(),
-            event_type: event_type.into(),
-            payload: Bytes::from_static(b"{\"a\": 1}"),
-            created_at_ms: 1_700_000_000_000,
-        }
+        OutboxRow::seed(
+            7,
+            entity_id,
+            event_type,
+            Bytes::from_static(b"{\"a\": 1}"),
+            1_700_000_000_000,
+        )
         .into_event("outbox", NonZeroU64::new(12).unwrap(), NO_POSITION)
     }
 

@@ -51,6 +51,7 @@ use replication::{AuthMethod, ConnInfo};
 pub mod backfill;
 pub mod nats;
 pub mod secrets;
+pub mod table;
 
 /// One option: its file key, flag, environment variable and default.
 #[derive(Debug, Clone, Copy)]
@@ -149,6 +150,29 @@ pub mod opt {
             "Subject prefix of the replies the relay subscribes to (its publish acks and requests' replies): the NATS user needs subscribe on {prefix}.> only", flag = "inbox-prefix");
         TABLE = ("table", "OUTBOX_RELAY_TABLE", Some("public.outbox_events"),
             "The outbox table, as schema.table");
+        // The user's own table (crate::config::table; docs/own-table.md).
+        TABLE_PRESET = ("table_preset", "OUTBOX_RELAY_TABLE_PRESET", Some("seed"),
+            "The outbox table's shape: seed (sql/schema.sql's id, entity_id, event_type, payload, created_at) or debezium (id uuid, aggregatetype, aggregateid, type, timestamp, payload, and tracingspancontext when present; subjects {prefix}.{aggregatetype}.{shard}); the *_column settings override single columns");
+        ID_COLUMN = ("id_column", "OUTBOX_RELAY_ID_COLUMN", None,
+            "The event id column (bigint, integer, uuid or text); default: the preset's");
+        ENTITY_ID_COLUMN = ("entity_id_column", "OUTBOX_RELAY_ENTITY_ID_COLUMN", None,
+            "The entity (aggregate) id column, the partition key (text, varchar or uuid); default: the preset's");
+        EVENT_TYPE_COLUMN = ("event_type_column", "OUTBOX_RELAY_EVENT_TYPE_COLUMN", None,
+            "The event type column (text or varchar); default: the preset's");
+        PAYLOAD_COLUMN = ("payload_column", "OUTBOX_RELAY_PAYLOAD_COLUMN", None,
+            "The payload column (jsonb, json, text, or bytea published as its bytes); default: the preset's");
+        CREATED_AT_COLUMN = ("created_at_column", "OUTBOX_RELAY_CREATED_AT_COLUMN", None,
+            "The creation time column (timestamptz, or timestamp read as UTC), the ordering key's first part; default: the preset's");
+        HEADER_COLUMNS = ("header_columns", "OUTBOX_RELAY_HEADER_COLUMNS", None,
+            "Columns copied into headers: column[:Header-Name], comma-separated (a NULL gives no header; names may not start with Nats- or Outbox-)");
+        TRACE_CONTEXT_COLUMN = ("trace_context_column", "OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", None,
+            "A column holding the producer's W3C trace context (a traceparent value, or Debezium's tracingspancontext properties), published as the traceparent and tracestate headers");
+        SUBJECT_TEMPLATE = ("subject_template", "OUTBOX_RELAY_SUBJECT_TEMPLATE", None,
+            "Subjects of events: {prefix} first, {shard} once, and {event_type} or {column} placeholders as whole tokens, e.g. {prefix}.{aggregatetype}.{shard}; default: the preset's ({prefix}.{shard}.{event_type} for seed)");
+        INCLUDE_EVENT_TYPES = ("include_event_types", "OUTBOX_RELAY_INCLUDE_EVENT_TYPES", None,
+            "Publish only events of these types (comma-separated); the others are confirmed without publishing and counted");
+        EXCLUDE_EVENT_TYPES = ("exclude_event_types", "OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", None,
+            "Never publish events of these types (comma-separated): confirmed without publishing and counted");
         SLOT = ("slot", "OUTBOX_RELAY_SLOT", Some("outbox_relay"),
             "Logical replication slot (pgoutput)");
         PUBLICATION = ("publication", "OUTBOX_RELAY_PUBLICATION", Some("outbox_relay"),
@@ -648,6 +672,8 @@ pub struct Config {
     pub nats: crate::config::nats::NatsOptions,
     /// The outbox table.
     pub table: TableName,
+    /// Which of its columns the relay reads, and how events are shaped from them.
+    pub mapping: outbox::Mapping,
     /// The replication slot.
     pub slot: String,
     /// The publication.
@@ -716,6 +742,7 @@ impl Config {
         let nats = crate::config::nats::NatsOptions::from_raw(raw, &nats_url)?;
         let warnings = startup_warnings(raw, &database, &nats_url, &nats);
         let table = raw.parse(&TABLE, parse_table_name)?;
+        let mapping = crate::config::table::mapping_from(raw)?;
         let slot = raw.parse(&SLOT, parse_slot_name)?;
         let publication = raw.parse(&PUBLICATION, parse_publication_name)?;
         let stream = raw.parse(&STREAM, parse_stream_name)?;
@@ -736,6 +763,12 @@ impl Config {
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
         let retention = retention_from(raw)?;
+        if !mapping.is_default() && (mark_published || retention.is_some()) {
+            return Err(ConfigError(format!(
+                "{} and {} read the seed's columns only and do not follow a mapped outbox table yet ({}: {mapping}); turn them off for this table (docs/own-table.md)",
+                MARK_PUBLISHED.env, RETENTION_GRACE.env, TABLE_PRESET.env
+            )));
+        }
         Ok(Config {
             database,
             nats_url,
@@ -743,6 +776,7 @@ impl Config {
             // whole window of them.
             nats,
             table,
+            mapping,
             slot,
             publication,
             stream,

@@ -136,6 +136,7 @@ struct Counters {
     marked: Counter,
     mark_failures: Counter,
     retention_deleted: Counter,
+    excluded: Counter,
 }
 
 /// The relay's state, read when scraped.
@@ -243,6 +244,11 @@ impl Metrics {
                 "tail_rejected",
                 "Stored positions not used to skip because they lie beyond the server's WAL end or their rows do not check out against the table (a restored database, or a message the relay did not write)",
                 &counters.tail_rejected,
+            ),
+            (
+                "excluded_events",
+                "Outbox rows whose event type the include/exclude lists keep from publishing: confirmed with their transactions, never published",
+                &counters.excluded,
             ),
             (
                 "dedupe_window_exceeded",
@@ -427,6 +433,11 @@ impl Metrics {
     /// The slot as last polled, while this relay holds the lease.
     pub fn slot(&self) -> Option<SlotSample> {
         lock(&self.state.slot).clone()
+    }
+
+    /// Rows the event-type filter kept from publishing (MAP4).
+    pub fn excluded(&self, rows: u64) {
+        self.counters.excluded.inc_by(rows);
     }
 
     /// How far the reader has read: the end of the last transaction or idle position.

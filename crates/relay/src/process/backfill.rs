@@ -258,6 +258,9 @@ pub async fn at_slot_creation(
         }
         return Ok(());
     }
+    config
+        .check_mapping_support(&format!("--backfill {mode:?}").to_lowercase())
+        .map_err(RelayError::setup)?;
     mark_start(client, config, &marker, resumed).await?;
 
     // F5: the exporting connection stays open and idle until the backfill is done.
@@ -429,7 +432,7 @@ async fn feed(
         let mut last = None;
         for event in events {
             last = Some(event.position);
-            if stored.contains(&event.id) {
+            if event.id.as_int().is_some_and(|id| stored.contains(&id)) {
                 skipped += 1;
             } else {
                 batch.push(Item::Event(event));
@@ -573,13 +576,13 @@ impl<'a> Cursor<'a> {
                 epoch_millis(parse_timestamptz(created_at.as_bytes()).map_err(|e| {
                     RelayError::permanent(anyhow::anyhow!("outbox row id={id}: {e}"))
                 })?);
-            let row = OutboxRow {
+            let row = OutboxRow::seed(
                 id,
-                entity_id: text(1, "entity_id")?,
-                event_type: text(2, "event_type")?,
-                payload: text(3, "payload")?.into(),
+                text(1, "entity_id")?,
+                text(2, "event_type")?,
+                text(3, "payload")?,
                 created_at_ms,
-            };
+            );
             events.push(row.into_event(self.prefix, self.partitions, position(id)?));
         }
         Ok(Some(events))
@@ -616,6 +619,9 @@ pub struct RangeReport {
 /// with the same keys as streamed events, on an existing slot and stream. Refused into a
 /// strict stream unless `force`.
 pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<RangeReport> {
+    config
+        .check_mapping_support("outbox-relay backfill")
+        .map_err(RelayError::setup)?;
     if !config.shared_stream && !force {
         return Err(RelayError::setup(anyhow::anyhow!(
             "stream {} is in strict mode, where the relay is its only writer and the stream is in commit order: a backfill appends old rows after newer events (and a row the stream holds beyond the duplicate window would be stored twice). Run it with --shared-stream true if the stream is shared, or add --force to append anyway",

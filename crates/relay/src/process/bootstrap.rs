@@ -27,7 +27,12 @@
 //!   the walsender decoding work, which the log says). `FOR ALL TABLES` and `FOR TABLES IN
 //!   SCHEMA` cover the table like `FOR TABLE`. The check runs on every session start, so a
 //!   publication changed under a running relay is refused at its next session.
-//! - B4 The stream is never changed once it exists; what its settings mean for the events is
+//! - B5 A stream holds the events of one table mapping: a relay with a mapped table records
+//!   the mapping's fingerprint in the description of a stream it creates (or of an empty
+//!   one without a record, the only change it makes to an existing stream), and a stream
+//!   recording another mapping, or holding events without a record while this run maps a
+//!   table, is refused naming both ([`check_stream`]).
+//! - B4 The stream is never changed once it exists (but for B5's record on an empty stream); what its settings mean for the events is
 //!   said at every start ([`check_stream`]): subjects that do not cover `{prefix}.>` stop the
 //!   relay; memory storage, a retention that deletes events no consumer has read (`max_age`,
 //!   `max_bytes`/`max_msgs` with discard old, interest or work-queue retention), a
@@ -179,8 +184,9 @@ pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColum
         .iter()
         .map(|r| (r.get::<_, String>(0), r.get::<_, u32>(1)))
         .collect();
-    OutboxColumns::resolve(
+    OutboxColumns::resolve_mapped(
         &config.table.to_string(),
+        &config.mapping,
         columns.iter().map(|(n, t)| (n.as_str(), *t)),
     )
     .map_err(|e| setup(e.to_string()))
@@ -895,6 +901,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
             )))
         }
     };
+    let info = record_mapping(jetstream, config, info).await?;
     let max_payload = jetstream.client().server_info().max_payload;
     for finding in check_stream(&info, config, max_payload) {
         match finding.severity {
@@ -905,6 +912,31 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
         }
     }
     Ok(())
+}
+
+/// An empty stream without a mapping record gets this run's (B5), so that a later run under
+/// another mapping is refused.
+async fn record_mapping(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    info: jetstream::stream::Info,
+) -> Result<jetstream::stream::Info> {
+    let Some(record) = mapping_record(config) else {
+        return Ok(info);
+    };
+    if !recorded_mapping(&info.config).is_empty() || info.state.messages != 0 {
+        return Ok(info);
+    }
+    let mut updated = info.config.clone();
+    updated.description = Some(record);
+    let updated = jetstream.update_stream(&updated).await.map_err(|e| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot record the table mapping in stream {}'s description: {e}",
+            config.stream
+        ))
+    })?;
+    info!(stream = %config.stream, mapping = %config.mapping, "recorded the table mapping in the stream's description");
+    Ok(updated)
 }
 
 /// The configuration of a stream the relay creates.
@@ -924,8 +956,62 @@ pub fn stream_config(config: &Config) -> StreamConfig {
             .and_then(|v| i32::try_from(v).ok())
             .unwrap_or(-1),
         discard: settings.discard,
+        description: mapping_record(config),
         ..Default::default()
     }
+}
+
+/// What a stream's description says when a relay with a mapped table created it: the
+/// mapping's fingerprint (`outbox` MAP3), so that a later run under another mapping is
+/// refused (B5).
+const MAPPING_RECORD: &str = "outbox-relay mapping: ";
+
+/// The description that records `config`'s mapping; `None` for the seed's (the streams of
+/// every earlier release have none).
+fn mapping_record(config: &Config) -> Option<String> {
+    let fingerprint = config.mapping.fingerprint();
+    (!fingerprint.is_empty()).then(|| format!("{MAPPING_RECORD}{fingerprint}"))
+}
+
+/// The mapping a stream records: `""` (the seed's) when its description holds none.
+fn recorded_mapping(stream: &StreamConfig) -> &str {
+    stream
+        .description
+        .as_deref()
+        .and_then(|d| d.strip_prefix(MAPPING_RECORD))
+        .unwrap_or("")
+}
+
+/// B5: a stream holds the events of one mapping. One created under another (or, holding
+/// events, under the seed's while this run maps a table) is refused, naming both.
+fn check_stream_mapping(
+    name: &str,
+    info: &jetstream::stream::Info,
+    config: &Config,
+    findings: &mut Vec<StreamFinding>,
+) {
+    let recorded = recorded_mapping(&info.config);
+    let ours = config.mapping.fingerprint();
+    if recorded == ours || (recorded.is_empty() && info.state.messages == 0) {
+        return;
+    }
+    let shown = |f: &str| {
+        if f.is_empty() {
+            "the seed's table under the default settings".to_owned()
+        } else {
+            f.trim_end_matches(';').to_owned()
+        }
+    };
+    findings.push(StreamFinding {
+        severity: StreamSeverity::Refused,
+        message: format!(
+            "stream {name} holds events published under another table mapping: it was made for {}, this run maps {}; \
+             the same rows would be published with other keys, subjects or headers. Run with the stream's mapping, \
+             or give this mapping a stream of its own (OUTBOX_RELAY_STREAM)",
+            shown(recorded),
+            shown(&ours)
+        ),
+    });
 }
 
 /// A stream the server refuses to create: a setting it cannot honour is permanent and names
@@ -1004,6 +1090,7 @@ pub fn check_stream(
     let stream = &info.config;
     let mut findings = Vec::new();
     check_stream_subjects(name, stream, config, &mut findings);
+    check_stream_mapping(name, info, config, &mut findings);
     check_stream_settings(name, stream, config, max_payload, &mut findings);
     check_stream_retention(name, stream, &mut findings);
     check_stream_limits(name, info, &mut findings);

@@ -107,7 +107,7 @@ impl Marking {
     pub fn handed(&mut self, items: &[Item<Lsn>]) {
         for item in items {
             match item {
-                Item::Event(event) => self.open.push(event.id),
+                Item::Event(event) => self.open.extend(event.id.as_int()),
                 Item::Commit(end) if !self.open.is_empty() => {
                     self.handed
                         .push_back((*end, std::mem::take(&mut self.open)));
@@ -385,13 +385,7 @@ mod tests {
     use super::*;
 
     fn event(id: i64) -> Item<Lsn> {
-        let row = outbox::OutboxRow {
-            id,
-            entity_id: "e".into(),
-            event_type: "T".into(),
-            payload: bytes::Bytes::from_static(b"{}"),
-            created_at_ms: 0,
-        };
+        let row = outbox::OutboxRow::seed(id, "e", "T", bytes::Bytes::from_static(b"{}"), 0);
         Item::Event(row.into_event(
             "outbox",
             std::num::NonZeroU64::MIN,

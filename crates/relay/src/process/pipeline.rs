@@ -645,6 +645,7 @@ fn start(
         config.subject_prefix.clone(),
         config.partitions,
     )
+    .with_mapping(config.mapping.clone())
     .with_relations(prepared.slot.relations);
     let marking = config.mark_published.then(|| {
         crate::process::mark::Marking::start(
@@ -913,6 +914,10 @@ impl Reader {
             marking.handed(&pending[before..]);
         }
         self.pending = pending;
+        let excluded = std::mem::take(&mut self.framer.excluded);
+        if excluded > 0 {
+            self.metrics.excluded(excluded);
+        }
         self.metrics.set_received(self.framer.received());
         Ok(())
     }

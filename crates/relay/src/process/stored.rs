@@ -18,7 +18,7 @@
 //!   (transient): a check that did not run never vouches.
 
 use bytes::Bytes;
-use outbox::{OutboxRow, Position};
+use outbox::{EventBuilder, EventId, OutboxColumns, OutboxEvent, OutboxRow, Position};
 use sink::resume::{Tail, Verdict};
 use sink::Acknowledged;
 use tokio_postgres::Client;
@@ -32,11 +32,11 @@ pub async fn check_tail(client: &Client, config: &Config, tail: &Tail) -> Result
     let Some(Ok(mark)) = &tail.last else {
         return Ok(Ok(()));
     };
-    let (Some(id), Some(position)) = (mark.claim.id, mark.position) else {
+    let (Some(id), Some(position)) = (&mark.claim.id, mark.position) else {
         return Ok(Err("the message carries no Outbox-Id".into()));
     };
-    Ok(match read_row(client, config, id).await? {
-        Ok(row) => mark.claim.check(&event(row, config, position)),
+    Ok(match read_row(client, config, id, position).await? {
+        Ok(event) => mark.claim.check(&event),
         Err(why) => Err(why),
     })
 }
@@ -47,20 +47,18 @@ pub async fn check_acknowledged(
     config: &Config,
     acknowledged: &Acknowledged,
 ) -> Result<Verdict> {
-    let id = acknowledged.id;
-    Ok(match read_row(client, config, id).await? {
-        Ok(row) if row.created_at_ms == acknowledged.created_at_ms => Ok(()),
-        Ok(row) => Err(format!(
-            "outbox id {id} in the table gives ordering key {}, the event acknowledged had {}",
-            outbox::ordering_key(id, row.created_at_ms),
-            outbox::ordering_key(id, acknowledged.created_at_ms)
-        )),
-        Err(why) => Err(why),
-    })
-}
-
-fn event(row: OutboxRow, config: &Config, position: Position) -> outbox::OutboxEvent {
-    row.into_event(&config.subject_prefix, config.partitions, position)
+    let id = &acknowledged.id;
+    Ok(
+        match read_row(client, config, id, acknowledged.position).await? {
+            Ok(event) if event.created_at_ms == acknowledged.created_at_ms => Ok(()),
+            Ok(event) => Err(format!(
+                "outbox id {id} in the table gives ordering key {}, the event acknowledged had {}",
+                event.keys.ordering_key,
+                id.ordering_key(acknowledged.created_at_ms)
+            )),
+            Err(why) => Err(why),
+        },
+    )
 }
 
 /// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
@@ -85,29 +83,92 @@ pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i6
     let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
         return Err((id, "created_at is NULL or infinite".into()));
     };
-    Ok(OutboxRow {
+    Ok(OutboxRow::seed(
         id,
         entity_id,
         event_type,
-        payload: Bytes::from(payload),
-        created_at_ms: outbox::timestamp::epoch_millis(micros),
-    })
+        Bytes::from(payload),
+        outbox::timestamp::epoch_millis(micros),
+    ))
 }
 
-/// The row with `id` as the relay reads it (V2), or why there is none to check against. The
-/// payload is not read: no check uses it, and a payload that is not UTF-8 (a SQL_ASCII
-/// database) must not stop the check.
+/// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
+/// (`bytea` as its hex output), through the builder streaming uses (`outbox` E4), so a row
+/// read back yields exactly the event streaming derived.
+#[derive(Debug)]
+pub struct RowReader {
+    builder: EventBuilder,
+    select: String,
+    id_column: String,
+    id_type: &'static str,
+}
+
+impl RowReader {
+    /// A reader for `columns` (the mapping resolved against the table) under `config`.
+    pub fn new(config: &Config, columns: OutboxColumns) -> RowReader {
+        let payload = config.mapping.column(outbox::Role::Payload);
+        let select = columns
+            .read_columns()
+            .map(|c| {
+                let quoted = replication::quote_identifier(c);
+                // The payload is not read: no check uses it, and a payload that is not
+                // UTF-8 (a SQL_ASCII database) must not stop the check.
+                if c == payload {
+                    "''::text".to_owned()
+                } else {
+                    format!("{quoted}::text")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        RowReader {
+            id_column: replication::quote_identifier(config.mapping.column(outbox::Role::Id)),
+            id_type: columns.id_kind().sql_type(),
+            builder: EventBuilder::shaped(
+                columns.clone(),
+                config.shape(),
+                config.mapping.filter.clone(),
+            ),
+            select,
+        }
+    }
+
+    /// The event of a row this reader selected, at `position`; `None` when the filter
+    /// excludes its event type.
+    pub fn event(
+        &self,
+        row: &tokio_postgres::Row,
+        position: Position,
+    ) -> std::result::Result<Option<OutboxEvent>, outbox::EventError> {
+        self.builder.build_values(
+            |i| {
+                Ok(row
+                    .try_get::<_, Option<String>>(i)
+                    .ok()
+                    .flatten()
+                    .map(Bytes::from))
+            },
+            position,
+        )
+    }
+}
+
+/// The row with `id` as the relay reads it (V2), as the event it yields at `position`, or
+/// why there is none to check against.
 async fn read_row(
     client: &Client,
     config: &Config,
-    id: i64,
-) -> Result<std::result::Result<OutboxRow, String>> {
+    id: &EventId,
+    position: Position,
+) -> Result<std::result::Result<OutboxEvent, String>> {
     let table = table_sql(&config.table);
+    let columns = crate::process::bootstrap::check_table(client, config).await?;
+    let reader = RowReader::new(config, columns);
     let sql = format!(
-        "SELECT {} FROM {table} WHERE id = $1",
-        row_columns().replace("payload::text", "NULL::text")
+        "SELECT {} FROM {table} WHERE {} = $1::text::{}",
+        reader.select, reader.id_column, reader.id_type
     );
-    let rows = client.query(&sql, &[&id]).await.map_err(|e| {
+    let rows = client.query(&sql, &[&id.to_string()]).await.map_err(|e| {
         RelayError::transient(anyhow::anyhow!(
             "cannot check outbox id {id}, which the stream says is stored, against table {table}: {e}"
         ))
@@ -117,17 +178,12 @@ async fn read_row(
             "no row with outbox id {id} in table {table} (a database restored from a backup, a table emptied or recreated, or a message the relay did not write)"
         )));
     };
-    let text = |i| row.try_get::<_, Option<String>>(i).ok().flatten();
-    let micros = text(4).and_then(|m| m.parse::<i128>().ok());
-    Ok(match (text(1), text(2), micros) {
-        (Some(entity_id), Some(event_type), Some(micros)) => Ok(OutboxRow {
-            id,
-            entity_id,
-            event_type,
-            payload: bytes::Bytes::new(),
-            created_at_ms: outbox::timestamp::epoch_millis(micros),
-        }),
-        _ => Err(format!(
+    Ok(match reader.event(row, position) {
+        Ok(Some(event)) => Ok(event),
+        Ok(None) => Err(format!(
+            "outbox id {id} in table {table} has an event type the filter excludes, so the relay published no event for it"
+        )),
+        Err(_) => Err(format!(
             "outbox id {id} in table {table} has a NULL, non-UTF-8 or infinite key column, so the relay published no event for it"
         )),
     })

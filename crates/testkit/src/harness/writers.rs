@@ -51,13 +51,13 @@ impl Row {
 /// ([`OutboxRow::into_event`]) without decoding WAL.
 impl From<Row> for OutboxRow {
     fn from(row: Row) -> OutboxRow {
-        OutboxRow {
-            id: row.id,
-            entity_id: row.entity_id,
-            event_type: row.event_type,
-            payload: Bytes::from(row.payload),
-            created_at_ms: row.created_at_ms,
-        }
+        OutboxRow::seed(
+            row.id,
+            row.entity_id,
+            row.event_type,
+            Bytes::from(row.payload),
+            row.created_at_ms,
+        )
     }
 }
 

@@ -1,0 +1,137 @@
+//! The user's own outbox table: the preset and the column settings become one
+//! [`outbox::Mapping`] (docs/own-table.md).
+//!
+//! # Invariants
+//! - TB1 Without any of these settings the mapping is the seed's ([`Mapping::default`]),
+//!   so every key, subject and header stays byte-identical.
+//! - TB2 A single column setting overrides the preset's column for that role only; every
+//!   error names the setting and what it expects.
+//! - TB3 What does not follow a mapping yet (marking, retention, verify, replay, backfill of
+//!   existing rows) refuses a mapped table at once, naming itself
+//!   ([`super::Config::check_mapping_support`]), never reads the seed's columns instead.
+
+use outbox::mapping::{self, Preset, TraceContext};
+use outbox::{Mapping, Role, SubjectTemplate};
+
+use super::{opt, ConfigError, RawConfig};
+
+/// The mapping the settings describe (TB1, TB2).
+pub fn mapping_from(raw: &RawConfig) -> Result<Mapping, ConfigError> {
+    let preset = raw.parse(&opt::TABLE_PRESET, Preset::parse)?;
+    let mut mapping = preset.mapping();
+    let settings = [
+        (Role::Id, &opt::ID_COLUMN),
+        (Role::EntityId, &opt::ENTITY_ID_COLUMN),
+        (Role::EventType, &opt::EVENT_TYPE_COLUMN),
+        (Role::Payload, &opt::PAYLOAD_COLUMN),
+        (Role::CreatedAt, &opt::CREATED_AT_COLUMN),
+    ];
+    for (role, spec) in settings {
+        if let Some(column) = raw.parse_optional(spec, column_name)? {
+            mapping.columns[role as usize] = column;
+        }
+    }
+    if let Some(headers) =
+        raw.parse_optional(&opt::HEADER_COLUMNS, mapping::parse_header_columns)?
+    {
+        mapping.headers = headers;
+    }
+    if let Some(column) = raw.parse_optional(&opt::TRACE_CONTEXT_COLUMN, |v| {
+        if v.is_empty() {
+            Ok(None)
+        } else {
+            column_name(v).map(Some)
+        }
+    })? {
+        mapping.trace_context = column.map(|column| TraceContext {
+            column,
+            required: true,
+        });
+    }
+    if let Some(template) =
+        raw.parse_optional(&opt::SUBJECT_TEMPLATE, |v| SubjectTemplate::parse(v))?
+    {
+        mapping.template = template;
+    }
+    if let Some(include) = raw.parse_optional(&opt::INCLUDE_EVENT_TYPES, |v| {
+        Ok(mapping::parse_event_types(v))
+    })? {
+        mapping.filter.include = include;
+    }
+    if let Some(exclude) = raw.parse_optional(&opt::EXCLUDE_EVENT_TYPES, |v| {
+        Ok(mapping::parse_event_types(v))
+    })? {
+        mapping.filter.exclude = exclude;
+    }
+    mapping.validate().map_err(|why| {
+        ConfigError(format!(
+            "the outbox table's mapping ({}, the *_column, header_columns and trace_context_column settings) is invalid: {why}",
+            opt::TABLE_PRESET.env
+        ))
+    })?;
+    Ok(mapping)
+}
+
+impl super::Config {
+    /// What shapes every event beside its row: prefix, shard count, subject template.
+    pub fn shape(&self) -> outbox::event::Shape {
+        outbox::event::Shape {
+            prefix: self.subject_prefix.clone(),
+            partitions: self.partitions,
+            template: self.mapping.template.clone(),
+        }
+    }
+
+    /// Refuses what does not follow a mapped table yet, naming the setting (TB3).
+    pub fn check_mapping_support(&self, what: &str) -> Result<(), ConfigError> {
+        if self.mapping.is_default() {
+            return Ok(());
+        }
+        Err(ConfigError(format!(
+            "{what} reads the seed's columns only and does not follow a mapped outbox table yet \
+             ({}: {}); run it on the seed's table, or without {what} (docs/own-table.md lists what \
+             follows the mapping)",
+            opt::TABLE_PRESET.env,
+            self.mapping
+        )))
+    }
+}
+
+/// A column's name: any non-empty Postgres identifier, as the catalog spells it.
+fn column_name(v: &str) -> Result<String, String> {
+    if v.is_empty() || v.len() > 63 || v.contains('\0') {
+        Err("expected a column name as the catalog spells it (1 to 63 characters)".into())
+    } else {
+        Ok(v.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapping(flags: &[(&'static str, &str)]) -> Result<Mapping, ConfigError> {
+        crate::config::tests::load(flags, &[("DATABASE_URL", "postgres://u@h/db")], None)
+            .map(|c| c.mapping)
+    }
+
+    #[test]
+    fn no_setting_is_the_seeds_mapping() {
+        assert!(mapping(&[]).unwrap().is_default());
+    }
+
+    #[test]
+    fn a_column_setting_overrides_the_presets() {
+        let m = mapping(&[
+            ("table_preset", "debezium"),
+            ("created_at_column", "occurred_at"),
+        ])
+        .unwrap();
+        assert_eq!(m.column(Role::CreatedAt), "occurred_at");
+        assert_eq!(m.column(Role::EntityId), "aggregateid");
+        let e = mapping(&[("subject_template", "{shard}")]).unwrap_err();
+        assert!(e.0.contains("subject-template"), "{e}");
+        let e = mapping(&[("entity_id_column", "id")]).unwrap_err();
+        assert!(e.0.contains("column id is mapped both"), "{e}");
+    }
+}
