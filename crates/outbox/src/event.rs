@@ -267,6 +267,8 @@ pub struct OutboxRow {
     pub subject_values: Vec<String>,
     /// Headers from columns (NULL columns give none), the trace context's included.
     pub headers: Vec<(Arc<str>, String)>,
+    /// The payload is a `bytea`'s bytes.
+    pub binary: bool,
 }
 
 /// What shapes every event of a session beside its row: the subject prefix and template,
@@ -309,6 +311,7 @@ impl OutboxRow {
             created_at_ms,
             subject_values: Vec::new(),
             headers: Vec::new(),
+            binary: false,
         }
     }
 
@@ -357,6 +360,7 @@ impl OutboxRow {
             position,
             created_at_ms: self.created_at_ms,
             headers: self.headers,
+            binary: self.binary,
         }
     }
 }
@@ -385,6 +389,9 @@ pub struct OutboxEvent {
     pub created_at_ms: i64,
     /// Headers from the row's columns (the mapping's), in mapping order.
     pub headers: Vec<(Arc<str>, String)>,
+    /// The payload is a `bytea`'s bytes, published as they are (a text payload must be
+    /// UTF-8: the sink refuses one that is not).
+    pub binary: bool,
 }
 
 impl OutboxEvent {
@@ -656,6 +663,7 @@ impl EventBuilder {
             created_at_ms,
             subject_values,
             headers,
+            binary: c.payload_kind == PayloadKind::Bytes,
         })
     }
 }

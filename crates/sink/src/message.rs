@@ -187,7 +187,7 @@ pub fn publish_message(event: &OutboxEvent) -> async_nats::jetstream::message::P
 }
 
 /// Calls `put` with each of `event`'s headers in the order they go on the wire, its
-/// `Nats-Msg-Id` first (M1, M4). `hostile` is [`encoding::row_is_hostile`] of the event.
+/// `Nats-Msg-Id` first (M1, M4). `hostile` is [`OutboxEvent::is_hostile`].
 fn event_headers(
     event: &OutboxEvent,
     hostile: bool,
@@ -256,7 +256,7 @@ fn id_kind(id: &EventId, _ordering_key: &str) -> Option<&'static str> {
 }
 
 /// The subject, headers and payload for `event`, for publishing through async-nats
-/// (`publish_message`: replay, tests). `hostile` is [`encoding::row_is_hostile`] of the
+/// (`publish_message`: replay, tests). `hostile` is [`OutboxEvent::is_hostile`] of the
 /// event (M1).
 pub(crate) fn into_message(
     event: OutboxEvent,
@@ -373,16 +373,12 @@ impl Cut {
 /// The `Nats-Msg-Id` the relay writes for `event` (M1: percent-encoded for a header-hostile
 /// row).
 pub(crate) fn msg_id(event: &OutboxEvent) -> String {
-    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
-    value(event.keys.dedupe_key.clone(), hostile)
+    value(event.keys.dedupe_key.clone(), event.is_hostile())
 }
 
 /// The `Nats-Msg-Id` of `event`'s dead-letter record.
 pub(crate) fn dead_letter_msg_id(event: &OutboxEvent) -> String {
-    dead_letter_id(
-        event,
-        encoding::row_is_hostile(&event.entity_id, &event.event_type),
-    )
+    dead_letter_id(event, event.is_hostile())
 }
 
 fn dead_letter_id(event: &OutboxEvent, hostile: bool) -> String {
@@ -560,6 +556,7 @@ mod tests {
         OutboxEvent {
             id: EventId::Int(id),
             headers: Vec::new(),
+            binary: false,
             entity_id: entity_id.to_owned(),
             event_type: event_type.to_owned(),
             shard: outbox::shard_for_key(std::num::NonZeroU64::new(12).unwrap(), entity_id),

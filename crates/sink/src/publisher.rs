@@ -99,7 +99,7 @@ use std::time::Duration;
 use async_nats::jetstream::context::{Context, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::StreamMessage;
 use bytes::{Bytes, BytesMut};
-use outbox::{encoding, EventId, Item, OutboxEvent, Position};
+use outbox::{EventId, Item, OutboxEvent, Position};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
@@ -881,7 +881,7 @@ fn prepare(
     block: &mut BytesMut,
 ) -> Result<(String, Bytes, bool), SinkError> {
     let source = options.source.as_str();
-    let hostile = encoding::row_is_hostile(&event.entity_id, &event.event_type);
+    let hostile = event.is_hostile();
     block.clear();
     let problem = match instead {
         Some((kind, reason)) => Err((kind, reason.to_owned())),
@@ -936,9 +936,14 @@ fn event_block(
     fence: Option<&Fence>,
     limits: Limits,
 ) -> Result<std::ops::Range<usize>, (PoisonKind, String)> {
-    // P7: published as is, a payload must be what consumers can decode (a SQL_ASCII database
-    // stores any bytes).
-    if let Err(error) = std::str::from_utf8(&event.payload) {
+    // P7: published as is, a text payload must be what consumers can decode (a SQL_ASCII
+    // database stores any bytes); a bytea's bytes are published as they are.
+    let text = if event.binary {
+        Ok("")
+    } else {
+        std::str::from_utf8(&event.payload)
+    };
+    if let Err(error) = text {
         return Err((
             PoisonKind::NotUtf8,
             format!(

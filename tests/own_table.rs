@@ -1,0 +1,338 @@
+//! The user's own outbox table (issue 22), end to end on real servers: a Debezium-shaped
+//! table through `--table-preset debezium`, and a text-id table with a `bytea` payload,
+//! header columns, a trace-context column, a custom subject template and an excluded event
+//! type, each under relay kills: every row exactly once, in commit order, with the keys,
+//! subject and headers the mapping gives; a stream of one mapping refused under another.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::num::NonZeroU64;
+
+use support::{eventually, servers, Case, Stored, DEADLINE};
+
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+/// A case whose database also holds `table_sql`, relayed as `table` with `env`.
+fn case_with(name: &str, table_sql: &str, table: &str, env: &[(&str, &str)]) -> Case {
+    let s = servers();
+    let mut case = Case::new(&s.pg, &s.nats, name);
+    s.pg.psql(&case.database, table_sql);
+    case.extra_env
+        .push(("OUTBOX_RELAY_TABLE".into(), table.into()));
+    for (k, v) in env {
+        case.extra_env.push(((*k).into(), (*v).into()));
+    }
+    case
+}
+
+/// Runs `write` (which commits rows and returns how many the stream must hold) while the
+/// relay is SIGKILLed twice mid-stream and restarted; returns the stream once it holds them.
+async fn relay_under_kills<F, Fut>(case: &Case, write: F) -> Vec<Stored>
+where
+    F: FnOnce(tokio_postgres::Client) -> Fut,
+    Fut: std::future::Future<Output = u64> + Send + 'static,
+{
+    let js = case.jetstream().await;
+    let mut relay = case.start_relay();
+    let sql = case.sql().await;
+    let writer = tokio::spawn(write(sql));
+    for kill in 1..=2u64 {
+        case.wait_for_count(&js, kill * 50, DEADLINE).await;
+        relay.kill();
+        relay = case.start_relay();
+    }
+    let expected = writer.await.unwrap();
+    case.wait_for_count(&js, expected, DEADLINE).await;
+    let sql = case.sql().await;
+    let (messages, _) = case.wait_confirmed(&js, &sql, expected).await;
+    relay.terminate(DEADLINE);
+    assert_eq!(
+        messages.len() as u64,
+        expected,
+        "the stream holds exactly one message per relayed row"
+    );
+    messages
+}
+
+fn shard(entity: &str) -> u64 {
+    outbox::shard_for_key(NonZeroU64::new(12).unwrap(), entity)
+}
+
+/// (a) Debezium's outbox table (and its Quarkus extension's `timestamp`), uuid ids, a
+/// `tracingspancontext` column in Java properties form, through the preset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_table_through_the_preset_arrives_once_in_order_with_its_trace_context() {
+    let case = case_with(
+        "debezium",
+        "CREATE TABLE outboxevent (
+            id uuid PRIMARY KEY,
+            aggregatetype varchar(255) NOT NULL,
+            aggregateid varchar(255) NOT NULL,
+            type varchar(255) NOT NULL,
+            timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
+            payload jsonb,
+            tracingspancontext varchar(256));",
+        "public.outboxevent",
+        &[("OUTBOX_RELAY_TABLE_PRESET", "debezium")],
+    );
+    let props = format!("#Mon Dec 02 04:00:00 UTC 2026\\ntracestate=congo=t61rcWkgMzE\\ntraceparent={TRACEPARENT}\\n");
+    let messages = relay_under_kills(&case, |mut sql| async move {
+        let mut n = 0u64;
+        for t in 0..60 {
+            let tx = sql.transaction().await.unwrap();
+            for i in 0..10 {
+                let aggregate_type = if i % 2 == 0 { "Order" } else { "Customer.Account" };
+                let trace = (i % 3 == 0).then_some(props.as_str());
+                tx.execute(
+                    "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext) \
+                     VALUES (gen_random_uuid(), $1, $2, $3, jsonb_build_object('t', $4::int, 'i', $5::int), \
+                             replace($6::text, '\\n', E'\\n'))",
+                    &[&aggregate_type, &format!("agg-{}", (t * 10 + i) % 17), &"OrderPlaced", &t, &i, &trace],
+                )
+                .await
+                .unwrap();
+                n += 1;
+            }
+            tx.commit().await.unwrap();
+        }
+        n
+    })
+    .await;
+
+    let sql = case.sql().await;
+    // Commit order is the writer's order: one connection, one transaction after another.
+    let rows = sql
+        .query(
+            "SELECT id::text, aggregatetype, aggregateid, type, payload::text, tracingspancontext IS NOT NULL, \
+                    floor(extract(epoch FROM timestamp) * 1000)::int8 \
+               FROM outboxevent ORDER BY (payload->>'t')::int, (payload->>'i')::int",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), messages.len());
+    let prefix = &case.prefix;
+    for (row, message) in rows.iter().zip(&messages) {
+        let id: String = row.get(0);
+        let aggregate_type: String = row.get(1);
+        let aggregate_id: String = row.get(2);
+        let event_type: String = row.get(3);
+        let payload: String = row.get(4);
+        let traced: bool = row.get(5);
+        let ms: i64 = row.get(6);
+        assert_eq!(
+            message.header("Outbox-Id"),
+            id,
+            "stream order is commit order"
+        );
+        assert_eq!(message.header("Outbox-Id-Kind"), "uuid");
+        assert_eq!(
+            message.header("Nats-Msg-Id"),
+            format!("{event_type}:{aggregate_id}:{id}")
+        );
+        assert_eq!(message.header("Outbox-Entity-Id"), aggregate_id);
+        assert_eq!(
+            message.header("Outbox-Ordering-Key"),
+            format!("{ms:013}:{id}")
+        );
+        let token = outbox::subject::escape_token(&aggregate_type);
+        assert_eq!(
+            message.subject,
+            format!("{prefix}.{token}.{}", shard(&aggregate_id))
+        );
+        assert_eq!(
+            message.header("Outbox-Shard"),
+            shard(&aggregate_id).to_string()
+        );
+        assert_eq!(String::from_utf8(message.payload.clone()).unwrap(), payload);
+        if traced {
+            assert_eq!(message.header("traceparent"), TRACEPARENT);
+            assert_eq!(message.header("tracestate"), "congo=t61rcWkgMzE");
+        } else {
+            assert!(!message.headers.contains_key("traceparent"));
+        }
+    }
+}
+
+/// (b) A text-id table with a `bytea` payload, its own column names, a header column, a
+/// bare `traceparent` column, a custom template and an excluded event type; hostile values
+/// are percent-encoded under `Outbox-Encoding: percent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_id_bytea_table_with_a_template_and_header_columns_arrives_once_in_order() {
+    let case = case_with(
+        "texttable",
+        "CREATE TABLE app_events (
+            event_id text PRIMARY KEY,
+            stream_id text NOT NULL,
+            kind text NOT NULL,
+            body bytea NOT NULL,
+            occurred_at timestamptz NOT NULL DEFAULT now(),
+            region text NOT NULL,
+            tenant text,
+            trace text,
+            seq bigserial);",
+        "public.app_events",
+        &[
+            ("OUTBOX_RELAY_ID_COLUMN", "event_id"),
+            ("OUTBOX_RELAY_ENTITY_ID_COLUMN", "stream_id"),
+            ("OUTBOX_RELAY_EVENT_TYPE_COLUMN", "kind"),
+            ("OUTBOX_RELAY_PAYLOAD_COLUMN", "body"),
+            ("OUTBOX_RELAY_CREATED_AT_COLUMN", "occurred_at"),
+            ("OUTBOX_RELAY_HEADER_COLUMNS", "tenant:X-Tenant"),
+            ("OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", "trace"),
+            (
+                "OUTBOX_RELAY_SUBJECT_TEMPLATE",
+                "{prefix}.{region}.{shard}.{event_type}",
+            ),
+            ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
+        ],
+    );
+    let messages = relay_under_kills(&case, |mut sql| async move {
+        let mut published = 0u64;
+        for t in 0..50 {
+            let tx = sql.transaction().await.unwrap();
+            for i in 0..8u8 {
+                let kind = if i == 7 { "Noise" } else { "Moved" };
+                let id = if i == 3 { format!("nats-evt-{t}-{i}") } else { format!("evt:{t}:{i}") };
+                let body: Vec<u8> = vec![0, 0xff, t as u8, i, b'\n'];
+                let tenant = if i == 5 { Some("acme\r\nNats-Msg-Id: x") } else if i == 6 { None } else { Some("acme") };
+                let region = if i % 2 == 0 { "eu.west" } else { "us" };
+                tx.execute(
+                    "INSERT INTO app_events (event_id, stream_id, kind, body, region, tenant, trace) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    &[&id, &format!("stream-{}", i % 3), &kind, &body, &region, &tenant, &TRACEPARENT],
+                )
+                .await
+                .unwrap();
+                if kind != "Noise" {
+                    published += 1;
+                }
+            }
+            tx.commit().await.unwrap();
+        }
+        published
+    })
+    .await;
+
+    let sql = case.sql().await;
+    let rows = sql
+        .query(
+            "SELECT event_id, stream_id, kind, body, tenant, region FROM app_events WHERE kind <> 'Noise' ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        rows.len(),
+        messages.len(),
+        "excluded events are not published"
+    );
+    let prefix = &case.prefix;
+    for (row, message) in rows.iter().zip(&messages) {
+        let id: String = row.get(0);
+        let entity: String = row.get(1);
+        let kind: String = row.get(2);
+        let body: Vec<u8> = row.get(3);
+        let tenant: Option<String> = row.get(4);
+        let region: String = row.get(5);
+        let percent = message.headers.get("Outbox-Encoding").map(String::as_str) == Some("percent");
+        let decoded = |name: &str| {
+            let v = message.header(name);
+            if percent {
+                outbox::encoding::decode(v).unwrap()
+            } else {
+                v.to_owned()
+            }
+        };
+        assert_eq!(decoded("Outbox-Id"), id, "stream order is commit order");
+        assert_eq!(message.header("Outbox-Id-Kind"), "text");
+        assert_eq!(decoded("Nats-Msg-Id"), format!("{kind}:{entity}:{id}"));
+        assert_eq!(message.payload, body, "the bytea's bytes, as stored");
+        let hostile =
+            id.starts_with("nats-") || tenant.as_deref().is_some_and(|t| t.contains('\n'));
+        assert_eq!(percent, hostile, "only hostile rows are encoded");
+        let token = outbox::subject::escape_token(&region);
+        assert_eq!(
+            message.subject,
+            format!("{prefix}.{token}.{}.{kind}", shard(&entity))
+        );
+        match &tenant {
+            Some(tenant) => assert_eq!(decoded("X-Tenant"), *tenant),
+            None => assert!(
+                !message.headers.contains_key("X-Tenant"),
+                "a NULL column gives no header"
+            ),
+        }
+        assert_eq!(decoded("traceparent"), TRACEPARENT);
+    }
+    assert!(
+        messages
+            .iter()
+            .all(|m| m.subject.split('.').count() == prefix.split('.').count() + 3),
+        "every row-derived token is one subject token"
+    );
+}
+
+/// A stream records the mapping it was made under (B5): a run under another is refused
+/// naming both, and a table without the preset's columns is named with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_named() {
+    let case = case_with(
+        "remap",
+        "CREATE TABLE ev (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype text NOT NULL, \
+         aggregateid text NOT NULL, type text NOT NULL, timestamp timestamptz NOT NULL DEFAULT now(), payload jsonb);",
+        "public.ev",
+        &[("OUTBOX_RELAY_TABLE_PRESET", "debezium")],
+    );
+    let js = case.jetstream().await;
+    let mut relay = case.start_relay();
+    let sql = case.sql().await;
+    sql.batch_execute("INSERT INTO ev (aggregatetype, aggregateid, type, payload) VALUES ('Order', 'o-1', 'Placed', '{}')")
+        .await
+        .unwrap();
+    case.wait_for_count(&js, 1, DEADLINE).await;
+    relay.terminate(DEADLINE);
+
+    // The same stream under another template: refused, naming both mappings.
+    let mut other = case.clone();
+    other.extra_env.push((
+        "OUTBOX_RELAY_SUBJECT_TEMPLATE".into(),
+        "{prefix}.{shard}.{event_type}".into(),
+    ));
+    let mut refused = other.spawn_relay();
+    let status = refused.wait_exit(DEADLINE);
+    assert!(!status.success());
+    let log = refused.output();
+    assert!(
+        log.contains("holds events published under another table mapping"),
+        "{log}"
+    );
+    assert!(
+        log.contains("subject={prefix}.{aggregatetype}.{shard}"),
+        "{log}"
+    );
+    assert!(
+        log.contains("subject={prefix}.{shard}.{event_type}"),
+        "{log}"
+    );
+
+    // The preset on the seed's table: the missing columns named, and the settings to fix it.
+    let mut wrong = case.clone();
+    wrong.extra_env.retain(|(k, _)| k != "OUTBOX_RELAY_TABLE");
+    wrong.stream = format!("{}_SEED", case.stream);
+    let mut refused = wrong.spawn_relay();
+    assert!(!refused.wait_exit(DEADLINE).success());
+    let log = refused.output();
+    assert!(
+        log.contains("missing column(s) aggregateid, type, timestamp, aggregatetype"),
+        "{log}"
+    );
+    assert!(log.contains("OUTBOX_RELAY_*_COLUMN"), "{log}");
+
+    // Still exactly one message: nothing was published by the refused runs.
+    eventually("the stream to hold one message", DEADLINE, || async {
+        (case.stream_count(&js).await == 1).then_some(())
+    })
+    .await;
+}
