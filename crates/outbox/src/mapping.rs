@@ -433,7 +433,7 @@ impl Mapping {
 impl fmt::Display for Mapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_default() {
-            f.write_str("the seed's outbox_events (default)")
+            f.write_str("the seed's columns")
         } else {
             f.write_str(self.fingerprint().trim_end_matches(';'))
         }

@@ -124,6 +124,8 @@ pub struct Status {
     pub findings: Vec<Finding>,
     /// The Postgres connection, without its password.
     pub postgres: String,
+    /// The outbox table and the mapping the relay reads it through.
+    pub table: String,
     /// The NATS servers, without credentials.
     pub nats: String,
     /// The slot; `None` when Postgres could not be read.
@@ -300,8 +302,9 @@ pub struct LastEvent {
     pub sequence: u64,
     /// Its subject.
     pub subject: String,
-    /// `Outbox-Id`.
-    pub outbox_id: Option<i64>,
+    /// `Outbox-Id`: a number for integer ids (as always), a string for uuid and text ids.
+    #[serde(serialize_with = "serialize_id")]
+    pub outbox_id: Option<outbox::EventId>,
     /// The row's `created_at` (UTC), from the `Outbox-Ordering-Key`'s millisecond prefix.
     pub created_at: Option<String>,
     /// When the stream stored it (UTC).
@@ -348,6 +351,7 @@ pub async fn gather(config: &Config) -> Status {
         exit_code: 0,
         findings,
         postgres: config.database.redacted(),
+        table: format!("{} ({})", config.table, config.mapping),
         nats: config.nats.servers().join(","),
         slot,
         lease,
@@ -779,7 +783,11 @@ fn last_event(message: &jetstream::message::StreamMessage, now: SystemTime) -> L
     LastEvent {
         sequence: message.sequence,
         subject: message.subject.to_string(),
-        outbox_id: header(headers::OUTBOX_ID).and_then(|id| id.parse().ok()),
+        outbox_id: header(headers::OUTBOX_ID).and_then(|id| {
+            let percent =
+                header(headers::OUTBOX_ENCODING).as_deref() == Some(outbox::encoding::PERCENT);
+            outbox::EventId::from_header(&id, header(headers::OUTBOX_ID_KIND).as_deref(), percent)
+        }),
         created_at: created_ms.map(utc_millis),
         stored_at: utc_millis(stored_ms),
         age_seconds: (now_ms.saturating_sub(from_ms).max(0)) as f64 / 1000.0,
@@ -957,6 +965,18 @@ fn describe_backend(backend: Option<&Backend>, pid: Option<i32>) -> String {
     }
 }
 
+/// An outbox id in status's JSON: a number for an integer id, a string for the others.
+fn serialize_id<S: serde::Serializer>(
+    id: &Option<outbox::EventId>,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    match id {
+        None => serializer.serialize_none(),
+        Some(outbox::EventId::Int(id)) => serializer.serialize_i64(*id),
+        Some(outbox::EventId::Text(id)) => serializer.serialize_str(id),
+    }
+}
+
 /// The table for people (S4: a function of `status` alone).
 pub fn render(status: &Status) -> String {
     let mut out = String::new();
@@ -976,6 +996,7 @@ pub fn render(status: &Status) -> String {
     out.push('\n');
     let mut rows: Vec<(&str, String)> = Vec::new();
     rows.push(("postgres", status.postgres.clone()));
+    rows.push(("table", status.table.clone()));
     render_slot(&mut rows, status.slot.as_ref());
     render_publication(&mut rows, status.publication.as_ref());
     rows.push((
@@ -1178,7 +1199,7 @@ fn render_last_event(rows: &mut Vec<(&str, String)>, event: Option<&LastEvent>) 
         rows.push(("last event", "none".into()));
         return;
     };
-    let what = match (event.outbox_id, event.dead_letter) {
+    let what = match (&event.outbox_id, event.dead_letter) {
         (Some(id), false) => format!("outbox id {id}"),
         (Some(id), true) => format!("dead-letter record of outbox id {id}"),
         (None, _) => "a message without Outbox-Id".into(),
@@ -1273,6 +1294,7 @@ mod tests {
             exit_code: 0,
             findings: vec![],
             postgres: "postgres://relay@db:5432/app?sslmode=prefer".into(),
+            table: "public.outbox_events (the seed's columns)".into(),
             nats: "nats://nats:4222".into(),
             slot: Some(Slot {
                 name: "outbox_relay".into(),
@@ -1337,7 +1359,7 @@ mod tests {
             last_event: Some(LastEvent {
                 sequence: 1234,
                 subject: "outbox.3.OrderPaid".into(),
-                outbox_id: Some(4711),
+                outbox_id: Some(outbox::EventId::Int(4711)),
                 created_at: Some(utc_millis(1_738_326_896_789)),
                 stored_at: utc_millis(1_738_326_896_795),
                 age_seconds: 3.25,
@@ -1356,6 +1378,7 @@ mod tests {
 outbox-relay status: healthy
 
 postgres     postgres://relay@db:5432/app?sslmode=prefer
+table        public.outbox_events (the seed's columns)
 slot         outbox_relay (pgoutput, database app): active, streamed by pid 4242 (outbox-relay, 10.0.0.3:50412, since 2025-01-31T12:00:00Z)
   confirmed  0/16B3748 (restart 0/16B3710)
   lag        1 KiB behind the server's WAL at 0/16B3B48
