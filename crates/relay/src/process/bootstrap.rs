@@ -42,7 +42,6 @@
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
-use outbox::event::REQUIRED_COLUMNS;
 use outbox::OutboxColumns;
 use pgoutput::Lsn;
 use replication::{quote_identifier, quote_literal};
@@ -247,7 +246,15 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
         facts.published_ancestor =
             read_published_ancestor(client, publication_oid, table_oid, &facts, pg15).await?;
     }
-    if let Some(refusal) = facts.refusal(&config.publication, &config.table) {
+    // A preset's optional trace-context column is not required of a column list either.
+    let optional = config.mapping.trace_context.as_ref().filter(|t| !t.required);
+    let read: Vec<&str> = config
+        .mapping
+        .read_columns()
+        .into_iter()
+        .filter(|c| optional.is_none_or(|t| t.column != *c))
+        .collect();
+    if let Some(refusal) = facts.refusal(&config.publication, &config.table, &read) {
         return Err(setup(refusal));
     }
     known.others = read_other_tables(client, config, table_oid, &known).await?;
@@ -524,14 +531,19 @@ struct Findings {
 impl PublicationFacts {
     /// Why the publication would hide an outbox insert from the relay, with the exact fix;
     /// `None` when it hides none (whatever else it publishes).
-    pub fn refusal(&self, publication: &str, table: &TableName) -> Option<String> {
+    pub fn refusal(
+        &self,
+        publication: &str,
+        table: &TableName,
+        read: &[&str],
+    ) -> Option<String> {
         let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
         let table_sql = table_sql(table);
         let mut found = Findings::default();
         self.check_inserts(&alter, &mut found);
         self.check_listed(table, &alter, &table_sql, &mut found);
         self.check_partition_root(table, &alter, &mut found);
-        self.check_filter_and_columns(table, &alter, &table_sql, &mut found);
+        self.check_filter_and_columns(table, read, &alter, &table_sql, &mut found);
         self.check_ancestor(table, &mut found);
         if found.problems.is_empty() {
             return None;
@@ -615,6 +627,7 @@ impl PublicationFacts {
     fn check_filter_and_columns(
         &self,
         table: &TableName,
+        read: &[&str],
         alter: &str,
         table_sql: &str,
         found: &mut Findings,
@@ -628,9 +641,9 @@ impl PublicationFacts {
             found.hid_rows = true;
         }
         if let Some(columns) = &self.columns {
-            let missing: Vec<&str> = REQUIRED_COLUMNS
+            let missing: Vec<&str> = read
                 .iter()
-                .map(|(name, _)| *name)
+                .copied()
                 .filter(|name| !columns.iter().any(|c| c == name))
                 .collect();
             if !missing.is_empty() {
@@ -1506,9 +1519,11 @@ mod tests {
 
     fn refusal(facts: &PublicationFacts) -> String {
         facts
-            .refusal("p", &outbox())
+            .refusal("p", &outbox(), SEED_COLUMNS)
             .expect("the publication is refused")
     }
+
+    const SEED_COLUMNS: &[&str] = &["id", "entity_id", "event_type", "payload", "created_at"];
 
     const RELIST: &str = "run BEGIN; ALTER PUBLICATION \"p\" DROP TABLE \"public\".\"outbox_events\"; \
                           ALTER PUBLICATION \"p\" ADD TABLE \"public\".\"outbox_events\"; COMMIT; (or";
@@ -1568,7 +1583,7 @@ mod tests {
             },
         ];
         for facts in accepted {
-            assert_eq!(facts.refusal("p", &outbox()), None, "{facts:?}");
+            assert_eq!(facts.refusal("p", &outbox(), SEED_COLUMNS), None, "{facts:?}");
         }
     }
 
