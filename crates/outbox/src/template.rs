@@ -102,7 +102,11 @@ impl SubjectTemplate {
 
     /// Whether this is [`DEFAULT_TEMPLATE`].
     pub fn is_default(&self) -> bool {
-        *self == SubjectTemplate::default()
+        // No allocation: the builder asks this for every event.
+        matches!(
+            self.tokens.as_slice(),
+            [Token::Prefix, Token::Shard, Token::EventType]
+        )
     }
 
     /// The columns its placeholders name, in template order, each once.
