@@ -114,7 +114,11 @@ impl RowReader {
                 // The payload is not read: no check uses it, and a payload that is not
                 // UTF-8 (a SQL_ASCII database) must not stop the check.
                 if c == payload {
-                    "''::text".to_owned()
+                    // An empty payload of the column's kind (a bytea's is `\x`).
+                    match columns.payload_kind() {
+                        outbox::PayloadKind::Bytes => "'\\x'::text".to_owned(),
+                        outbox::PayloadKind::Text => "''::text".to_owned(),
+                    }
                 } else {
                     format!("{quoted}::text")
                 }
