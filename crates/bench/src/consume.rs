@@ -69,7 +69,7 @@ impl BatchHandler for Ledger {
         tx: &mut Transaction<'_>,
         events: &[Event],
     ) -> Result<(), BoxError> {
-        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        let ids: Vec<i64> = events.iter().filter_map(|e| e.id.as_int()).collect();
         let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
         let payloads = events
             .iter()
@@ -109,7 +109,7 @@ impl Handler for Ledger {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
         tx.execute(
             LEDGER_INSERT,
-            &[&event.id, &event.entity_id, &event.payload_str()?],
+            &[&event.id.as_int(), &event.entity_id, &event.payload_str()?],
         )
         .await?;
         Ok(())
@@ -124,7 +124,7 @@ impl Handler for Unprepared {
         let tx: &tokio_postgres::Transaction<'_> = tx;
         tx.execute(
             LEDGER_INSERT,
-            &[&event.id, &event.entity_id, &event.payload_str()?],
+            &[&event.id.as_int(), &event.entity_id, &event.payload_str()?],
         )
         .await?;
         Ok(())
@@ -293,7 +293,7 @@ pub async fn live(
         .await?
         .after_commit(move |event| {
             if let Ok(mut marks) = marks.lock() {
-                if let Some(mark) = marks.get_mut(event.id as usize) {
+                if let Some(mark) = marks.get_mut(event.id.as_int().unwrap_or(-1) as usize) {
                     *mark = Some(Instant::now());
                 }
             }

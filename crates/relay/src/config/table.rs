@@ -49,7 +49,7 @@ pub fn mapping_from(raw: &RawConfig) -> Result<Mapping, ConfigError> {
         });
     }
     if let Some(template) =
-        raw.parse_optional(&opt::SUBJECT_TEMPLATE, |v| SubjectTemplate::parse(v))?
+        raw.parse_optional(&opt::SUBJECT_TEMPLATE, SubjectTemplate::parse)?
     {
         mapping.template = template;
     }
