@@ -95,6 +95,35 @@ impl fmt::Display for SchemaError {
 
 impl std::error::Error for SchemaError {}
 
+impl SchemaError {
+    /// Adds each role column found (`read`, of `types`) whose type cannot play its role; the
+    /// seed's table keeps its narrower types (its messages are frozen).
+    fn check_role_types(&mut self, mapping: &Mapping, read: &[(Arc<str>, usize)], types: &[u32]) {
+        let names = |oids: &[u32]| {
+            oids.iter()
+                .map(|&o| oid::name(o))
+                .collect::<Vec<_>>()
+                .join(" or ")
+        };
+        for role in Role::ALL {
+            let name = mapping.column(role);
+            let Some(i) = read.iter().position(|(n, _)| &**n == name) else {
+                continue;
+            };
+            let seed_types = REQUIRED_COLUMNS[role as usize].1;
+            let (ok, accepted) = if self.seed {
+                (seed_types.contains(&types[i]), names(seed_types))
+            } else {
+                (role.accepts(types[i]), role.accepted().to_owned())
+            };
+            if !ok {
+                self.wrong_type
+                    .push((name.to_owned(), oid::name(types[i]), accepted));
+            }
+        }
+    }
+}
+
 /// Where the columns the relay reads sit in a tuple of the outbox table, and what they hold:
 /// the mapping resolved against the table's columns.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,33 +189,7 @@ impl OutboxColumns {
                 }
             }
         }
-        for role in Role::ALL {
-            let name = mapping.column(role);
-            let Some(i) = read.iter().position(|(n, _)| &**n == name) else {
-                continue;
-            };
-            // The seed's table keeps its narrower types (its messages are frozen).
-            let seed_types = REQUIRED_COLUMNS[role as usize].1;
-            let ok = if seed {
-                seed_types.contains(&types[i])
-            } else {
-                role.accepts(types[i])
-            };
-            if !ok {
-                let accepted = if seed {
-                    seed_types
-                        .iter()
-                        .map(|&o| oid::name(o))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
-                } else {
-                    role.accepted().to_owned()
-                };
-                error
-                    .wrong_type
-                    .push((name.to_owned(), oid::name(types[i]), accepted));
-            }
-        }
+        error.check_role_types(mapping, &read, &types);
         if !error.missing.is_empty() || !error.wrong_type.is_empty() {
             return Err(error);
         }
@@ -618,29 +621,39 @@ impl EventBuilder {
             }
         };
         let created_at = get(4).map_err(fail)?;
-        let micros = match c.time_kind {
-            TimeKind::WithZone => parse_timestamptz(&created_at),
-            TimeKind::Utc => {
-                let mut utc = created_at.to_vec();
-                utc.extend_from_slice(b"+00");
-                match created_at.as_ref() {
-                    b"infinity" | b"-infinity" => parse_timestamptz(&created_at),
-                    _ => parse_timestamptz(&utc),
-                }
-            }
-        };
-        let created_at_ms = epoch_millis(micros.map_err(|e| fail(e.into()))?);
+        let created_at_ms = created_at_ms(c.time_kind, &created_at).map_err(fail)?;
         let subject_values = c
             .template
             .iter()
             .map(|&i| text(i))
             .collect::<Result<_, _>>()?;
+        let headers = self.column_headers(&value).map_err(fail)?;
+        Ok(OutboxRow {
+            id,
+            entity_id,
+            event_type,
+            payload,
+            created_at_ms,
+            subject_values,
+            headers,
+            binary: c.payload_kind == PayloadKind::Bytes,
+        })
+    }
+}
+
+impl EventBuilder {
+    /// The headers the row's header columns and trace-context column give (NULLs none).
+    fn column_headers(
+        &self,
+        value: &impl Fn(usize) -> Value,
+    ) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
+        let c = &self.columns;
         let mut headers = Vec::new();
         for (i, header) in &c.headers {
             if let Ok(Some(bytes)) = value(*i) {
-                let value = String::from_utf8(bytes.to_vec())
-                    .map_err(|_| fail(EventErrorKind::Utf8(name(*i))))?;
-                headers.push((header.clone(), value));
+                let text = String::from_utf8(bytes.to_vec())
+                    .map_err(|_| EventErrorKind::Utf8(c.read[*i].0.clone()))?;
+                headers.push((header.clone(), text));
             }
         }
         if let Some(i) = c.trace {
@@ -655,17 +668,24 @@ impl EventBuilder {
                 }
             }
         }
-        Ok(OutboxRow {
-            id,
-            entity_id,
-            event_type,
-            payload,
-            created_at_ms,
-            subject_values,
-            headers,
-            binary: c.payload_kind == PayloadKind::Bytes,
-        })
+        Ok(headers)
     }
+}
+
+/// A creation time's exact milliseconds (T1): `timestamptz` text, or `timestamp` text read
+/// as UTC.
+fn created_at_ms(kind: TimeKind, text: &[u8]) -> Result<i64, EventErrorKind> {
+    let micros = match (kind, text) {
+        (TimeKind::WithZone, _) | (TimeKind::Utc, b"infinity" | b"-infinity") => {
+            parse_timestamptz(text)
+        }
+        (TimeKind::Utc, _) => {
+            let mut utc = text.to_vec();
+            utc.extend_from_slice(b"+00");
+            parse_timestamptz(&utc)
+        }
+    };
+    Ok(epoch_millis(micros?))
 }
 
 /// `\x` followed by hex digit pairs (Postgres' `bytea_output = hex`, which the relay's

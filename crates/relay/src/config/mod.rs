@@ -763,12 +763,7 @@ impl Config {
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
         let retention = retention_from(raw)?;
-        if !mapping.is_default() && (mark_published || retention.is_some()) {
-            return Err(ConfigError(format!(
-                "{} and {} read the seed's columns only and do not follow a mapped outbox table yet ({}: {mapping}); turn them off for this table (docs/own-table.md)",
-                MARK_PUBLISHED.env, RETENTION_GRACE.env, TABLE_PRESET.env
-            )));
-        }
+        crate::config::table::check_row_writers(&mapping, mark_published, retention.is_some())?;
         Ok(Config {
             database,
             nats_url,

@@ -48,9 +48,7 @@ pub fn mapping_from(raw: &RawConfig) -> Result<Mapping, ConfigError> {
             required: true,
         });
     }
-    if let Some(template) =
-        raw.parse_optional(&opt::SUBJECT_TEMPLATE, SubjectTemplate::parse)?
-    {
+    if let Some(template) = raw.parse_optional(&opt::SUBJECT_TEMPLATE, SubjectTemplate::parse)? {
         mapping.template = template;
     }
     if let Some(include) = raw.parse_optional(&opt::INCLUDE_EVENT_TYPES, |v| {
@@ -95,6 +93,23 @@ impl super::Config {
             self.mapping
         )))
     }
+}
+
+/// TB3 for the settings that write rows: marking and retention refuse a mapped table.
+pub(crate) fn check_row_writers(
+    mapping: &Mapping,
+    mark_published: bool,
+    retention: bool,
+) -> Result<(), ConfigError> {
+    if mapping.is_default() || !(mark_published || retention) {
+        return Ok(());
+    }
+    Err(ConfigError(format!(
+        "{} and {} read the seed's columns only and do not follow a mapped outbox table yet ({}: {mapping}); turn them off for this table (docs/own-table.md)",
+        opt::MARK_PUBLISHED.env,
+        opt::RETENTION_GRACE.env,
+        opt::TABLE_PRESET.env
+    )))
 }
 
 /// A column's name: any non-empty Postgres identifier, as the catalog spells it.
