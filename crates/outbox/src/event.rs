@@ -543,7 +543,7 @@ impl EventBuilder {
         }
         // One walk over the tuple; the values on the stack for any usual mapping.
         let read = &self.columns.read;
-        let mut small: [Option<ColumnValue>; 16] = Default::default();
+        let mut small: [Option<ColumnValue>; 8] = Default::default();
         let mut large: Vec<Option<ColumnValue>>;
         let values: &mut [Option<ColumnValue>] = if read.len() <= small.len() {
             &mut small[..read.len()]
@@ -552,10 +552,9 @@ impl EventBuilder {
             &mut large
         };
         for (index, value) in tuple.iter().enumerate().take(need + 1) {
-            for (slot, (_, at)) in read.iter().enumerate() {
-                if *at == index {
-                    values[slot] = Some(value.clone());
-                }
+            // Read columns are distinct: a column fills one slot at most, moved in.
+            if let Some(slot) = read.iter().position(|(_, at)| *at == index) {
+                values[slot] = Some(value);
             }
         }
         self.build_values(
