@@ -50,11 +50,7 @@ Exit status:
   2  invalid arguments or configuration";
 
 fn id_arg(name: &'static str, help: &'static str) -> Arg {
-    Arg::new(name)
-        .long(name)
-        .value_name("ID")
-        .value_parser(clap::value_parser!(i64))
-        .help(help)
+    Arg::new(name).long(name).value_name("ID").help(help)
 }
 
 fn time_arg(name: &'static str, help: &'static str) -> Arg {
@@ -84,8 +80,8 @@ fn range_args(command: Command) -> Command {
 
 fn range_of(matches: &clap::ArgMatches) -> outbox_relay::commands::verify::Range {
     outbox_relay::commands::verify::Range {
-        from_id: matches.get_one::<i64>("from-id").copied(),
-        to_id: matches.get_one::<i64>("to-id").copied(),
+        from_id: matches.get_one::<String>("from-id").cloned(),
+        to_id: matches.get_one::<String>("to-id").cloned(),
         since: matches.get_one::<String>("since").cloned(),
         until: matches.get_one::<String>("until").cloned(),
         entity: matches.get_one::<String>("entity").cloned(),
@@ -117,8 +113,8 @@ fn cli() -> Command {
         .subcommand(
             Command::new("backfill")
                 .about("Publish the rows of the current table in an id or time range, with the same keys as streamed events, on an existing slot and stream; JetStream drops a row it holds within the duplicate window; refused into a strict stream without --force (docs/migration.md)")
-                .arg(Arg::new("from-id").long("from-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id >= ID"))
-                .arg(Arg::new("to-id").long("to-id").value_name("ID").value_parser(clap::value_parser!(i64)).help("Rows with id <= ID"))
+                .arg(id_arg("from-id", "Rows with id >= ID"))
+                .arg(id_arg("to-id", "Rows with id <= ID"))
                 .arg(Arg::new("since").long("since").value_name("TIME").help("Rows with created_at >= TIME (a timestamp, e.g. 2026-01-31T00:00:00Z, or a duration ago: 6h)"))
                 .arg(Arg::new("until").long("until").value_name("TIME").help("Rows with created_at < TIME"))
                 .arg(Arg::new("force").long("force").action(ArgAction::SetTrue).help("Publish into a strict stream too (appends old rows after newer events)")),
@@ -451,8 +447,8 @@ async fn backfill(
 ) -> outbox_relay::error::Result<()> {
     let filter = outbox_relay::process::backfill::Filter {
         pending_only: false,
-        from_id: sub_matches.get_one::<i64>("from-id").copied(),
-        to_id: sub_matches.get_one::<i64>("to-id").copied(),
+        from_id: sub_matches.get_one::<String>("from-id").cloned(),
+        to_id: sub_matches.get_one::<String>("to-id").cloned(),
         since: sub_matches.get_one::<String>("since").cloned(),
         until: sub_matches.get_one::<String>("until").cloned(),
     };

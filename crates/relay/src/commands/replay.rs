@@ -2,10 +2,12 @@
 //! `--to-id`, `--since`, `--until`) for consumers that need them again, and says what it
 //! sent and what the stream did with it.
 //!
-//! How ([`run`]): the range's rows are read in id order through one streaming query; each
-//! becomes its event through `outbox::OutboxRow::into_event` and its message through
-//! `sink::publish_message`, exactly as the relay builds them: same subject, keys,
-//! `Nats-Msg-Id` and headers. The table does not know an event's commit position, so the
+//! How ([`run`]): the range's rows are read in id order (the id column's, `stored` V3)
+//! through one streaming query; each becomes its event through the builder streaming uses
+//! (`outbox` E4, through `crate::process::stored::RowReader`, for every mapping and id kind)
+//! and its message through `sink::publish_message`, exactly as the relay builds them: same
+//! subject, keys, `Nats-Msg-Id` and headers. Rows of an event type the mapping's filter
+//! excludes are not published (the relay never published them), and are counted. The table does not know an event's commit position, so the
 //! stream is read first (`crate::commands::verify::scan_stream`) for the position of each original;
 //! a row without an original on the stream is published with position `0/0`, index 0, and
 //! counted. The messages carry no `Outbox-Source`: a relay never takes a replayed message
@@ -18,7 +20,7 @@
 //!   message for the event (`outbox-relay verify` reports it as duplicated).
 //!
 //! # Invariants
-//! - R1 Keys and headers are never re-derived: `OutboxRow::into_event`, then
+//! - R1 Keys and headers are never re-derived: the one builder (`outbox` E4), then
 //!   `sink::publish_message`.
 //! - R2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
 //!   is refused (exit 2) unless `--force`; with `--force`, replay holds the relay's lease
@@ -36,9 +38,9 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use outbox::{headers as h, Lsn, Position};
+use outbox::{encoding, headers as h, EventId, Lsn, Position};
 
-use crate::commands::verify::{self, Opened, Param, Range};
+use crate::commands::verify::{self, shown_id, Bounds, Opened, Param, Range};
 use crate::config::{format_duration, Config};
 use crate::error::{RelayError, Result};
 
@@ -46,7 +48,7 @@ use crate::error::{RelayError, Result};
 #[derive(Debug, Default)]
 pub struct Report {
     /// The lowest and highest id sent.
-    pub ids: Option<(i64, i64)>,
+    pub ids: Option<(EventId, EventId)>,
     /// Events published and acknowledged.
     pub published: u64,
     /// Of those, stored again.
@@ -57,7 +59,9 @@ pub struct Report {
     pub without_original: u64,
     /// Rows the relay cannot publish either (a NULL key column, an infinite `created_at`),
     /// by id, with why: not sent.
-    pub skipped: Vec<(i64, String)>,
+    pub skipped: Vec<(EventId, String)>,
+    /// Rows of an event type the mapping's filter excludes: not sent.
+    pub excluded: u64,
     /// The stream's duplicate window.
     pub duplicate_window: Duration,
     /// How long it took.
@@ -69,11 +73,18 @@ impl Report {
     pub fn render(&self) -> String {
         let mut out = String::new();
         for (id, why) in &self.skipped {
-            out.push_str(&format!("skipped: id={id} {why}\n"));
+            out.push_str(&format!("skipped: id={} {why}\n", shown_id(id)));
         }
-        let ids = self
-            .ids
-            .map_or_else(|| "none".to_owned(), |(lo, hi)| format!("{lo}..={hi}"));
+        if self.excluded > 0 {
+            out.push_str(&format!(
+                "excluded: {} rows of event types the filter excludes: not sent (the relay never publishes them)\n",
+                self.excluded
+            ));
+        }
+        let ids = self.ids.as_ref().map_or_else(
+            || "none".to_owned(),
+            |(lo, hi)| format!("{}..={}", shown_id(lo), shown_id(hi)),
+        );
         out.push_str(&format!(
             "replay: published {} events (ids {ids}) in {:.1} s: {} stored again, {} acknowledged \
              as duplicates and not stored (their originals are inside the stream's duplicate \
@@ -92,9 +103,6 @@ impl Report {
 
 /// Re-publishes the rows of `range` (module docs). `force` allows a strict-mode stream (R2).
 pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Report> {
-    config
-        .check_mapping_support("outbox-relay replay")
-        .map_err(RelayError::setup)?;
     if !config.shared_stream && !force {
         return Err(RelayError::setup(anyhow::anyhow!(
             "stream {} is in strict mode (the relay is its only writer: every event once, in \
@@ -107,15 +115,10 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
     }
     let started = Instant::now();
     let _lease = take_lease(config).await?;
-    let Opened {
-        client,
-        js,
-        mut stream,
-        condition,
-        params,
-        bounds,
-    } = verify::open(config, &mut range).await?;
-    let duplicate_window = stream
+    let opened = verify::open(config, &mut range).await?;
+    let duplicate_window = opened
+        .stream
+        .clone()
         .info()
         .await
         .map(|info| info.config.duplicate_window)
@@ -124,20 +127,12 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         duplicate_window,
         ..Report::default()
     };
-    let Some((low, high, _)) = bounds else {
+    let Some(bounds) = &opened.bounds else {
         report.elapsed = started.elapsed();
         return Ok(report);
     };
-    let positions = original_positions(config, &stream, low, high).await?;
-    publish_rows(
-        config,
-        &client,
-        &js,
-        (&condition, &params),
-        &positions,
-        &mut report,
-    )
-    .await?;
+    let positions = original_positions(config, &opened.stream, bounds).await?;
+    publish_rows(config, &opened, &positions, &mut report).await?;
     report.elapsed = started.elapsed();
     Ok(report)
 }
@@ -171,16 +166,15 @@ async fn take_lease(config: &Config) -> Result<Option<tokio_postgres::Client>> {
     })
 }
 
-/// The originals' positions: the first event message of each id in `low..=high`
+/// The originals' positions: the first event message of each id within `bounds`
 /// (dead-letter records aside).
 async fn original_positions(
     config: &Config,
     stream: &async_nats::jetstream::stream::Stream,
-    low: i64,
-    high: i64,
-) -> Result<HashMap<i64, Position>> {
+    bounds: &Bounds,
+) -> Result<HashMap<EventId, Position>> {
     let dead_letters = format!("{}.dlq", config.subject_prefix);
-    let mut positions: HashMap<i64, Position> = HashMap::new();
+    let mut positions: HashMap<EventId, Position> = HashMap::new();
     verify::scan_stream(stream, &config.subject_prefix, |_, message| {
         let Some(headers) = &message.headers else {
             return;
@@ -188,11 +182,15 @@ async fn original_positions(
         if message.subject.as_str() == dead_letters {
             return;
         }
-        let get = |name: &str| headers.get(name).map_or("", |v| v.as_str());
-        let Some(id) = get(h::OUTBOX_ID).parse::<i64>().ok() else {
+        let get = |name: &str| headers.get(name).map(|v| v.as_str());
+        let encoded = get(h::OUTBOX_ENCODING) == Some(encoding::PERCENT);
+        let Some(id) = get(h::OUTBOX_ID)
+            .and_then(|id| EventId::from_header(id, get(h::OUTBOX_ID_KIND), encoded))
+        else {
             return;
         };
-        if (low..=high).contains(&id) {
+        let get = |name: &str| get(name).unwrap_or("");
+        if bounds.contains(&id) {
             if let Some(position) =
                 Position::from_headers(get(h::OUTBOX_COMMIT_LSN), get(h::OUTBOX_TX_INDEX))
             {
@@ -209,19 +207,21 @@ async fn original_positions(
 /// position (0/0 without one); the outcomes counted into `report`.
 async fn publish_rows(
     config: &Config,
-    client: &tokio_postgres::Client,
-    js: &async_nats::jetstream::Context,
-    (condition, params): (&str, &[Param]),
-    positions: &HashMap<i64, Position>,
+    opened: &Opened,
+    positions: &HashMap<EventId, Position>,
     report: &mut Report,
 ) -> Result<()> {
+    let reader = &opened.reader;
     let sql = format!(
-        "SELECT {} FROM {} WHERE {condition} ORDER BY id",
-        verify::row_columns(),
-        config.table
+        "SELECT {} FROM {} WHERE {} ORDER BY {}",
+        reader.select(),
+        config.table,
+        opened.condition,
+        reader.order_by()
     );
-    let rows = client
-        .query_raw(&sql, params.iter().map(Param::sql))
+    let rows = opened
+        .client
+        .query_raw(&sql, opened.params.iter().map(Param::sql))
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}")))?;
     futures::pin_mut!(rows);
@@ -231,50 +231,65 @@ async fn publish_rows(
         let row = row.map_err(|e| {
             RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}"))
         })?;
-        let row = match verify::row_from(&row) {
-            Ok(row) => row,
-            Err((id, why)) => {
-                report.skipped.push((id, why));
+        let Some(id) = reader.id_of(&row) else {
+            continue;
+        };
+        let position = positions.get(&id).copied();
+        let mut event = match reader.event(&row, position.unwrap_or(ZERO)) {
+            Ok(Some(event)) => event,
+            Ok(None) => {
+                report.excluded += 1;
+                continue;
+            }
+            Err(e) => {
+                report.skipped.push((id, e.kind.to_string()));
                 continue;
             }
         };
-        let id = row.id.as_int().expect("replay reads integer ids (TB3)");
-        let position = positions.get(&id).copied().unwrap_or_else(|| {
+        if position.is_none() {
             report.without_original += 1;
-            Position {
-                commit_lsn: Lsn::ZERO,
-                index: 0,
-            }
-        });
-        let event = row.into_event(&config.subject_prefix, config.partitions, position);
-        let ack = js
+        }
+        event.position = position.unwrap_or(ZERO);
+        let ack = opened
+            .js
             .send_publish(event.subject.clone(), sink::publish_message(&event))
             .await
-            .map_err(|e| publish_error(id, e))?;
+            .map_err(|e| publish_error(&id, e))?;
+        report.ids = Some(match report.ids.take() {
+            None => (id.clone(), id.clone()),
+            Some((lo, _)) => (lo, id.clone()),
+        });
         in_flight.push_back((id, ack));
-        report.ids = Some(report.ids.map_or((id, id), |(lo, _)| (lo, id)));
         if in_flight.len() >= window {
             if let Some((id, ack)) = in_flight.pop_front() {
-                count(report, id, ack.await)?;
+                count(report, &id, ack.await)?;
             }
         }
     }
     while let Some((id, ack)) = in_flight.pop_front() {
-        count(report, id, ack.await)?;
+        count(report, &id, ack.await)?;
     }
     Ok(())
 }
 
-fn publish_error(id: i64, error: impl std::fmt::Display) -> RelayError {
+/// The position of a row without an original on the stream.
+const ZERO: Position = Position {
+    commit_lsn: Lsn::ZERO,
+    index: 0,
+};
+
+fn publish_error(id: &EventId, error: impl std::fmt::Display) -> RelayError {
     RelayError::permanent(anyhow::anyhow!(
-        "cannot publish outbox row id={id}: {error}; the rows before it were sent, rerun the \
-         replay from --from-id {id}"
+        "cannot publish outbox row id={}: {error}; the rows before it were sent, rerun the \
+         replay from --from-id {}",
+        shown_id(id),
+        shown_id(id)
     ))
 }
 
 fn count(
     report: &mut Report,
-    id: i64,
+    id: &EventId,
     ack: std::result::Result<
         async_nats::jetstream::publish::PublishAck,
         async_nats::jetstream::context::PublishError,

@@ -4,21 +4,28 @@
 //!
 //! How ([`run`]):
 //! 1. Postgres: the id bounds of the rows in range (`--from-id`, `--to-id`, `--since`,
-//!    `--until`), read once before anything else. Rows committed after that are not expected.
+//!    `--until`, `--entity`, on the columns the mapping names), read once before anything
+//!    else. Rows committed after that are not expected. Id bounds compare as the id column's
+//!    type: integers and uuids by value, text ids by their bytes (`COLLATE "C"`, whatever
+//!    the column's collation), the order `outbox::EventId` sorts them in (`stored` V3).
 //! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
 //!    large batches), read to the end, on a thread of its own with its own connection and a
 //!    single-threaded runtime (no thread wake-up per message; the table's side runs beside
 //!    it). Each message's headers are read in one pass (no lookup by name, which allocates
-//!    and hashes the name). Per outbox id in the bounds, a compact `Entry`
+//!    and hashes the name). Per outbox id in the bounds (`Outbox-Id` read back by its
+//!    `Outbox-Id-Kind` and `Outbox-Encoding`), a compact `Entry`
 //!    (24 bytes: first sequence, digest of the first copy, copies, dead-letter records) —
-//!    1 000 000 ids take 24 MB. The commit order is checked on the way: per entity (a hash of
+//!    1 000 000 integer ids take 24 MB. The commit order is checked on the way: per entity (a hash of
 //!    the entity id and the last position), and globally in strict mode (each event's
 //!    `Outbox-Commit-Lsn`/`Outbox-Tx-Index` position after the previous one).
 //! 3. Postgres, at the same time as 2 (a task of its own): the rows in id order through one
-//!    streaming query (`query_raw`, never the whole result in memory). Each row's event is built by
-//!    `outbox::OutboxRow::into_event` (the seed's keys, shard and subject, exactly as the
-//!    relay builds them) and only its digest kept (24 bytes per row), then compared with
-//!    the stream's first copy.
+//!    streaming query (`query_raw`, never the whole result in memory). Each row's event is
+//!    built by the builder streaming uses (`outbox` E4, through
+//!    `crate::process::stored::RowReader`: the mapping's columns, keys, shard, subject
+//!    template and header columns, exactly as the relay builds them) and only its digest
+//!    kept, then compared with the stream's first copy. A row of an event type the mapping's
+//!    filter excludes is neither expected nor reported missing; the report counts them on
+//!    one line.
 //! 4. Mismatches only: the row and the stored message (by sequence) are read again and
 //!    compared field by field, so the report says which field differs.
 //!
@@ -32,15 +39,20 @@
 //! # Invariants
 //! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
 //!   and is deleted by the server when idle; it publishes, changes and locks nothing.
-//! - V2 Keys are never re-derived: the expected message is `OutboxRow::into_event`'s; the
-//!   stream's header values are decoded with `outbox::encoding::decode` when the message says
-//!   `Outbox-Encoding: percent` before they are compared.
+//! - V2 Keys are never re-derived: the expected message is the one builder's (`outbox` E4);
+//!   the stream's header values are decoded with `outbox::encoding::decode` when the message
+//!   says `Outbox-Encoding: percent` before they are compared: the row's values, every
+//!   header a column gave (any header not `Nats-*` or `Outbox-*`), and for uuid and text
+//!   ids (`Outbox-Id-Kind`) `Outbox-Id` and `Outbox-Ordering-Key` too. The headers columns
+//!   gave are compared as a set (a digest independent of their order).
 //! - V3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
 //!   dead-lettered, not missing, and is not a discrepancy (the operator chose
 //!   `--on-poison dead-letter`).
-//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`), or by
-//!   the ids present when the ids are sparse (a map), plus 24 bytes per row, never by
-//!   payloads: payloads are compared through a digest.
+//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`, integer
+//!   ids), or by the ids present when the ids are sparse or not integers (a map keyed by
+//!   the id: for a uuid or text id its text plus about 80 bytes), plus one `Expected` per
+//!   row (40 bytes, and a uuid or text id's text), never by payloads: payloads are compared
+//!   through a digest.
 //! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
 //! - V6 Exactly the relay's rows are expected: a row is left out only when the slot's
@@ -58,13 +70,15 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer::pull};
 use async_nats::HeaderMap;
 use futures::StreamExt as _;
-use outbox::{encoding, headers as h, OutboxEvent, Position};
+use std::sync::Arc;
+
+use outbox::{encoding, headers as h, EventId, IdKind, OutboxEvent, Position, Role};
 use tokio_postgres::types::ToSql;
 
 use crate::config::Config;
 use crate::error::{RelayError, Result};
 // A row read back as the relay reads it: the process's (`stored`), and replay's through here.
-pub use crate::process::stored::{row_columns, row_from};
+pub use crate::process::stored::{check_id_bound, RowReader};
 
 /// The exit status when verify found discrepancies (V5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
@@ -75,14 +89,15 @@ const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Messages per pull request.
 const BATCH: usize = 20_000;
 
-/// What to check: the rows whose id and `created_at` fall in these bounds (all inclusive but
-/// `until`).
+/// What to check: the rows whose id and creation time fall in these bounds (all inclusive
+/// but `until`). Ids are compared as the id column's type: integers and uuids by value,
+/// text ids by their bytes (`COLLATE "C"`, `stored` V3).
 #[derive(Debug, Clone, Default)]
 pub struct Range {
-    /// Lowest id.
-    pub from_id: Option<i64>,
-    /// Highest id.
-    pub to_id: Option<i64>,
+    /// Lowest id, as text (an integer, a uuid or any text, as the id column holds).
+    pub from_id: Option<String>,
+    /// Highest id, as text.
+    pub to_id: Option<String>,
     /// `created_at >= since` (a timestamp Postgres reads, or a duration ago: `1h`).
     pub since: Option<String>,
     /// `created_at < until`.
@@ -92,27 +107,38 @@ pub struct Range {
 }
 
 impl Range {
-    /// The SQL condition on `id` and `created_at` with its parameters, numbered from `$1`.
-    pub fn condition(&self) -> (String, Vec<Param>) {
+    /// The SQL condition on the mapped id, creation-time and entity columns with its
+    /// parameters (all text, cast in the SQL), numbered from `$1`.
+    pub fn condition(&self, config: &Config, reader: &RowReader) -> (String, Vec<Param>) {
+        let column = |role| replication::quote_identifier(config.mapping.column(role));
+        let id = reader.id_ordered();
+        let cast = match reader.id_kind() {
+            IdKind::Integer => "::text::int8",
+            IdKind::Uuid => "::text::uuid",
+            IdKind::Text => "::text COLLATE \"C\"",
+        };
         let mut parts = vec![];
         let mut params = vec![];
-        if let Some(from) = self.from_id {
-            params.push(Param::Int(from));
-            parts.push(format!("id >= ${}", params.len()));
+        for (bound, op) in [(&self.from_id, ">="), (&self.to_id, "<=")] {
+            if let Some(value) = bound {
+                params.push(Param::Text(value.clone()));
+                parts.push(format!("{id} {op} ${}{cast}", params.len()));
+            }
         }
-        if let Some(to) = self.to_id {
-            params.push(Param::Int(to));
-            parts.push(format!("id <= ${}", params.len()));
-        }
+        let created_at = column(Role::CreatedAt);
         for (bound, op) in [(&self.since, ">="), (&self.until, "<")] {
             if let Some(time) = bound {
                 params.push(Param::Time(time.clone()));
-                parts.push(format!("created_at {op} ${}", params.len()));
+                parts.push(format!("{created_at} {op} ${}", params.len()));
             }
         }
         if let Some(entity) = &self.entity {
             params.push(Param::Text(entity.clone()));
-            parts.push(format!("entity_id::text = ${}", params.len()));
+            parts.push(format!(
+                "{}::text = ${}",
+                column(Role::EntityId),
+                params.len()
+            ));
         }
         if parts.is_empty() {
             ("true".to_owned(), params)
@@ -121,9 +147,15 @@ impl Range {
         }
     }
 
-    /// Turns durations (`--since 1h`) into timestamps Postgres reads; checks the others with
-    /// Postgres. An invalid value is an argument error (exit 2).
-    pub async fn resolve(&mut self, client: &tokio_postgres::Client) -> Result<()> {
+    /// Turns durations (`--since 1h`) into timestamps Postgres reads; checks the others, and
+    /// the id bounds against the id column's kind, with Postgres. An invalid value is an
+    /// argument error (exit 2).
+    pub async fn resolve(&mut self, client: &tokio_postgres::Client, kind: IdKind) -> Result<()> {
+        for (flag, bound) in [("--from-id", &self.from_id), ("--to-id", &self.to_id)] {
+            if let Some(text) = bound {
+                check_id_bound(client, kind, flag, text).await?;
+            }
+        }
         for (flag, bound) in [("--since", &mut self.since), ("--until", &mut self.until)] {
             let Some(text) = bound.as_mut() else { continue };
             if let Ok(ago) = crate::config::parse_duration(text) {
@@ -156,18 +188,15 @@ impl Range {
 /// A query parameter of [`Range::condition`].
 #[derive(Debug, Clone)]
 pub enum Param {
-    /// An id.
-    Int(i64),
     /// A timestamp, as text Postgres casts.
     Time(String),
-    /// A text value.
+    /// A text value (an id bound, cast in the SQL).
     Text(String),
 }
 
 impl Param {
     pub(crate) fn sql(&self) -> &(dyn ToSql + Sync) {
         match self {
-            Param::Int(v) => v,
             Param::Time(v) | Param::Text(v) => v,
         }
     }
@@ -201,9 +230,9 @@ struct Entry {
 }
 
 /// A row as verify expects its message: its digest, or why there is none.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Expected {
-    id: i64,
+    id: EventId,
     /// [`event_digest`] of the row's event.
     digest: u64,
     state: u8,
@@ -218,6 +247,8 @@ impl Expected {
     const UNPUBLISHABLE: u8 = 2;
     /// Left out by design when the slot was created (V6): not checked.
     const LEFT_OUT: u8 = 3;
+    /// Of an event type the mapping's filter excludes: never published, not checked.
+    const EXCLUDED: u8 = 4;
 }
 
 /// The position given to events built for comparison: positions are not compared.
@@ -231,56 +262,84 @@ const ROW: u8 = 1;
 /// The row is in the range checked.
 const IN_RANGE: u8 = 2;
 
-/// Entries by id: dense over the id span, or a map when the ids are sparse (V4).
+/// The lowest and highest id of a range and its row count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bounds {
+    /// The lowest id (in the id column's order, `stored` V3).
+    pub low: EventId,
+    /// The highest id.
+    pub high: EventId,
+    /// Rows in the range.
+    pub rows: u64,
+}
+
+impl Bounds {
+    /// Whether `id` lies within the bounds (`EventId`'s order is the column's, `stored` V3).
+    pub fn contains(&self, id: &EventId) -> bool {
+        self.low <= *id && *id <= self.high
+    }
+}
+
+/// Entries by id: dense over the id span of integer ids, or a map when the ids are sparse
+/// or not integers (V4).
 enum Index {
     Dense { low: i64, entries: Vec<Entry> },
-    Sparse(HashMap<i64, Entry>),
+    Sparse(HashMap<EventId, Entry>),
 }
 
 impl Index {
-    fn new(low: i64, high: i64, rows: u64) -> Index {
-        let span = u64::try_from(high.saturating_sub(low)).unwrap_or(0) + 1;
-        if span <= rows.saturating_mul(4).max(1 << 20) {
-            Index::Dense {
-                low,
-                entries: vec![Entry::default(); usize::try_from(span).unwrap_or(0)],
+    fn new(bounds: &Bounds) -> Index {
+        let rows = bounds.rows;
+        if let (EventId::Int(low), EventId::Int(high)) = (&bounds.low, &bounds.high) {
+            let span = u64::try_from(high.saturating_sub(*low)).unwrap_or(0) + 1;
+            if span <= rows.saturating_mul(4).max(1 << 20) {
+                return Index::Dense {
+                    low: *low,
+                    entries: vec![Entry::default(); usize::try_from(span).unwrap_or(0)],
+                };
             }
-        } else {
-            Index::Sparse(HashMap::with_capacity(usize::try_from(rows).unwrap_or(0)))
         }
+        Index::Sparse(HashMap::with_capacity(usize::try_from(rows).unwrap_or(0)))
     }
 
-    fn get(&mut self, id: i64) -> &mut Entry {
-        match self {
-            Index::Dense { low, entries } => {
+    /// The entry of `id`, which lies within the bounds.
+    fn get(&mut self, id: &EventId) -> &mut Entry {
+        match (self, id) {
+            (Index::Dense { low, entries }, EventId::Int(id)) => {
                 &mut entries[usize::try_from(id - *low).expect("id within the bounds")]
             }
-            Index::Sparse(map) => map.entry(id).or_default(),
+            (Index::Dense { .. }, EventId::Text(_)) => {
+                unreachable!(
+                    "a dense index holds integer bounds only, and a text id is not within them"
+                )
+            }
+            (Index::Sparse(map), id) => map.entry(id.clone()).or_default(),
         }
     }
 
-    fn peek(&self, id: i64) -> Entry {
-        match self {
-            Index::Dense { low, entries } => usize::try_from(id - *low)
+    fn peek(&self, id: &EventId) -> Entry {
+        match (self, id) {
+            (Index::Dense { low, entries }, EventId::Int(id)) => usize::try_from(id - *low)
                 .ok()
                 .and_then(|i| entries.get(i).copied())
                 .unwrap_or_default(),
-            Index::Sparse(map) => map.get(&id).copied().unwrap_or_default(),
+            (Index::Dense { .. }, EventId::Text(_)) => Entry::default(),
+            (Index::Sparse(map), id) => map.get(id).copied().unwrap_or_default(),
         }
     }
 
-    fn for_each(&self, mut f: impl FnMut(i64, &Entry)) {
+    fn for_each(&self, mut f: impl FnMut(EventId, &Entry)) {
         match self {
             Index::Dense { low, entries } => {
                 for (i, entry) in entries.iter().enumerate() {
-                    f(*low + i as i64, entry);
+                    f(EventId::Int(*low + i as i64), entry);
                 }
             }
             Index::Sparse(map) => {
-                let mut ids: Vec<&i64> = map.keys().collect();
+                let mut ids: Vec<&EventId> = map.keys().collect();
                 ids.sort_unstable();
                 for id in ids {
-                    f(*id, &map[id]);
+                    f(id.clone(), &map[id]);
                 }
             }
         }
@@ -297,6 +356,9 @@ struct Fields {
     partition_key: String,
     ordering_key: String,
     shard: String,
+    /// The headers columns gave (the mapping's header columns, the trace context), as one
+    /// sorted line.
+    headers: String,
 }
 
 impl Fields {
@@ -309,27 +371,35 @@ impl Fields {
             partition_key: event.keys.partition_key.clone(),
             ordering_key: event.keys.ordering_key.clone(),
             shard: event.shard.to_string(),
+            headers: headers_line(event.headers.iter().map(|(n, v)| (&**n, v.as_str()))),
         }
     }
 
     /// The stream's values, percent-decoded when the message says so (V2); `None` for a
     /// value that does not decode.
     fn of_message(subject: &str, headers: &HeaderMap) -> Fields {
+        let seen = Seen::of(headers);
         let get = |name: &str| headers.get(name).map_or("", |v| v.as_str()).to_owned();
-        let encoded = get(h::OUTBOX_ENCODING) == encoding::PERCENT;
+        let encoded = seen.encoded;
         let row = |name: &str| row_value(headers, name, encoded).into_owned();
+        let extra: Vec<(&str, Cow<'_, str>)> = seen
+            .extra
+            .iter()
+            .map(|(n, v)| (*n, seen.row_value(v)))
+            .collect();
         Fields {
             subject: subject.to_owned(),
             dedupe_key: row(h::NATS_MSG_ID),
             entity_id: row(h::OUTBOX_ENTITY_ID),
             event_type: row(h::OUTBOX_EVENT_TYPE),
             partition_key: row(h::OUTBOX_PARTITION_KEY),
-            ordering_key: get(h::OUTBOX_ORDERING_KEY),
+            ordering_key: seen.ordering_key().into_owned(),
             shard: get(h::OUTBOX_SHARD),
+            headers: headers_line(extra.iter().map(|(n, v)| (*n, &**v))),
         }
     }
 
-    fn named(&self) -> [(&'static str, &str); 7] {
+    fn named(&self) -> [(&'static str, &str); 8] {
         [
             ("subject", &self.subject),
             (h::NATS_MSG_ID, &self.dedupe_key),
@@ -338,16 +408,37 @@ impl Fields {
             (h::OUTBOX_PARTITION_KEY, &self.partition_key),
             (h::OUTBOX_ORDERING_KEY, &self.ordering_key),
             (h::OUTBOX_SHARD, &self.shard),
+            ("the headers from columns", &self.headers),
         ]
     }
 }
 
-/// A digest of the compared fields (in [`Fields::named`]'s order) and the payload.
-fn digest(fields: [&str; 7], payload: &[u8]) -> u64 {
+/// The headers columns gave, as one line in name order: `name: value; ...`.
+fn headers_line<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> String {
+    let mut pairs: Vec<String> = headers.map(|(n, v)| format!("{n}: {v}")).collect();
+    pairs.sort_unstable();
+    pairs.join("; ")
+}
+
+/// A digest of the headers columns gave, whatever their order (a message's header map has
+/// its own).
+fn headers_digest<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>) -> u64 {
+    headers.fold(0u64, |sum, (name, value)| {
+        let mut hasher = DefaultHasher::new();
+        name.hash(&mut hasher);
+        value.hash(&mut hasher);
+        sum.wrapping_add(hasher.finish())
+    })
+}
+
+/// A digest of the compared fields (in [`Fields::named`]'s order, the headers from columns
+/// as their [`headers_digest`]) and the payload.
+fn digest(fields: [&str; 7], headers: u64, payload: &[u8]) -> u64 {
     let mut hasher = DefaultHasher::new();
     for value in fields {
         value.hash(&mut hasher);
     }
+    headers.hash(&mut hasher);
     payload.hash(&mut hasher);
     hasher.finish()
 }
@@ -365,6 +456,7 @@ fn event_digest(event: &OutboxEvent) -> u64 {
             &event.keys.ordering_key,
             &shard,
         ],
+        headers_digest(event.headers.iter().map(|(n, v)| (&**n, v.as_str()))),
         &event.payload,
     )
 }
@@ -399,6 +491,11 @@ struct Seen<'a> {
     source: &'a str,
     /// `Outbox-Encoding: percent`: the row's values are percent-encoded (V2).
     encoded: bool,
+    /// `Outbox-Id-Kind`: a uuid or text id (its `Outbox-Id` and ordering key are encoded
+    /// with the rest).
+    id_kind: Option<&'a str>,
+    /// Every header that is not the relay's (`Nats-*`, `Outbox-*`): the columns gave them.
+    extra: Vec<(&'a str, &'a str)>,
 }
 
 impl<'a> Seen<'a> {
@@ -421,10 +518,39 @@ impl<'a> Seen<'a> {
                 h::OUTBOX_SOURCE => seen.source = value,
                 h::OUTBOX_TX_INDEX => seen.tx_index = value,
                 h::OUTBOX_ENCODING => seen.encoded = value == encoding::PERCENT,
+                h::OUTBOX_ID_KIND => seen.id_kind = Some(value),
+                _ if !h::is_relay_header(name) => seen.extra.push((name, value)),
                 _ => {}
             }
         }
         seen
+    }
+
+    /// The outbox id, as the row had it (`None`: no `Outbox-Id`, or one that is no id).
+    fn id(&self) -> Option<EventId> {
+        EventId::from_header(self.outbox_id?, self.id_kind, self.encoded)
+    }
+
+    /// The ordering key, decoded when the message is encoded and its id is not an integer.
+    fn ordering_key(&self) -> Cow<'a, str> {
+        if self.id_kind.is_some() {
+            self.row_value(self.ordering_key)
+        } else {
+            Cow::Borrowed(self.ordering_key)
+        }
+    }
+
+    /// The headers columns gave, decoded, as their [`headers_digest`].
+    fn extra_digest(&self) -> u64 {
+        if self.extra.is_empty() {
+            return headers_digest(std::iter::empty());
+        }
+        let decoded: Vec<(&str, Cow<'_, str>)> = self
+            .extra
+            .iter()
+            .map(|(n, v)| (*n, self.row_value(v)))
+            .collect();
+        headers_digest(decoded.iter().map(|(n, v)| (*n, &**v)))
     }
 
     /// A value as the row had it: percent-decoded when the message is encoded (V2).
@@ -453,9 +579,10 @@ fn seen_digest(subject: &str, seen: &Seen<'_>, payload: &[u8]) -> (u64, u64) {
             &entity_id,
             &seen.row_value(seen.event_type),
             &seen.row_value(seen.partition_key),
-            seen.ordering_key,
+            &seen.ordering_key(),
             seen.shard,
         ],
+        seen.extra_digest(),
         payload,
     );
     (digest, entity_hash(&entity_id))
@@ -474,7 +601,7 @@ pub struct Problem {
     /// or `dead-lettered` (not a discrepancy, V3).
     pub kind: &'static str,
     /// The outbox id.
-    pub id: i64,
+    pub id: EventId,
     /// What is wrong, with stream sequences.
     pub detail: String,
 }
@@ -510,7 +637,10 @@ pub struct Report {
     /// Messages read from the stream.
     pub messages: u64,
     /// The lowest and highest id checked.
-    pub ids: Option<(i64, i64)>,
+    pub ids: Option<(EventId, EventId)>,
+    /// Rows in range of an event type the mapping's filter excludes: never published, not
+    /// checked.
+    pub excluded: u64,
     /// Every problem, by kind then id.
     pub problems: Vec<Problem>,
     /// How long it took.
@@ -551,7 +681,9 @@ impl Report {
                 let _ = writeln!(
                     out,
                     "{}: id={} {}",
-                    problem.kind, problem.id, problem.detail
+                    problem.kind,
+                    shown_id(&problem.id),
+                    problem.detail
                 );
             }
             if kind.len() > max_listed {
@@ -565,8 +697,17 @@ impl Report {
         }
     }
 
-    /// What the slot's creation left out (V6), or why every row is expected.
+    /// What the slot's creation left out (V6), or why every row is expected; the rows the
+    /// event-type filter excludes.
     fn render_left_out(&self, out: &mut String) {
+        if self.excluded > 0 {
+            let _ = writeln!(
+                out,
+                "excluded: {} rows of event types the filter excludes (--include-event-types, \
+                 --exclude-event-types): never published, not checked",
+                self.excluded
+            );
+        }
         match &self.boundary {
             Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
@@ -601,9 +742,10 @@ impl Report {
         } else {
             0.0
         };
-        let ids = self
-            .ids
-            .map_or_else(|| "none".to_owned(), |(lo, hi)| format!("{lo}..={hi}"));
+        let ids = self.ids.as_ref().map_or_else(
+            || "none".to_owned(),
+            |(lo, hi)| format!("{}..={}", shown_id(lo), shown_id(hi)),
+        );
         let verdict = if self.exit_code() == 0 {
             "OK".to_owned()
         } else {
@@ -630,6 +772,24 @@ impl Report {
     }
 }
 
+/// An id as the report shows it: an integer or a uuid as it is; a text id as it is when
+/// it holds only letters, digits and `-_.:~`, else quoted with escapes, so that no row value
+/// can forge a report line.
+pub fn shown_id(id: &EventId) -> Cow<'_, str> {
+    match id {
+        EventId::Int(id) => Cow::Owned(id.to_string()),
+        EventId::Text(text)
+            if !text.is_empty()
+                && text
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:~".contains(&b)) =>
+        {
+            Cow::Borrowed(text)
+        }
+        EventId::Text(text) => Cow::Owned(format!("{text:?}")),
+    }
+}
+
 fn read_error(what: &str) -> impl Fn(tokio_postgres::Error) -> RelayError + '_ {
     move |e| {
         let text = e
@@ -643,7 +803,6 @@ fn nats_error(what: &str) -> impl Fn(Box<dyn std::fmt::Display>) -> RelayError +
     move |e| RelayError::permanent(anyhow::anyhow!("{what}: {e}"))
 }
 
-/// Reconciles the rows in `range` with the stream (see the module docs).
 /// The connections and the rows of a range: what verify and replay start from.
 pub(crate) struct Opened {
     /// The control connection.
@@ -657,7 +816,9 @@ pub(crate) struct Opened {
     /// The parameters of `condition`.
     pub params: Vec<Param>,
     /// The lowest and highest id in range and how many rows, if any.
-    pub bounds: Option<(i64, i64, u64)>,
+    pub bounds: Option<Bounds>,
+    /// Reads the table's rows as the relay does (the mapping resolved, payload included).
+    pub reader: Arc<RowReader>,
 }
 
 /// Connects to both sides, checks the table and reads the range's id bounds.
@@ -665,29 +826,12 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     let client = replication::connect_sql(&config.database)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
-    range.resolve(&client).await?;
-    crate::process::bootstrap::check_table(&client, config).await?;
-    let (condition, params) = range.condition();
+    let columns = crate::process::bootstrap::check_table(&client, config).await?;
+    let reader = Arc::new(RowReader::with_payload(config, columns));
+    range.resolve(&client, reader.id_kind()).await?;
+    let (condition, params) = range.condition(config, &reader);
     let condition = cast_times(&condition, &params);
-    let table = &config.table;
-    let bounds = client
-        .query_one(
-            &format!("SELECT min(id)::int8, max(id)::int8, count(*)::int8 FROM {table} WHERE {condition}"),
-            &params.iter().map(Param::sql).collect::<Vec<_>>(),
-        )
-        .await
-        .map_err(read_error("cannot read the outbox table's id range"))?;
-    let bounds = match (
-        bounds.get::<_, Option<i64>>(0),
-        bounds.get::<_, Option<i64>>(1),
-    ) {
-        (Some(low), Some(high)) => Some((
-            low,
-            high,
-            u64::try_from(bounds.get::<_, i64>(2)).unwrap_or(0),
-        )),
-        _ => None,
-    };
+    let bounds = read_bounds(&client, config, &reader, &condition, &params).await?;
     let client_nats = crate::connect::nats::connect(&config.nats)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
@@ -703,6 +847,46 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         condition,
         params,
         bounds,
+        reader,
+    })
+}
+
+/// The lowest and highest id of the rows `condition` selects, and their count: one query;
+/// the ids as text, in the id column's order (`stored` V3).
+async fn read_bounds(
+    client: &tokio_postgres::Client,
+    config: &Config,
+    reader: &RowReader,
+    condition: &str,
+    params: &[Param],
+) -> Result<Option<Bounds>> {
+    let table = &config.table;
+    let (id, ordered) = (reader.id_column(), reader.order_by());
+    let end = |direction: &str| {
+        format!(
+            "(SELECT {id}::text AS bound FROM {table} WHERE {condition} ORDER BY {ordered} {direction} LIMIT 1)"
+        )
+    };
+    let sql = format!(
+        "SELECT {}, {}, (SELECT count(*)::int8 FROM {table} WHERE {condition})",
+        end("ASC"),
+        end("DESC")
+    );
+    let row = client
+        .query_one(&sql, &params.iter().map(Param::sql).collect::<Vec<_>>())
+        .await
+        .map_err(read_error("cannot read the outbox table's id range"))?;
+    let id = |i: usize| {
+        row.get::<_, Option<String>>(i)
+            .and_then(|text| EventId::parse(reader.id_kind(), &text))
+    };
+    Ok(match (id(0), id(1)) {
+        (Some(low), Some(high)) => Some(Bounds {
+            low,
+            high,
+            rows: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+        }),
+        _ => None,
     })
 }
 
@@ -792,9 +976,9 @@ struct StreamSide {
     read: u64,
     index: Index,
     /// Ids whose message comes after one committed later, and why.
-    out_of_order: Vec<(i64, String)>,
+    out_of_order: Vec<(EventId, String)>,
     /// The ids and sequences of second and later copies.
-    duplicates: Vec<(i64, u64)>,
+    duplicates: Vec<(EventId, u64)>,
 }
 
 /// The commit order's checks as the stream is read (step 2): per entity, and globally in
@@ -809,8 +993,8 @@ struct OrderCheck {
     /// Every message must come after the one before it, not only per entity.
     strict: bool,
     sources: Vec<String>,
-    last_global: HashMap<usize, (Position, i64)>,
-    per_entity: HashMap<(usize, u64), (Position, i64)>,
+    last_global: HashMap<usize, (Position, EventId)>,
+    per_entity: HashMap<(usize, u64), (Position, EventId)>,
 }
 
 impl OrderCheck {
@@ -830,7 +1014,7 @@ impl OrderCheck {
     fn check(
         &mut self,
         seq: u64,
-        id: i64,
+        id: &EventId,
         position: Position,
         source: &str,
         entity: u64,
@@ -843,32 +1027,37 @@ impl OrderCheck {
         match self.per_entity.get_mut(&key) {
             Some((previous, previous_id)) if position < *previous => {
                 problem = Some(format!(
-                    "at sequence {seq}: entity {:?} {} comes after id {previous_id} {}, \
+                    "at sequence {seq}: entity {:?} {} comes after id {} {}, \
                      committed later",
                     Fields::of_message("", headers).entity_id,
                     at(position),
+                    shown_id(previous_id),
                     at(*previous)
                 ));
             }
-            Some(last) => *last = (position, id),
+            Some(last) => *last = (position, id.clone()),
             None => {
-                self.per_entity.insert(key, (position, id));
+                self.per_entity.insert(key, (position, id.clone()));
             }
         }
-        let last_global = self.last_global.entry(history).or_insert((position, id));
-        if (position, id) != *last_global {
-            let (previous, previous_id) = *last_global;
+        let last_global = self
+            .last_global
+            .entry(history)
+            .or_insert_with(|| (position, id.clone()));
+        if (position, id) != (last_global.0, &last_global.1) {
+            let (previous, previous_id) = (last_global.0, &last_global.1);
             if self.strict && position <= previous && problem.is_none() {
                 problem = Some(format!(
                     "at sequence {seq}: {} is not after the message before it \
-                     (id {previous_id} {}): the stream's order is not the commit order",
+                     (id {} {}): the stream's order is not the commit order",
                     at(position),
+                    shown_id(previous_id),
                     at(previous)
                 ));
             }
         }
         if position > last_global.0 {
-            *last_global = (position, id);
+            *last_global = (position, id.clone());
         }
         problem
     }
@@ -877,22 +1066,20 @@ impl OrderCheck {
 /// Step 2's fold: each message of the stream into the [`Index`] (ids in `low..=high` only),
 /// the copies and the order. A dead-letter record counts apart from the event (V3).
 struct Tally {
-    low: i64,
-    high: i64,
+    bounds: Bounds,
     dead_letter_subject: String,
     index: Index,
     order: OrderCheck,
-    out_of_order: Vec<(i64, String)>,
-    duplicates: Vec<(i64, u64)>,
+    out_of_order: Vec<(EventId, String)>,
+    duplicates: Vec<(EventId, u64)>,
 }
 
 impl Tally {
-    fn new(config: &Config, low: i64, high: i64, rows_in_range: u64) -> Tally {
+    fn new(config: &Config, bounds: Bounds) -> Tally {
         Tally {
-            low,
-            high,
             dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-            index: Index::new(low, high, rows_in_range),
+            index: Index::new(&bounds),
+            bounds,
             order: OrderCheck {
                 strict: !config.shared_stream,
                 ..OrderCheck::default()
@@ -907,11 +1094,10 @@ impl Tally {
             return;
         };
         let seen = Seen::of(headers);
-        let id = seen.outbox_id.and_then(|v| v.parse::<i64>().ok());
-        let Some(id) = id.filter(|id| (self.low..=self.high).contains(id)) else {
+        let Some(id) = seen.id().filter(|id| self.bounds.contains(id)) else {
             return;
         };
-        let entry = self.index.get(id);
+        let entry = self.index.get(&id);
         if message.subject.as_str() == self.dead_letter_subject {
             entry.dead_letters = entry.dead_letters.saturating_add(1);
             if entry.count == 0 {
@@ -930,7 +1116,7 @@ impl Tally {
         if let Some(position) = Position::from_headers(seen.commit_lsn, seen.tx_index) {
             let problem = self
                 .order
-                .check(seq, id, position, seen.source, entity, headers);
+                .check(seq, &id, position, seen.source, entity, headers);
             self.out_of_order.extend(problem.map(|p| (id, p)));
         }
     }
@@ -941,13 +1127,7 @@ impl Tally {
 /// message over costs no thread wake-up (on a multi-threaded runtime that wake-up, a futex
 /// call per message, cost as much as the comparison), and the table's side runs on the
 /// relay's runtime beside it.
-fn read_stream(
-    config: &Config,
-    low: i64,
-    high: i64,
-    rows_in_range: u64,
-    started: Instant,
-) -> Result<StreamSide> {
+fn read_stream(config: &Config, bounds: Bounds, started: Instant) -> Result<StreamSide> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -960,7 +1140,7 @@ fn read_stream(
             .get_stream(&config.stream)
             .await
             .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        let mut tally = Tally::new(config, low, high, rows_in_range);
+        let mut tally = Tally::new(config, bounds);
         let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             tally.message(seq, message)
         })
@@ -983,7 +1163,7 @@ fn read_stream(
 /// it read.
 fn spawn_stream_side(
     config: &Config,
-    (low, high, rows_in_range): (i64, i64, u64),
+    bounds: Bounds,
     started: Instant,
 ) -> Result<impl std::future::Future<Output = Result<StreamSide>>> {
     let (send, answer) = tokio::sync::oneshot::channel();
@@ -991,13 +1171,7 @@ fn spawn_stream_side(
     std::thread::Builder::new()
         .name("verify-stream".into())
         .spawn(move || {
-            let _ = send.send(read_stream(
-                &stream_config,
-                low,
-                high,
-                rows_in_range,
-                started,
-            ));
+            let _ = send.send(read_stream(&stream_config, bounds, started));
         })
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a thread: {e}")))?;
     Ok(async {
@@ -1013,85 +1187,94 @@ fn spawn_stream_side(
 /// relay cannot publish the rows it cannot.
 struct TableSide {
     expected: Vec<Expected>,
-    unpublishable: Vec<(i64, String)>,
+    unpublishable: Vec<(EventId, String)>,
 }
 
-/// What row `row` (of [`row_columns`] and the range's condition) must be on the stream:
-/// not checked when out of range or left out by the slot's creation (V6), else its event's
-/// digest (V2: `OutboxRow::into_event`'s), or why it is unpublishable. Rows come in id
-/// order, as `left_out` wants them.
+/// What row `row` (of the reader's select list and the range's condition, its last column)
+/// must be on the stream: not checked when out of range, left out by the slot's creation
+/// (V6) or of an event type the filter excludes, else its event's digest (V2: the one
+/// builder's, `outbox` E4), or why it is unpublishable. Rows come in id order, as
+/// `left_out` wants them (integer ids only: a boundary records runs of integers). `None`
+/// for a row whose id cannot be read.
 fn expect_row(
     row: &tokio_postgres::Row,
+    reader: &RowReader,
     left_out: &mut crate::process::boundary::RunCursor<'_>,
-    prefix: &str,
-    partitions: std::num::NonZeroU64,
-) -> (Expected, Option<String>) {
-    let id: i64 = row.get(0);
-    let state = if !row.get::<_, bool>(5) {
+) -> Option<(Expected, Option<String>)> {
+    let id = reader.id_of(row)?;
+    let in_range: bool = row.get(row.len() - 1);
+    let state = if !in_range {
         Expected::OUT_OF_RANGE
-    } else if left_out.left_out(id) {
+    } else if id.as_int().is_some_and(|id| left_out.left_out(id)) {
         Expected::LEFT_OUT
     } else {
         Expected::PUBLISHABLE
     };
-    let unchecked = |state| Expected {
+    let unchecked = |id, state| Expected {
         id,
         digest: 0,
         state,
     };
     if state != Expected::PUBLISHABLE {
-        return (unchecked(state), None);
+        return Some((unchecked(id, state), None));
     }
-    match row_from(row) {
-        Ok(row) => {
-            let event = row.into_event(prefix, partitions, NO_POSITION);
-            let digest = event_digest(&event);
-            (
-                Expected {
-                    id,
-                    digest,
-                    state: Expected::PUBLISHABLE,
-                },
-                None,
-            )
-        }
-        Err((_, why)) => (unchecked(Expected::UNPUBLISHABLE), Some(why)),
-    }
+    Some(match reader.event(row, NO_POSITION) {
+        Ok(Some(event)) => (
+            Expected {
+                digest: event_digest(&event),
+                id,
+                state: Expected::PUBLISHABLE,
+            },
+            None,
+        ),
+        Ok(None) => (unchecked(id, Expected::EXCLUDED), None),
+        Err(e) => (
+            unchecked(id, Expected::UNPUBLISHABLE),
+            Some(e.kind.to_string()),
+        ),
+    })
 }
 
 /// Starts step 3: the table, in id order, streamed, at the same time as the stream: what
 /// each row's message must be. Its own task, so that building the rows' events runs beside
 /// the stream's side on a second worker thread.
 async fn spawn_table_side(
-    client: &tokio_postgres::Client,
+    opened: &Opened,
     config: &Config,
-    (condition, params): (&str, &[Param]),
-    (low, high, rows_in_range): (i64, i64, u64),
+    bounds: &Bounds,
     runs: crate::process::boundary::Boundary,
     started: Instant,
 ) -> Result<impl std::future::Future<Output = Result<TableSide>>> {
+    let reader = opened.reader.clone();
     let table = &config.table;
     let sql = format!(
-        "SELECT {}, ({condition}) FROM {table} WHERE id BETWEEN {low} AND {high} ORDER BY id",
-        row_columns()
+        "SELECT {}, ({}) FROM {table} WHERE {} BETWEEN {} AND {} ORDER BY {}",
+        reader.select(),
+        opened.condition,
+        reader.id_ordered(),
+        reader.id_literal(&bounds.low.to_string()),
+        reader.id_literal(&bounds.high.to_string()),
+        reader.order_by(),
     );
-    let rows = client
-        .query_raw(&sql, params.iter().map(Param::sql))
+    let rows = opened
+        .client
+        .query_raw(&sql, opened.params.iter().map(Param::sql))
         .await
         .map_err(read_error("cannot read the outbox table"))?;
-    let prefix = config.subject_prefix.clone();
-    let partitions = config.partitions;
+    let rows_in_range = bounds.rows;
     let task = tokio::spawn(async move {
         futures::pin_mut!(rows);
         let mut expected: Vec<Expected> =
             Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
-        let mut unpublishable: Vec<(i64, String)> = vec![];
+        let mut unpublishable: Vec<(EventId, String)> = vec![];
         let mut left_out = runs.cursor();
         while let Some(row) = rows.next().await {
             let row = row.map_err(read_error("cannot read the outbox table"))?;
-            let (row, why) = expect_row(&row, &mut left_out, &prefix, partitions);
+            let Some((row, why)) = expect_row(&row, &reader, &mut left_out) else {
+                continue;
+            };
+            unpublishable.extend(why.map(|why| (row.id.clone(), why)));
             expected.push(row);
-            unpublishable.extend(why.map(|why| (row.id, why)));
         }
         tracing::info!(
             rows = expected.len(),
@@ -1115,7 +1298,7 @@ fn judge_entry(row: &Expected, entry: Entry, why: impl FnOnce() -> String) -> Op
     let problem = |kind, detail| {
         Some(Problem {
             kind,
-            id: row.id,
+            id: row.id.clone(),
             detail,
         })
     };
@@ -1158,34 +1341,40 @@ fn judge_rows(
     table: TableSide,
     index: &mut Index,
     report: &mut Report,
-) -> (Vec<Problem>, Vec<(i64, u64)>) {
+) -> (Vec<Problem>, Vec<(EventId, u64)>) {
     let mut unpublishable = table.unpublishable.into_iter().collect::<HashMap<_, _>>();
-    let mut mismatched: Vec<(i64, u64)> = vec![];
+    let mut mismatched: Vec<(EventId, u64)> = vec![];
     let mut problems = vec![];
     for row in table.expected {
-        let id = row.id;
+        let id = &row.id;
         let entry = index.get(id);
         entry.flags |= ROW;
         if row.state == Expected::OUT_OF_RANGE {
             continue;
         }
+        if row.state == Expected::EXCLUDED {
+            report.excluded += 1;
+            continue;
+        }
         if row.state == Expected::LEFT_OUT {
             report.left_out += 1;
-            let (lo, hi) = report.left_out_ids.get_or_insert((id, id));
-            (*lo, *hi) = ((*lo).min(id), (*hi).max(id));
+            if let Some(id) = id.as_int() {
+                let (lo, hi) = report.left_out_ids.get_or_insert((id, id));
+                (*lo, *hi) = ((*lo).min(id), (*hi).max(id));
+            }
             continue;
         }
         entry.flags |= IN_RANGE;
         report.rows += 1;
         let entry = *entry;
-        let why = || unpublishable.remove(&id).unwrap_or_default();
+        let why = || unpublishable.remove(id).unwrap_or_default();
         if let Some(problem) = judge_entry(&row, entry, why) {
             problems.push(problem);
         } else if row.state == Expected::PUBLISHABLE
             && entry.count > 0
             && row.digest != entry.digest
         {
-            mismatched.push((id, entry.seq));
+            mismatched.push((row.id, entry.seq));
         }
     }
     (problems, mismatched)
@@ -1195,20 +1384,20 @@ fn judge_rows(
 /// without a row only when the whole table was read (`whole_table`).
 fn judge_stream(
     index: &Index,
-    duplicates: Vec<(i64, u64)>,
-    out_of_order: Vec<(i64, String)>,
+    duplicates: Vec<(EventId, u64)>,
+    out_of_order: Vec<(EventId, String)>,
     whole_table: bool,
     problems: &mut Vec<Problem>,
 ) {
-    let in_range = |id| index.peek(id).flags & IN_RANGE != 0;
-    let mut duplicated: HashMap<i64, Vec<u64>> = HashMap::new();
+    let in_range = |id: &EventId| index.peek(id).flags & IN_RANGE != 0;
+    let mut duplicated: HashMap<EventId, Vec<u64>> = HashMap::new();
     for (id, seq) in duplicates {
-        if in_range(id) {
+        if in_range(&id) {
             duplicated.entry(id).or_default().push(seq);
         }
     }
     for (id, seqs) in duplicated {
-        let entry = index.peek(id);
+        let entry = index.peek(&id);
         problems.push(Problem {
             kind: "duplicated",
             id,
@@ -1224,7 +1413,7 @@ fn judge_stream(
         });
     }
     for (id, detail) in out_of_order {
-        if in_range(id) {
+        if in_range(&id) {
             problems.push(Problem {
                 kind: "out of order",
                 id,
@@ -1250,32 +1439,44 @@ fn judge_stream(
 
 /// Step 4: which field differs, for the mismatches: the row and the message read again.
 async fn explain_mismatches(
-    client: &tokio_postgres::Client,
-    stream: &jetstream::stream::Stream,
+    opened: &Opened,
     config: &Config,
-    mismatched: Vec<(i64, u64)>,
+    mismatched: Vec<(EventId, u64)>,
 ) -> Result<Vec<Problem>> {
+    let reader = &opened.reader;
     let one_row = format!(
-        "SELECT {} FROM {} WHERE id = $1",
-        row_columns(),
-        config.table
+        "SELECT {} FROM {} WHERE {} = $1::text::{}",
+        reader.select(),
+        config.table,
+        reader.id_column(),
+        reader.id_kind().sql_type()
     );
     let mut problems = vec![];
     for (id, seq) in mismatched {
-        let row = client
-            .query_one(&one_row, &[&id])
+        let row = opened
+            .client
+            .query_one(&one_row, &[&id.to_string()])
             .await
             .map_err(read_error("cannot read the outbox table"))?;
-        let detail = match (row_from(&row), stream.get_raw_message(seq).await) {
-            (Ok(row), Ok(stored)) => describe_mismatch(
-                &row.into_event(&config.subject_prefix, config.partitions, NO_POSITION),
+        let detail = match (
+            reader.event(&row, NO_POSITION),
+            opened.stream.get_raw_message(seq).await,
+        ) {
+            (Ok(Some(event)), Ok(stored)) => describe_mismatch(
+                &event,
                 stored.subject.as_str(),
                 &stored.headers,
                 &stored.payload,
                 seq,
             ),
-            (Err((_, why)), _) => {
-                format!("at sequence {seq}: the row changed while verify ran ({why})")
+            (Ok(None), _) => format!(
+                "at sequence {seq}: the row changed while verify ran (its event type is now excluded)"
+            ),
+            (Err(e), _) => {
+                format!(
+                    "at sequence {seq}: the row changed while verify ran ({})",
+                    e.kind
+                )
             }
             (_, Err(e)) => {
                 format!("at sequence {seq}: differs from the row (cannot fetch it again: {e})")
@@ -1292,47 +1493,29 @@ async fn explain_mismatches(
 
 /// Reconciles the rows in `range` with the stream (see the module docs).
 pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
-    config
-        .check_mapping_support("outbox-relay verify")
-        .map_err(RelayError::setup)?;
     let started = Instant::now();
-    let Opened {
-        client,
-        stream,
-        condition,
-        params,
-        bounds,
-        ..
-    } = open(config, &mut range).await?;
-    let Some(bounds) = bounds else {
+    let opened = open(config, &mut range).await?;
+    let Some(bounds) = opened.bounds.clone() else {
         return Ok(Report {
             elapsed: started.elapsed(),
             ..Report::default()
         });
     };
     // V6: what the slot's creation left out.
-    let boundary = crate::process::boundary::read(&client, config).await;
+    let boundary = crate::process::boundary::read(&opened.client, config).await;
     let runs = match &boundary {
         crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
         crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
     };
     let mut report = Report {
-        ids: Some((bounds.0, bounds.1)),
+        ids: Some((bounds.low.clone(), bounds.high.clone())),
         boundary: Some(boundary),
         slot: config.slot.clone(),
         ..Report::default()
     };
     // 2. and 3., side by side.
-    let stream_side = spawn_stream_side(config, bounds, started)?;
-    let table_side = spawn_table_side(
-        &client,
-        config,
-        (&condition, &params),
-        bounds,
-        runs,
-        started,
-    )
-    .await?;
+    let stream_side = spawn_stream_side(config, bounds.clone(), started)?;
+    let table_side = spawn_table_side(&opened, config, &bounds, runs, started).await?;
     let (read, table_read) = tokio::join!(stream_side, table_side);
     let StreamSide {
         read,
@@ -1344,7 +1527,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let (mut problems, mismatched) = judge_rows(table_read?, &mut index, &mut report);
     let whole_table = range.since.is_none() && range.until.is_none();
     judge_stream(&index, duplicates, out_of_order, whole_table, &mut problems);
-    problems.extend(explain_mismatches(&client, &stream, config, mismatched).await?);
+    problems.extend(explain_mismatches(&opened, config, mismatched).await?);
     problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
     report.problems = problems;
     report.elapsed = started.elapsed();
@@ -1394,23 +1577,60 @@ mod tests {
 
     #[test]
     fn the_range_is_one_sql_condition_with_numbered_parameters() {
-        assert_eq!(Range::default().condition().0, "true");
+        let config =
+            crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
+                .unwrap();
+        let seed = crate::process::stored::test_reader(&config, outbox::event::oid::INT8);
+        assert_eq!(Range::default().condition(&config, &seed).0, "true");
         let range = Range {
-            from_id: Some(5),
-            to_id: Some(9),
+            from_id: Some("5".into()),
+            to_id: Some("9".into()),
             since: Some("2026-01-01T00:00:00Z".into()),
             until: None,
             entity: Some("order:A-1".into()),
         };
-        let (condition, params) = range.condition();
+        let (condition, params) = range.condition(&config, &seed);
         assert_eq!(
             condition,
-            "id >= $1 AND id <= $2 AND created_at >= $3 AND entity_id::text = $4"
+            "\"id\" >= $1::text::int8 AND \"id\" <= $2::text::int8 AND \"created_at\" >= $3 AND \"entity_id\"::text = $4"
         );
         assert_eq!(params.len(), 4);
         assert_eq!(
             cast_times(&condition, &params),
-            "id >= $1 AND id <= $2 AND created_at >= $3::text::timestamptz AND entity_id::text = $4"
+            "\"id\" >= $1::text::int8 AND \"id\" <= $2::text::int8 AND \"created_at\" >= $3::text::timestamptz AND \"entity_id\"::text = $4"
+        );
+        // Text ids compare by their bytes, uuids by value (stored V3).
+        let text = crate::process::stored::test_reader(&config, outbox::event::oid::TEXT);
+        assert_eq!(
+            range.condition(&config, &text).0,
+            "\"id\" COLLATE \"C\" >= $1::text COLLATE \"C\" AND \"id\" COLLATE \"C\" <= $2::text COLLATE \"C\" AND \"created_at\" >= $3 AND \"entity_id\"::text = $4"
+        );
+        let uuid = crate::process::stored::test_reader(&config, outbox::event::oid::UUID);
+        assert!(range
+            .condition(&config, &uuid)
+            .0
+            .starts_with("\"id\" >= $1::text::uuid AND"));
+    }
+
+    #[test]
+    fn a_text_id_is_shown_quoted_unless_plain() {
+        assert_eq!(shown_id(&EventId::Int(-3)), "-3");
+        assert_eq!(shown_id(&EventId::Text("evt_01:a-b".into())), "evt_01:a-b");
+        assert_eq!(
+            shown_id(&EventId::Text("a\nverify: OK".into())),
+            "\"a\\nverify: OK\""
+        );
+    }
+
+    #[test]
+    fn headers_from_columns_digest_alike_in_any_order() {
+        let a = headers_digest([("X-A", "1"), ("X-B", "2")].into_iter());
+        let b = headers_digest([("X-B", "2"), ("X-A", "1")].into_iter());
+        assert_eq!(a, b);
+        assert_ne!(a, headers_digest([("X-A", "2"), ("X-B", "1")].into_iter()));
+        assert_eq!(
+            headers_line([("X-B", "2"), ("X-A", "1")].into_iter()),
+            "X-A: 1; X-B: 2"
         );
     }
 
@@ -1498,19 +1718,19 @@ mod tests {
     fn dead_letters_alone_exit_0_and_anything_else_exits_5() {
         let mut report = Report {
             rows: 2,
-            ids: Some((1, 2)),
+            ids: Some((EventId::Int(1), EventId::Int(2))),
             ..Report::default()
         };
         report.problems.push(Problem {
             kind: "dead-lettered",
-            id: 1,
+            id: EventId::Int(1),
             detail: "a dead-letter record at sequence 1 in its place".into(),
         });
         assert_eq!(report.exit_code(), 0);
         assert!(report.render(10).contains("verify: OK: 2 rows (ids 1..=2)"));
         report.problems.push(Problem {
             kind: "missing",
-            id: 2,
+            id: EventId::Int(2),
             detail: "no message on the stream".into(),
         });
         assert_eq!(report.exit_code(), DISCREPANCIES_EXIT);

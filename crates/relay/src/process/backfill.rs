@@ -22,12 +22,19 @@
 //!   exactly what committed before the slot's consistent point, and the slot streams
 //!   exactly what committed after it. Streaming starts only after every backfilled row was
 //!   acknowledged.
-//! - F2 A backfilled row's position is commit LSN `0/0`, index = its outbox id: it precedes
-//!   every streamed event (whose commit LSN is at or after the consistent point), backfilled
-//!   rows follow each other in id order, and the same row always gets the same position
-//!   (so P8 sees a re-publish as the same event). Ids above `u32::MAX` are refused, naming
-//!   the fix. Keys, subject and headers are those of a streamed event
-//!   ([`outbox::OutboxRow::into_event`], `sink`'s message builder).
+//! - F2 A backfilled row's position is commit LSN `0/0`, so it precedes every streamed event
+//!   (whose commit LSN is at or after the consistent point), and backfilled rows follow each
+//!   other in id order (the id column's, `stored` V3). The index is, for integer ids, the
+//!   outbox id: the same row always gets the same position. Ids above `u32::MAX` are
+//!   refused, naming the fix. For uuid and text ids it is the row's ordinal in the
+//!   backfill's id order (1, 2, …), counted after the highest index of the backfilled rows
+//!   a strict stream already holds when an interrupted backfill starts again (F3): so
+//!   indexes rise along the stream, and are unique within it, but a row's index depends on
+//!   the rows before it in that snapshot (another backfill may give it another; P8 never
+//!   compares positions). Keys, subject and headers are those of a streamed event: one
+//!   builder (`outbox` E4, through [`crate::process::stored::RowReader`]), then `sink`'s
+//!   message builder. Rows of an event type the mapping's filter excludes are read and not
+//!   published, as streaming never publishes them.
 //! - F3 Crash safety: a marker (a physical slot `{slot}_backfill` that reserves no WAL) is
 //!   created before the slot and dropped only after every backfilled row was acknowledged.
 //!   A start that finds the marker knows the backfill was interrupted: it drops the slot
@@ -50,14 +57,12 @@
 //!   the rows on the relay's side of the slot.
 
 use std::collections::HashSet;
-use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::StreamExt;
-use outbox::timestamp::{epoch_millis, parse_timestamptz};
-use outbox::{headers, Item, OutboxEvent, OutboxRow, Position};
+use outbox::{encoding, headers, EventId, IdKind, Item, OutboxEvent, Position, Role};
 use pgoutput::Lsn;
 use replication::{quote_literal, ReplicationConnection};
 use sink::SinkStats;
@@ -70,6 +75,7 @@ use crate::config::backfill::Mode;
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result, Target};
 use crate::process::bootstrap;
+use crate::process::stored::{check_id_bound, RowReader};
 
 /// Rows fetched from the cursor at a time.
 pub const FETCH_ROWS: usize = 1000;
@@ -95,10 +101,10 @@ fn time_sql(text: &str) -> String {
 pub struct Filter {
     /// Only rows whose `status` is `'pending'`.
     pub pending_only: bool,
-    /// `id >= from_id`.
-    pub from_id: Option<i64>,
+    /// `id >= from_id`, as text (compared as the id column's type, `stored` V3).
+    pub from_id: Option<String>,
     /// `id <= to_id`.
-    pub to_id: Option<i64>,
+    pub to_id: Option<String>,
     /// `created_at >= since` (a timestamp Postgres parses, e.g. RFC 3339, or a duration ago).
     pub since: Option<String>,
     /// `created_at < until`.
@@ -106,23 +112,26 @@ pub struct Filter {
 }
 
 impl Filter {
-    /// The `WHERE` clause (empty for every row).
-    fn where_sql(&self) -> String {
+    /// The `WHERE` clause (empty for every row) on the mapped id and creation-time columns
+    /// (`status` keeps its name).
+    fn where_sql(&self, config: &Config, reader: &RowReader) -> String {
         let mut conditions = Vec::new();
         if self.pending_only {
             conditions.push("status = 'pending'".to_owned());
         }
-        if let Some(id) = self.from_id {
-            conditions.push(format!("id >= {id}"));
+        let id = reader.id_ordered();
+        if let Some(from) = &self.from_id {
+            conditions.push(format!("{id} >= {}", reader.id_literal(from)));
         }
-        if let Some(id) = self.to_id {
-            conditions.push(format!("id <= {id}"));
+        if let Some(to) = &self.to_id {
+            conditions.push(format!("{id} <= {}", reader.id_literal(to)));
         }
+        let created_at = replication::quote_identifier(config.mapping.column(Role::CreatedAt));
         if let Some(since) = &self.since {
-            conditions.push(format!("created_at >= {}", time_sql(since)));
+            conditions.push(format!("{created_at} >= {}", time_sql(since)));
         }
         if let Some(until) = &self.until {
-            conditions.push(format!("created_at < {}", time_sql(until)));
+            conditions.push(format!("{created_at} < {}", time_sql(until)));
         }
         if conditions.is_empty() {
             String::new()
@@ -132,7 +141,19 @@ impl Filter {
     }
 }
 
-/// F2: a backfilled row's position, before every streamed event.
+/// F2: a backfilled row's position, before every streamed event: by its id for an integer
+/// id, else by `ordinal`, its place in the backfill's id order.
+pub fn position_of(id: &EventId, ordinal: u32) -> Result<Position> {
+    match id {
+        EventId::Int(id) => position(*id),
+        EventId::Text(_) => Ok(Position {
+            commit_lsn: Lsn::ZERO,
+            index: ordinal,
+        }),
+    }
+}
+
+/// F2: an integer id's backfilled position, before every streamed event.
 pub fn position(id: i64) -> Result<Position> {
     u32::try_from(id)
         .map(|index| Position {
@@ -215,8 +236,10 @@ pub async fn needed(
     Ok(true)
 }
 
-/// The mode that applies to this table: `pending` on a table without `status` is `none`.
-async fn effective_mode(client: &Client, config: &Config) -> Result<Mode> {
+/// The mode that applies to this table: `pending` on a table without `status` is `none`;
+/// `pending` on a table with `status` and ids that are not integers is refused (the rows
+/// it leaves out cannot be recorded for verify, `boundary` N1 records integer runs).
+async fn effective_mode(client: &Client, config: &Config, kind: IdKind) -> Result<Mode> {
     if config.backfill != Mode::Pending {
         return Ok(config.backfill);
     }
@@ -232,7 +255,13 @@ async fn effective_mode(client: &Client, config: &Config) -> Result<Mode> {
         .await
         .map_err(|e| sql_error("cannot read the outbox table's columns", e))?
         .is_some();
-    if has_status {
+    if has_status && kind != IdKind::Integer {
+        Err(RelayError::setup(anyhow::anyhow!(
+            "--backfill pending on table {} with {} ids: the rows it leaves out (status not 'pending') cannot be recorded for `outbox-relay verify`, which records integer ids only; start with --backfill all (every row) or none",
+            config.table,
+            kind.sql_type()
+        )))
+    } else if has_status {
         Ok(Mode::Pending)
     } else {
         info!(table = %config.table, "--backfill pending: the table has no status column, so no row is pending and nothing is backfilled (use --backfill all to publish every row)");
@@ -250,7 +279,8 @@ pub async fn at_slot_creation(
 ) -> Result<()> {
     let marker = marker_name(&config.slot);
     let resumed = interrupted(client, config).await?;
-    let mode = effective_mode(client, config).await?;
+    let columns = bootstrap::check_table(client, config).await?;
+    let mode = effective_mode(client, config, columns.id_kind()).await?;
     if mode == Mode::None {
         if resumed {
             drop_slot(client, &marker).await?;
@@ -258,9 +288,7 @@ pub async fn at_slot_creation(
         }
         return Ok(());
     }
-    config
-        .check_mapping_support(&format!("--backfill {mode:?}").to_lowercase())
-        .map_err(RelayError::setup)?;
+    let row_reader = RowReader::with_payload(config, columns);
     mark_start(client, config, &marker, resumed).await?;
 
     // F5: the exporting connection stays open and idle until the backfill is done.
@@ -275,16 +303,21 @@ pub async fn at_slot_creation(
     let reader = read_in_snapshot(config, &exported.snapshot).await?;
     // F7: what the slot's creation leaves out, recorded for verify before anything is
     // backfilled (crate::process::boundary N2).
-    let boundary =
-        crate::process::boundary::in_snapshot(&reader, config, mode, exported.consistent_point)
-            .await
-            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    let boundary = crate::process::boundary::in_snapshot(
+        &reader,
+        config,
+        &row_reader,
+        mode,
+        exported.consistent_point,
+    )
+    .await
+    .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
     crate::process::boundary::record(client, config, &boundary).await;
     let filter = Filter {
         pending_only: mode == Mode::Pending,
         ..Filter::default()
     };
-    let cursor = Cursor::open(&reader, config, &filter).await?;
+    let cursor = Cursor::open(&reader, config, row_reader, &filter).await?;
     let started = Instant::now();
     let (read, skipped, stats) =
         publish_snapshot(jetstream, config, cursor, resumed, source).await?;
@@ -364,11 +397,13 @@ async fn publish_snapshot(
     let tail = sink::resume::read_tail(jetstream, &config.stream, false)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)))?;
-    let stored = if resumed && !config.shared_stream && tail.last_sequence > 0 {
+    let (stored, highest) = if resumed && !config.shared_stream && tail.last_sequence > 0 {
         stored_backfill_ids(jetstream, &config.stream, tail.last_sequence).await?
     } else {
-        HashSet::new()
+        (HashSet::new(), 0)
     };
+    // F2: ordinals of uuid and text ids rise after the indexes the stream holds.
+    cursor.ordinal = highest;
     let max_payload = jetstream.client().server_info().max_payload;
     let options = crate::connect::sink_options(
         config,
@@ -417,7 +452,7 @@ async fn publish_snapshot(
 /// why). Returns the rows read and those skipped.
 async fn feed(
     cursor: &mut Cursor<'_>,
-    stored: &HashSet<i64>,
+    stored: &HashSet<EventId>,
     items_tx: &mpsc::Sender<Vec<Item<Position>>>,
     stats: &SinkStats,
 ) -> Result<(u64, u64)> {
@@ -432,7 +467,7 @@ async fn feed(
         let mut last = None;
         for event in events {
             last = Some(event.position);
-            if event.id.as_int().is_some_and(|id| stored.contains(&id)) {
+            if stored.contains(&event.id) {
                 skipped += 1;
             } else {
                 batch.push(Item::Event(event));
@@ -467,12 +502,12 @@ async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
 }
 
 /// F3: the outbox ids of the backfilled messages (commit LSN `0/0`) a strict stream holds,
-/// read with a headers-only ordered consumer.
+/// and their highest index (F2), read with a headers-only ordered consumer.
 async fn stored_backfill_ids(
     jetstream: &jetstream::Context,
     stream: &str,
     last_sequence: u64,
-) -> Result<HashSet<i64>> {
+) -> Result<(HashSet<EventId>, u32)> {
     let failed = |e: &dyn std::fmt::Display| {
         RelayError::transient(anyhow::anyhow!(
             "cannot read what stream {stream} holds of an interrupted backfill: {e}"
@@ -488,6 +523,7 @@ async fn stored_backfill_ids(
         .map_err(|e| failed(&e))?;
     let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
     let mut ids = HashSet::new();
+    let mut highest = 0u32;
     let zero = Lsn::ZERO.to_string();
     loop {
         let message = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
@@ -499,15 +535,21 @@ async fn stored_backfill_ids(
         let info = message.info().map_err(|e| failed(&e))?;
         let sequence = info.stream_sequence;
         if let Some(headers) = &message.headers {
-            let header = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
-            if header(headers::OUTBOX_COMMIT_LSN).as_deref() == Some(zero.as_str()) {
-                if let Some(id) = header(headers::OUTBOX_ID).and_then(|id| id.parse().ok()) {
+            let header = |name: &str| headers.get(name).map(|v| v.as_str());
+            if header(headers::OUTBOX_COMMIT_LSN) == Some(zero.as_str()) {
+                let encoded = header(headers::OUTBOX_ENCODING) == Some(encoding::PERCENT);
+                if let Some(id) = header(headers::OUTBOX_ID).and_then(|id| {
+                    EventId::from_header(id, header(headers::OUTBOX_ID_KIND), encoded)
+                }) {
                     ids.insert(id);
+                }
+                if let Some(index) = header(headers::OUTBOX_TX_INDEX).and_then(|i| i.parse().ok()) {
+                    highest = highest.max(index);
                 }
             }
         }
         if sequence >= last_sequence {
-            return Ok(ids);
+            return Ok((ids, highest));
         }
     }
 }
@@ -516,18 +558,30 @@ async fn stored_backfill_ids(
 /// caller's open transaction.
 struct Cursor<'a> {
     client: &'a Client,
-    prefix: &'a str,
-    partitions: NonZeroU64,
+    reader: RowReader,
+    /// The last ordinal given (F2: uuid and text ids).
+    ordinal: u32,
     /// How many rows the filter selects.
     total: u64,
 }
 
 impl<'a> Cursor<'a> {
-    async fn open(client: &'a Client, config: &'a Config, filter: &Filter) -> Result<Cursor<'a>> {
-        let from = format!("{}{}", table_sql(&config.table), filter.where_sql());
-        // The replication session's rendering of created_at (outbox::timestamp).
+    async fn open(
+        client: &'a Client,
+        config: &'a Config,
+        reader: RowReader,
+        filter: &Filter,
+    ) -> Result<Cursor<'a>> {
+        let from = format!(
+            "{}{}",
+            table_sql(&config.table),
+            filter.where_sql(config, &reader)
+        );
+        // The replication session's rendering of timestamps (outbox::timestamp) and bytea.
         client
-            .batch_execute("SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'")
+            .batch_execute(
+                "SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; SET LOCAL bytea_output = 'hex'",
+            )
             .await
             .map_err(|e| sql_error("cannot prepare the backfill's session", e))?;
         let total: i64 = client
@@ -537,17 +591,17 @@ impl<'a> Cursor<'a> {
             .get(0);
         client
             .batch_execute(&format!(
-                "DECLARE {CURSOR} NO SCROLL CURSOR FOR \
-                 SELECT id::int8, entity_id::text, event_type::text, payload::text, created_at::text \
-                   FROM {from} ORDER BY id"
+                "DECLARE {CURSOR} NO SCROLL CURSOR FOR SELECT {} FROM {from} ORDER BY {}",
+                reader.select(),
+                reader.order_by()
             ))
             .await
             .map_err(|e| sql_error("cannot read the outbox table", e))?;
         info!(table = %config.table, rows = total, "backfilling rows in id order");
         Ok(Cursor {
             client,
-            prefix: &config.subject_prefix,
-            partitions: config.partitions,
+            reader,
+            ordinal: 0,
             total: u64::try_from(total).unwrap_or(0),
         })
     }
@@ -563,27 +617,28 @@ impl<'a> Cursor<'a> {
         }
         let mut events = Vec::with_capacity(rows.len());
         for row in rows {
-            let id: i64 = row.get(0);
-            let text = |index: usize, column: &str| -> Result<String> {
-                row.get::<_, Option<String>>(index).ok_or_else(|| {
-                    RelayError::permanent(anyhow::anyhow!(
-                        "outbox row id={id} has a NULL {column}, so no event can be derived from it: fill it in, or backfill a range without it"
-                    ))
-                })
+            let Some(id) = self.reader.id_of(&row) else {
+                return Err(RelayError::permanent(anyhow::anyhow!(
+                    "an outbox row's id cannot be read as the id column's type"
+                )));
             };
-            let created_at = text(4, "created_at")?;
-            let created_at_ms =
-                epoch_millis(parse_timestamptz(created_at.as_bytes()).map_err(|e| {
-                    RelayError::permanent(anyhow::anyhow!("outbox row id={id}: {e}"))
-                })?);
-            let row = OutboxRow::seed(
-                id,
-                text(1, "entity_id")?,
-                text(2, "event_type")?,
-                text(3, "payload")?,
-                created_at_ms,
-            );
-            events.push(row.into_event(self.prefix, self.partitions, position(id)?));
+            self.ordinal = self.ordinal.checked_add(1).ok_or_else(|| {
+                RelayError::permanent(anyhow::anyhow!(
+                    "more than {} rows to backfill: positions are exhausted",
+                    u32::MAX
+                ))
+            })?;
+            let position = position_of(&id, self.ordinal)?;
+            match self.reader.event(&row, position) {
+                Ok(Some(event)) => events.push(event),
+                // Excluded by the event-type filter: never published (F2).
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(RelayError::permanent(anyhow::anyhow!(
+                        "{e}, so no event can be derived from it: fill it in, or backfill a range without it"
+                    )))
+                }
+            }
         }
         Ok(Some(events))
     }
@@ -619,9 +674,6 @@ pub struct RangeReport {
 /// with the same keys as streamed events, on an existing slot and stream. Refused into a
 /// strict stream unless `force`.
 pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<RangeReport> {
-    config
-        .check_mapping_support("outbox-relay backfill")
-        .map_err(RelayError::setup)?;
     if !config.shared_stream && !force {
         return Err(RelayError::setup(anyhow::anyhow!(
             "stream {} is in strict mode, where the relay is its only writer and the stream is in commit order: a backfill appends old rows after newer events (and a row the stream holds beyond the duplicate window would be stored twice). Run it with --shared-stream true if the stream is shared, or add --force to append anyway",
@@ -644,7 +696,14 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await
         .map_err(|e| sql_error("cannot read the outbox table", e))?;
-    let cursor = Cursor::open(&client, config, filter).await?;
+    let columns = bootstrap::check_table(&client, config).await?;
+    let reader = RowReader::with_payload(config, columns);
+    for (flag, bound) in [("--from-id", &filter.from_id), ("--to-id", &filter.to_id)] {
+        if let Some(text) = bound {
+            check_id_bound(&client, reader.id_kind(), flag, text).await?;
+        }
+    }
+    let cursor = Cursor::open(&client, config, reader, filter).await?;
     let report = publish_range(&jetstream, config, cursor).await?;
     let _ = client.batch_execute("COMMIT").await;
     Ok(report)
@@ -721,17 +780,31 @@ mod tests {
 
     #[test]
     fn filters_select_pending_rows_and_ranges() {
-        assert_eq!(Filter::default().where_sql(), "");
+        let config =
+            crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
+                .unwrap();
+        let seed = crate::process::stored::test_reader(&config, outbox::event::oid::INT8);
+        assert_eq!(Filter::default().where_sql(&config, &seed), "");
         let filter = Filter {
             pending_only: true,
-            from_id: Some(3),
-            to_id: Some(9),
+            from_id: Some("3".into()),
+            to_id: Some("9".into()),
             since: Some("2026-01-01T00:00:00Z".into()),
             until: Some("x'y".into()),
         };
         assert_eq!(
-            filter.where_sql(),
-            " WHERE status = 'pending' AND id >= 3 AND id <= 9 AND created_at >= '2026-01-01T00:00:00Z'::timestamptz AND created_at < 'x''y'::timestamptz"
+            filter.where_sql(&config, &seed),
+            " WHERE status = 'pending' AND \"id\" >= '3'::int8 AND \"id\" <= '9'::int8 AND \"created_at\" >= '2026-01-01T00:00:00Z'::timestamptz AND \"created_at\" < 'x''y'::timestamptz"
+        );
+        // Text ids compare by their bytes (stored V3).
+        let text = crate::process::stored::test_reader(&config, outbox::event::oid::TEXT);
+        let filter = Filter {
+            from_id: Some("evt'1".into()),
+            ..Filter::default()
+        };
+        assert_eq!(
+            filter.where_sql(&config, &text),
+            " WHERE \"id\" COLLATE \"C\" >= ('evt''1'::text COLLATE \"C\")"
         );
         // A duration ago, as replay and verify take it.
         let filter = Filter {
@@ -739,8 +812,18 @@ mod tests {
             ..Filter::default()
         };
         assert_eq!(
-            filter.where_sql(),
-            " WHERE created_at >= now() - '5400000 milliseconds'::interval"
+            filter.where_sql(&config, &seed),
+            " WHERE \"created_at\" >= now() - '5400000 milliseconds'::interval"
+        );
+    }
+
+    #[test]
+    fn non_integer_ids_are_positioned_by_their_ordinal() {
+        let id = EventId::Text("b".into());
+        assert_eq!(position_of(&id, 7).ok().map(|p| p.index), Some(7));
+        assert_eq!(
+            position_of(&EventId::Int(5), 7).ok().map(|p| p.index),
+            Some(5)
         );
     }
 }

@@ -39,6 +39,11 @@
 //! - N3 No record (a slot created before this version, with `--backfill none`, by hand, or
 //!   over a stream that already held events) is not an error: verify then expects every row,
 //!   as before, and says once why rows may be reported missing ([`Read`]).
+//! - N4 The record follows the mapped id column. Only integer ids are recorded (runs and
+//!   the highest id): a table whose ids are uuids or text has nothing left out by design,
+//!   since `--backfill pending` is refused on it when it has a `status` column
+//!   (`crate::process::backfill`), and without one `pending` backfills nothing and records
+//!   no runs.
 
 use pgoutput::Lsn;
 use replication::quote_identifier;
@@ -110,29 +115,35 @@ pub fn table(config: &Config) -> String {
     )
 }
 
-/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (N1).
+/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (N1), on the
+/// mapped id column (`rows`): the highest id and the runs for integer ids only (N4).
 pub async fn in_snapshot(
     reader: &Client,
     config: &Config,
+    rows: &crate::process::stored::RowReader,
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<Boundary, tokio_postgres::Error> {
     let from = table_sql(&config.table);
+    let integer = rows.id_kind() == outbox::IdKind::Integer;
+    let id = rows.id_column();
+    let max_id = if integer {
+        format!("max({id})::int8")
+    } else {
+        "NULL::int8".to_owned()
+    };
     let totals = reader
-        .query_one(
-            &format!("SELECT max(id)::int8, count(*)::int8 FROM {from}"),
-            &[],
-        )
+        .query_one(&format!("SELECT {max_id}, count(*)::int8 FROM {from}"), &[])
         .await?;
     let mut runs = vec![];
-    if mode == Mode::Pending {
+    if mode == Mode::Pending && integer {
         // Left out: what the backfill's `status = 'pending'` does not select. Consecutive
         // ids share `id - row_number()`.
         for row in reader
             .query(
                 &format!(
                     "SELECT min(id)::int8, max(id)::int8 FROM \
-                       (SELECT id, id - row_number() OVER (ORDER BY id) AS run \
+                       (SELECT {id} AS id, {id} - row_number() OVER (ORDER BY {id}) AS run \
                           FROM {from} WHERE (status = 'pending') IS NOT TRUE) AS left_out \
                      GROUP BY run ORDER BY 1"
                 ),

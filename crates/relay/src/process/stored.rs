@@ -16,9 +16,13 @@
 //! - V2 A row that cannot be read as the relay would read it (a NULL key column, an
 //!   infinite `created_at`) vouches for nothing. A query that fails ends the session
 //!   (transient): a check that did not run never vouches.
+//! - V3 Rows read in id order ([`RowReader::order_by`]) come in one stable order for every
+//!   id kind: integers and uuids by value, text ids by their bytes (`COLLATE "C"`), which is
+//!   the order `outbox::EventId`'s `Ord` gives the same ids (a uuid's lower-case text sorts
+//!   as its bytes do; Rust compares strings by their UTF-8 bytes, as `"C"` does).
 
 use bytes::Bytes;
-use outbox::{EventBuilder, EventId, OutboxColumns, OutboxEvent, OutboxRow, Position};
+use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, OutboxRow, Position};
 use sink::resume::{Tail, Verdict};
 use sink::Acknowledged;
 use tokio_postgres::Client;
@@ -61,7 +65,8 @@ pub async fn check_acknowledged(
     )
 }
 
-/// The SQL of a row's columns in the order [`row_from`] reads them; `$n::text::timestamptz`
+/// The seed's table's columns in the order [`row_from`] reads them (tests publish the seed's
+/// rows through them; the relay reads every table through [`RowReader`]); `$n::text::timestamptz`
 /// casts keep time parameters text.
 pub fn row_columns() -> &'static str {
     "id::int8, entity_id::text, event_type::text, payload::text, \
@@ -93,41 +98,53 @@ pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i6
 }
 
 /// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
-/// (`bytea` as its hex output), through the builder streaming uses (`outbox` E4), so a row
-/// read back yields exactly the event streaming derived.
+/// (`bytea` as its hex output, which the control session pins), through the builder
+/// streaming uses (`outbox` E4), so a row read back yields exactly the event streaming
+/// derived.
+/// Rows in id order come in one stable order for every id kind (V3).
 #[derive(Debug)]
 pub struct RowReader {
     builder: EventBuilder,
     select: String,
     id_column: String,
-    id_type: &'static str,
+    id_kind: IdKind,
 }
 
 impl RowReader {
-    /// A reader for `columns` (the mapping resolved against the table) under `config`.
+    /// A reader for `columns` (the mapping resolved against the table) under `config`,
+    /// which leaves the payload out (the checks of what is stored compare no payload, and a
+    /// payload that is not UTF-8, in a SQL_ASCII database, must not stop them).
     pub fn new(config: &Config, columns: OutboxColumns) -> RowReader {
-        let payload = config.mapping.column(outbox::Role::Payload);
+        Self::reading(config, columns, false)
+    }
+
+    /// A reader that reads the payload too: the whole event (verify, replay, backfill).
+    pub fn with_payload(config: &Config, columns: OutboxColumns) -> RowReader {
+        Self::reading(config, columns, true)
+    }
+
+    fn reading(config: &Config, columns: OutboxColumns, payload: bool) -> RowReader {
+        let payload_column = config.mapping.column(outbox::Role::Payload);
+        // Each under a name of its own: an output column named like the id column would
+        // be what `ORDER BY id` sorts by (as text), not the column.
         let select = columns
             .read_columns()
-            .map(|c| {
-                let quoted = replication::quote_identifier(c);
-                // The payload is not read: no check uses it, and a payload that is not
-                // UTF-8 (a SQL_ASCII database) must not stop the check.
-                if c == payload {
-                    // An empty payload of the column's kind (a bytea's is `\x`).
-                    match columns.payload_kind() {
-                        outbox::PayloadKind::Bytes => "'\\x'::text".to_owned(),
-                        outbox::PayloadKind::Text => "''::text".to_owned(),
-                    }
+            .enumerate()
+            .map(|(i, c)| {
+                if c == payload_column && !payload {
+                    format!("''::text AS outbox_relay_{i}")
                 } else {
-                    format!("{quoted}::text")
+                    format!(
+                        "{}::text AS outbox_relay_{i}",
+                        replication::quote_identifier(c)
+                    )
                 }
             })
             .collect::<Vec<_>>()
             .join(", ");
         RowReader {
             id_column: replication::quote_identifier(config.mapping.column(outbox::Role::Id)),
-            id_type: columns.id_kind().sql_type(),
+            id_kind: columns.id_kind(),
             builder: EventBuilder::shaped(
                 columns.clone(),
                 config.shape(),
@@ -135,6 +152,52 @@ impl RowReader {
             ),
             select,
         }
+    }
+
+    /// The select list: the read columns, each as text, in the builder's order.
+    pub fn select(&self) -> &str {
+        &self.select
+    }
+
+    /// The id column, quoted.
+    pub fn id_column(&self) -> &str {
+        &self.id_column
+    }
+
+    /// The id column's kind.
+    pub fn id_kind(&self) -> IdKind {
+        self.id_kind
+    }
+
+    /// The id column as compared and ordered (V3): text ids by their bytes.
+    pub fn id_ordered(&self) -> String {
+        match self.id_kind {
+            IdKind::Text => format!("{} COLLATE \"C\"", self.id_column),
+            IdKind::Integer | IdKind::Uuid => self.id_column.clone(),
+        }
+    }
+
+    /// `ORDER BY`'s expression for id order (V3).
+    pub fn order_by(&self) -> String {
+        self.id_ordered()
+    }
+
+    /// An SQL expression of the id `text` as the column's type, to compare with
+    /// [`Self::id_ordered`]: a literal (quoted), cast.
+    pub fn id_literal(&self, text: &str) -> String {
+        let literal = replication::quote_literal(text);
+        match self.id_kind {
+            IdKind::Integer => format!("{literal}::int8"),
+            IdKind::Uuid => format!("{literal}::uuid"),
+            // Parenthesised: `BETWEEN` takes no `COLLATE` clause bare.
+            IdKind::Text => format!("({literal}::text COLLATE \"C\")"),
+        }
+    }
+
+    /// The id of a row this reader selected (its first column), when it can be read.
+    pub fn id_of(&self, row: &tokio_postgres::Row) -> Option<EventId> {
+        let text: Option<String> = row.try_get(0).ok().flatten();
+        EventId::parse(self.id_kind, &text?)
     }
 
     /// The event of a row this reader selected, at `position`; `None` when the filter
@@ -157,6 +220,32 @@ impl RowReader {
     }
 }
 
+/// An argument error (exit 2) unless `text` is an id of `kind`: an integer (`bigint`), a
+/// uuid Postgres reads, or any text.
+pub async fn check_id_bound(
+    client: &tokio_postgres::Client,
+    kind: IdKind,
+    flag: &str,
+    text: &str,
+) -> Result<()> {
+    let valid = match kind {
+        IdKind::Integer => text.parse::<i64>().is_ok(),
+        IdKind::Uuid => client
+            .query_one("SELECT $1::text::uuid", &[&text])
+            .await
+            .is_ok(),
+        IdKind::Text => true,
+    };
+    if valid {
+        Ok(())
+    } else {
+        Err(RelayError::setup(anyhow::anyhow!(
+            "{flag} {text:?} is not an id of the outbox table's id column ({})",
+            kind.sql_type()
+        )))
+    }
+}
+
 /// The row with `id` as the relay reads it (V2), as the event it yields at `position`, or
 /// why there is none to check against.
 async fn read_row(
@@ -170,7 +259,9 @@ async fn read_row(
     let reader = RowReader::new(config, columns);
     let sql = format!(
         "SELECT {} FROM {table} WHERE {} = $1::text::{}",
-        reader.select, reader.id_column, reader.id_type
+        reader.select,
+        reader.id_column,
+        reader.id_kind.sql_type()
     );
     let rows = client.query(&sql, &[&id.to_string()]).await.map_err(|e| {
         RelayError::transient(anyhow::anyhow!(
@@ -191,4 +282,27 @@ async fn read_row(
             "outbox id {id} in table {table} has a NULL, non-UTF-8 or infinite key column, so the relay published no event for it"
         )),
     })
+}
+
+/// A reader for a table of the seed's column names whose id column has type `id_type`
+/// (any other than an integer under a mapping that is not the seed's), for unit tests.
+#[cfg(test)]
+pub(crate) fn test_reader(config: &Config, id_type: u32) -> RowReader {
+    use outbox::event::oid;
+    // The seed's table keeps integer ids: any other id needs a mapping.
+    let mut mapping = config.mapping.clone();
+    mapping.filter.exclude = vec!["Noise".into()];
+    let columns = outbox::OutboxColumns::resolve_mapped(
+        "public.t",
+        &mapping,
+        [
+            ("id", id_type),
+            ("entity_id", oid::TEXT),
+            ("event_type", oid::TEXT),
+            ("payload", oid::JSONB),
+            ("created_at", oid::TIMESTAMPTZ),
+        ],
+    )
+    .unwrap();
+    RowReader::with_payload(config, columns)
 }

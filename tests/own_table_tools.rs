@@ -1,0 +1,442 @@
+//! The one-shot tools on the user's own outbox table (issue 22), end to end on real
+//! servers: `outbox-relay verify`, `replay`, `backfill` and the slot-creation backfill
+//! (`--backfill all`) follow the mapping for a Debezium-shaped table (uuid ids, through the
+//! preset) and a text-id table with a `bytea` payload, a header column, a trace-context
+//! column, a subject template and an excluded event type. Verify finds the relay's stream
+//! clean (exit 0) and names a deleted message by its id (exit 5); a backfill publishes every
+//! row once, before what is streamed; a replay or a range backfill of a range stores nothing
+//! twice.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashSet;
+
+use support::{servers, Case, Stored, DEADLINE};
+
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+const DEBEZIUM_TABLE: &str = "CREATE TABLE outboxevent (
+    id uuid PRIMARY KEY,
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
+    payload jsonb,
+    tracingspancontext varchar(256));";
+
+const TEXT_TABLE: &str = "CREATE TABLE app_events (
+    event_id text PRIMARY KEY,
+    stream_id text NOT NULL,
+    kind text NOT NULL,
+    body bytea NOT NULL,
+    occurred_at timestamptz NOT NULL DEFAULT now(),
+    region text NOT NULL,
+    tenant text,
+    trace text);";
+
+const TEXT_ENV: &[(&str, &str)] = &[
+    ("OUTBOX_RELAY_TABLE", "public.app_events"),
+    ("OUTBOX_RELAY_ID_COLUMN", "event_id"),
+    ("OUTBOX_RELAY_ENTITY_ID_COLUMN", "stream_id"),
+    ("OUTBOX_RELAY_EVENT_TYPE_COLUMN", "kind"),
+    ("OUTBOX_RELAY_PAYLOAD_COLUMN", "body"),
+    ("OUTBOX_RELAY_CREATED_AT_COLUMN", "occurred_at"),
+    ("OUTBOX_RELAY_HEADER_COLUMNS", "tenant:X-Tenant"),
+    ("OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", "trace"),
+    (
+        "OUTBOX_RELAY_SUBJECT_TEMPLATE",
+        "{prefix}.{region}.{shard}.{event_type}",
+    ),
+    ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
+];
+
+/// A case whose database also holds `table_sql`, relayed with `env`.
+fn case_with(name: &str, table_sql: &str, env: &[&[(&str, &str)]]) -> Case {
+    let s = servers();
+    let mut case = Case::new(&s.pg, &s.nats, name);
+    s.pg.psql(&case.database, table_sql);
+    for (k, v) in env.iter().copied().flatten() {
+        case.extra_env.push(((*k).into(), (*v).into()));
+    }
+    case
+}
+
+fn debezium_case(name: &str, env: &[(&str, &str)]) -> Case {
+    case_with(
+        name,
+        DEBEZIUM_TABLE,
+        &[
+            &[
+                ("OUTBOX_RELAY_TABLE", "public.outboxevent"),
+                ("OUTBOX_RELAY_TABLE_PRESET", "debezium"),
+            ],
+            env,
+        ],
+    )
+}
+
+fn text_case(name: &str, env: &[(&str, &str)]) -> Case {
+    case_with(name, TEXT_TABLE, &[TEXT_ENV, env])
+}
+
+/// What one run of a subcommand printed.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(case: &Case, subcommand: &str, args: &[&str]) -> Run {
+    let output = case.relay_command(subcommand).args(args).output().unwrap();
+    Run {
+        code: output.status.code().unwrap(),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+/// The number in a summary before `what` (`stored again`, …).
+fn counted(stdout: &str, what: &str) -> u64 {
+    let at = stdout
+        .find(what)
+        .unwrap_or_else(|| panic!("no {what:?} in {stdout}"));
+    stdout[..at]
+        .trim_end()
+        .rsplit([' ', ','])
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no count before {what:?} in {stdout}"))
+}
+
+/// `transactions` transactions of 10 Debezium rows (uuid ids, a trace context on every
+/// third); returns how many.
+async fn insert_debezium(sql: &mut tokio_postgres::Client, transactions: i32) -> u64 {
+    let props = format!("tracestate=congo=t61rcWkgMzE\ntraceparent={TRACEPARENT}\n");
+    let mut n = 0;
+    for t in 0..transactions {
+        let tx = sql.transaction().await.unwrap();
+        for i in 0..10 {
+            let trace = (i % 3 == 0).then_some(props.as_str());
+            tx.execute(
+                "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext) \
+                 VALUES (gen_random_uuid(), $1, $2, 'OrderPlaced', jsonb_build_object('t', $3::int, 'i', $4::int), $5)",
+                &[&if i % 2 == 0 { "Order" } else { "Customer" }, &format!("agg-{}", i % 4), &t, &i, &trace],
+            )
+            .await
+            .unwrap();
+            n += 1;
+        }
+        tx.commit().await.unwrap();
+    }
+    n
+}
+
+/// Transactions `tags` of 8 text-id rows each: `evt:{tag}:{i}`, the fourth `nats-evt-{tag}-3`
+/// (header-hostile), a `bytea` body that is not UTF-8, a hostile tenant on the sixth, none
+/// on the seventh, the eighth of the excluded type `Noise`. Returns the rows published (the
+/// `Noise` rows are not).
+async fn insert_text(sql: &mut tokio_postgres::Client, tags: std::ops::Range<u8>) -> u64 {
+    let mut published = 0;
+    for t in tags {
+        let tx = sql.transaction().await.unwrap();
+        for i in 0..8u8 {
+            let kind = if i == 7 { "Noise" } else { "Moved" };
+            let id = text_id(t, i);
+            let body: Vec<u8> = vec![0, 0xff, t, i, b'\n'];
+            let tenant = match i {
+                5 => Some("acme\r\nNats-Msg-Id: x"),
+                6 => None,
+                _ => Some("acme"),
+            };
+            let region = if i % 2 == 0 { "eu.west" } else { "us" };
+            tx.execute(
+                "INSERT INTO app_events (event_id, stream_id, kind, body, region, tenant, trace) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                &[
+                    &id,
+                    &format!("stream-{}", i % 3),
+                    &kind,
+                    &body,
+                    &region,
+                    &tenant,
+                    &TRACEPARENT,
+                ],
+            )
+            .await
+            .unwrap();
+            published += u64::from(kind != "Noise");
+        }
+        tx.commit().await.unwrap();
+    }
+    published
+}
+
+fn text_id(t: u8, i: u8) -> String {
+    if i == 3 {
+        format!("nats-evt-{t}-{i}")
+    } else {
+        format!("evt:{t}:{i}")
+    }
+}
+
+/// A header's value, `""` when absent.
+fn header<'a>(message: &'a Stored, name: &str) -> &'a str {
+    message
+        .headers
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// The outbox id a message carries, decoded as the consumer reads it.
+fn outbox_id(message: &Stored) -> String {
+    let id = message.header("Outbox-Id");
+    if header(message, "Outbox-Encoding") == "percent" {
+        outbox::encoding::decode(id).unwrap()
+    } else {
+        id.to_owned()
+    }
+}
+
+/// Streams `expected` rows that `write` commits, then stops the relay (so deleting a message
+/// does not meet its fence); returns the stream.
+async fn relayed(
+    case: &Case,
+    expected: u64,
+    write: impl std::future::Future<Output = u64>,
+) -> Vec<Stored> {
+    let mut relay = case.start_relay();
+    assert_eq!(write.await, expected);
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, expected, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    let messages = case.messages(&js).await;
+    assert_eq!(messages.len() as u64, expected, "one message per row");
+    messages
+}
+
+/// Deletes `message` from the stream; verify then names its id as missing (exit 5).
+async fn delete_and_verify(case: &Case, message: &Stored, shown: &str) {
+    let js = case.jetstream().await;
+    let stream = js.get_stream(&case.stream).await.unwrap();
+    stream.delete_message(message.sequence).await.unwrap();
+    let verify = run(case, "verify", &[]);
+    assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify
+            .stdout
+            .contains(&format!("missing: id={shown} no message on the stream"))
+            && verify.stdout.contains(": 1 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable"),
+        "{}",
+        verify.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
+    let case = debezium_case("tools_dbz_verify", &[]);
+    let mut sql = case.sql().await;
+    let messages = relayed(&case, 30, insert_debezium(&mut sql, 3)).await;
+
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify.stdout.starts_with("verify: OK: 30 rows (ids ")
+            && verify.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable"),
+        "{}",
+        verify.stdout
+    );
+    assert_eq!(verify.stdout.lines().count(), 1, "{}", verify.stdout);
+
+    // A uuid range: compared as uuids.
+    let deleted = &messages[7];
+    let id = outbox_id(deleted);
+    let one = run(&case, "verify", &["--from-id", &id, "--to-id", &id]);
+    assert_eq!(one.code, 0, "{}\n{}", one.stdout, one.stderr);
+    assert!(
+        one.stdout
+            .starts_with(&format!("verify: OK: 1 rows (ids {id}..={id})")),
+        "{}",
+        one.stdout
+    );
+    let bad = run(&case, "verify", &["--from-id", "not-a-uuid"]);
+    assert_eq!(bad.code, 2, "{}\n{}", bad.stdout, bad.stderr);
+
+    delete_and_verify(&case, deleted, &id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_id() {
+    let case = text_case("tools_text_verify", &[]);
+    let mut sql = case.sql().await;
+    let messages = relayed(&case, 35, insert_text(&mut sql, 0..5)).await;
+
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify
+            .stdout
+            .contains("verify: OK: 35 rows (ids evt:0:0..=nats-evt-4-3)")
+            && verify
+                .stdout
+                .contains("excluded: 5 rows of event types the filter excludes"),
+        "{}",
+        verify.stdout
+    );
+
+    // A text range, compared by bytes: evt:1:0 ..= evt:1:9 holds evt:1:{0,1,2,4,5,6}
+    // (and evt:1:7, excluded).
+    let range = run(
+        &case,
+        "verify",
+        &["--from-id", "evt:1:0", "--to-id", "evt:1:9"],
+    );
+    assert_eq!(range.code, 0, "{}\n{}", range.stdout, range.stderr);
+    assert!(
+        range
+            .stdout
+            .contains("verify: OK: 6 rows (ids evt:1:0..=evt:1:7)")
+            && range.stdout.contains("excluded: 1 rows"),
+        "{}",
+        range.stdout
+    );
+
+    let hostile = messages
+        .iter()
+        .find(|m| outbox_id(m) == "nats-evt-2-3")
+        .unwrap();
+    assert_eq!(hostile.header("Outbox-Encoding"), "percent");
+    delete_and_verify(&case, hostile, "nats-evt-2-3").await;
+}
+
+/// Every row once: the backfilled ones first (commit LSN 0/0, indexes rising), then the
+/// streamed ones; verify finds the stream clean.
+fn assert_once_backfilled_first(
+    messages: &[Stored],
+    table_ids: &HashSet<String>,
+    backfilled: usize,
+) {
+    let ids: Vec<String> = messages.iter().map(outbox_id).collect();
+    assert_eq!(ids.len(), table_ids.len(), "{ids:?}");
+    assert_eq!(
+        &ids.iter().cloned().collect::<HashSet<_>>(),
+        table_ids,
+        "every row once"
+    );
+    let indexes: Vec<u32> = messages[..backfilled]
+        .iter()
+        .map(|m| {
+            assert_eq!(m.header("Outbox-Commit-Lsn"), "0/0");
+            m.header("Outbox-Tx-Index").parse().unwrap()
+        })
+        .collect();
+    assert!(indexes.windows(2).all(|w| w[0] < w[1]), "{indexes:?}");
+    assert!(messages[backfilled..]
+        .iter()
+        .all(|m| m.header("Outbox-Commit-Lsn") != "0/0"));
+}
+
+async fn table_ids(sql: &tokio_postgres::Client, query: &str) -> HashSet<String> {
+    sql.query(query, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_all_publishes_every_debezium_row_once_before_the_streamed_ones() {
+    let case = debezium_case("tools_dbz_backfill", &[("OUTBOX_RELAY_BACKFILL", "all")]);
+    let mut sql = case.sql().await;
+    assert_eq!(insert_debezium(&mut sql, 4).await, 40);
+    let mut relay = case.start_relay();
+    assert_eq!(insert_debezium(&mut sql, 1).await, 10);
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 50, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    let messages = case.messages(&js).await;
+    let ids = table_ids(&sql, "SELECT id::text FROM outboxevent").await;
+    assert_once_backfilled_first(&messages, &ids, 40);
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify.stdout.starts_with("verify: OK: 50 rows"),
+        "{}",
+        verify.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfill_all_publishes_every_text_row_once_in_byte_order() {
+    let case = text_case("tools_text_backfill", &[("OUTBOX_RELAY_BACKFILL", "all")]);
+    let mut sql = case.sql().await;
+    assert_eq!(insert_text(&mut sql, 0..4).await, 28);
+    let mut relay = case.start_relay();
+    assert_eq!(insert_text(&mut sql, 4..5).await, 7);
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 35, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    let messages = case.messages(&js).await;
+    let ids = table_ids(
+        &sql,
+        "SELECT event_id FROM app_events WHERE kind <> 'Noise'",
+    )
+    .await;
+    assert_once_backfilled_first(&messages, &ids, 28);
+    // In the id column's byte order (COLLATE "C").
+    let backfilled: Vec<String> = messages[..28].iter().map(outbox_id).collect();
+    let mut sorted = backfilled.clone();
+    sorted.sort();
+    assert_eq!(backfilled, sorted);
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify.stdout.contains("verify: OK: 35 rows"),
+        "{}",
+        verify.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
+    let case = text_case(
+        "tools_text_replay",
+        &[("OUTBOX_RELAY_SHARED_STREAM", "true")],
+    );
+    let mut sql = case.sql().await;
+    relayed(&case, 21, insert_text(&mut sql, 0..3)).await;
+    let js = case.jetstream().await;
+
+    let range = ["--from-id", "evt:1:0", "--to-id", "evt:1:9"];
+    let replay = run(&case, "replay", &range);
+    assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+    assert!(
+        replay
+            .stdout
+            .contains("replay: published 6 events (ids evt:1:0..=evt:1:6)")
+            && replay.stdout.contains("excluded: 1 rows"),
+        "{}",
+        replay.stdout
+    );
+    assert_eq!(counted(&replay.stdout, "stored again"), 0);
+    assert_eq!(counted(&replay.stdout, "acknowledged as duplicates"), 6);
+    assert_eq!(counted(&replay.stdout, "without an original"), 0);
+
+    let backfill = run(&case, "backfill", &range);
+    assert_eq!(backfill.code, 0, "{}\n{}", backfill.stdout, backfill.stderr);
+    assert!(
+        backfill
+            .stdout
+            .contains("backfill: 6 rows read, 0 published, 6 dropped by JetStream as duplicates"),
+        "{}",
+        backfill.stdout
+    );
+
+    assert_eq!(case.stream_count(&js).await, 21);
+    let verify = run(&case, "verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+}
