@@ -140,7 +140,15 @@ pub struct OutboxColumns {
     headers: Vec<(usize, Arc<str>)>,
     /// The trace-context column's place in `read`.
     trace: Option<usize>,
+    /// For each column of the table up to the last read, its place in `read` ([`NO_SLOT`]:
+    /// not read).
+    slot_of: Vec<u8>,
+    /// The last table column read.
+    need: usize,
 }
+
+/// [`OutboxColumns`]'s mark of a table column the relay does not read.
+const NO_SLOT: u8 = u8::MAX;
 
 impl OutboxColumns {
     /// Locates and type-checks the seed's columns, from `(name, type oid)` pairs in table
@@ -210,6 +218,8 @@ impl OutboxColumns {
                 .map(|h| (place(&h.column), Arc::from(h.header.as_str())))
                 .collect(),
             trace: trace_column.map(place),
+            slot_of: slots(&read),
+            need: read.iter().map(|(_, at)| *at).max().unwrap_or(0),
             read,
         })
     }
@@ -250,6 +260,17 @@ impl OutboxColumns {
     pub fn payload_kind(&self) -> PayloadKind {
         self.payload_kind
     }
+}
+
+/// Each table column's place among the read columns (`NO_SLOT`: not read). A mapping reads
+/// far fewer than 255 columns (each is named by a setting).
+fn slots(read: &[(Arc<str>, usize)]) -> Vec<u8> {
+    let need = read.iter().map(|(_, at)| *at).max().unwrap_or(0);
+    let mut slot_of = vec![NO_SLOT; need + 1];
+    for (slot, (_, at)) in read.iter().enumerate() {
+        slot_of[*at] = u8::try_from(slot).unwrap_or(NO_SLOT);
+    }
+    slot_of
 }
 
 /// The columns of an outbox row the relay reads (E1), decoded: everything an event is
@@ -525,47 +546,37 @@ impl EventBuilder {
         tuple: &TupleData,
         position: Position,
     ) -> Result<Option<OutboxEvent>, EventError> {
-        let need = self
-            .columns
-            .read
-            .iter()
-            .map(|(_, at)| *at)
-            .max()
-            .unwrap_or(0);
-        if tuple.len() <= need {
+        let c = &self.columns;
+        if tuple.len() <= c.need {
             return Err(EventError {
                 id: None,
                 kind: EventErrorKind::ShortTuple {
-                    need: need + 1,
+                    need: c.need + 1,
                     have: tuple.len(),
                 },
             });
         }
-        // One walk over the tuple; the values on the stack for any usual mapping.
-        let read = &self.columns.read;
-        let mut small: [Option<ColumnValue>; 8] = Default::default();
-        let mut large: Vec<Option<ColumnValue>>;
-        let values: &mut [Option<ColumnValue>] = if read.len() <= small.len() {
-            &mut small[..read.len()]
+        // One walk over the tuple, each value moved into its slot; on the stack for any
+        // usual mapping.
+        let mut small: [Value; 8] = std::array::from_fn(|_| Ok(None));
+        let mut large: Vec<Value>;
+        let values: &mut [Value] = if c.read.len() <= small.len() {
+            &mut small[..c.read.len()]
         } else {
-            large = vec![None; read.len()];
+            large = (0..c.read.len()).map(|_| Ok(None)).collect();
             &mut large
         };
-        for (index, value) in tuple.iter().enumerate().take(need + 1) {
-            // Read columns are distinct: a column fills one slot at most, moved in.
-            if let Some(slot) = read.iter().position(|(_, at)| *at == index) {
-                values[slot] = Some(value);
+        for (index, value) in tuple.iter().enumerate().take(c.need + 1) {
+            if let Some(&slot) = c.slot_of.get(index).filter(|&&s| s != NO_SLOT) {
+                values[usize::from(slot)] = match value {
+                    ColumnValue::Text(bytes) => Ok(Some(bytes)),
+                    ColumnValue::Null => Ok(None),
+                    ColumnValue::UnchangedToast => Err(EventErrorKind::Unsent),
+                    ColumnValue::Binary(_) => Err(EventErrorKind::Binary),
+                };
             }
         }
-        self.build_values(
-            |i| match &values[i] {
-                Some(ColumnValue::Text(bytes)) => Ok(Some(bytes.clone())),
-                Some(ColumnValue::Null) | None => Ok(None),
-                Some(ColumnValue::UnchangedToast) => Err(EventErrorKind::Unsent),
-                Some(ColumnValue::Binary(_)) => Err(EventErrorKind::Binary),
-            },
-            position,
-        )
+        self.build_slots(values, position)
     }
 
     /// [`Self::build`] from the read columns' values (`value(i)` for the `i`-th of
@@ -576,57 +587,68 @@ impl EventBuilder {
         value: impl Fn(usize) -> Value,
         position: Position,
     ) -> Result<Option<OutboxEvent>, EventError> {
-        let row = self.row(value)?;
+        let mut values: Vec<Value> = (0..self.columns.read.len()).map(value).collect();
+        self.build_slots(&mut values, position)
+    }
+
+    /// The event of the read columns' values (E4): the one path of [`Self::build`] and
+    /// [`Self::build_values`].
+    fn build_slots(
+        &self,
+        values: &mut [Value],
+        position: Position,
+    ) -> Result<Option<OutboxEvent>, EventError> {
+        let row = self.row(values)?;
         if !self.filter.admits(&row.event_type) {
             return Ok(None);
         }
         Ok(Some(row.into_shaped_event(&self.shape, position)))
     }
 
-    /// The row's decoded columns.
-    fn row(&self, value: impl Fn(usize) -> Value) -> Result<OutboxRow, EventError> {
+    /// The row's decoded columns. The template's and headers' columns are read first (a
+    /// role's column may be one of them), then the roles' values are moved out.
+    fn row(&self, values: &mut [Value]) -> Result<OutboxRow, EventError> {
         let c = &self.columns;
         let name = |i: usize| c.read[i].0.clone();
-        let get = |i: usize| -> Result<Bytes, EventErrorKind> {
-            match value(i) {
-                Ok(Some(bytes)) => Ok(bytes),
-                Ok(None) => Err(EventErrorKind::Null(name(i))),
-                Err(kind) => Err(kind(name(i))),
-            }
-        };
-        let id_text = get(0).map_err(|kind| EventError { id: None, kind })?;
-        let id = std::str::from_utf8(&id_text)
-            .ok()
-            .and_then(|t| EventId::parse(c.id_kind, t))
-            .ok_or(EventError {
-                id: None,
-                kind: EventErrorKind::Id(name(0)),
-            })?;
+        // Read in place: a header column may be the id column.
+        let id = match &values[0] {
+            Ok(Some(text)) => std::str::from_utf8(text)
+                .ok()
+                .and_then(|t| EventId::parse(c.id_kind, t))
+                .ok_or(EventErrorKind::Id(name(0))),
+            Ok(None) => Err(EventErrorKind::Null(name(0))),
+            Err(kind) => Err(kind(name(0))),
+        }
+        .map_err(|kind| EventError { id: None, kind })?;
         let fail = |kind| EventError {
             id: Some(id.clone()),
             kind,
         };
-        let text = |i: usize| -> Result<String, EventError> {
-            let bytes = get(i).map_err(fail)?;
+        let utf8 = |i: usize, bytes: Bytes| {
             String::from_utf8(bytes.to_vec()).map_err(|_| fail(EventErrorKind::Utf8(name(i))))
         };
-        let entity_id = text(1)?;
-        let event_type = text(2)?;
-        let payload = get(3).map_err(fail)?;
+        let subject_values = c
+            .template
+            .iter()
+            .map(|&i| match &values[i] {
+                Ok(Some(bytes)) => utf8(i, bytes.clone()),
+                Ok(None) => Err(fail(EventErrorKind::Null(name(i)))),
+                Err(kind) => Err(fail(kind(name(i)))),
+            })
+            .collect::<Result<_, _>>()?;
+        let headers = self.column_headers(values).map_err(fail)?;
+        let mut role = |i: usize| take(values, i).map_err(|kind| fail(kind(name(i))));
+        let entity_id = role(1).and_then(|b| utf8(1, b))?;
+        let event_type = role(2).and_then(|b| utf8(2, b))?;
+        let payload = role(3)?;
+        let created_at = role(4)?;
         let payload = match c.payload_kind {
             PayloadKind::Text => payload,
             PayloadKind::Bytes => {
                 bytea_hex(&payload).ok_or_else(|| fail(EventErrorKind::Bytea(name(3))))?
             }
         };
-        let created_at = get(4).map_err(fail)?;
         let created_at_ms = created_at_ms(c.time_kind, &created_at).map_err(fail)?;
-        let subject_values = c
-            .template
-            .iter()
-            .map(|&i| text(i))
-            .collect::<Result<_, _>>()?;
-        let headers = self.column_headers(&value).map_err(fail)?;
         Ok(OutboxRow {
             id,
             entity_id,
@@ -638,36 +660,37 @@ impl EventBuilder {
             binary: c.payload_kind == PayloadKind::Bytes,
         })
     }
-}
 
-impl EventBuilder {
     /// The headers the row's header columns and trace-context column give (NULLs none).
-    fn column_headers(
-        &self,
-        value: &impl Fn(usize) -> Value,
-    ) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
+    fn column_headers(&self, values: &[Value]) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
         let c = &self.columns;
         let mut headers = Vec::new();
         for (i, header) in &c.headers {
-            if let Ok(Some(bytes)) = value(*i) {
+            if let Ok(Some(bytes)) = &values[*i] {
                 let text = String::from_utf8(bytes.to_vec())
                     .map_err(|_| EventErrorKind::Utf8(c.read[*i].0.clone()))?;
                 headers.push((header.clone(), text));
             }
         }
-        if let Some(i) = c.trace {
-            if let Ok(Some(bytes)) = value(i) {
-                if let Some((parent, state)) =
-                    std::str::from_utf8(&bytes).ok().and_then(trace_context)
-                {
-                    headers.push((Arc::from(TRACEPARENT), parent));
-                    if let Some(state) = state {
-                        headers.push((Arc::from(TRACESTATE), state));
-                    }
+        if let Some(Ok(Some(bytes))) = c.trace.map(|i| &values[i]) {
+            if let Some((parent, state)) = std::str::from_utf8(bytes).ok().and_then(trace_context) {
+                headers.push((Arc::from(TRACEPARENT), parent));
+                if let Some(state) = state {
+                    headers.push((Arc::from(TRACESTATE), state));
                 }
             }
         }
         Ok(headers)
+    }
+}
+
+/// A role column's value, moved out of its slot: its text, or what makes it unreadable
+/// (NULL included).
+fn take(values: &mut [Value], i: usize) -> Result<Bytes, fn(Arc<str>) -> EventErrorKind> {
+    match std::mem::replace(&mut values[i], Ok(None)) {
+        Ok(Some(bytes)) => Ok(bytes),
+        Ok(None) => Err(EventErrorKind::Null),
+        Err(kind) => Err(kind),
     }
 }
 
@@ -704,6 +727,53 @@ pub fn bytea_hex(text: &[u8]) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A header or template column may be a role's column: each reads the same value.
+    #[test]
+    fn a_column_may_serve_a_role_a_header_and_the_template() {
+        let mut mapping = Mapping {
+            headers: crate::mapping::parse_header_columns("id:X-Id,entity_id:X-Entity").unwrap(),
+            template: SubjectTemplate::parse("{prefix}.{entity_id}.{shard}").unwrap(),
+            ..Mapping::default()
+        };
+        mapping.columns[0] = "id".into();
+        let columns = OutboxColumns::resolve_mapped(
+            "public.t",
+            &mapping,
+            [
+                ("id", oid::TEXT),
+                ("entity_id", oid::TEXT),
+                ("event_type", oid::TEXT),
+                ("payload", oid::BYTEA),
+                ("created_at", oid::TIMESTAMP),
+            ],
+        )
+        .unwrap();
+        let shape = Shape {
+            template: mapping.template.clone(),
+            ..Shape::new("p", NonZeroU64::new(4).unwrap())
+        };
+        let builder = EventBuilder::shaped(columns, shape, EventTypeFilter::default());
+        let texts = ["e.1", "a.b", "T", "\\x00ff", "2024-01-01 00:00:00.5"];
+        let position = Position {
+            commit_lsn: Lsn(1),
+            index: 0,
+        };
+        let event = builder
+            .build_values(|i| Ok(Some(Bytes::from(texts[i]))), position)
+            .unwrap()
+            .unwrap();
+        assert_eq!(event.id, EventId::Text("e.1".into()));
+        assert_eq!(event.entity_id, "a.b");
+        assert_eq!(event.payload.as_ref(), &[0x00, 0xff]);
+        assert!(event.binary);
+        assert_eq!(event.created_at_ms, 1_704_067_200_500);
+        assert_eq!(event.subject, format!("p.a%2Eb.{}", event.shard));
+        let headers: Vec<(&str, &str)> =
+            event.headers.iter().map(|(n, v)| (&**n, v.as_str())).collect();
+        assert_eq!(headers, [("X-Id", "e.1"), ("X-Entity", "a.b")]);
+        assert_eq!(event.keys.ordering_key, "1704067200500:e.1");
+    }
 
     #[test]
     fn positions_order_by_commit_lsn_then_index() {
