@@ -139,6 +139,15 @@ async fn insert_debezium(sql: &mut tokio_postgres::Client, transactions: i32) ->
 /// on the seventh, the eighth of the excluded type `Noise`. Returns the rows published (the
 /// `Noise` rows are not).
 async fn insert_text(sql: &mut tokio_postgres::Client, tags: std::ops::Range<u8>) -> u64 {
+    insert_text_aged(sql, tags, "0").await
+}
+
+/// [`insert_text`] with `occurred_at` `age` ago (an interval).
+async fn insert_text_aged(
+    sql: &mut tokio_postgres::Client,
+    tags: std::ops::Range<u8>,
+    age: &str,
+) -> u64 {
     let mut published = 0;
     for t in tags {
         let tx = sql.transaction().await.unwrap();
@@ -153,8 +162,8 @@ async fn insert_text(sql: &mut tokio_postgres::Client, tags: std::ops::Range<u8>
             };
             let region = if i % 2 == 0 { "eu.west" } else { "us" };
             tx.execute(
-                "INSERT INTO app_events (event_id, stream_id, kind, body, region, tenant, trace) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                "INSERT INTO app_events (event_id, stream_id, kind, body, region, tenant, trace, occurred_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, now() - $8::text::interval)",
                 &[
                     &id,
                     &format!("stream-{}", i % 3),
@@ -163,6 +172,7 @@ async fn insert_text(sql: &mut tokio_postgres::Client, tags: std::ops::Range<u8>
                     &region,
                     &tenant,
                     &TRACEPARENT,
+                    &age,
                 ],
             )
             .await
@@ -439,4 +449,60 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     assert_eq!(case.stream_count(&js).await, 21);
     let verify = run(&case, "verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+}
+
+/// `--mark-published` and retention on the text-id table: the mapped id column (text ids,
+/// cast to the column's type) and creation-time column; `status`, `published_at` and
+/// `attempts` keep their names. Recent relayed rows are marked once; rows older than the
+/// grace are deleted once the slot confirmed them; an excluded row is never marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marking_and_retention_follow_the_mapped_id_and_creation_time() {
+    let case = text_case(
+        "tools_text_mark",
+        &[
+            ("OUTBOX_RELAY_BACKFILL", "none"),
+            ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
+            ("OUTBOX_RELAY_RETENTION_GRACE", "1h"),
+            ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
+        ],
+    );
+    servers().pg.psql(
+        &case.database,
+        "ALTER TABLE app_events ADD COLUMN status text NOT NULL DEFAULT 'pending', \
+           ADD COLUMN published_at timestamptz, ADD COLUMN attempts integer NOT NULL DEFAULT 0;",
+    );
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    assert_eq!(insert_text_aged(&mut sql, 0..2, "2 hours").await, 14);
+    assert_eq!(insert_text(&mut sql, 2..4).await, 14);
+    let sql = &sql;
+    let count = |query: &'static str| async move {
+        let n: i64 = sql.query_one(query, &[]).await.unwrap().get(0);
+        n
+    };
+    support::eventually(
+        "the recent rows marked, the old ones deleted",
+        DEADLINE,
+        || async {
+            let marked = count(
+                "SELECT count(*) FROM app_events WHERE status = 'published' AND attempts = 1 \
+               AND published_at IS NOT NULL",
+            )
+            .await;
+            let left = count("SELECT count(*) FROM app_events").await;
+            (marked == 14 && left == 16).then_some(())
+        },
+    )
+    .await;
+    relay.terminate(DEADLINE);
+    assert_eq!(
+        count("SELECT count(*) FROM app_events WHERE kind = 'Noise' AND status = 'pending'").await,
+        2,
+        "an excluded row is never marked"
+    );
+    assert_eq!(
+        count("SELECT count(*) FROM app_events WHERE occurred_at < now() - interval '1h'").await,
+        0
+    );
+    assert_eq!(count("SELECT max(attempts)::int8 FROM app_events").await, 1);
 }

@@ -231,25 +231,9 @@ async fn publish_rows(
         let row = row.map_err(|e| {
             RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}"))
         })?;
-        let Some(id) = reader.id_of(&row) else {
+        let Some((id, event)) = event_of(reader, &row, positions, report) else {
             continue;
         };
-        let position = positions.get(&id).copied();
-        let mut event = match reader.event(&row, position.unwrap_or(ZERO)) {
-            Ok(Some(event)) => event,
-            Ok(None) => {
-                report.excluded += 1;
-                continue;
-            }
-            Err(e) => {
-                report.skipped.push((id, e.kind.to_string()));
-                continue;
-            }
-        };
-        if position.is_none() {
-            report.without_original += 1;
-        }
-        event.position = position.unwrap_or(ZERO);
         let ack = opened
             .js
             .send_publish(event.subject.clone(), sink::publish_message(&event))
@@ -270,6 +254,35 @@ async fn publish_rows(
         count(report, &id, ack.await)?;
     }
     Ok(())
+}
+
+/// The event to replay for `row`, at its original's position (0/0 without one, counted),
+/// or `None` when it is not sent: excluded by the filter, or one the relay cannot publish
+/// (counted, with why).
+fn event_of(
+    reader: &verify::RowReader,
+    row: &tokio_postgres::Row,
+    positions: &HashMap<EventId, Position>,
+    report: &mut Report,
+) -> Option<(EventId, outbox::OutboxEvent)> {
+    let id = reader.id_of(row)?;
+    let position = positions.get(&id).copied();
+    let mut event = match reader.event(row, position.unwrap_or(ZERO)) {
+        Ok(Some(event)) => event,
+        Ok(None) => {
+            report.excluded += 1;
+            return None;
+        }
+        Err(e) => {
+            report.skipped.push((id, e.kind.to_string()));
+            return None;
+        }
+    };
+    if position.is_none() {
+        report.without_original += 1;
+    }
+    event.position = position.unwrap_or(ZERO);
+    Some((id, event))
 }
 
 /// The position of a row without an original on the stream.

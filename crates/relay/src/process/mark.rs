@@ -5,15 +5,15 @@
 //!
 //! ```text
 //!  reader ──ids per commit──► Marking ─(acked: watermark passed them)─► bounded queue ─► marker task
-//!    ▲                         (coalesces when the queue is full)                          │ UPDATE … WHERE id = ANY($1)
+//!    ▲                         (coalesces when the queue is full)                          │ UPDATE … WHERE id = ANY($1::text[]::<type>[])
 //!    └───── flush = min(sink watermark, marked) ◄──────────── watch<Lsn> marked ◄───────────┘
 //! ```
 //!
 //! # Invariants
 //! - U1 Off the hot path: the reader records the ids of what it hands to the sink and, when
 //!   the watermark passes them, offers them to a bounded queue with `try_send`; a full queue
-//!   coalesces them into the next offer (8 bytes per id). Nothing the marker does blocks or
-//!   slows publishing.
+//!   coalesces them into the next offer (24 bytes per id, and a uuid or text id's text).
+//!   Nothing the marker does blocks or slows publishing.
 //! - U2 Nothing is lost: a failed UPDATE is logged (once per failing spell), counted
 //!   (`outbox_relay_mark_failures_total`) and retried after a backoff, on a new connection,
 //!   for ever. The session confirms to Postgres the lower of the sink's watermark and the
@@ -25,8 +25,11 @@
 //! - U4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Update messages anyway (a publication that publishes updates re-publishes nothing).
 //! - U5 Checked at start ([`check`]): the columns exist with compatible types and the
-//!   relay's role may read `id` and `status` and UPDATE the three columns, or the relay
-//!   refuses to start (exit 2) naming what is missing and the fix.
+//!   relay's role may read the id column and `status` and UPDATE the three columns, or the
+//!   relay refuses to start (exit 2) naming what is missing and the fix.
+//! - U6 The mapping decides the id column (of any kind: the ids go as text, cast to the
+//!   column's type read from the catalog, so the primary key's index serves the UPDATE);
+//!   `status`, `published_at` and `attempts` keep their names on every table.
 //!
 //! Every row the sink's watermark passes is marked: events stored earlier and skipped on a
 //! replay, and events dead-lettered (`--on-poison dead-letter`: their record is on
@@ -36,9 +39,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::Item;
+use outbox::{EventId, Item};
 use pgoutput::Lsn;
-use replication::ConnInfo;
 use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
@@ -57,7 +59,7 @@ const QUEUE: usize = 16;
 /// or marked before.
 #[derive(Debug, Default)]
 struct Offer {
-    ids: Vec<i64>,
+    ids: Vec<EventId>,
     through: Lsn,
 }
 
@@ -67,9 +69,9 @@ pub struct Marking {
     queue: mpsc::Sender<Offer>,
     marked: watch::Receiver<Lsn>,
     /// Ids handed to the sink, by the end of their transaction, not yet acknowledged.
-    handed: VecDeque<(Lsn, Vec<i64>)>,
+    handed: VecDeque<(Lsn, Vec<EventId>)>,
     /// The open transaction's ids, while its commit is not yet handed.
-    open: Vec<i64>,
+    open: Vec<EventId>,
     /// Acknowledged, not yet queued: the queue was full (U1).
     waiting: Offer,
     /// The highest `through` queued so far.
@@ -82,13 +84,7 @@ impl Marking {
     pub fn start(config: &Config, confirmed: Lsn, metrics: Arc<Metrics>) -> Marking {
         let (queue, receiver) = mpsc::channel(QUEUE);
         let (marked_tx, marked) = watch::channel(confirmed);
-        let task = tokio::spawn(marker(
-            config.database.clone(),
-            update_sql(&config.table),
-            receiver,
-            marked_tx,
-            metrics,
-        ));
+        let task = tokio::spawn(marker(config.clone(), receiver, marked_tx, metrics));
         Marking {
             queue,
             marked,
@@ -107,7 +103,7 @@ impl Marking {
     pub fn handed(&mut self, items: &[Item<Lsn>]) {
         for item in items {
             match item {
-                Item::Event(event) => self.open.extend(event.id.as_int()),
+                Item::Event(event) => self.open.push(event.id.clone()),
                 Item::Commit(end) if !self.open.is_empty() => {
                     self.handed
                         .push_back((*end, std::mem::take(&mut self.open)));
@@ -167,11 +163,12 @@ impl Marking {
     }
 }
 
-/// The marking UPDATE (U3): `$1` is an `int8[]` of ids.
-pub fn update_sql(table: &TableName) -> String {
+/// The marking UPDATE (U3, U6): `id_in` is [`crate::process::stored::id_in_text_array`]'s
+/// condition, whose `$1` is a `text[]` of ids.
+pub fn update_sql(table: &TableName, id_in: &str) -> String {
     format!(
         "UPDATE {} SET status = 'published', published_at = pg_catalog.now(), attempts = attempts + 1 \
-          WHERE id = ANY($1::int8[]) AND status IS DISTINCT FROM 'published'",
+          WHERE {id_in} AND status IS DISTINCT FROM 'published'",
         table_sql(table)
     )
 }
@@ -179,13 +176,12 @@ pub fn update_sql(table: &TableName) -> String {
 /// The marker task: takes offers in order (merging what queued up meanwhile), marks their
 /// ids in batches of [`MARK_BATCH`], then says through where everything is marked (U2).
 async fn marker(
-    database: ConnInfo,
-    sql: String,
+    config: Config,
     mut queue: mpsc::Receiver<Offer>,
     marked: watch::Sender<Lsn>,
     metrics: Arc<Metrics>,
 ) {
-    let mut client: Option<Client> = None;
+    let mut client: Option<(Client, String)> = None;
     let mut failing = false;
     while let Some(mut offer) = queue.recv().await {
         while let Ok(next) = queue.try_recv() {
@@ -195,7 +191,7 @@ async fn marker(
         for chunk in offer.ids.chunks(MARK_BATCH) {
             let mut backoff = Duration::from_millis(100);
             loop {
-                match mark(&mut client, &database, &sql, chunk).await {
+                match mark(&mut client, &config, chunk).await {
                     Ok(rows) => {
                         metrics.marked(rows);
                         if std::mem::take(&mut failing) {
@@ -207,7 +203,7 @@ async fn marker(
                         metrics.mark_failed();
                         client = None;
                         if !std::mem::replace(&mut failing, true) {
-                            warn!(error = %error, rows = chunk.len(), first_id = chunk.first(), metric = "outbox_relay_mark_failures_total",
+                            warn!(error = %error, rows = chunk.len(), first_id = chunk.first().map(|id| id.to_string()), metric = "outbox_relay_mark_failures_total",
                                 "cannot mark acknowledged rows published; retrying (the slot is not confirmed past them meanwhile)");
                         } else {
                             debug!(error = %error, "marking failed again");
@@ -222,17 +218,25 @@ async fn marker(
     }
 }
 
+/// Marks `ids` on the connection in `client` (opened, with its UPDATE, when there is none
+/// or it closed).
 async fn mark(
-    client: &mut Option<Client>,
-    database: &ConnInfo,
-    sql: &str,
-    ids: &[i64],
+    client: &mut Option<(Client, String)>,
+    config: &Config,
+    ids: &[EventId],
 ) -> std::result::Result<u64, anyhow::Error> {
-    let connected = match client {
-        Some(client) if !client.is_closed() => client,
-        _ => client.insert(replication::connect_sql(database).await?),
+    let (connected, sql) = match client {
+        Some((connected, sql)) if !connected.is_closed() => (connected, sql),
+        _ => {
+            let connected = replication::connect_sql(&config.database).await?;
+            let id_in = crate::process::stored::id_in_text_array(&connected, config).await?;
+            let sql = update_sql(&config.table, &id_in);
+            let (connected, sql) = client.insert((connected, sql));
+            (connected, sql)
+        }
     };
-    Ok(connected.execute(sql, &[&ids]).await?)
+    let ids: Vec<String> = ids.iter().map(EventId::to_string).collect();
+    Ok(connected.execute(sql.as_str(), &[&ids]).await?)
 }
 
 /// What U5 requires of a column: its name, the types it may have, and how to add it.
@@ -295,8 +299,8 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
     })?;
     let id_readable: bool = client
         .query_one(
-            "SELECT pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT')",
-            &[&table],
+            "SELECT pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT')",
+            &[&table, &config.mapping.column(outbox::Role::Id)],
         )
         .await
         .map_err(|e| {
@@ -313,7 +317,8 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
             may_select: row.get(4),
         })
         .collect();
-    let problems = judge_columns(&table, &columns, id_readable);
+    let id = config.mapping.column(outbox::Role::Id);
+    let problems = judge_columns(&table, &columns, (id, id_readable));
     if problems.is_empty() {
         return Ok(());
     }
@@ -335,8 +340,9 @@ struct Column {
 }
 
 /// U5's judge: every problem with the columns and the relay's privileges, each with its
-/// fix (`id_readable`: the relay may read `id`).
-fn judge_columns(table: &str, columns: &[Column], id_readable: bool) -> Vec<String> {
+/// fix (`id`: the id column, and whether the relay may read it).
+fn judge_columns(table: &str, columns: &[Column], id: (&str, bool)) -> Vec<String> {
+    let (id, id_readable) = id;
     let mut problems = Vec::new();
     let mut ungranted = Vec::new();
     for column in columns {
@@ -368,7 +374,7 @@ fn judge_columns(table: &str, columns: &[Column], id_readable: bool) -> Vec<Stri
         }
     }
     if !id_readable {
-        ungranted.push("SELECT (id)".to_owned());
+        ungranted.push(format!("SELECT ({})", replication::quote_identifier(id)));
     }
     if !ungranted.is_empty() {
         problems.push(format!(
@@ -397,12 +403,18 @@ mod tests {
     }
 
     #[test]
-    fn update_is_idempotent_and_takes_an_int8_array() {
-        let sql = update_sql(&TableName {
-            schema: "public".into(),
-            name: "outbox_events".into(),
-        });
-        assert!(sql.contains("id = ANY($1::int8[])"), "{sql}");
+    fn update_is_idempotent_and_takes_a_text_array_cast_to_the_id_type() {
+        let sql = update_sql(
+            &TableName {
+                schema: "public".into(),
+                name: "outbox_events".into(),
+            },
+            "\"id\" = ANY($1::text[]::bigint[])",
+        );
+        assert!(
+            sql.contains("WHERE \"id\" = ANY($1::text[]::bigint[]) AND"),
+            "{sql}"
+        );
         assert!(sql.contains("status IS DISTINCT FROM 'published'"), "{sql}");
         assert!(sql.contains("attempts = attempts + 1"), "{sql}");
     }
@@ -435,16 +447,17 @@ mod tests {
         ]);
         marking.acknowledged(Lsn(0x10));
         let first = receiver.try_recv().unwrap();
-        assert_eq!((first.ids, first.through), (vec![1, 2], Lsn(0x10)));
+        let ids = |ids: &[i64]| ids.iter().copied().map(EventId::Int).collect::<Vec<_>>();
+        assert_eq!((first.ids, first.through), (ids(&[1, 2]), Lsn(0x10)));
         // The queue holds one offer: the second fills it, the third coalesces.
         marking.acknowledged(Lsn(0x20));
         marking.acknowledged(Lsn(0x30));
         assert_eq!(marking.waiting(), 1, "id 4 waits for room");
         let second = receiver.try_recv().unwrap();
-        assert_eq!((second.ids, second.through), (vec![3], Lsn(0x20)));
+        assert_eq!((second.ids, second.through), (ids(&[3]), Lsn(0x20)));
         marking.offer();
         let third = receiver.try_recv().unwrap();
-        assert_eq!((third.ids, third.through), (vec![4], Lsn(0x30)));
+        assert_eq!((third.ids, third.through), (ids(&[4]), Lsn(0x30)));
         assert_eq!(marking.waiting(), 0);
     }
 }

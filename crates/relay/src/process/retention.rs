@@ -34,7 +34,8 @@
 //! - X4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Delete messages anyway.
 //! - X6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
-//!   `id` and `created_at`, or the relay refuses to start (exit 2) naming the `GRANT`.
+//!   the id and creation-time columns, or the relay refuses to start (exit 2) naming the
+//!   `GRANT`.
 //! - X5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
 //! - X7 Only the table the session streams ([`crate::process::identity`] V5): the snapshot's select
@@ -44,10 +45,14 @@
 //!   the slot's confirmed position that step 2 waits for is never past what an identity
 //!   check vouched for (V2): a row of a table created or swapped in since is never deleted.
 //!   A round that finds another table deletes nothing and says so.
+//! - X8 The mapping decides the id and creation-time columns (the grace counts from the
+//!   mapped creation time); ids of any kind go to the DELETE as text, cast to the id
+//!   column's type read from the catalog each round, so the primary key's index serves it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox::Role;
 use pgoutput::Lsn;
 use replication::ConnInfo;
 use tokio_postgres::{Client, IsolationLevel};
@@ -79,8 +84,8 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
         slot: config.slot.clone(),
         table: table_sql(&config.table),
         table_oid,
-        select_sql: select_sql(&table_sql(&config.table)),
-        delete_sql: delete_sql(&table_sql(&config.table)),
+        select_sql: select_sql(&table_sql(&config.table), config),
+        config: config.clone(),
         settings,
         metrics,
     };
@@ -96,13 +101,17 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
         return Ok(());
     }
     let table = table_sql(&config.table);
+    let (id, created_at) = (
+        config.mapping.column(Role::Id),
+        config.mapping.column(Role::CreatedAt),
+    );
     let row = client
         .query_one(
             "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'), \
-             pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, 'id', 'SELECT') \
-             AND pg_catalog.has_column_privilege($1::text::regclass, 'created_at', 'SELECT'), \
+             pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT') \
+             AND pg_catalog.has_column_privilege($1::text::regclass, $3, 'SELECT'), \
              pg_catalog.to_regclass($1) IS NULL",
-            &[&table],
+            &[&table, &id, &created_at],
         )
         .await
         .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
@@ -112,10 +121,14 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
     }
     let mut grants = Vec::new();
     if !may_delete {
-        grants.push("DELETE");
+        grants.push("DELETE".to_owned());
     }
     if !may_read {
-        grants.push("SELECT (id, created_at)");
+        grants.push(format!(
+            "SELECT ({}, {})",
+            replication::quote_identifier(id),
+            replication::quote_identifier(created_at)
+        ));
     }
     Err(RelayError::setup(anyhow::anyhow!(
         "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {}; \
@@ -125,21 +138,26 @@ pub async fn check(client: &Client, config: &Config) -> Result<()> {
     )))
 }
 
-/// Old rows, in id order (`$1`: the grace in seconds, `$2`: the batch), of the table only
-/// while its name is the OID `$4` (`$3`: the name; X7).
-fn select_sql(table: &str) -> String {
+/// Old rows' ids as text, in id order (`$1`: the grace in seconds, `$2`: the batch), of the
+/// table only while its name is the OID `$4` (`$3`: the name; X7), on the mapped id and
+/// creation-time columns (X8).
+fn select_sql(table: &str, config: &Config) -> String {
+    let column = |role| replication::quote_identifier(config.mapping.column(role));
+    let (id, created_at) = (column(Role::Id), column(Role::CreatedAt));
+    // Under a name of its own: `ORDER BY id` would sort an output column named id as text.
     format!(
-        "SELECT id::int8 FROM {table} \
-          WHERE created_at < pg_catalog.now() - pg_catalog.make_interval(secs => $1::float8) \
+        "SELECT {id}::text AS outbox_relay_id FROM {table} \
+          WHERE {created_at} < pg_catalog.now() - pg_catalog.make_interval(secs => $1::float8) \
             AND pg_catalog.to_regclass($3::text) = $4::int8::oid \
-          ORDER BY id LIMIT $2"
+          ORDER BY {id} LIMIT $2"
     )
 }
 
-/// `$1`: the ids; `$2`, `$3`: the table's name and the OID it must have (X7).
-fn delete_sql(table: &str) -> String {
+/// `$1`: the ids, as text (`id_in`: [`crate::process::stored::id_in_text_array`]'s
+/// condition); `$2`, `$3`: the table's name and the OID it must have (X7).
+fn delete_sql(table: &str, id_in: &str) -> String {
     format!(
-        "DELETE FROM {table} WHERE id = ANY($1::int8[]) \
+        "DELETE FROM {table} WHERE {id_in} \
             AND pg_catalog.to_regclass($2::text) = $3::int8::oid"
     )
 }
@@ -154,7 +172,8 @@ struct Task {
     table: String,
     table_oid: u32,
     select_sql: String,
-    delete_sql: String,
+    /// For the DELETE's id condition, read each round (X8).
+    config: Config,
     settings: RetentionConfig,
     metrics: Arc<Metrics>,
 }
@@ -256,6 +275,10 @@ impl Task {
             Some(client) if !client.is_closed() => client,
             _ => client.insert(replication::connect_sql(&self.database).await?),
         };
+        let delete_sql = delete_sql(
+            &self.table,
+            &crate::process::stored::id_in_text_array(client, &self.config).await?,
+        );
         let mut deleted = 0;
         loop {
             let transaction = client
@@ -287,7 +310,7 @@ impl Task {
                 return Ok(Round::OtherTable { deleted });
             }
             let grace = self.settings.grace.as_secs_f64();
-            let ids: Vec<i64> = transaction
+            let ids: Vec<String> = transaction
                 .query(
                     &self.select_sql,
                     &[&grace, &self.settings.batch, &self.table, &oid],
@@ -302,7 +325,7 @@ impl Task {
             }
             // Step 4 (X7: nothing if the name is another table's by now).
             let rows = client
-                .execute(&self.delete_sql, &[&ids, &self.table, &oid])
+                .execute(&delete_sql, &[&ids, &self.table, &oid])
                 .await?;
             deleted += rows;
             self.metrics.retention_deleted(rows);
@@ -329,13 +352,30 @@ mod tests {
 
     #[test]
     fn x3_statements_read_old_rows_by_id_and_delete_by_primary_key() {
-        let select = select_sql("\"public\".\"outbox_events\"");
-        assert!(select.contains("ORDER BY id LIMIT $2"), "{select}");
-        assert!(select.contains("created_at < pg_catalog.now()"), "{select}");
-        let delete = delete_sql("\"public\".\"outbox_events\"");
+        let config = crate::config::tests::load(
+            &[("retention_grace", "7d")],
+            &[("DATABASE_URL", "postgres://u@h/db")],
+            None,
+        )
+        .unwrap();
+        let select = select_sql("\"public\".\"outbox_events\"", &config);
         assert!(
-            delete
-                .starts_with("DELETE FROM \"public\".\"outbox_events\" WHERE id = ANY($1::int8[])"),
+            select.starts_with("SELECT \"id\"::text AS outbox_relay_id FROM"),
+            "{select}"
+        );
+        assert!(select.contains("ORDER BY \"id\" LIMIT $2"), "{select}");
+        assert!(
+            select.contains("\"created_at\" < pg_catalog.now()"),
+            "{select}"
+        );
+        let delete = delete_sql(
+            "\"public\".\"outbox_events\"",
+            "\"id\" = ANY($1::text[]::bigint[])",
+        );
+        assert!(
+            delete.starts_with(
+                "DELETE FROM \"public\".\"outbox_events\" WHERE \"id\" = ANY($1::text[]::bigint[])"
+            ),
             "{delete}"
         );
         assert!(

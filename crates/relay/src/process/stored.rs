@@ -132,7 +132,11 @@ impl RowReader {
             .enumerate()
             .map(|(i, c)| {
                 if c == payload_column && !payload {
-                    format!("''::text AS outbox_relay_{i}")
+                    // An empty payload of the column's kind (a bytea's is `\x`).
+                    match columns.payload_kind() {
+                        outbox::PayloadKind::Bytes => format!("'\\x'::text AS outbox_relay_{i}"),
+                        outbox::PayloadKind::Text => format!("''::text AS outbox_relay_{i}"),
+                    }
                 } else {
                     format!(
                         "{}::text AS outbox_relay_{i}",
@@ -244,6 +248,26 @@ pub async fn check_id_bound(
             kind.sql_type()
         )))
     }
+}
+
+/// The SQL condition `{id column} = ANY($1::text[]::{its type}[])`: `$1` a `text[]` of ids of
+/// any kind, cast to the column's own type so the primary key's index serves it; the type
+/// read from the catalog on `client` (marking and retention, whatever the mapping).
+pub async fn id_in_text_array(client: &Client, config: &Config) -> anyhow::Result<String> {
+    let id = config.mapping.column(outbox::Role::Id);
+    let row = client
+        .query_opt(
+            "SELECT pg_catalog.format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a \
+              WHERE a.attrelid = $1::text::regclass AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&table_sql(&config.table), &id],
+        )
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("table {} has no column {id}", config.table))?;
+    let type_name: String = row.get(0);
+    Ok(format!(
+        "{} = ANY($1::text[]::{type_name}[])",
+        replication::quote_identifier(id)
+    ))
 }
 
 /// The row with `id` as the relay reads it (V2), as the event it yields at `position`, or
