@@ -763,7 +763,6 @@ impl Config {
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
         let retention = retention_from(raw)?;
-        crate::config::table::check_row_writers(&mapping, mark_published, retention.is_some())?;
         Ok(Config {
             database,
             nats_url,

@@ -6,9 +6,9 @@
 //!   so every key, subject and header stays byte-identical.
 //! - TB2 A single column setting overrides the preset's column for that role only; every
 //!   error names the setting and what it expects.
-//! - TB3 What does not follow a mapping yet (marking, retention, verify, replay, backfill of
-//!   existing rows) refuses a mapped table at once, naming itself
-//!   ([`super::Config::check_mapping_support`]), never reads the seed's columns instead.
+//! - TB3 Everything that reads or writes the table follows the mapping: streaming,
+//!   backfill, verify, replay, marking and retention (their module docs say how); none
+//!   reads the seed's columns instead.
 
 use outbox::mapping::{self, Preset, TraceContext};
 use outbox::{Mapping, Role, SubjectTemplate};
@@ -79,37 +79,6 @@ impl super::Config {
             template: self.mapping.template.clone(),
         }
     }
-
-    /// Refuses what does not follow a mapped table yet, naming the setting (TB3).
-    pub fn check_mapping_support(&self, what: &str) -> Result<(), ConfigError> {
-        if self.mapping.is_default() {
-            return Ok(());
-        }
-        Err(ConfigError(format!(
-            "{what} reads the seed's columns only and does not follow a mapped outbox table yet \
-             ({}: {}); run it on the seed's table, or without {what} (docs/own-table.md lists what \
-             follows the mapping)",
-            opt::TABLE_PRESET.env,
-            self.mapping
-        )))
-    }
-}
-
-/// TB3 for the settings that write rows: marking and retention refuse a mapped table.
-pub(crate) fn check_row_writers(
-    mapping: &Mapping,
-    mark_published: bool,
-    retention: bool,
-) -> Result<(), ConfigError> {
-    if mapping.is_default() || !(mark_published || retention) {
-        return Ok(());
-    }
-    Err(ConfigError(format!(
-        "{} and {} read the seed's columns only and do not follow a mapped outbox table yet ({}: {mapping}); turn them off for this table (docs/own-table.md)",
-        opt::MARK_PUBLISHED.env,
-        opt::RETENTION_GRACE.env,
-        opt::TABLE_PRESET.env
-    )))
 }
 
 /// A column's name: any non-empty Postgres identifier, as the catalog spells it.
