@@ -558,21 +558,27 @@ impl EventBuilder {
         }
         // One walk over the tuple, each value moved into its slot; on the stack for any
         // usual mapping.
-        let mut small: [Value; 8] = std::array::from_fn(|_| Ok(None));
-        let mut large: Vec<Value>;
-        let values: &mut [Value] = if c.read.len() <= small.len() {
+        let mut small: [Option<Bytes>; 8] = [const { None }; 8];
+        let mut large: Vec<Option<Bytes>>;
+        let values: &mut [Option<Bytes>] = if c.read.len() <= small.len() {
             &mut small[..c.read.len()]
         } else {
-            large = (0..c.read.len()).map(|_| Ok(None)).collect();
+            large = vec![None; c.read.len()];
             &mut large
         };
         for (index, value) in tuple.iter().enumerate().take(c.need + 1) {
             if let Some(&slot) = c.slot_of.get(index).filter(|&&s| s != NO_SLOT) {
-                values[usize::from(slot)] = match value {
-                    ColumnValue::Text(bytes) => Ok(Some(bytes)),
-                    ColumnValue::Null => Ok(None),
-                    ColumnValue::UnchangedToast => Err(EventErrorKind::Unsent),
-                    ColumnValue::Binary(_) => Err(EventErrorKind::Binary),
+                let slot = usize::from(slot);
+                values[slot] = match value {
+                    ColumnValue::Text(bytes) => Some(bytes),
+                    ColumnValue::Null => None,
+                    // Neither happens to an INSERT's new tuple in text format.
+                    ColumnValue::UnchangedToast => {
+                        return Err(self.unreadable(slot, EventErrorKind::Unsent))
+                    }
+                    ColumnValue::Binary(_) => {
+                        return Err(self.unreadable(slot, EventErrorKind::Binary))
+                    }
                 };
             }
         }
@@ -587,15 +593,26 @@ impl EventBuilder {
         value: impl Fn(usize) -> Value,
         position: Position,
     ) -> Result<Option<OutboxEvent>, EventError> {
-        let mut values: Vec<Value> = (0..self.columns.read.len()).map(value).collect();
+        let mut values = Vec::with_capacity(self.columns.read.len());
+        for i in 0..self.columns.read.len() {
+            values.push(value(i).map_err(|kind| self.unreadable(i, kind))?);
+        }
         self.build_slots(&mut values, position)
+    }
+
+    /// The error of a read column whose value did not come as text.
+    fn unreadable(&self, slot: usize, kind: fn(Arc<str>) -> EventErrorKind) -> EventError {
+        EventError {
+            id: None,
+            kind: kind(self.columns.read[slot].0.clone()),
+        }
     }
 
     /// The event of the read columns' values (E4): the one path of [`Self::build`] and
     /// [`Self::build_values`].
     fn build_slots(
         &self,
-        values: &mut [Value],
+        values: &mut [Option<Bytes>],
         position: Position,
     ) -> Result<Option<OutboxEvent>, EventError> {
         let row = self.row(values)?;
@@ -607,17 +624,16 @@ impl EventBuilder {
 
     /// The row's decoded columns. The template's and headers' columns are read first (a
     /// role's column may be one of them), then the roles' values are moved out.
-    fn row(&self, values: &mut [Value]) -> Result<OutboxRow, EventError> {
+    fn row(&self, values: &mut [Option<Bytes>]) -> Result<OutboxRow, EventError> {
         let c = &self.columns;
         let name = |i: usize| c.read[i].0.clone();
         // Read in place: a header column may be the id column.
         let id = match &values[0] {
-            Ok(Some(text)) => std::str::from_utf8(text)
+            Some(text) => std::str::from_utf8(text)
                 .ok()
                 .and_then(|t| EventId::parse(c.id_kind, t))
                 .ok_or(EventErrorKind::Id(name(0))),
-            Ok(None) => Err(EventErrorKind::Null(name(0))),
-            Err(kind) => Err(kind(name(0))),
+            None => Err(EventErrorKind::Null(name(0))),
         }
         .map_err(|kind| EventError { id: None, kind })?;
         let fail = |kind| EventError {
@@ -631,13 +647,16 @@ impl EventBuilder {
             .template
             .iter()
             .map(|&i| match &values[i] {
-                Ok(Some(bytes)) => utf8(i, bytes.clone()),
-                Ok(None) => Err(fail(EventErrorKind::Null(name(i)))),
-                Err(kind) => Err(fail(kind(name(i)))),
+                Some(bytes) => utf8(i, bytes.clone()),
+                None => Err(fail(EventErrorKind::Null(name(i)))),
             })
             .collect::<Result<_, _>>()?;
         let headers = self.column_headers(values).map_err(fail)?;
-        let mut role = |i: usize| take(values, i).map_err(|kind| fail(kind(name(i))));
+        let mut role = |i: usize| {
+            values[i]
+                .take()
+                .ok_or_else(|| fail(EventErrorKind::Null(name(i))))
+        };
         let entity_id = role(1).and_then(|b| utf8(1, b))?;
         let event_type = role(2).and_then(|b| utf8(2, b))?;
         let payload = role(3)?;
@@ -662,17 +681,20 @@ impl EventBuilder {
     }
 
     /// The headers the row's header columns and trace-context column give (NULLs none).
-    fn column_headers(&self, values: &[Value]) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
+    fn column_headers(
+        &self,
+        values: &[Option<Bytes>],
+    ) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
         let c = &self.columns;
         let mut headers = Vec::new();
         for (i, header) in &c.headers {
-            if let Ok(Some(bytes)) = &values[*i] {
+            if let Some(bytes) = &values[*i] {
                 let text = String::from_utf8(bytes.to_vec())
                     .map_err(|_| EventErrorKind::Utf8(c.read[*i].0.clone()))?;
                 headers.push((header.clone(), text));
             }
         }
-        if let Some(Ok(Some(bytes))) = c.trace.map(|i| &values[i]) {
+        if let Some(Some(bytes)) = c.trace.map(|i| &values[i]) {
             if let Some((parent, state)) = std::str::from_utf8(bytes).ok().and_then(trace_context) {
                 headers.push((Arc::from(TRACEPARENT), parent));
                 if let Some(state) = state {
@@ -681,16 +703,6 @@ impl EventBuilder {
             }
         }
         Ok(headers)
-    }
-}
-
-/// A role column's value, moved out of its slot: its text, or what makes it unreadable
-/// (NULL included).
-fn take(values: &mut [Value], i: usize) -> Result<Bytes, fn(Arc<str>) -> EventErrorKind> {
-    match std::mem::replace(&mut values[i], Ok(None)) {
-        Ok(Some(bytes)) => Ok(bytes),
-        Ok(None) => Err(EventErrorKind::Null),
-        Err(kind) => Err(kind),
     }
 }
 
@@ -769,8 +781,11 @@ mod tests {
         assert!(event.binary);
         assert_eq!(event.created_at_ms, 1_704_067_200_500);
         assert_eq!(event.subject, format!("p.a%2Eb.{}", event.shard));
-        let headers: Vec<(&str, &str)> =
-            event.headers.iter().map(|(n, v)| (&**n, v.as_str())).collect();
+        let headers: Vec<(&str, &str)> = event
+            .headers
+            .iter()
+            .map(|(n, v)| (&**n, v.as_str()))
+            .collect();
         assert_eq!(headers, [("X-Id", "e.1"), ("X-Entity", "a.b")]);
         assert_eq!(event.keys.ordering_key, "1704067200500:e.1");
     }
