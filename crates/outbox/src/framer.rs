@@ -190,7 +190,7 @@ enum Routed {
     /// Its inserts are events built by this builder; `partition` names a partition (D5)
     /// whose first insert is logged.
     Events {
-        builder: EventBuilder,
+        builder: Box<EventBuilder>,
         partition: Option<String>,
     },
     /// A partition whose Relation lacks a column the relay reads (D4; with
@@ -277,11 +277,11 @@ impl Framer {
             Route::Table | Route::Partition => {
                 match OutboxColumns::from_relation_mapped(relation, &self.mapping) {
                     Ok(columns) => Routed::Events {
-                        builder: EventBuilder::shaped(
+                        builder: Box::new(EventBuilder::shaped(
                             columns,
                             self.shape.clone(),
                             self.mapping.filter.clone(),
-                        ),
+                        )),
                         partition: (route == Route::Partition)
                             .then(|| format!("{}.{}", relation.namespace, relation.name)),
                     },

@@ -247,7 +247,11 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
             read_published_ancestor(client, publication_oid, table_oid, &facts, pg15).await?;
     }
     // A preset's optional trace-context column is not required of a column list either.
-    let optional = config.mapping.trace_context.as_ref().filter(|t| !t.required);
+    let optional = config
+        .mapping
+        .trace_context
+        .as_ref()
+        .filter(|t| !t.required);
     let read: Vec<&str> = config
         .mapping
         .read_columns()
@@ -531,12 +535,7 @@ struct Findings {
 impl PublicationFacts {
     /// Why the publication would hide an outbox insert from the relay, with the exact fix;
     /// `None` when it hides none (whatever else it publishes).
-    pub fn refusal(
-        &self,
-        publication: &str,
-        table: &TableName,
-        read: &[&str],
-    ) -> Option<String> {
+    pub fn refusal(&self, publication: &str, table: &TableName, read: &[&str]) -> Option<String> {
         let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
         let table_sql = table_sql(table);
         let mut found = Findings::default();
@@ -1583,7 +1582,11 @@ mod tests {
             },
         ];
         for facts in accepted {
-            assert_eq!(facts.refusal("p", &outbox(), SEED_COLUMNS), None, "{facts:?}");
+            assert_eq!(
+                facts.refusal("p", &outbox(), SEED_COLUMNS),
+                None,
+                "{facts:?}"
+            );
         }
     }
 
