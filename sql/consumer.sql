@@ -39,7 +39,8 @@ create table if not exists processed_events (
 create table if not exists parked_events (
   consumer text not null,          -- Config::name
   dedupe_key text not null,
-  outbox_id bigint not null,
+  outbox_id bigint,                -- an integer id (the seed's table); else null
+  outbox_id_text text,             -- a uuid or text id; else null (exactly one of the two is set)
   entity_id text not null,
   event_type text not null,
   shard bigint not null,
@@ -54,6 +55,12 @@ create table if not exists parked_events (
   redrive boolean not null default false,
   primary key (consumer, dedupe_key)
 );
+
+-- Tables made before uuid and text ids (issue 22): the same columns, idempotently. Run this
+-- file again before starting an outbox-consumer that reads a relay publishing uuid or text
+-- ids; an older consumer keeps working on the altered table.
+alter table parked_events add column if not exists outbox_id_text text;
+alter table parked_events alter column outbox_id drop not null;
 
 create index if not exists parked_events_by_shard
   on parked_events (consumer, shard, entity_id, stream_sequence);

@@ -3,6 +3,8 @@
 use std::num::NonZeroU64;
 use std::time::Duration;
 
+use outbox::template::{SubjectTemplate, DEFAULT_TEMPLATE};
+
 use crate::error::SetupError;
 
 /// [`Config::batch_size`]'s default.
@@ -41,6 +43,12 @@ pub struct Config {
     /// The relay's subject prefix (`OUTBOX_RELAY_SUBJECT_PREFIX`): shard `n` is
     /// `{prefix}.{n}.>`.
     pub subject_prefix: String,
+    /// The relay's subject template (`OUTBOX_RELAY_SUBJECT_TEMPLATE`, `--subject-template`;
+    /// the default [`DEFAULT_TEMPLATE`], `{prefix}.{shard}.{event_type}`; the debezium
+    /// preset's is `{prefix}.{aggregatetype}.{shard}`). It must equal the relay's: shard
+    /// `n`'s durable consumer filters the template's subjects of shard `n`
+    /// ([`Config::filter_subject`]), and with another template it would receive nothing.
+    pub subject_template: String,
     /// The relay's partition count (`OUTBOX_RELAY_PARTITIONS`). Every message is checked
     /// against it: a mismatch stops the consumer rather than leaving shards unconsumed.
     pub partitions: NonZeroU64,
@@ -86,6 +94,7 @@ impl Config {
             name: name.into(),
             stream: "OUTBOX".into(),
             subject_prefix: "outbox".into(),
+            subject_template: DEFAULT_TEMPLATE.into(),
             partitions: NonZeroU64::new(12).unwrap_or(NonZeroU64::MIN),
             shards: None,
             processed_table: "processed_events".into(),
@@ -129,9 +138,26 @@ impl Config {
         format!("{}-{shard}", self.name)
     }
 
-    /// The subjects of `shard`.
+    /// The subjects of `shard`: `{prefix}.{shard}.>` under the default template (the
+    /// filter durable consumers always had), else the template's filter of the shard
+    /// (`{prefix}.*.{shard}` for `{prefix}.{aggregatetype}.{shard}`).
     pub fn filter_subject(&self, shard: u64) -> String {
-        format!("{}.{shard}.>", self.subject_prefix)
+        match self.template() {
+            Ok(template) if !template.is_default() => {
+                template.shard_filter(&self.subject_prefix, Some(shard))
+            }
+            _ => format!("{}.{shard}.>", self.subject_prefix),
+        }
+    }
+
+    /// [`Config::subject_template`], parsed; the error names the setting.
+    pub fn template(&self) -> Result<SubjectTemplate, SetupError> {
+        SubjectTemplate::parse(&self.subject_template).map_err(|error| {
+            SetupError::Config(format!(
+                "subject_template: {error}; set it to the relay's subject template \
+                 (OUTBOX_RELAY_SUBJECT_TEMPLATE, default {DEFAULT_TEMPLATE})"
+            ))
+        })
     }
 
     /// Checks every value; the error names the value and what is accepted.
@@ -166,6 +192,7 @@ impl Config {
             ));
         }
         outbox::subject::validate_prefix(&self.subject_prefix).or_else(invalid)?;
+        self.template()?;
         for (field, table) in [
             ("processed_table", &self.processed_table),
             ("parked_table", &self.parked_table),
@@ -264,6 +291,25 @@ mod tests {
         assert_eq!(config.shard_list().unwrap(), (0..12).collect::<Vec<_>>());
         assert_eq!(config.durable(3), "ledger-3");
         assert_eq!(config.filter_subject(3), "outbox.3.>");
+    }
+
+    #[test]
+    fn a_subject_template_gives_the_shard_filters_and_a_bad_one_is_named() {
+        let mut config = Config::new("ledger");
+        config.subject_prefix = "app".into();
+        config.subject_template = "{prefix}.{aggregatetype}.{shard}".into();
+        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(config.filter_subject(3), "app.*.3");
+        config.subject_template = "{prefix}.events.{shard}.{event_type}".into();
+        assert_eq!(config.filter_subject(0), "app.events.0.*");
+        // The default spelled out keeps the durable consumers' filter.
+        config.subject_template = "{prefix}.{shard}.{event_type}".into();
+        assert_eq!(config.filter_subject(3), "app.3.>");
+        config.subject_template = "{prefix}.{event_type}".into();
+        let error = config.validate().unwrap_err().to_string();
+        assert!(error.contains("subject_template"), "{error}");
+        assert!(error.contains("{shard}"), "{error}");
+        assert!(error.contains("OUTBOX_RELAY_SUBJECT_TEMPLATE"), "{error}");
     }
 
     #[test]

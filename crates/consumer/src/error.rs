@@ -42,7 +42,7 @@ pub enum Error {
 )]
 pub struct HandlerFailed {
     /// The event's outbox id.
-    pub outbox_id: i64,
+    pub outbox_id: outbox::EventId,
     /// Its stream sequence.
     pub stream_sequence: u64,
     /// Its entity.

@@ -11,7 +11,7 @@
 //!         tx.execute(
 //!             "insert into ledger (outbox_id, entity_id, event_type, payload) \
 //!              values ($1, $2, $3, $4::text::jsonb)",
-//!             &[&event.id, &event.entity_id, &event.event_type, &event.payload_str()?],
+//!             &[&event.id.to_string(), &event.entity_id, &event.event_type, &event.payload_str()?],
 //!         )
 //!         .await?;
 //!         Ok(())
@@ -30,7 +30,8 @@
 //!
 //! (The README's example; this copy is compiled by `cargo test --doc`.)
 //!
-//! Each shard `n` of the relay's stream (subjects `{prefix}.{n}.>`) is consumed through its
+//! Each shard `n` of the relay's stream (subjects `{prefix}.{n}.>`, or the shard's subjects
+//! of the relay's subject template, [`Config::subject_template`]) is consumed through its
 //! own durable JetStream pull consumer `{name}-{n}`, by its own task with its own Postgres
 //! connection. The worker takes what has been delivered, up to [`Config::batch_size`]
 //! messages in stream order, opens one transaction, records all their `dedupe_key`s in one
@@ -67,9 +68,11 @@
 //!   message must be on the shard its partition key maps to with the configured partition
 //!   count. A message failing a check stops the consumer with a [`MessageError`] naming it and
 //!   the fix (after the messages before it are done); it is not acknowledged.
-//! - C6 Per entity, the ordering key of each processed event must increase (O1–O2 in
-//!   [`order`]); one that does not is counted ([`Stats::out_of_order`]) and logged with its
-//!   outbox id and both ordering keys, never its payload, and is still processed.
+//! - C6 Per entity, each processed event must come after those processed before it (O1–O4
+//!   in [`order`]: integer ids by their ordering key, uuid and text ids by creation time
+//!   and commit position); one that does not is counted ([`Stats::out_of_order`]) and
+//!   logged with its outbox id and both ordering keys, never its payload, and is still
+//!   processed.
 //! - C7 On shutdown each shard finishes the batch in hand (a [`Handler`]'s batch ends after
 //!   the event in hand: what was handled commits, the rest is not processed), ends its pull
 //!   subscription, then acknowledges what committed and releases (in stream order) what it
@@ -105,6 +108,10 @@
 //!   parked behind it, unhandled, until an operator re-drives or discards them: P1–P4 in
 //!   the shard workers' docs), or the consumer stops with [`Error::Handler`] naming it,
 //!   unacknowledged. Nothing is skipped silently.
+//! - C10 Every event a handler handles runs inside a `tracing` span naming it
+//!   (`outbox.handle`, a batch handler's call `outbox.handle_batch`); with the cargo
+//!   feature `opentelemetry` the span continues the producer's W3C trace context (TR1–TR3
+//!   in [`trace`]). A trace context never decides whether or how an event is handled.
 
 mod config;
 mod consumer;
@@ -112,6 +119,7 @@ pub mod error;
 pub mod event;
 pub mod metrics;
 mod order;
+pub mod trace;
 pub mod transaction;
 
 use std::future::Future;
@@ -121,6 +129,7 @@ pub use consumer::{Consumer, Postgres, Stats, PARKED_POLL, STOP_CONFIRM};
 pub use error::{Error, HandlerFailed, MessageError, Problem, SetupError, Unavailable};
 pub use event::{percent_decode, Event};
 pub use metrics::Metrics;
+pub use outbox::EventId;
 pub use outbox::{Keys, Position};
 pub use transaction::Transaction;
 

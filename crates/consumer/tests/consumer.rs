@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use bytes::Bytes;
-use outbox::{headers, OutboxEvent, Position};
+use outbox::{headers, EventId, OutboxEvent, Position};
 use outbox_consumer::{
     BatchHandler, BoxError, Config, Consumer, Error, Event, Handler, OnFailure, Postgres, Problem,
     SetupError, Stats, Transaction,
@@ -171,7 +171,7 @@ impl Case {
         let keys = outbox::compute_keys(id, entity_id, event_type, created_at_ms);
         let shard = outbox::shard_for_key(NonZeroU64::new(PARTITIONS).unwrap(), entity_id);
         OutboxEvent {
-            id,
+            id: EventId::Int(id),
             entity_id: entity_id.into(),
             event_type: event_type.into(),
             subject: outbox::subject::subject(&self.prefix, shard, event_type),
@@ -183,6 +183,8 @@ impl Case {
                 index: 0,
             },
             created_at_ms,
+            headers: Vec::new(),
+            binary: false,
         }
     }
 
@@ -222,7 +224,8 @@ impl Case {
     async fn effects_in(&self, table: &str) -> HashMap<i64, i64> {
         self.sql
             .query(
-                &format!("select outbox_id, count(*) from {table} group by outbox_id"),
+                // ::bigint: the example's ledger keeps ids of every kind as text.
+                &format!("select outbox_id::bigint, count(*) from {table} group by 1"),
                 &[],
             )
             .await
@@ -432,36 +435,37 @@ struct Recorder {
 
 impl Handler for Recorder {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        let id = int(&event.id);
         let running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
         self.max_running.fetch_max(running, Ordering::SeqCst);
         let attempt = {
             let mut attempts = self.attempts.lock().unwrap();
-            let n = attempts.entry(event.id).or_default();
+            let n = attempts.entry(id).or_default();
             *n += 1;
             *n
         };
         self.tried_at
             .lock()
             .unwrap()
-            .entry(event.id)
+            .entry(id)
             .or_default()
             .push(Instant::now());
         tx.execute(
             "insert into effects (outbox_id, entity_id, event_type, delivered) values ($1, $2, $3, $4)",
-            &[&event.id, &event.entity_id, &event.event_type, &(event.delivered as i64)],
+            &[&id, &event.entity_id, &event.event_type, &(event.delivered as i64)],
         )
         .await?;
         if attempt == 1 {
-            if let Some(&slow) = self.slow_first.get(&event.id) {
+            if let Some(&slow) = self.slow_first.get(&id) {
                 tokio::time::sleep(slow).await;
             }
         }
         tokio::time::sleep(self.pause).await;
         self.running.fetch_sub(1, Ordering::SeqCst);
-        if attempt == 1 && self.fail_first.contains(&event.id) {
+        if attempt == 1 && self.fail_first.contains(&id) {
             return Err(format!("first attempt of {} fails on purpose", event.id).into());
         }
-        if self.fail_until_healed.contains(&event.id) && !self.healed.load(Ordering::SeqCst) {
+        if self.fail_until_healed.contains(&id) && !self.healed.load(Ordering::SeqCst) {
             return Err(format!("attempt {attempt} of {} fails on purpose", event.id).into());
         }
         Ok(())
@@ -488,7 +492,7 @@ impl BatchHandler for BatchRecorder {
         tx: &mut Transaction<'_>,
         events: &[Event],
     ) -> Result<(), BoxError> {
-        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        let ids: Vec<i64> = events.iter().map(|e| int(&e.id)).collect();
         self.batches.lock().unwrap().push(ids.clone());
         let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
         let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
@@ -501,7 +505,7 @@ impl BatchHandler for BatchRecorder {
         .await?;
         if let Some(e) = events
             .iter()
-            .find(|e| e.delivered == 1 && self.fail_first_delivery.contains(&e.id))
+            .find(|e| e.delivered == 1 && self.fail_first_delivery.contains(&int(&e.id)))
         {
             return Err(format!("the first delivery of {} fails on purpose", e.id).into());
         }
@@ -512,6 +516,11 @@ impl BatchHandler for BatchRecorder {
 const T0: i64 = 1_700_000_000_000;
 
 /// `n` events of `entities` entities, round-robin, ids from `first`, times increasing.
+/// The integer of an id (the seed's table: every id here is one).
+fn int(id: &EventId) -> i64 {
+    id.as_int().expect("an integer id")
+}
+
 fn events(case: &Case, first: i64, n: i64, entities: i64) -> Vec<OutboxEvent> {
     (first..first + n)
         .map(|id| {
@@ -530,7 +539,7 @@ async fn a_handler_slower_than_ack_wait_applies_its_side_effect_once() {
     let case = Case::new("slow_handler").await;
     let all = events(&case, 1, 6, 2);
     case.publish(&all, None).await;
-    let slow = all[1].id;
+    let slow = int(&all[1].id);
     let recorder = Arc::new(Recorder {
         slow_first: HashMap::from([(slow, Duration::from_millis(2500))]),
         ..Default::default()
@@ -566,7 +575,7 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
         case.example(stall.as_slice())
     };
 
-    let mut first = example(Some(victim.id));
+    let mut first = example(Some(int(&victim.id)));
     tokio::task::block_in_place(|| first.wait_for_output("stalling after commit", DEADLINE));
     // Committed: the side effect and the dedupe key are in the database ...
     let recorded: i64 = case
@@ -579,7 +588,10 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
         .unwrap()
         .get(0);
     assert_eq!(recorded, 1);
-    assert_eq!(case.effects_in("ledger").await.get(&victim.id), Some(&1));
+    assert_eq!(
+        case.effects_in("ledger").await.get(&int(&victim.id)),
+        Some(&1)
+    );
     first.kill();
     // ... and not acknowledged, nor anything else of its batch: every event of the shard
     // committed and not below the ack floor (stream sequence = outbox id here) is pending.
@@ -587,8 +599,8 @@ async fn killed_between_commit_and_ack_the_side_effect_is_not_repeated() {
     let ledger = case.effects_in("ledger").await;
     let unacked = all
         .iter()
-        .filter(|e| e.shard == victim.shard && ledger.contains_key(&e.id))
-        .filter(|e| e.id as u64 > info.ack_floor.stream_sequence)
+        .filter(|e| e.shard == victim.shard && ledger.contains_key(&int(&e.id)))
+        .filter(|e| int(&e.id) as u64 > info.ack_floor.stream_sequence)
         .count();
     assert!(unacked >= 1, "the victim is committed and not acknowledged");
     assert!(
@@ -1244,7 +1256,7 @@ impl Handler for PreparedOnce {
         tx.execute(
             PREPARED_ONCE_SQL,
             &[
-                &event.id,
+                &int(&event.id),
                 &event.entity_id,
                 &event.event_type,
                 &(event.delivered as i64),
@@ -1399,7 +1411,10 @@ async fn with_on_failure_stop_an_event_failing_forever_stops_the_consumer_naming
     let Error::Handler(failed) = &error else {
         panic!("stopped with a handler failure: {error}");
     };
-    assert_eq!((failed.outbox_id, failed.attempts), (5, 2));
+    assert_eq!(
+        (failed.outbox_id.clone(), failed.attempts),
+        (EventId::Int(5), 2)
+    );
     assert!(error.to_string().contains("outbox id 5"), "{error}");
     // Nothing after 5 in its shard was handled, not even the other entity's events.
     let ids: Vec<i64> = effects_in_order(&case).await.iter().map(|e| e.0).collect();
@@ -1451,4 +1466,238 @@ async fn a_parked_entity_stays_parked_across_a_restart_until_its_events_are_disc
     assert_eq!(stats.duplicates(), 0);
     case.assert_effects_once([1, 2, 3, 4, 6, 8, 10, 12]).await;
     case.assert_entity_order().await;
+}
+
+/// What a [`Seen`] handler saw of an event: its id's text, its `X-Tenant` header and its
+/// traceparent.
+type Sighting = (String, Option<String>, Option<String>);
+
+/// A handler keeping what it saw of each event it handled, failing on the ids in `fail`.
+#[derive(Default)]
+struct Seen {
+    fail: Mutex<HashSet<String>>,
+    seen: Mutex<Vec<Sighting>>,
+}
+
+impl Handler for Seen {
+    async fn handle(&self, _tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        let id = event.id.to_string();
+        if self.fail.lock().unwrap().contains(&id) {
+            return Err(format!("{id} fails on purpose").into());
+        }
+        let tenant = event.header("X-Tenant").map(|v| v.into_owned());
+        let parent = event.trace_context().map(|(p, _)| p.into_owned());
+        self.seen.lock().unwrap().push((id, tenant, parent));
+        Ok(())
+    }
+}
+
+const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+
+/// The event the relay publishes for a row of a table with uuid or text ids, under the
+/// subject template `template` (its `{aggregatetype}` is `Order`), with an `X-Tenant`
+/// column header and a trace context.
+fn own_table_event(
+    case: &Case,
+    template: &outbox::SubjectTemplate,
+    (id, lsn): (&str, u64),
+    entity_id: &str,
+    tenant: &str,
+) -> OutboxEvent {
+    let id = EventId::Text(id.into());
+    let keys = id.keys(entity_id, "OrderPaid", T0);
+    let shard = outbox::shard_for_key(NonZeroU64::new(PARTITIONS).unwrap(), entity_id);
+    let mut subject = String::new();
+    template.render(&mut subject, &case.prefix, shard, "OrderPaid", |_| "Order");
+    OutboxEvent {
+        id,
+        entity_id: entity_id.into(),
+        event_type: "OrderPaid".into(),
+        subject,
+        keys,
+        shard,
+        payload: Bytes::from_static(b"{}"),
+        position: Position {
+            commit_lsn: pgoutput::Lsn(lsn),
+            index: 0,
+        },
+        created_at_ms: T0,
+        headers: vec![
+            (Arc::from("X-Tenant"), tenant.to_owned()),
+            (Arc::from("traceparent"), TRACEPARENT.to_owned()),
+        ],
+        binary: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uuid_and_text_ids_under_a_subject_template_are_handled_with_their_headers_parked_and_re_driven(
+) {
+    let case = Case::new("own_table").await;
+    let text = "{prefix}.{aggregatetype}.{shard}";
+    let template = outbox::SubjectTemplate::parse(text).unwrap();
+    // Two uuids of one entity in one millisecond, the second sorting below the first (no
+    // false out-of-order report), a hostile text id (its values percent-encoded), and a
+    // uuid whose handler fails: parked.
+    let (first, second) = (
+        "f0000000-0000-4000-8000-000000000001",
+        "00000000-0000-4000-8000-000000000002",
+    );
+    let failing = "0f8fad5b-d9cb-469f-a165-70867728950e";
+    let hostile = "Nats-Msg-Id: evt 3";
+    let all = [
+        own_table_event(&case, &template, (first, 0x100), "order-1", "acme"),
+        own_table_event(&case, &template, (second, 0x200), "order-1", "acme"),
+        own_table_event(
+            &case,
+            &template,
+            (hostile, 0x300),
+            "order-2",
+            "nats-tenant\n",
+        ),
+        own_table_event(&case, &template, (failing, 0x400), "order-3", "acme"),
+    ];
+    assert!(all[2].is_hostile());
+    case.publish(&all, None).await;
+    let mut config = case.config();
+    config.subject_template = text.into();
+    config.max_attempts = 1;
+    let seen = Arc::new(Seen {
+        fail: Mutex::new(HashSet::from([failing.to_owned()])),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(config).await, Arc::clone(&seen));
+    wait_for("3 processed and 1 parked", async || {
+        running.stats.processed() == 3 && running.stats.parked() == 1
+    })
+    .await;
+    wait_for("everything acknowledged", async || case.all_acked().await).await;
+    let parked = case
+        .sql
+        .query_one(
+            "select outbox_id, outbox_id_text, dedupe_key from parked_events where consumer = $1",
+            &[&case.name],
+        )
+        .await
+        .unwrap();
+    // Fixed and re-driven: the parked uuid is handled from its row.
+    seen.fail.lock().unwrap().clear();
+    case.sql
+        .execute(
+            "update parked_events set redrive = true where consumer = $1",
+            &[&case.name],
+        )
+        .await
+        .unwrap();
+    running.wait_processed(4).await;
+    let stats = running.stop().await;
+    assert_eq!(stats.out_of_order(), 0, "same millisecond, in commit order");
+    let left: i64 = case
+        .sql
+        .query_one("select count(*) from parked_events", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "the re-driven row is gone");
+
+    let mut sightings = seen.seen.lock().unwrap().clone();
+    sightings.sort();
+    let sighting = |id: &str, tenant: &str| {
+        (
+            id.to_owned(),
+            Some(tenant.to_owned()),
+            Some(TRACEPARENT.to_owned()),
+        )
+    };
+    let mut expected = vec![
+        sighting(first, "acme"),
+        sighting(second, "acme"),
+        sighting(hostile, "nats-tenant\n"),
+        sighting(failing, "acme"),
+    ];
+    expected.sort();
+    assert_eq!(sightings, expected, "ids, decoded headers, trace contexts");
+    let (int_id, text_id, key): (Option<i64>, Option<String>, String) =
+        (parked.get(0), parked.get(1), parked.get(2));
+    assert_eq!((int_id, text_id.as_deref()), (None, Some(failing)));
+    assert_eq!(key, format!("OrderPaid:order-3:{failing}"));
+    // The durable consumers filter the template's subjects of their shard.
+    let shard = all[0].shard;
+    let info = case.consumer_info(shard).await;
+    assert_eq!(
+        info.config.filter_subject,
+        format!("{}.*.{shard}", case.prefix)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_table_made_before_text_ids_parks_integers_and_names_the_migration_for_a_uuid() {
+    let case = Case::with_schema("old_parked", false).await;
+    case.sql
+        .batch_execute(
+            "create table processed_events (dedupe_key text primary key, \
+               processed_at timestamptz not null default now());
+             create table parked_events (consumer text not null, dedupe_key text not null,
+               outbox_id bigint not null, entity_id text not null, event_type text not null,
+               shard bigint not null, stream_sequence bigint not null, delivered bigint not null,
+               attempts integer not null, error text not null, subject text not null,
+               headers jsonb not null, payload bytea not null,
+               parked_at timestamptz not null default now(),
+               redrive boolean not null default false, primary key (consumer, dedupe_key))",
+        )
+        .await
+        .unwrap();
+    case.publish(&[case.event(1, "order-1", "OrderPaid", T0 + 1)], None)
+        .await;
+    let mut config = case.config();
+    config.max_attempts = 1;
+    let seen = Arc::new(Seen {
+        fail: Mutex::new(HashSet::from(["1".to_owned()])),
+        ..Default::default()
+    });
+    let running = Running::start(case.consumer(config).await, Arc::clone(&seen));
+    wait_for("1 parked", async || running.stats.parked() == 1).await;
+    assert_eq!(parked_rows(&case).await, [(1, 1)]);
+
+    let template = outbox::SubjectTemplate::default();
+    let uuid = "0f8fad5b-d9cb-469f-a165-70867728950e";
+    case.publish(
+        &[own_table_event(
+            &case,
+            &template,
+            (uuid, 0x500),
+            "order-9",
+            "acme",
+        )],
+        None,
+    )
+    .await;
+    let error = running.error().await;
+    assert!(
+        matches!(&error, Error::Setup(SetupError::ParkedTable { .. })),
+        "{error}"
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains("outbox_id_text") && text.contains("sql/consumer.sql"),
+        "{text}"
+    );
+    assert!(text.contains(uuid), "{text}");
+    // Nothing of it was handled, and running the migration lets it through.
+    assert!(seen.seen.lock().unwrap().is_empty());
+    case.sql
+        .batch_execute(outbox_consumer::SCHEMA_SQL)
+        .await
+        .unwrap();
+    case.sql
+        .batch_execute(outbox_consumer::SCHEMA_SQL)
+        .await
+        .unwrap();
+    // The stopped shard did not release the uuid's message: it comes back after ack_wait.
+    let mut config = case.config();
+    config.ack_wait = Duration::from_secs(1);
+    let running = Running::start(case.consumer(config).await, Arc::clone(&seen));
+    running.wait_processed(1).await;
+    running.stop().await;
+    assert_eq!(seen.seen.lock().unwrap()[0].0, uuid);
 }

@@ -7,6 +7,7 @@
 //! OUTBOX_RELAY_STREAM           OUTBOX   } the relay's values
 //! OUTBOX_RELAY_SUBJECT_PREFIX   outbox   }
 //! OUTBOX_RELAY_PARTITIONS       12       }
+//! OUTBOX_RELAY_SUBJECT_TEMPLATE {prefix}.{shard}.{event_type} } (the relay's subject template)
 //! OUTBOX_CONSUMER_NAME          ledger   (durable consumers ledger-0 .. ledger-11)
 //! OUTBOX_CONSUMER_SHARDS        all, or e.g. 0,1,2 to split shards between processes
 //! OUTBOX_CONSUMER_ACK_WAIT_MS   30000
@@ -39,7 +40,7 @@ impl Handler for Ledger {
             "insert into ledger (outbox_id, entity_id, event_type, payload) \
              values ($1, $2, $3, $4::text::jsonb)",
             &[
-                &event.id,
+                &event.id.to_string(),
                 &event.entity_id,
                 &event.event_type,
                 &event.payload_str()?,
@@ -51,7 +52,7 @@ impl Handler for Ledger {
 }
 
 const LEDGER_SQL: &str = "create table if not exists ledger (
-    outbox_id bigint not null,
+    outbox_id text not null,
     entity_id text not null,
     event_type text not null,
     payload jsonb not null,
@@ -121,6 +122,7 @@ fn config_from_env() -> Result<Config, String> {
     let mut config = Config::new(env_or("OUTBOX_CONSUMER_NAME", "ledger"));
     config.stream = env_or("OUTBOX_RELAY_STREAM", &config.stream);
     config.subject_prefix = env_or("OUTBOX_RELAY_SUBJECT_PREFIX", &config.subject_prefix);
+    config.subject_template = env_or("OUTBOX_RELAY_SUBJECT_TEMPLATE", &config.subject_template);
     config.partitions = parsed("OUTBOX_RELAY_PARTITIONS", config.partitions)?;
     if let Ok(shards) = std::env::var("OUTBOX_CONSUMER_SHARDS") {
         if shards != "all" {
@@ -262,7 +264,7 @@ fn parsed<T: std::str::FromStr>(key: &str, default: T) -> Result<T, String> {
 /// announce it and hang before the ack, so a test can kill the process right there.
 fn stall_after_commit(consumer: Consumer, id: i64) -> Consumer {
     consumer.after_commit(move |event| {
-        if event.id == id {
+        if event.id.as_int() == Some(id) {
             info!(
                 outbox_id = id,
                 "stalling after commit, before the ack (test hook)"

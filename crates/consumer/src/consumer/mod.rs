@@ -23,13 +23,14 @@ use tokio::task::JoinSet;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{Client, Socket, Statement};
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument as _};
 
 use crate::config::{Config, OnFailure};
 use crate::error::{Error, HandlerFailed, Problem, SetupError, Unavailable};
 use crate::event::{Event, MessageError};
 use crate::metrics::{Failed, Metrics, Parked, Retry};
-use crate::order::{ordering_key, EntityOrder};
+use crate::order::{EntityOrder, Mark};
+use crate::trace::{batch_span, handle_span};
 use crate::transaction::{Statements, Transaction};
 use crate::{BatchHandler, Handler};
 
@@ -315,7 +316,8 @@ impl<H: Handler> Apply for PerEvent<H> {
             if index > 0 && *stop.borrow() {
                 return Err(Failure::Stopped { index });
             }
-            if let Err(error) = self.0.handle(tx, event).await {
+            let handled = self.0.handle(tx, event).instrument(handle_span(event));
+            if let Err(error) = handled.await {
                 return Err(Failure::Handler {
                     index: Some(index),
                     error: error.to_string(),
@@ -338,6 +340,7 @@ impl<H: BatchHandler> Apply for Batched<H> {
     ) -> Result<(), Failure> {
         self.0
             .handle_batch(tx, events)
+            .instrument(batch_span(events))
             .await
             .map_err(|error| Failure::Handler {
                 index: None,
@@ -385,6 +388,8 @@ struct Worker<A> {
     /// Whether `parked` was read through the current connection: no batch is handled
     /// before it was (P3).
     parked_loaded: bool,
+    /// Whether the parked table has `outbox_id_text`, for uuid and text ids (P1).
+    parked_text_ids: bool,
 }
 
 /// An event whose handler failed `attempts` times in a row.
@@ -495,6 +500,7 @@ impl<A: Apply> Worker<A> {
             parked: HashSet::new(),
             next_poll: tokio::time::Instant::now(),
             parked_loaded: false,
+            parked_text_ids: true,
         }
     }
 
@@ -733,7 +739,11 @@ impl<A: Apply> Worker<A> {
             let Some(message) = self.held.remove(&sequence) else {
                 break;
             };
-            match self.decode(&message, sequence) {
+            let decoded = self
+                .decode(&message, sequence)
+                .map_err(Error::from)
+                .and_then(|event| self.check_parkable(&event).map(|()| event));
+            match decoded {
                 Ok(event) => {
                     batch.messages.push(message);
                     batch.events.push(event);
@@ -741,7 +751,7 @@ impl<A: Apply> Worker<A> {
                 Err(error) => {
                     self.held.insert(sequence, message);
                     if batch.events.is_empty() {
-                        return Err(error.into());
+                        return Err(error);
                     }
                     break;
                 }
@@ -847,7 +857,7 @@ impl<A: Apply> Worker<A> {
     async fn ack(&mut self, message: jetstream::Message, event: &Event) {
         if let Err(error) = message.ack().await {
             // C1 holds either way: a redelivery finds out through the dedupe key.
-            warn!(shard = self.shard, outbox_id = event.id, %error, "could not acknowledge; the message will be redelivered after ack_wait");
+            warn!(shard = self.shard, outbox_id = %event.id, %error, "could not acknowledge; the message will be redelivered after ack_wait");
         }
         self.last_acked = Some(message);
     }
@@ -876,7 +886,7 @@ impl<A: Apply> Worker<A> {
         self.metrics.failing_attempts(self.shard, attempts);
         if attempts < self.config.max_attempts {
             let retry_in = self.config.retry_delay_after(attempts);
-            warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, attempts, %error, ?retry_in, "handler failed; rolled back, the message will be redelivered");
+            warn!(shard = self.shard, outbox_id = %event.id, stream_sequence = sequence, attempts, %error, ?retry_in, "handler failed; rolled back, the message will be redelivered");
             self.release(&message, Some(retry_in)).await;
             self.metrics.retried(Retry::Event);
             self.waiting_for = Some(sequence);
@@ -887,11 +897,11 @@ impl<A: Apply> Worker<A> {
             OnFailure::Park => match self.park_failed(event, attempts, &error).await {
                 Ok(parked) => {
                     if parked {
-                        warn!(shard = self.shard, outbox_id = event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
+                        warn!(shard = self.shard, outbox_id = %event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
                     } else {
                         debug!(
                             shard = self.shard,
-                            outbox_id = event.id,
+                            outbox_id = %event.id,
                             "processed meanwhile by another consumer; acknowledging"
                         );
                     }
@@ -911,7 +921,7 @@ impl<A: Apply> Worker<A> {
                 self.put_back(vec![message], std::slice::from_ref(event));
                 self.finish(messages).await?;
                 Err(HandlerFailed {
-                    outbox_id: event.id,
+                    outbox_id: event.id.clone(),
                     stream_sequence: sequence,
                     entity_id: event.entity_id.clone(),
                     dedupe_key: event.keys.dedupe_key.clone(),
@@ -1010,7 +1020,7 @@ impl<A: Apply> Worker<A> {
             warn!(
                 shard = self.shard,
                 parked = done.parked.len(),
-                first_outbox_id = slice[first].id,
+                first_outbox_id = %slice[first].id,
                 "parked behind an earlier parked event of their entity, not handled"
             );
         }
@@ -1033,16 +1043,16 @@ impl<A: Apply> Worker<A> {
 
     /// C6: reports an event whose ordering key is not above its entity's mark.
     fn check_order(&mut self, event: &Event) {
-        let order = event.order();
-        if let Some(mark) = self.order.regression(&event.entity_id, order) {
+        let order = Mark::of(event);
+        if let Some(mark) = self.order.regression(&event.entity_id, &order) {
             bump(&self.stats.out_of_order);
             self.metrics.out_of_order();
             warn!(
                 shard = self.shard,
-                outbox_id = event.id,
+                outbox_id = %event.id,
                 stream_sequence = event.stream_sequence,
                 ordering_key = %event.keys.ordering_key,
-                processed_before = %ordering_key(mark),
+                processed_before = %mark.ordering_key(),
                 "out of order: this event's ordering key is not above one its entity already processed"
             );
         }
@@ -1063,9 +1073,13 @@ impl<A: Apply> Worker<A> {
             .map(|event| event.keys.dedupe_key.as_str())
             .collect();
         let fresh = record_keys(&tx, &connection.insert, &keys).await?;
-        let shard = (&*self.config, self.shard);
+        let target = park::Target {
+            config: &self.config,
+            shard: self.shard,
+            text_ids: self.parked_text_ids,
+        };
         let (handled, parked) =
-            park::park_behind(&tx, shard, &mut self.parked, slice, fresh).await?;
+            park::park_behind(&tx, target, &mut self.parked, slice, fresh).await?;
         if handled.is_empty() {
             let tx = tx.into_inner();
             match parked.is_empty() {

@@ -7,6 +7,10 @@
 //!   parked table (id, dedupe key, entity, stream sequence, attempts, the last error's text,
 //!   its headers and payload) commits with the key or neither does, and only then is it
 //!   acknowledged (C1). A parked event is never lost and never counted as processed.
+//!   An integer id is in `outbox_id`, a uuid or text id in `outbox_id_text` (the other one
+//!   null). A table made before `outbox_id_text` existed still parks integer ids; a shard
+//!   that meets a uuid or text id with such a table stops with [`SetupError::ParkedTable`]
+//!   naming the migration before it handles that event.
 //! - P2 An entity with a parked event has the rest of its events parked behind it (attempts
 //!   0), not handled: the handler never sees an entity's event after one of its events that
 //!   was not applied. Holding only that entity's messages instead would keep them
@@ -28,6 +32,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
+use tokio_postgres::error::SqlState;
 use tracing::{info, warn};
 
 use super::{Apply, Failure, Worker};
@@ -60,18 +65,35 @@ impl<A: Apply> Worker<A> {
         self.config.on_failure == OnFailure::Park
     }
 
-    /// Checks that the parked table is usable (at connect, with [`OnFailure::Park`]).
+    /// Checks that the parked table is usable (at connect, with [`OnFailure::Park`]), and
+    /// whether it has `outbox_id_text` (P1).
     pub(super) async fn check_parked_table(
-        &self,
+        &mut self,
         client: &tokio_postgres::Client,
     ) -> Result<(), Error> {
         let table = &self.config.parked_table;
-        let check = format!(
-            "select consumer, dedupe_key, outbox_id, entity_id, event_type, shard, \
-             stream_sequence, delivered, attempts, error, subject, headers, payload, redrive \
-             from {table} where false"
-        );
-        match client.prepare(&check).await {
+        let check = |text_column: &str| {
+            format!(
+                "select consumer, dedupe_key, outbox_id, {text_column}entity_id, event_type, \
+                 shard, stream_sequence, delivered, attempts, error, subject, headers, payload, \
+                 redrive from {table} where false"
+            )
+        };
+        let checked = match client.prepare(&check("outbox_id_text, ")).await {
+            Err(error) if error.code() == Some(&SqlState::UNDEFINED_COLUMN) => {
+                let older = client.prepare(&check("")).await;
+                if older.is_ok() && self.parked_text_ids {
+                    warn!(table = %table, "the parked table has no column outbox_id_text: events with uuid or text ids cannot be parked until sql/consumer.sql is run again (it adds the column)");
+                }
+                self.parked_text_ids = false;
+                older
+            }
+            checked => {
+                self.parked_text_ids = true;
+                checked
+            }
+        };
+        match checked {
             Ok(_) => Ok(()),
             Err(error) if super::is_schema_error(&error) => Err(SetupError::ParkedTable {
                 table: table.clone(),
@@ -80,6 +102,23 @@ impl<A: Apply> Worker<A> {
             .into()),
             Err(error) => Err(Unavailable::Postgres(error).into()),
         }
+    }
+
+    /// P1: an event with a uuid or text id needs `outbox_id_text` to be parkable; the
+    /// shard stops before handling it when the table lacks it.
+    pub(super) fn check_parkable(&self, event: &Event) -> Result<(), Error> {
+        if !self.parks() || self.parked_text_ids || event.id.is_int() {
+            return Ok(());
+        }
+        Err(SetupError::ParkedTable {
+            table: self.config.parked_table.clone(),
+            reason: format!(
+                "it has no column outbox_id_text, which events with uuid or text ids (outbox id \
+                 {}) need; run sql/consumer.sql again (it adds the column, idempotently)",
+                event.id
+            ),
+        }
+        .into())
     }
 
     /// Parks `event`, whose handler failed `attempts` times, in a transaction of its own
@@ -100,7 +139,12 @@ impl<A: Apply> Worker<A> {
         let fresh = !tx.query(&connection.insert, &[&keys]).await?.is_empty();
         if fresh {
             let reason = Reason::Failed { attempts, error };
-            park_in(&tx, &self.config, self.shard, &[event], reason).await?;
+            let target = Target {
+                config: &self.config,
+                shard: self.shard,
+                text_ids: self.parked_text_ids,
+            };
+            park_in(&tx, target, &[event], reason).await?;
         }
         tx.into_inner().commit().await?;
         if fresh {
@@ -178,7 +222,7 @@ impl<A: Apply> Worker<A> {
             if let Some(error) = self.redrive_one(&row).await? {
                 warn!(
                     shard = self.shard,
-                    outbox_id = row.event.id,
+                    outbox_id = %row.event.id,
                     stream_sequence = row.event.stream_sequence,
                     %error,
                     "a re-driven event failed again; it and its entity's later events stay parked"
@@ -314,11 +358,51 @@ impl<A: Apply> Worker<A> {
     }
 }
 
+/// Where a shard parks: the configuration's table, the shard, and whether the table has
+/// `outbox_id_text` (P1).
+#[derive(Clone, Copy)]
+pub(super) struct Target<'a> {
+    pub(super) config: &'a Config,
+    pub(super) shard: u64,
+    pub(super) text_ids: bool,
+}
+
+/// The columns of parked rows, one array per column (P1).
+struct Columns<'a> {
+    keys: Vec<&'a str>,
+    int_ids: Vec<Option<i64>>,
+    text_ids: Vec<Option<&'a str>>,
+    entities: Vec<&'a str>,
+    types: Vec<&'a str>,
+    sequences: Vec<i64>,
+    delivered: Vec<i64>,
+    subjects: Vec<&'a str>,
+    headers: Vec<String>,
+    payloads: Vec<&'a [u8]>,
+}
+
+impl<'a> Columns<'a> {
+    fn of(events: &[&'a Event]) -> Self {
+        let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        Columns {
+            keys: events.iter().map(|e| e.keys.dedupe_key.as_str()).collect(),
+            int_ids: events.iter().map(|e| e.id.as_int()).collect(),
+            text_ids: events.iter().map(|e| e.id.as_text()).collect(),
+            entities: events.iter().map(|e| e.entity_id.as_str()).collect(),
+            types: events.iter().map(|e| e.event_type.as_str()).collect(),
+            sequences: events.iter().map(|e| int(e.stream_sequence)).collect(),
+            delivered: events.iter().map(|e| int(e.delivered)).collect(),
+            subjects: events.iter().map(|e| e.subject.as_str()).collect(),
+            headers: events.iter().map(|e| headers_json(&e.headers)).collect(),
+            payloads: events.iter().map(|e| &e.payload[..]).collect(),
+        }
+    }
+}
+
 /// Inserts parked rows for `events` in `tx` (P1).
 pub(super) async fn park_in(
     tx: &Transaction<'_>,
-    config: &Config,
-    shard: u64,
+    target: Target<'_>,
     events: &[&Event],
     reason: Reason<'_>,
 ) -> Result<(), tokio_postgres::Error> {
@@ -332,38 +416,44 @@ pub(super) async fn park_in(
             "not handled: an earlier event of its entity is parked".into(),
         ),
     };
-    let column = |f: fn(&Event) -> i64| events.iter().map(|e| f(e)).collect::<Vec<i64>>();
-    let keys: Vec<&str> = events.iter().map(|e| e.keys.dedupe_key.as_str()).collect();
-    let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
-    let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
-    let subjects: Vec<&str> = events.iter().map(|e| e.subject.as_str()).collect();
-    let headers: Vec<String> = events.iter().map(|e| headers_json(&e.headers)).collect();
-    let payloads: Vec<&[u8]> = events.iter().map(|e| &e.payload[..]).collect();
-    let table = &config.parked_table;
+    let c = Columns::of(events);
+    let shard = i64::try_from(target.shard).unwrap_or(i64::MAX);
+    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = vec![
+        &target.config.name,
+        &shard,
+        &attempts,
+        &error,
+        &c.keys,
+        &c.int_ids,
+        &c.entities,
+        &c.types,
+        &c.sequences,
+        &c.delivered,
+        &c.subjects,
+        &c.headers,
+        &c.payloads,
+    ];
+    // A table without outbox_id_text gets integer ids only (check_parkable).
+    let (text_column, text_value, text_array) = match target.text_ids {
+        true => (", outbox_id_text", ", x", ", $14::text[]"),
+        false => ("", "", ""),
+    };
+    if target.text_ids {
+        params.push(&c.text_ids);
+    }
+    let table = &target.config.parked_table;
     tx.execute(
         &format!(
             "insert into {table} (consumer, shard, attempts, error, dedupe_key, outbox_id, \
-             entity_id, event_type, stream_sequence, delivered, subject, headers, payload) \
-             select $1, $2, $3, $4, k, i, e, t, s, d, j, h::jsonb, p \
+             entity_id, event_type, stream_sequence, delivered, subject, headers, payload\
+             {text_column}) \
+             select $1, $2, $3, $4, k, i, e, t, s, d, j, h::jsonb, p{text_value} \
              from unnest($5::text[], $6::int8[], $7::text[], $8::text[], $9::int8[], \
-             $10::int8[], $11::text[], $12::text[], $13::bytea[]) u(k, i, e, t, s, d, j, h, p) \
+             $10::int8[], $11::text[], $12::text[], $13::bytea[]{text_array}) \
+             u(k, i, e, t, s, d, j, h, p{text_value}) \
              on conflict do nothing"
         ),
-        &[
-            &config.name,
-            &i64::try_from(shard).unwrap_or(i64::MAX),
-            &attempts,
-            &error,
-            &keys,
-            &column(|e| e.id),
-            &entities,
-            &types,
-            &column(|e| i64::try_from(e.stream_sequence).unwrap_or(i64::MAX)),
-            &column(|e| i64::try_from(e.delivered).unwrap_or(i64::MAX)),
-            &subjects,
-            &headers,
-            &payloads,
-        ],
+        &params,
     )
     .await?;
     Ok(())
@@ -376,7 +466,7 @@ pub(super) async fn park_in(
 /// gone leaves `parked`.
 pub(super) async fn park_behind(
     tx: &Transaction<'_>,
-    (config, shard): (&Config, u64),
+    target: Target<'_>,
     parked: &mut HashSet<String>,
     slice: &[Event],
     fresh: Vec<usize>,
@@ -389,6 +479,7 @@ pub(super) async fn park_behind(
     if candidates.is_empty() {
         return Ok((fresh, Vec::new()));
     }
+    let (config, shard) = (target.config, target.shard);
     let table = &config.parked_table;
     let candidates: Vec<&str> = candidates.into_iter().collect();
     let still: HashSet<String> = tx
@@ -415,7 +506,7 @@ pub(super) async fn park_behind(
         .partition(|&i| still.contains(&slice[i].entity_id));
     if !behind.is_empty() {
         let events: Vec<&Event> = behind.iter().map(|&i| &slice[i]).collect();
-        park_in(tx, config, shard, &events, Reason::Behind).await?;
+        park_in(tx, target, &events, Reason::Behind).await?;
     }
     Ok((handled, behind))
 }

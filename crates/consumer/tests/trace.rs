@@ -1,0 +1,157 @@
+//! With the `opentelemetry` feature, against a real Postgres and nats-server (testkit): an
+//! event published with the producer's W3C trace context is handled in a span of the
+//! producer's trace (TR2 in `outbox_consumer::trace`), seen through OpenTelemetry's
+//! in-memory exporter.
+
+#![allow(clippy::unwrap_used)]
+
+use std::num::NonZeroU64;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use bytes::Bytes;
+use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use outbox::{EventId, OutboxEvent, Position};
+use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+use tracing_subscriber::layer::SubscriberExt as _;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PRODUCER_SPAN_ID: &str = "00f067aa0ba902b7";
+
+/// The spans the test binary's tracing ends, exported in memory.
+fn exported() -> &'static (InMemorySpanExporter, SdkTracerProvider) {
+    static EXPORTER: OnceLock<(InMemorySpanExporter, SdkTracerProvider)> = OnceLock::new();
+    EXPORTER.get_or_init(|| {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("consumer-test")));
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        (exporter, provider)
+    })
+}
+
+/// A handler doing its work in a span of its own.
+struct Traced;
+
+impl Handler for Traced {
+    async fn handle(&self, _tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        tracing::info_span!("ledger.apply", outbox_id = %event.id).in_scope(|| {});
+        Ok(())
+    }
+}
+
+fn finished(name: &str) -> Option<SpanData> {
+    let (exporter, provider) = exported();
+    provider.force_flush().unwrap();
+    exporter
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handled_event_continues_the_producers_trace() {
+    exported();
+    let pg = testkit::Postgres::start();
+    let nats = testkit::Nats::start();
+    pg.create_database("consumer_trace");
+    let pg_url = pg.url("consumer_trace");
+    let (sql, connection) = tokio_postgres::connect(&pg_url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    sql.batch_execute(outbox_consumer::SCHEMA_SQL)
+        .await
+        .unwrap();
+    let client = async_nats::connect(&nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    js.create_stream(jetstream::stream::Config {
+        name: "OUTBOX_TRACE".into(),
+        subjects: vec!["trace.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let partitions = NonZeroU64::new(4).unwrap();
+    let (id, entity_id, event_type, created_at_ms) = (EventId::Int(1), "order-1", "OrderPaid", 1);
+    let shard = outbox::shard_for_key(partitions, entity_id);
+    let traceparent = format!("00-{TRACE_ID}-{PRODUCER_SPAN_ID}-01");
+    let event = OutboxEvent {
+        keys: id.keys(entity_id, event_type, created_at_ms),
+        id,
+        entity_id: entity_id.into(),
+        event_type: event_type.into(),
+        subject: outbox::subject::subject("trace", shard, event_type),
+        shard,
+        payload: Bytes::from_static(b"{}"),
+        position: Position {
+            commit_lsn: pgoutput::Lsn(0x100),
+            index: 0,
+        },
+        created_at_ms,
+        headers: vec![
+            (Arc::from("traceparent"), traceparent),
+            (Arc::from("tracestate"), "rojo=00f067aa0ba902b7".to_owned()),
+        ],
+        binary: false,
+    };
+    js.send_publish(event.subject.clone(), sink::publish_message(&event))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let mut config = Config::new("traced");
+    config.stream = "OUTBOX_TRACE".into();
+    config.subject_prefix = "trace".into();
+    config.partitions = partitions;
+    config.shards = Some(vec![shard]);
+    let consumer = Consumer::new(
+        config,
+        client,
+        Postgres::new(pg_url.parse().unwrap(), tokio_postgres::NoTls),
+    );
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(Traced, async {
+        let _ = stopped.await;
+    }));
+    let start = Instant::now();
+    while stats.processed() < 1 || finished("outbox.handle").is_none() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the event was not handled in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+
+    let handle = finished("outbox.handle").unwrap();
+    let trace_id = TraceId::from_hex(TRACE_ID).unwrap();
+    assert_eq!(
+        handle.span_context.trace_id(),
+        trace_id,
+        "the producer's trace"
+    );
+    assert_eq!(
+        handle.parent_span_id,
+        SpanId::from_hex(PRODUCER_SPAN_ID).unwrap(),
+        "the producer's span is the parent"
+    );
+    assert_eq!(
+        handle.span_context.trace_state().header(),
+        "rojo=00f067aa0ba902b7"
+    );
+    let apply = finished("ledger.apply").unwrap();
+    assert_eq!(apply.span_context.trace_id(), trace_id);
+    assert_eq!(apply.parent_span_id, handle.span_context.span_id());
+}
