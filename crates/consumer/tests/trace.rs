@@ -155,3 +155,143 @@ async fn a_handled_event_continues_the_producers_trace() {
     assert_eq!(apply.span_context.trace_id(), trace_id);
     assert_eq!(apply.parent_span_id, handle.span_context.span_id());
 }
+
+/// Debezium's outbox table (issue 22), with the producer's span context in
+/// `tracingspancontext` as Debezium's Java properties.
+const DEBEZIUM_TABLE: &str = "CREATE TABLE outboxevent (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
+    payload jsonb,
+    tracingspancontext varchar(256));
+    CREATE TABLE applied (outbox_id text PRIMARY KEY, aggregate_id text NOT NULL);";
+
+/// The trace of the Debezium test's producer (another than the first test's).
+const DEBEZIUM_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+
+/// A handler applying each event once: a duplicate would break `applied`'s primary key.
+struct Applied;
+
+impl Handler for Applied {
+    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+        tx.execute(
+            "INSERT INTO applied (outbox_id, aggregate_id) VALUES ($1, $2)",
+            &[&event.id.to_string(), &event.entity_id],
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Issue 22 end to end: a Debezium table through the relay's preset (subjects
+/// `{prefix}.{aggregatetype}.{shard}`), the relay SIGKILLed mid-stream and restarted, and the
+/// consumer library applying every row exactly once, each in a span whose parent is the
+/// producer's span its row names (TR2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers_span() {
+    exported();
+    let s = testkit::harness::servers();
+    let mut case = testkit::harness::Case::new(&s.pg, &s.nats, "dbztrace");
+    case.relay_bin = testkit::harness::built_relay(None).unwrap();
+    s.pg.psql(&case.database, DEBEZIUM_TABLE);
+    s.pg.psql(&case.database, outbox_consumer::SCHEMA_SQL);
+    for (key, value) in [
+        ("OUTBOX_RELAY_TABLE", "public.outboxevent"),
+        ("OUTBOX_RELAY_TABLE_PRESET", "debezium"),
+    ] {
+        case.extra_env.push((key.into(), value.into()));
+    }
+    let js = case.jetstream().await;
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    let rows = 200u64;
+    let writer = tokio::spawn(async move {
+        for t in 0..20u64 {
+            let tx = sql.transaction().await.unwrap();
+            for i in 0..10u64 {
+                let n = t * 10 + i + 1;
+                let context = format!(
+                    "#Wed Dec 02 05:00:00 UTC 2026\ntraceparent=00-{DEBEZIUM_TRACE_ID}-{n:016x}-01\n"
+                );
+                let aggregate_type = if n % 2 == 0 { "Order" } else { "Order.Line" };
+                tx.execute(
+                    "INSERT INTO outboxevent (aggregatetype, aggregateid, type, payload, tracingspancontext) \
+                     VALUES ($1, $2, 'Placed', '{}', $3)",
+                    &[&aggregate_type, &format!("order-{}", n % 13), &context],
+                )
+                .await
+                .unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+    });
+    case.wait_for_count(&js, 50, DEADLINE).await;
+    relay.kill();
+    let mut relay = case.start_relay();
+    writer.await.unwrap();
+    case.wait_for_count(&js, rows, DEADLINE).await;
+    relay.terminate(DEADLINE);
+    assert_eq!(case.stream_count(&js).await, rows, "one message per row");
+
+    let mut config = Config::new("dbz");
+    config.stream = case.stream.clone();
+    config.subject_prefix = case.prefix.clone();
+    config.subject_template = "{prefix}.{aggregatetype}.{shard}".into();
+    let client = async_nats::connect(&case.nats_url).await.unwrap();
+    let consumer = Consumer::new(
+        config,
+        client,
+        Postgres::new(case.pg_url.parse().unwrap(), tokio_postgres::NoTls),
+    );
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(Applied, async {
+        let _ = stopped.await;
+    }));
+    let trace_id = TraceId::from_hex(DEBEZIUM_TRACE_ID).unwrap();
+    let handled = || {
+        let (exporter, provider) = exported();
+        provider.force_flush().unwrap();
+        exporter
+            .get_finished_spans()
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.name == "outbox.handle" && s.span_context.trace_id() == trace_id)
+            .collect::<Vec<_>>()
+    };
+    let start = Instant::now();
+    while stats.processed() < rows || (handled().len() as u64) < rows {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{} of {rows} events handled in time",
+            stats.processed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+
+    let sql = case.sql().await;
+    let applied: i64 = sql
+        .query_one(
+            "SELECT count(*) FROM applied a JOIN outboxevent o ON o.id::text = a.outbox_id \
+              WHERE o.aggregateid = a.aggregate_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(applied as u64, rows, "every row applied exactly once");
+    let mut parents: Vec<String> = handled()
+        .iter()
+        .map(|s| s.parent_span_id.to_string())
+        .collect();
+    parents.sort();
+    let expected: Vec<String> = (1..=rows).map(|n| format!("{n:016x}")).collect();
+    assert_eq!(
+        parents, expected,
+        "each handled once, in its own producer span's trace"
+    );
+}
