@@ -10,22 +10,11 @@ mod support;
 
 use std::num::NonZeroU64;
 
-use support::{eventually, servers, Case, Stored, DEADLINE};
+use support::{
+    eventually, Case, Stored, DEADLINE, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE,
+};
 
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
-
-/// A case whose database also holds `table_sql`, relayed as `table` with `env`.
-fn case_with(name: &str, table_sql: &str, table: &str, env: &[(&str, &str)]) -> Case {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, name);
-    s.pg.psql(&case.database, table_sql);
-    case.extra_env
-        .push(("OUTBOX_RELAY_TABLE".into(), table.into()));
-    for (k, v) in env {
-        case.extra_env.push(((*k).into(), (*v).into()));
-    }
-    case
-}
 
 /// Runs `write` (which commits rows and returns how many the stream must hold) while the
 /// relay is SIGKILLed twice mid-stream and restarted; returns the stream once it holds them.
@@ -72,19 +61,7 @@ fn shard(entity: &str) -> u64 {
 /// `tracingspancontext` column in Java properties form, through the preset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debezium_table_through_the_preset_arrives_once_in_order_with_its_trace_context() {
-    let case = case_with(
-        "debezium",
-        "CREATE TABLE outboxevent (
-            id uuid PRIMARY KEY,
-            aggregatetype varchar(255) NOT NULL,
-            aggregateid varchar(255) NOT NULL,
-            type varchar(255) NOT NULL,
-            timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-            payload jsonb,
-            tracingspancontext varchar(256));",
-        "public.outboxevent",
-        &[("OUTBOX_RELAY_TABLE_PRESET", "debezium")],
-    );
+    let case = Case::with_table("debezium", DEBEZIUM_TABLE, &[DEBEZIUM_ENV]);
     let props = format!("#Mon Dec 02 04:00:00 UTC 2026\\ntracestate=congo=t61rcWkgMzE\\ntraceparent={TRACEPARENT}\\n");
     let messages = relay_under_kills(&case, |mut sql| async move {
         let mut n = 0u64;
@@ -169,34 +146,7 @@ async fn a_debezium_table_through_the_preset_arrives_once_in_order_with_its_trac
 /// are percent-encoded under `Outbox-Encoding: percent`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_id_bytea_table_with_a_template_and_header_columns_arrives_once_in_order() {
-    let case = case_with(
-        "texttable",
-        "CREATE TABLE app_events (
-            event_id text PRIMARY KEY,
-            stream_id text NOT NULL,
-            kind text NOT NULL,
-            body bytea NOT NULL,
-            occurred_at timestamptz NOT NULL DEFAULT now(),
-            region text NOT NULL,
-            tenant text,
-            trace text,
-            seq bigserial);",
-        "public.app_events",
-        &[
-            ("OUTBOX_RELAY_ID_COLUMN", "event_id"),
-            ("OUTBOX_RELAY_ENTITY_ID_COLUMN", "stream_id"),
-            ("OUTBOX_RELAY_EVENT_TYPE_COLUMN", "kind"),
-            ("OUTBOX_RELAY_PAYLOAD_COLUMN", "body"),
-            ("OUTBOX_RELAY_CREATED_AT_COLUMN", "occurred_at"),
-            ("OUTBOX_RELAY_HEADER_COLUMNS", "tenant:X-Tenant"),
-            ("OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", "trace"),
-            (
-                "OUTBOX_RELAY_SUBJECT_TEMPLATE",
-                "{prefix}.{region}.{shard}.{event_type}",
-            ),
-            ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
-        ],
-    );
+    let case = Case::with_table("texttable", TEXT_TABLE, &[TEXT_ENV]);
     let messages = relay_under_kills(&case, |mut sql| async move {
         let mut published = 0u64;
         for t in 0..50 {
@@ -286,12 +236,11 @@ async fn a_text_id_bytea_table_with_a_template_and_header_columns_arrives_once_i
 /// naming both, and a table without the preset's columns is named with the fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_named() {
-    let case = case_with(
+    let case = Case::with_table(
         "remap",
         "CREATE TABLE ev (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), aggregatetype text NOT NULL, \
          aggregateid text NOT NULL, type text NOT NULL, timestamp timestamptz NOT NULL DEFAULT now(), payload jsonb);",
-        "public.ev",
-        &[("OUTBOX_RELAY_TABLE_PRESET", "debezium")],
+        &[&[("OUTBOX_RELAY_TABLE", "public.ev"), ("OUTBOX_RELAY_TABLE_PRESET", "debezium")]],
     );
     let js = case.jetstream().await;
     let mut relay = case.start_relay();

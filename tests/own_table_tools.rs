@@ -13,102 +13,18 @@ mod support;
 
 use std::collections::HashSet;
 
-use support::{servers, Case, Stored, DEADLINE};
+use support::{
+    counted, servers, Case, Stored, DEADLINE, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE,
+};
 
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
-const DEBEZIUM_TABLE: &str = "CREATE TABLE outboxevent (
-    id uuid PRIMARY KEY,
-    aggregatetype varchar(255) NOT NULL,
-    aggregateid varchar(255) NOT NULL,
-    type varchar(255) NOT NULL,
-    timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-    payload jsonb,
-    tracingspancontext varchar(256));";
-
-const TEXT_TABLE: &str = "CREATE TABLE app_events (
-    event_id text PRIMARY KEY,
-    stream_id text NOT NULL,
-    kind text NOT NULL,
-    body bytea NOT NULL,
-    occurred_at timestamptz NOT NULL DEFAULT now(),
-    region text NOT NULL,
-    tenant text,
-    trace text);";
-
-const TEXT_ENV: &[(&str, &str)] = &[
-    ("OUTBOX_RELAY_TABLE", "public.app_events"),
-    ("OUTBOX_RELAY_ID_COLUMN", "event_id"),
-    ("OUTBOX_RELAY_ENTITY_ID_COLUMN", "stream_id"),
-    ("OUTBOX_RELAY_EVENT_TYPE_COLUMN", "kind"),
-    ("OUTBOX_RELAY_PAYLOAD_COLUMN", "body"),
-    ("OUTBOX_RELAY_CREATED_AT_COLUMN", "occurred_at"),
-    ("OUTBOX_RELAY_HEADER_COLUMNS", "tenant:X-Tenant"),
-    ("OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", "trace"),
-    (
-        "OUTBOX_RELAY_SUBJECT_TEMPLATE",
-        "{prefix}.{region}.{shard}.{event_type}",
-    ),
-    ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
-];
-
-/// A case whose database also holds `table_sql`, relayed with `env`.
-fn case_with(name: &str, table_sql: &str, env: &[&[(&str, &str)]]) -> Case {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, name);
-    s.pg.psql(&case.database, table_sql);
-    for (k, v) in env.iter().copied().flatten() {
-        case.extra_env.push(((*k).into(), (*v).into()));
-    }
-    case
-}
-
 fn debezium_case(name: &str, env: &[(&str, &str)]) -> Case {
-    case_with(
-        name,
-        DEBEZIUM_TABLE,
-        &[
-            &[
-                ("OUTBOX_RELAY_TABLE", "public.outboxevent"),
-                ("OUTBOX_RELAY_TABLE_PRESET", "debezium"),
-            ],
-            env,
-        ],
-    )
+    Case::with_table(name, DEBEZIUM_TABLE, &[DEBEZIUM_ENV, env])
 }
 
 fn text_case(name: &str, env: &[(&str, &str)]) -> Case {
-    case_with(name, TEXT_TABLE, &[TEXT_ENV, env])
-}
-
-/// What one run of a subcommand printed.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(case: &Case, subcommand: &str, args: &[&str]) -> Run {
-    let output = case.relay_command(subcommand).args(args).output().unwrap();
-    Run {
-        code: output.status.code().unwrap(),
-        stdout: String::from_utf8(output.stdout).unwrap(),
-        stderr: String::from_utf8(output.stderr).unwrap(),
-    }
-}
-
-/// The number in a summary before `what` (`stored again`, …).
-fn counted(stdout: &str, what: &str) -> u64 {
-    let at = stdout
-        .find(what)
-        .unwrap_or_else(|| panic!("no {what:?} in {stdout}"));
-    stdout[..at]
-        .trim_end()
-        .rsplit([' ', ','])
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap_or_else(|_| panic!("no count before {what:?} in {stdout}"))
+    Case::with_table(name, TEXT_TABLE, &[TEXT_ENV, env])
 }
 
 /// `transactions` transactions of 10 Debezium rows (uuid ids, a trace context on every
@@ -233,7 +149,7 @@ async fn delete_and_verify(case: &Case, message: &Stored, shown: &str) {
     let js = case.jetstream().await;
     let stream = js.get_stream(&case.stream).await.unwrap();
     stream.delete_message(message.sequence).await.unwrap();
-    let verify = run(case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify
@@ -251,7 +167,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
     let mut sql = case.sql().await;
     let messages = relayed(&case, 30, insert_debezium(&mut sql, 3)).await;
 
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify.stdout.starts_with("verify: OK: 30 rows (ids ")
@@ -264,7 +180,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
     // A uuid range: compared as uuids.
     let deleted = &messages[7];
     let id = outbox_id(deleted);
-    let one = run(&case, "verify", &["--from-id", &id, "--to-id", &id]);
+    let one = case.run_command("verify", &["--from-id", &id, "--to-id", &id]);
     assert_eq!(one.code, 0, "{}\n{}", one.stdout, one.stderr);
     assert!(
         one.stdout
@@ -272,7 +188,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
         "{}",
         one.stdout
     );
-    let bad = run(&case, "verify", &["--from-id", "not-a-uuid"]);
+    let bad = case.run_command("verify", &["--from-id", "not-a-uuid"]);
     assert_eq!(bad.code, 2, "{}\n{}", bad.stdout, bad.stderr);
 
     delete_and_verify(&case, deleted, &id).await;
@@ -284,7 +200,7 @@ async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_i
     let mut sql = case.sql().await;
     let messages = relayed(&case, 35, insert_text(&mut sql, 0..5)).await;
 
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify
@@ -299,11 +215,7 @@ async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_i
 
     // A text range, compared by bytes: evt:1:0 ..= evt:1:9 holds evt:1:{0,1,2,4,5,6}
     // (and evt:1:7, excluded).
-    let range = run(
-        &case,
-        "verify",
-        &["--from-id", "evt:1:0", "--to-id", "evt:1:9"],
-    );
+    let range = case.run_command("verify", &["--from-id", "evt:1:0", "--to-id", "evt:1:9"]);
     assert_eq!(range.code, 0, "{}\n{}", range.stdout, range.stderr);
     assert!(
         range
@@ -371,7 +283,7 @@ async fn backfill_all_publishes_every_debezium_row_once_before_the_streamed_ones
     let messages = case.messages(&js).await;
     let ids = table_ids(&sql, "SELECT id::text FROM outboxevent").await;
     assert_once_backfilled_first(&messages, &ids, 40);
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify.stdout.starts_with("verify: OK: 50 rows"),
@@ -402,7 +314,7 @@ async fn backfill_all_publishes_every_text_row_once_in_byte_order() {
     let mut sorted = backfilled.clone();
     sorted.sort();
     assert_eq!(backfilled, sorted);
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify.stdout.contains("verify: OK: 35 rows"),
@@ -422,7 +334,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     let js = case.jetstream().await;
 
     let range = ["--from-id", "evt:1:0", "--to-id", "evt:1:9"];
-    let replay = run(&case, "replay", &range);
+    let replay = case.run_command("replay", &range);
     assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
     assert!(
         replay
@@ -436,7 +348,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     assert_eq!(counted(&replay.stdout, "acknowledged as duplicates"), 6);
     assert_eq!(counted(&replay.stdout, "without an original"), 0);
 
-    let backfill = run(&case, "backfill", &range);
+    let backfill = case.run_command("backfill", &range);
     assert_eq!(backfill.code, 0, "{}\n{}", backfill.stdout, backfill.stderr);
     assert!(
         backfill
@@ -447,7 +359,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     );
 
     assert_eq!(case.stream_count(&js).await, 21);
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
 }
 

@@ -10,7 +10,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::{eventually, insert_transaction, servers, Case, DEADLINE};
+use support::{counted, eventually, insert_transaction, servers, Case, DEADLINE};
 
 fn new_case(name: &str, env: &[(&str, &str)]) -> Case {
     let s = servers();
@@ -20,42 +20,12 @@ fn new_case(name: &str, env: &[(&str, &str)]) -> Case {
     case
 }
 
-/// What one run of a subcommand printed.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(case: &Case, subcommand: &str, args: &[&str]) -> Run {
-    let output = case.relay_command(subcommand).args(args).output().unwrap();
-    Run {
-        code: output.status.code().unwrap(),
-        stdout: String::from_utf8(output.stdout).unwrap(),
-        stderr: String::from_utf8(output.stderr).unwrap(),
-    }
-}
-
-/// The number in the replay summary before `what` (`stored again`, …).
-fn counted(stdout: &str, what: &str) -> u64 {
-    let at = stdout
-        .find(what)
-        .unwrap_or_else(|| panic!("no {what:?} in {stdout}"));
-    stdout[..at]
-        .trim_end()
-        .rsplit([' ', ','])
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap_or_else(|_| panic!("no count before {what:?} in {stdout}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_refuses_a_strict_mode_stream_without_force() {
     let case = new_case("replay_strict", &[]);
-    let init = run(&case, "init", &[]);
+    let init = case.run_command("init", &[]);
     assert_eq!(init.code, 0, "{}", init.stderr);
-    let replay = run(&case, "replay", &["--entity", "entity-0"]);
+    let replay = case.run_command("replay", &["--entity", "entity-0"]);
     assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
     assert!(
         replay.stderr.contains("is in strict mode")
@@ -76,7 +46,7 @@ async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_st
     case.wait_for_count(&js, 10, DEADLINE).await;
     relay.terminate(Duration::from_secs(10));
 
-    let replay = run(&case, "replay", &["--entity", "entity-1"]);
+    let replay = case.run_command("replay", &["--entity", "entity-1"]);
     assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
     assert!(
         replay.stdout.starts_with("replay: published 5 events"),
@@ -92,7 +62,7 @@ async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_st
         replay.stdout
     );
     assert_eq!(case.stream_count(&js).await, 10);
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
 }
 
@@ -100,7 +70,7 @@ async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_st
 async fn a_forced_replay_is_refused_while_a_relay_holds_the_lease() {
     let case = new_case("replay_leased", &[]);
     let mut relay = case.start_relay();
-    let replay = run(&case, "replay", &["--force"]);
+    let replay = case.run_command("replay", &["--force"]);
     assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
     assert!(
         replay.stderr.contains(&format!(
@@ -140,7 +110,7 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
     // Until the originals leave the 1 s duplicate window, each replay is acknowledged as
     // duplicates and stores nothing; then one stores its copies.
     let stored = eventually("a replay stores copies", DEADLINE, || async {
-        let replay = run(&case, "replay", &["--entity", "entity-0", "--force"]);
+        let replay = case.run_command("replay", &["--entity", "entity-0", "--force"]);
         assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
         let stored = counted(&replay.stdout, "stored again");
         (stored > 0).then_some(stored)
@@ -163,7 +133,7 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
         relay.output()
     );
 
-    let verify = run(&case, "verify", &[]);
+    let verify = case.run_command("verify", &[]);
     assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
     assert!(
         verify.stdout.contains(&format!(
@@ -265,11 +235,8 @@ async fn rows_replayed_before_the_relay_streams_them_are_recognised_as_the_same_
         "a forced replay of the unstreamed rows",
         DEADLINE,
         || async {
-            let replay = run(
-                &case,
-                "replay",
-                &["--from-id", &ahead[0].to_string(), "--force"],
-            );
+            let replay =
+                case.run_command("replay", &["--from-id", &ahead[0].to_string(), "--force"]);
             (replay.code == 0).then(|| counted(&replay.stdout, "stored again"))
         },
     )

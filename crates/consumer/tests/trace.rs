@@ -46,14 +46,15 @@ impl Handler for Traced {
     }
 }
 
-fn finished(name: &str) -> Option<SpanData> {
+/// Every span ended so far.
+fn finished_spans() -> Vec<SpanData> {
     let (exporter, provider) = exported();
     provider.force_flush().unwrap();
-    exporter
-        .get_finished_spans()
-        .unwrap()
-        .into_iter()
-        .find(|s| s.name == name)
+    exporter.get_finished_spans().unwrap()
+}
+
+fn finished(name: &str) -> Option<SpanData> {
+    finished_spans().into_iter().find(|s| s.name == name)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,18 +157,6 @@ async fn a_handled_event_continues_the_producers_trace() {
     assert_eq!(apply.parent_span_id, handle.span_context.span_id());
 }
 
-/// Debezium's outbox table (issue 22), with the producer's span context in
-/// `tracingspancontext` as Debezium's Java properties.
-const DEBEZIUM_TABLE: &str = "CREATE TABLE outboxevent (
-    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-    aggregatetype varchar(255) NOT NULL,
-    aggregateid varchar(255) NOT NULL,
-    type varchar(255) NOT NULL,
-    timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-    payload jsonb,
-    tracingspancontext varchar(256));
-    CREATE TABLE applied (outbox_id text PRIMARY KEY, aggregate_id text NOT NULL);";
-
 /// The trace of the Debezium test's producer (another than the first test's).
 const DEBEZIUM_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
 
@@ -192,17 +181,16 @@ impl Handler for Applied {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers_span() {
     exported();
-    let s = testkit::harness::servers();
-    let mut case = testkit::harness::Case::new(&s.pg, &s.nats, "dbztrace");
-    case.relay_bin = testkit::harness::built_relay(None).unwrap();
-    s.pg.psql(&case.database, DEBEZIUM_TABLE);
-    s.pg.psql(&case.database, outbox_consumer::SCHEMA_SQL);
-    for (key, value) in [
-        ("OUTBOX_RELAY_TABLE", "public.outboxevent"),
-        ("OUTBOX_RELAY_TABLE_PRESET", "debezium"),
-    ] {
-        case.extra_env.push((key.into(), value.into()));
-    }
+    use testkit::harness::{built_relay, servers, DEBEZIUM_ENV, DEBEZIUM_TABLE};
+    let mut case = testkit::harness::Case::with_table("dbztrace", DEBEZIUM_TABLE, &[DEBEZIUM_ENV]);
+    case.relay_bin = built_relay(None).unwrap();
+    servers()
+        .pg
+        .psql(&case.database, outbox_consumer::SCHEMA_SQL);
+    servers().pg.psql(
+        &case.database,
+        "CREATE TABLE applied (outbox_id text PRIMARY KEY, aggregate_id text NOT NULL);",
+    );
     let js = case.jetstream().await;
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
@@ -252,11 +240,7 @@ async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers
     }));
     let trace_id = TraceId::from_hex(DEBEZIUM_TRACE_ID).unwrap();
     let handled = || {
-        let (exporter, provider) = exported();
-        provider.force_flush().unwrap();
-        exporter
-            .get_finished_spans()
-            .unwrap()
+        finished_spans()
             .into_iter()
             .filter(|s| s.name == "outbox.handle" && s.span_context.trace_id() == trace_id)
             .collect::<Vec<_>>()

@@ -12,6 +12,8 @@
 //!   committed row exactly once, in commit order, nothing rolled back, and the slot never
 //!   confirmed past an event that was not stored.
 //! - [`logs`]: reading the relay's log (colour escapes, timestamps, markers).
+//! - [`tables`]: outbox tables of other shapes (Debezium's, a text-id one) and their
+//!   settings; running the relay's one-shot subcommands.
 //!
 //! Unlike the servers, this layer is async: it talks to Postgres and JetStream as a client
 //! (tokio, `tokio-postgres`, `async-nats`). Waiting is always on a condition with a deadline
@@ -24,6 +26,7 @@ pub mod faithful;
 pub mod logs;
 pub mod relay;
 pub mod stream;
+pub mod tables;
 pub mod writers;
 
 pub use case::{
@@ -38,6 +41,7 @@ pub use logs::{
 };
 pub use relay::Relay;
 pub use stream::{read_stream, stream_tail, Stored};
+pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
 pub use writers::{
     assert_matches_row, attempt, insert_transaction, rows, rows_by_id, write_transaction, Attempt,
     Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY,

@@ -1,0 +1,104 @@
+//! Outbox tables of other shapes than the seed's (issue 22: the user's own table), the relay
+//! settings that map them, and running the relay's one-shot subcommands on a case.
+
+use crate::harness::case::{servers, Case};
+
+/// Debezium's outbox table (its router's columns and its Quarkus extension's `timestamp`),
+/// with the producer's span context in `tracingspancontext`; read through
+/// [`DEBEZIUM_ENV`]'s preset.
+pub const DEBEZIUM_TABLE: &str = "CREATE TABLE outboxevent (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    timestamp timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
+    payload jsonb,
+    tracingspancontext varchar(256));";
+
+/// The relay settings for [`DEBEZIUM_TABLE`].
+pub const DEBEZIUM_ENV: &[(&str, &str)] = &[
+    ("OUTBOX_RELAY_TABLE", "public.outboxevent"),
+    ("OUTBOX_RELAY_TABLE_PRESET", "debezium"),
+];
+
+/// A table of text ids with a `bytea` payload and its own column names, a header column
+/// (`tenant`), a bare `traceparent` column (`trace`), a template column (`region`) and
+/// `seq`, the order its rows were written in.
+pub const TEXT_TABLE: &str = "CREATE TABLE app_events (
+    event_id text PRIMARY KEY,
+    stream_id text NOT NULL,
+    kind text NOT NULL,
+    body bytea NOT NULL,
+    occurred_at timestamptz NOT NULL DEFAULT now(),
+    region text NOT NULL,
+    tenant text,
+    trace text,
+    seq bigserial);";
+
+/// The relay settings for [`TEXT_TABLE`]: every column named, `X-Tenant` from `tenant`,
+/// subjects `{prefix}.{region}.{shard}.{event_type}`, events of type `Noise` left out.
+pub const TEXT_ENV: &[(&str, &str)] = &[
+    ("OUTBOX_RELAY_TABLE", "public.app_events"),
+    ("OUTBOX_RELAY_ID_COLUMN", "event_id"),
+    ("OUTBOX_RELAY_ENTITY_ID_COLUMN", "stream_id"),
+    ("OUTBOX_RELAY_EVENT_TYPE_COLUMN", "kind"),
+    ("OUTBOX_RELAY_PAYLOAD_COLUMN", "body"),
+    ("OUTBOX_RELAY_CREATED_AT_COLUMN", "occurred_at"),
+    ("OUTBOX_RELAY_HEADER_COLUMNS", "tenant:X-Tenant"),
+    ("OUTBOX_RELAY_TRACE_CONTEXT_COLUMN", "trace"),
+    (
+        "OUTBOX_RELAY_SUBJECT_TEMPLATE",
+        "{prefix}.{region}.{shard}.{event_type}",
+    ),
+    ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
+];
+
+impl Case {
+    /// A case on the shared [`servers`] whose database also holds `table_sql`, relayed with
+    /// the settings of every list in `env`, in order.
+    pub fn with_table(name: &str, table_sql: &str, env: &[&[(&str, &str)]]) -> Case {
+        let s = servers();
+        let mut case = Case::new(&s.pg, &s.nats, name);
+        s.pg.psql(&case.database, table_sql);
+        for (key, value) in env.iter().copied().flatten() {
+            case.extra_env.push(((*key).into(), (*value).into()));
+        }
+        case
+    }
+
+    /// Runs a one-shot subcommand (`verify`, `replay`, `backfill`, ...) to its end.
+    pub fn run_command(&self, subcommand: &str, args: &[&str]) -> CommandRun {
+        let output = self
+            .relay_command(subcommand)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("run outbox-relay {subcommand}: {e}"));
+        CommandRun {
+            code: output.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        }
+    }
+}
+
+/// What one run of a subcommand printed, and its exit status (-1: killed by a signal).
+#[derive(Debug, Clone)]
+pub struct CommandRun {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// The number a summary line puts right before `what` (`3 stored again`, ...).
+pub fn counted(stdout: &str, what: &str) -> u64 {
+    let at = stdout
+        .find(what)
+        .unwrap_or_else(|| panic!("no {what:?} in {stdout}"));
+    stdout[..at]
+        .trim_end()
+        .rsplit([' ', ','])
+        .next()
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or_else(|_| panic!("no count before {what:?} in {stdout}"))
+}
