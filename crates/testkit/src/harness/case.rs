@@ -217,6 +217,21 @@ pub struct Case {
 
 static CASE_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
+/// `TESTKIT_RELAY_ENV`: `KEY=VALUE` pairs (whitespace-separated) every new [`Case`] starts its
+/// `extra_env` with, to run a suite in another relay mode (e.g.
+/// `OUTBOX_RELAY_ATOMIC_TRANSACTIONS=true`) without changing it; a case's own settings
+/// come after them.
+fn relay_env_for_every_case() -> Vec<(String, String)> {
+    let pairs = std::env::var("TESTKIT_RELAY_ENV").unwrap_or_default();
+    pairs
+        .split_whitespace()
+        .map(|pair| match pair.split_once('=') {
+            Some((key, value)) => (key.to_owned(), value.to_owned()),
+            None => panic!("testkit: TESTKIT_RELAY_ENV holds {pair:?}, not KEY=VALUE"),
+        })
+        .collect()
+}
+
 impl Case {
     /// Creates a database with the seed's table on `pg`, and names for everything else.
     pub fn new(pg: &Postgres, nats: &Nats, name: &str) -> Case {
@@ -241,7 +256,7 @@ impl Case {
             slot: format!("slot_{database}"),
             publication: format!("pub_{database}"),
             database,
-            extra_env: vec![],
+            extra_env: relay_env_for_every_case(),
             relay_bin: relay_bin(),
             relay_wrapper: vec![],
         }
