@@ -8,7 +8,7 @@
 //! - P1–P13 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
 //!   drains it, strict mode fences, nothing is dropped silently, an ack counts only for the
 //!   publish it answers, a publish the server denies goes to the poison policy.
-//! - B1–B5 ([`batch`]): with atomic transactions, each transaction is one JetStream atomic
+//! - B1–B6 ([`batch`]): with atomic transactions, each transaction is one JetStream atomic
 //!   batch (split at the server's limit), committed only at its end, fenced by its first
 //!   message, acknowledged by its commit's answer alone.
 //! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and

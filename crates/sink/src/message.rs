@@ -83,7 +83,7 @@ pub struct Fence {
     /// `Nats-Expected-Last-Msg-Id`: the previous publish's `Nats-Msg-Id`, if this session
     /// published before.
     pub last_msg_id: Option<String>,
-    /// The atomic batch the next publish belongs to (`crate::batch` B1–B5), if any: then the
+    /// The atomic batch the next publish belongs to (`crate::batch` B1–B6), if any: then the
     /// block carries the batch's headers instead of the chain, and the expected sequence
     /// only on the batch's first message (all nats-server accepts in a batch).
     pub batch: Option<crate::batch::Batch>,

@@ -89,10 +89,11 @@
 //!   the publisher takes no further input, what it published is acknowledged, and [`run`]
 //!   ends with [`SinkError::LameDuck`]. The flag is read once per input batch.
 //! - P13 With [`SinkOptions::atomic`] (strict mode), each transaction's events are
-//!   published as JetStream atomic batches ([`crate::batch`] B1–B5): P5's fence is the
+//!   published as JetStream atomic batches ([`crate::batch`] B1–B6): P5's fence is the
 //!   batch's first message's expected sequence, P10's answer is the commit's, for every
-//!   event of the batch, and P1 counts none of them stored before it. A batch refused as
-//!   holding a stored message id is republished one message at a time by later sessions.
+//!   event of the batch, and P1 counts none of them stored before it; a batch of one is a
+//!   plain, fully fenced publish (B6). A batch refused as holding a stored message id is
+//!   republished one message at a time by later sessions.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -536,7 +537,7 @@ impl<'s> Publisher<'s> {
                             None => [None, None],
                         };
                         for ((event, permit), batch) in staged.into_iter().flatten() {
-                            let publish = self.frame(event, permit, Some(batch))?;
+                            let publish = self.frame(event, permit, batch)?;
                             if !self.hand(ack_tx, publish).await? {
                                 return Ok(());
                             }
@@ -549,7 +550,7 @@ impl<'s> Publisher<'s> {
                 if let Some(((event, permit), batch)) =
                     self.batches.as_mut().and_then(Batches::close)
                 {
-                    let publish = self.frame(event, permit, Some(batch))?;
+                    let publish = self.frame(event, permit, batch)?;
                     if !self.hand(ack_tx, publish).await? {
                         return Ok(());
                     }
