@@ -220,11 +220,23 @@ async fn no_reader_sees_part_of_a_transaction_under_kills() {
     );
     findings.assert_faithful();
     // The batch headers are kept on the stored messages: a consumer can tell a batch's end.
-    let last = messages.last().unwrap();
-    assert_eq!(
-        last.headers.get("Nats-Batch-Commit").map(String::as_str),
-        Some("1")
-    );
+    // Batches end at the limit and at a transaction's end; a batch of one (a one-event
+    // transaction, the 1 001st event of a 1 001-event one) is a plain message (B6).
+    let commits: Vec<(Lsn, u32)> = messages
+        .iter()
+        .filter(|m| m.headers.contains_key("Nats-Batch-Commit"))
+        .map(|m| (m.commit_lsn(), m.tx_index()))
+        .collect();
+    let expected: Vec<(Lsn, u32)> = messages
+        .iter()
+        .filter(|m| {
+            let (size, end) = (sizes[&m.commit_lsn()], m.tx_index() + 1);
+            let batch_start = (end - 1) / LIMIT * LIMIT;
+            (end % LIMIT == 0 || end == size) && end - batch_start > 1
+        })
+        .map(|m| (m.commit_lsn(), m.tx_index()))
+        .collect();
+    assert_eq!(commits, expected, "batch commits where batches end");
 }
 
 /// The relay's output when it refuses to start, and its exit code.
