@@ -346,10 +346,37 @@ impl Case {
         })
         .await
         .expect("create the R3 stream");
+        if self
+            .extra_env
+            .iter()
+            .any(|(key, value)| key == "OUTBOX_RELAY_ATOMIC_TRANSACTIONS" && value == "true")
+        {
+            self.allow_atomic(js).await;
+        }
         eventually("the R3 stream to have a leader", DEADLINE, || async {
             cluster.stream_leader(&self.stream)
         })
         .await
+    }
+
+    /// Sets `allow_atomic` on the case's stream (through the API's JSON: async-nats has it
+    /// only behind a feature the workspace does not enable), for a relay with
+    /// `--atomic-transactions` on a stream the test created.
+    pub async fn allow_atomic(&self, js: &jetstream::Context) {
+        let info: serde_json::Value = js
+            .request(
+                format!("STREAM.INFO.{}", self.stream),
+                &serde_json::json!({}),
+            )
+            .await
+            .expect("read the stream's configuration");
+        let mut config = info["config"].clone();
+        config["allow_atomic"] = serde_json::Value::Bool(true);
+        let answer: serde_json::Value = js
+            .request(format!("STREAM.UPDATE.{}", self.stream), &config)
+            .await
+            .expect("update the stream");
+        assert!(answer.get("error").is_none(), "allow_atomic: {answer}");
     }
 
     /// The number of messages in the stream (0 if it does not exist yet).
