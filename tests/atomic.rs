@@ -13,6 +13,12 @@
 //!   confirmed past an unstored event (`check_stream`).
 //! - [`refusals`]: the relay refuses `--atomic-transactions` on nats-server 2.9.10 (naming
 //!   the version) and on an existing stream without `allow_atomic`, and with a shared stream.
+//! - Poison: under `halt` nothing of the poison row's transaction is stored
+//!   ([`poison_under_halt_stores_nothing_of_its_transaction`]); under `dead-letter` the record
+//!   stands inside the transaction's batch ([`poison_under_dead_letter_keeps_its_transaction_whole`]).
+//! - B4: a transaction whose message ids the stream already holds is refused as a batch once,
+//!   then published message by message
+//!   ([`a_batch_holding_stored_message_ids_is_published_message_by_message`]).
 //!
 //! Every test prints what it injected and what it found.
 
@@ -108,6 +114,14 @@ fn watch_tail(case: &Case, stop: Arc<AtomicBool>) -> (Seen, tokio::task::JoinHan
     (seen, task)
 }
 
+/// A case on `nats` whose relay runs with `--atomic-transactions`.
+fn atomic_case(nats: &Nats, name: &str) -> Case {
+    let mut case = Case::new(&servers().pg, nats, name);
+    case.extra_env
+        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    case
+}
+
 /// The writer: the sizes over and over, committed, over 40 entities.
 fn plans() -> impl FnMut() -> Plan + Send + 'static {
     let mut k = 0usize;
@@ -127,11 +141,8 @@ fn plans() -> impl FnMut() -> Plan + Send + 'static {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_reader_sees_part_of_a_transaction_under_kills() {
-    let pg = &servers().pg;
     let mut nats = Nats::start_current(&[]);
-    let mut case = Case::new(pg, &nats, "atomic");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    let case = atomic_case(&nats, "atomic");
     let mut relay = Relay::new(case.clone());
     relay.start();
     relay.wait_streaming(DEADLINE).await;
@@ -248,11 +259,8 @@ fn refused(case: &Case) -> (String, Option<i32>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals() {
-    let pg = &servers().pg;
     // nats-server 2.9.10 (Debian's, on PATH, the shared server): no atomic batches.
-    let mut old = Case::new(pg, &servers().nats, "atomic_old");
-    old.extra_env
-        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    let old = atomic_case(&servers().nats, "atomic_old");
     let (output, status) = refused(&old);
     assert_ne!(status, Some(0), "{output}");
     assert!(
@@ -261,10 +269,7 @@ async fn refusals() {
     );
     // A current server, but the operator's stream does not allow atomic publish.
     let nats = Nats::start_current(&[]);
-    let mut existing = Case::new(pg, &nats, "atomic_existing");
-    existing
-        .extra_env
-        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    let existing = atomic_case(&nats, "atomic_existing");
     let js = existing.jetstream().await;
     js.create_stream(jetstream::stream::Config {
         name: existing.stream.clone(),
@@ -277,11 +282,10 @@ async fn refusals() {
     assert_ne!(status, Some(0), "{output}");
     assert!(output.contains("allow_atomic"), "{output}");
     // With a shared stream: a configuration error.
-    let mut shared = Case::new(pg, &nats, "atomic_shared");
-    shared.extra_env.extend([
-        ("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()),
-        ("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()),
-    ]);
+    let mut shared = atomic_case(&nats, "atomic_shared");
+    shared
+        .extra_env
+        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
     let (output, status) = refused(&shared);
     assert_ne!(status, Some(0), "{output}");
     assert!(output.contains("needs strict mode"), "{output}");
@@ -338,11 +342,8 @@ async fn write_around_poison(sql: &mut tokio_postgres::Client) -> (Vec<i64>, Vec
 /// order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_under_halt_stores_nothing_of_its_transaction() {
-    let pg = &servers().pg;
     let nats = Nats::start_current(&[]);
-    let mut case = Case::new(pg, &nats, "atomic_halt");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    let case = atomic_case(&nats, "atomic_halt");
     let js = case.jetstream().await;
     create_small_atomic_stream(&case, &js, 4096).await;
     let mut relay = tokio::task::block_in_place(|| case.start_relay());
@@ -387,13 +388,10 @@ async fn poison_under_halt_stores_nothing_of_its_transaction() {
 /// inside its transaction's batch, and the whole transaction is stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_under_dead_letter_keeps_its_transaction_whole() {
-    let pg = &servers().pg;
     let nats = Nats::start_current(&[]);
-    let mut case = Case::new(pg, &nats, "atomic_dlq");
-    case.extra_env.extend([
-        ("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()),
-        ("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()),
-    ]);
+    let mut case = atomic_case(&nats, "atomic_dlq");
+    case.extra_env
+        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
     let js = case.jetstream().await;
     create_small_atomic_stream(&case, &js, 4096).await;
     let relay = tokio::task::block_in_place(|| case.start_relay());
@@ -414,6 +412,60 @@ async fn poison_under_dead_letter_keeps_its_transaction_whole() {
     println!(
         "atomic poison dead-letter: the record stood in id={poison}'s place inside its transaction's batch of 5; all {} rows once, in order",
         all.len()
+    );
+    drop(relay);
+}
+
+/// B4: a transaction whose message ids the stream already holds (`outbox-relay replay
+/// --force` published its rows before the relay streamed them) is refused as a batch
+/// (10201), never taken as stored; the next session publishes it one message at a time,
+/// where each duplicate's original is checked to be the same row's event, and everything
+/// is in the stream once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holding_stored_message_ids_is_published_message_by_message() {
+    let nats = Nats::start_current(&[]);
+    let case = atomic_case(&nats, "atomic_ahead");
+    let mut relay = tokio::task::block_in_place(|| case.start_relay());
+    let mut sql = case.sql().await;
+    let first = support::insert_transaction(&mut sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let ahead = support::insert_transaction(&mut sql, 10, 2, "b").await;
+    // The stopped relay's lease goes a moment after it exits: replay until it is free.
+    let from = ahead[0].to_string();
+    eventually("a forced replay of the unstreamed rows", DEADLINE, || {
+        let output = case
+            .relay_command("replay")
+            .args(["--from-id", &from, "--force"])
+            .output()
+            .unwrap();
+        async move { output.status.success().then_some(()) }
+    })
+    .await;
+    assert_eq!(case.stream_count(&js).await, 20);
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let after = support::insert_transaction(&mut sql, 5, 2, "c").await;
+    case.wait_for_count(&js, 25, DEADLINE).await;
+    let (messages, _) = case.wait_confirmed(&js, &sql, 25).await;
+    let ids: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
+    let mut expected = first.clone();
+    expected.extend(&ahead);
+    expected.extend(&after);
+    assert_eq!(
+        ids, expected,
+        "every row once, the replayed ones where replay put them"
+    );
+    let output = relay.output();
+    assert_eq!(
+        support::lines_with(&output, &["refused an atomic batch"]),
+        1,
+        "{output}"
+    );
+    // C, after the refused transaction, is a batch again.
+    assert_eq!(messages.last().unwrap().header("Nats-Batch-Commit"), "1");
+    println!(
+        "atomic ahead: the relay's batch of the 10 replayed rows was refused once (10201), then published message by message as duplicates of the same rows; 25 rows once, in order"
     );
     drop(relay);
 }
