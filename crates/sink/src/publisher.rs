@@ -523,65 +523,79 @@ impl<'s> Publisher<'s> {
                 break;
             }
             for item in batch {
-                let item = match item {
-                    Item::Event(event) if self.batched(&event) => {
-                        let permit = match window.clone().try_acquire_owned() {
-                            Ok(permit) => permit,
-                            Err(_) => match self.wait_for_room(window).await? {
-                                Some(permit) => permit,
-                                None => return Ok(()),
-                            },
-                        };
-                        let staged = match self.batches.as_mut() {
-                            Some(batches) => batches.event((event, permit)),
-                            None => [None, None],
-                        };
-                        for ((event, permit), batch) in staged.into_iter().flatten() {
-                            let publish = self.frame(event, permit, batch)?;
-                            if !self.hand(ack_tx, publish).await? {
-                                return Ok(());
-                            }
-                        }
-                        continue;
-                    }
-                    item => item,
-                };
-                // B1: anything but the next event of the open batch ends it.
-                if let Some(((event, permit), batch)) =
-                    self.batches.as_mut().and_then(Batches::close)
-                {
-                    let publish = self.frame(event, permit, batch)?;
-                    if !self.hand(ack_tx, publish).await? {
-                        return Ok(());
-                    }
-                }
-                let item = match item {
-                    Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
-                    Item::Commit(p) => AckItem::Commit(p),
-                    Item::Idle(p) => AckItem::Idle(p),
-                    // P6: already stored.
-                    Item::Event(event) if self.is_stored(&event) => {
-                        self.stats.skipped.fetch_add(1, Ordering::Relaxed);
-                        AckItem::Stored
-                    }
-                    Item::Event(event) => {
-                        let permit = match window.clone().try_acquire_owned() {
-                            Ok(permit) => permit,
-                            Err(_) => match self.wait_for_room(window).await? {
-                                Some(permit) => permit,
-                                None => return Ok(()),
-                            },
-                        };
-                        self.frame(event, permit, None)?
-                    }
-                };
-                if !self.hand(ack_tx, item).await? {
+                if !self.publish_item(item, ack_tx, window).await? {
                     return Ok(());
                 }
             }
             self.out.flush().await?;
         }
         Ok(())
+    }
+
+    /// Publishes one input item (P13: into the open batch, or closing it first) and hands
+    /// what it makes to the acker; `false` when the acker stopped.
+    async fn publish_item<P>(
+        &mut self,
+        item: Item<P>,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        window: &Arc<Semaphore>,
+    ) -> Result<bool, SinkError> {
+        let item = match item {
+            Item::Event(event) if self.batched(&event) => {
+                let Some(permit) = self.permit(window).await? else {
+                    return Ok(false);
+                };
+                let staged = match self.batches.as_mut() {
+                    Some(batches) => batches.event((event, permit)),
+                    None => [None, None],
+                };
+                for ((event, permit), batch) in staged.into_iter().flatten() {
+                    let publish = self.frame(event, permit, batch)?;
+                    if !self.hand(ack_tx, publish).await? {
+                        return Ok(false);
+                    }
+                }
+                return Ok(true);
+            }
+            item => item,
+        };
+        // B1: anything but the next event of the open batch ends it.
+        if let Some(((event, permit), batch)) = self.batches.as_mut().and_then(Batches::close) {
+            let publish = self.frame(event, permit, batch)?;
+            if !self.hand(ack_tx, publish).await? {
+                return Ok(false);
+            }
+        }
+        let item = match item {
+            Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
+            Item::Commit(p) => AckItem::Commit(p),
+            Item::Idle(p) => AckItem::Idle(p),
+            // P6: already stored.
+            Item::Event(event) if self.is_stored(&event) => {
+                self.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                AckItem::Stored
+            }
+            Item::Event(event) => {
+                let Some(permit) = self.permit(window).await? else {
+                    return Ok(false);
+                };
+                self.frame(event, permit, None)?
+            }
+        };
+        self.hand(ack_tx, item).await
+    }
+
+    /// A permit of the window (P2): at once when there is room, else once a publish is
+    /// acknowledged ([`Publisher::wait_for_room`]).
+    #[inline]
+    async fn permit(
+        &mut self,
+        window: &Arc<Semaphore>,
+    ) -> Result<Option<OwnedSemaphorePermit>, SinkError> {
+        match window.clone().try_acquire_owned() {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => self.wait_for_room(window).await,
+        }
     }
 
     /// Hands `item` to the acker (after a publish, the frames to the writer once they fill
