@@ -13,7 +13,8 @@ at most 2 000 unacknowledged, and prints the server's CPU (utime + stime from /p
 - fast:    fast-ingest batch (2.14+, the stream's allow_batched; the batch's parameters in the
            reply subject, a flow-control ack every 500), the relay's headers without the fence;
 - atomic:  atomic batches of 1 000 (2.12+, allow_atomic; Nats-Batch-Id/-Sequence/-Commit), the
-           relay's headers without the fence, a reply on each commit only.
+           relay's headers without the fence, a reply on each commit only; atomicK: batches of K
+           (e.g. atomic10: the line also gives the CPU per batch, the server's fixed cost of one).
 A measurement tool, not a client: no reconnects, no checks beyond counting what was stored."""
 import json, os, socket, subprocess, sys, tempfile, threading, time, uuid
 
@@ -86,7 +87,8 @@ def run(port, pid, mode):
     c = Conn(port); name = "S_" + mode.upper()
     cfg = {"name": name, "subjects": [f"{mode}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
     if mode == "fast": cfg["allow_batched"] = True
-    if mode == "atomic": cfg["allow_atomic"] = True
+    batch = int(mode[6:] or 1000) if mode.startswith("atomic") else 0
+    if batch: cfg["allow_atomic"] = True
     r = c.request(f"$JS.API.STREAM.CREATE.{name}", json.dumps(cfg).encode())
     if "error" in r: raise SystemExit(f"{mode}: {r['error']}")
     subject = f"{mode}.7.OrderPaid".encode()
@@ -96,9 +98,9 @@ def run(port, pid, mode):
         if mode == "fast":
             op = 0 if i == 1 else (2 if i == N else 1)
             frames.append(frame(subject, b"_I.%s.500.fail.%d.%d.$FI" % (bid.encode(), i, op), headers(i, mode)))
-        elif mode == "atomic":
-            b, k = (i - 1) // 1000, (i - 1) % 1000 + 1
-            last = k == 1000 or i == N
+        elif batch:
+            b, k = (i - 1) // batch, (i - 1) % batch + 1
+            last = k == batch or i == N
             extra = [(b"Nats-Batch-Id", b"%s-%d" % (bid.encode(), b)), (b"Nats-Batch-Sequence", b"%d" % k)]
             if last: extra.append((b"Nats-Batch-Commit", b"1"))
             frames.append(frame(subject, b"_I.%d" % i if last else b"", headers(i, "nofence", extra)).replace(b"  ", b" "))
@@ -115,8 +117,8 @@ def run(port, pid, mode):
                 if mode == "fast":
                     done[0] = max(done[0], a.get("seq", 0) if "seq" in a else (a.get("count", 0) if "batch" in a else done[0]))
                     if "batch" in a and "count" in a: done[0] = N
-                elif mode == "atomic":
-                    done[0] = done[0] + a.get("count", 1000) if "count" in a else done[0] + 1000
+                elif batch:
+                    done[0] = done[0] + a.get("count", batch) if "count" in a else done[0] + batch
                 else:
                     done[0] += 1
                 cv.notify_all()
@@ -133,7 +135,8 @@ def run(port, pid, mode):
     elapsed = time.time() - start; after = cpu(pid)
     info = c.request(f"$JS.API.STREAM.INFO.{name}", b"")
     stored = info.get("state", {}).get("messages")
-    print(f"{mode:8} stored {stored}/{N}  server CPU {1e6 * (after - before) / N:6.2f} us/msg  {N / elapsed:8.0f} msg/s  errors {len(errors)} {errors[:1]}", flush=True)
+    per_batch = f"  {1e3 * (after - before) / N * batch:5.2f} ms/batch" if batch else ""
+    print(f"{mode:8} stored {stored}/{N}  server CPU {1e6 * (after - before) / N:6.2f} us/msg{per_batch}  {N / elapsed:8.0f} msg/s  errors {len(errors)} {errors[:1]}", flush=True)
 
 d = tempfile.mkdtemp(); port = free_port()
 srv = subprocess.Popen([BIN, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

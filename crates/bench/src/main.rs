@@ -30,7 +30,10 @@
 //! - **consumer** ([`consume`]): `outbox-consumer` applying 100 000 relay events, one side
 //!   effect each in the transaction that records its `dedupe_key`, with batch size 1 and the
 //!   default: events/s, CPU per event, and stored → committed latency at 2 000 events/s
-//!   (`--only consumer` needs no relay binary).
+//!   (`--only consumer` needs no relay binary);
+//! - **publish modes** ([`modes`], only with `--only modes`): the 1 000-row backlog drained per
+//!   message and with atomic transactions (nats-server 2.12+), CPU per event of each process
+//!   and of the whole pipeline.
 //!
 //! Every figure is the median of `--runs` runs (3; 1 with `--quick`) with min and max.
 //! Nothing here asserts a timing: the tool prints figures and the targets they meet or miss.
@@ -48,6 +51,7 @@ mod drain;
 mod harness;
 mod latency;
 mod load;
+mod modes;
 mod polling;
 mod procfs;
 mod report;
@@ -131,6 +135,9 @@ enum Scenario {
     BigTx,
     /// outbox-consumer applying 100 000 events (no relay involved).
     Consumer,
+    /// The 1 000-row backlog drained once per publish mode (per message, atomic
+    /// transactions on nats-server 2.12+), same server, same run (issue 23).
+    Modes,
 }
 
 /// Sizes of one benchmark run.
@@ -329,6 +336,10 @@ async fn main() -> Result<()> {
         }
         if selected(Scenario::Consumer) {
             consumer(&mut bench, &mut results, sizes.consumer, sizes.latency).await?;
+        }
+        if cli.only.contains(&Scenario::Modes) {
+            let atomic = nats_supports_atomic();
+            modes::compare(&mut bench, &mut results, sizes.batch, TX_ROWS, atomic).await?;
         }
     }
 
@@ -917,6 +928,18 @@ async fn machine(bench: &Bench) -> String {
         "{cores} cores ({cpu}), {memory} memory, Linux {kernel}; {postgres}; {nats}; commit {commit}{}",
         if dirty { " (with uncommitted changes)" } else { "" }
     )
+}
+
+/// Whether the benchmark's nats-server (`TESTKIT_NATS_SERVER`, else the one on `PATH`) is
+/// 2.12 or newer: atomic batches.
+fn nats_supports_atomic() -> bool {
+    let bin = std::env::var("TESTKIT_NATS_SERVER").unwrap_or_else(|_| "nats-server".to_owned());
+    let version = command_output(&bin, &["--version"]);
+    let mut parts = version
+        .trim_start_matches(|c: char| !c.is_ascii_digit())
+        .split('.')
+        .map(|part| part.parse::<u64>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (2, 12)
 }
 
 fn command_output(program: &str, args: &[&str]) -> String {

@@ -215,6 +215,19 @@ impl SinkError {
         ))
     }
 
+    /// JetStream's own error code of a refused publish (`err_code`: 10071 wrong last
+    /// sequence, 10201 a batch holding a stored message id…), when the server gave one.
+    pub fn jetstream_code(&self) -> Option<u64> {
+        use std::error::Error as _;
+        match self {
+            SinkError::Ack { source, .. } => source
+                .source()
+                .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+                .map(|e| e.error_code().0),
+            _ => None,
+        }
+    }
+
     /// The outbox id of an event JetStream will never accept, whatever we retry (an
     /// oversized payload): the caller must stop or dead-letter it, not retry forever.
     pub fn poison_id(&self) -> Option<outbox::EventId> {

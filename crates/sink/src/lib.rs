@@ -5,9 +5,12 @@
 //! # Invariants
 //! - A1–A4 ([`tracker`]): a position is confirmable only when it and everything before it
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
-//! - P1–P11 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
+//! - P1–P13 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
 //!   drains it, strict mode fences, nothing is dropped silently, an ack counts only for the
 //!   publish it answers, a publish the server denies goes to the poison policy.
+//! - B1–B6 ([`batch`]): with atomic transactions, each transaction is one JetStream atomic
+//!   batch (split at the server's limit), committed only at its end, fenced by its first
+//!   message, acknowledged by its commit's answer alone.
 //! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
 //!   classified as it classifies them.
 //! - S1–S3 ([`resume`]): a stored position is skipped through only if it is of the session's
@@ -29,6 +32,7 @@
 //! not on `pgoutput` or `replication`.
 
 pub mod ack;
+pub mod batch;
 pub mod conn;
 pub mod error;
 pub mod latency;

@@ -65,6 +65,9 @@ pub(crate) mod name {
         HeaderName::from_static(h::OUTBOX_DEAD_LETTER_REASON);
     pub const EXPECTED_LAST_SEQUENCE_STR: &str = "Nats-Expected-Last-Sequence";
     pub const EXPECTED_LAST_MSG_ID_STR: &str = "Nats-Expected-Last-Msg-Id";
+    pub const BATCH_ID_STR: &str = "Nats-Batch-Id";
+    pub const BATCH_SEQUENCE_STR: &str = "Nats-Batch-Sequence";
+    pub const BATCH_COMMIT_STR: &str = "Nats-Batch-Commit";
 }
 
 /// Strict mode's fence for the next publish (P5): the sequence the stream's last message
@@ -80,6 +83,10 @@ pub struct Fence {
     /// `Nats-Expected-Last-Msg-Id`: the previous publish's `Nats-Msg-Id`, if this session
     /// published before.
     pub last_msg_id: Option<String>,
+    /// The atomic batch the next publish belongs to (`crate::batch` B1–B6), if any: then the
+    /// block carries the batch's headers instead of the chain, and the expected sequence
+    /// only on the batch's first message (all nats-server accepts in a batch).
+    pub batch: Option<crate::batch::Batch>,
 }
 
 impl Fence {
@@ -88,12 +95,17 @@ impl Fence {
         Fence {
             sequence,
             last_msg_id: None,
+            batch: None,
         }
     }
 
     /// Writes the fence's header lines (`Nats-Expected-Last-Sequence`, and
     /// `Nats-Expected-Last-Msg-Id` from the session's second publish on) into a header block.
     pub(crate) fn write(&self, block: &mut BytesMut) {
+        if let Some(batch) = &self.batch {
+            self.write_batch(batch, block);
+            return;
+        }
         wire::header_line(
             block,
             name::EXPECTED_LAST_SEQUENCE_STR,
@@ -101,6 +113,28 @@ impl Fence {
         );
         if let Some(last) = &self.last_msg_id {
             wire::header_line(block, name::EXPECTED_LAST_MSG_ID_STR, last.as_bytes());
+        }
+    }
+
+    /// [`Fence::write`] for a message of an atomic batch (B2): the batch's id and sequence,
+    /// the commit on its last message, the expected sequence on its first only.
+    fn write_batch(&self, batch: &crate::batch::Batch, block: &mut BytesMut) {
+        let mut number = itoa::Buffer::new();
+        wire::header_line(block, name::BATCH_ID_STR, batch.id.as_bytes());
+        wire::header_line(
+            block,
+            name::BATCH_SEQUENCE_STR,
+            number.format(batch.sequence).as_bytes(),
+        );
+        if batch.commit {
+            wire::header_line(block, name::BATCH_COMMIT_STR, b"1");
+        }
+        if batch.sequence == 1 {
+            wire::header_line(
+                block,
+                name::EXPECTED_LAST_SEQUENCE_STR,
+                number.format(self.sequence).as_bytes(),
+            );
         }
     }
 
@@ -128,6 +162,12 @@ fn line(name: &str, value_len: usize) -> usize {
 
 /// The serialised length of the strict-mode fence headers for `fence`, if any.
 pub(crate) fn fence_len(fence: Option<&Fence>) -> usize {
+    if let Some(fence) = fence.filter(|f| f.batch.is_some()) {
+        // Only dead-letter records get here: writing the lines is exact and cheap enough.
+        let mut block = BytesMut::new();
+        fence.write(&mut block);
+        return block.len();
+    }
     fence.map_or(0, |f| {
         line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f.sequence))
             + f.last_msg_id
@@ -591,7 +631,7 @@ mod tests {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id });
+            let fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id, batch: None });
             let mut block = BytesMut::new();
             let msg_id = write_event_block(&mut block, &event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
             let (_, map, _) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));

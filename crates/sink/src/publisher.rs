@@ -88,6 +88,12 @@
 //!   the server announced (the account's), and when the server goes into lame-duck mode
 //!   the publisher takes no further input, what it published is acknowledged, and [`run`]
 //!   ends with [`SinkError::LameDuck`]. The flag is read once per input batch.
+//! - P13 With [`SinkOptions::atomic`] (strict mode), each transaction's events are
+//!   published as JetStream atomic batches ([`crate::batch`] B1–B6): P5's fence is the
+//!   batch's first message's expected sequence, P10's answer is the commit's, for every
+//!   event of the batch, and P1 counts none of them stored before it; a batch of one is a
+//!   plain, fully fenced publish (B6). A batch refused as holding a stored message id is
+//!   republished one message at a time by later sessions.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -105,6 +111,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, warn};
 
+use crate::batch::{self, Batch, Batches};
 use crate::conn::{Acked, Answer, Connection};
 use crate::error::{PoisonKind, SinkError};
 use crate::latency::{Latency, TxnClock};
@@ -145,6 +152,10 @@ pub struct SinkOptions {
     /// How long the acker waits for the oldest publish's answer (P10), and the longest a
     /// publish may wait for room in the connection's queue.
     pub ack_timeout: Duration,
+    /// Atomic transactions (P13, [`crate::batch`]): each transaction's events as atomic
+    /// batches of at most this many (and at most `max_in_flight`, B3); `None`: one
+    /// acknowledged publish per event. Strict mode only: ignored without a fence.
+    pub atomic: Option<usize>,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs (P9).
@@ -188,6 +199,10 @@ pub struct SinkStats {
     /// with the source it was learned from: positions of another source (another timeline
     /// after a fail-over) say nothing about this one.
     stored_through: std::sync::Mutex<Option<(String, Acknowledged)>>,
+    /// Transactions (by commit LSN) a batch of which JetStream refused for holding a message
+    /// id the stream already has: published one message at a time from then on (B4).
+    /// Outlives a session.
+    per_message: Mutex<std::collections::HashSet<outbox::Lsn>>,
 }
 
 /// The newest event a process saw acknowledged, with every earlier one of its session
@@ -265,6 +280,13 @@ impl SinkStats {
             .clone()
     }
 
+    fn per_message(&self) -> std::collections::HashSet<outbox::Lsn> {
+        self.per_message
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     fn dead_letter_instead(&self) -> HashMap<Position, String> {
         self.dead_letter_instead
             .lock()
@@ -301,6 +323,14 @@ enum AckItem<P> {
         /// The subject it was published to (P11), moved here after its frame was written.
         subject: String,
         _permit: OwnedSemaphorePermit,
+    },
+    /// A message of an atomic batch before its commit (B3): answered by nothing, stored
+    /// with the commit.
+    Staged {
+        event: Acknowledged,
+        dead_letter: bool,
+        subject: String,
+        permit: OwnedSemaphorePermit,
     },
     Commit(P),
     Idle(P),
@@ -431,6 +461,10 @@ struct Publisher<'s> {
     /// The newest publish's number in the session (P10).
     sequence: u64,
     reply_prefix: String,
+    /// P13: the session's atomic batches, in strict mode with [`SinkOptions::atomic`].
+    batches: Option<Batches<(OutboxEvent, OwnedSemaphorePermit)>>,
+    /// B4: transactions to publish one message at a time.
+    per_message: std::collections::HashSet<outbox::Lsn>,
 }
 
 impl<'s> Publisher<'s> {
@@ -457,6 +491,16 @@ impl<'s> Publisher<'s> {
             },
             block: BytesMut::with_capacity(1024),
             sequence: 0,
+            batches: options
+                .atomic
+                .filter(|_| options.fence.is_some())
+                .map(|limit| {
+                    Batches::new(
+                        limit.min(options.max_in_flight),
+                        batch::token(&reply_prefix),
+                    )
+                }),
+            per_message: stats.per_message(),
             reply_prefix,
         }
     }
@@ -479,44 +523,107 @@ impl<'s> Publisher<'s> {
                 break;
             }
             for item in batch {
-                let item = match item {
-                    Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
-                    Item::Commit(p) => AckItem::Commit(p),
-                    Item::Idle(p) => AckItem::Idle(p),
-                    // P6: already stored.
-                    Item::Event(event) if self.is_stored(&event) => {
-                        self.stats.skipped.fetch_add(1, Ordering::Relaxed);
-                        AckItem::Stored
-                    }
-                    Item::Event(event) => {
-                        let permit = match window.clone().try_acquire_owned() {
-                            Ok(permit) => permit,
-                            Err(_) => match self.wait_for_room(window).await? {
-                                Some(permit) => permit,
-                                None => return Ok(()),
-                            },
-                        };
-                        let publish = self.frame(event, permit)?;
-                        if self.out.buffer.len() >= FLUSH_BYTES {
-                            self.out.flush().await?;
-                        }
-                        publish
-                    }
-                };
-                match ack_tx.try_send(item) {
-                    Ok(()) => {}
-                    Err(mpsc::error::TrySendError::Full(item)) => {
-                        if !self.wait_for_acker(ack_tx, item).await? {
-                            return Ok(());
-                        }
-                    }
-                    // The acker stopped: its result says why.
-                    Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
+                if !self.publish_item(item, ack_tx, window).await? {
+                    return Ok(());
                 }
             }
             self.out.flush().await?;
         }
         Ok(())
+    }
+
+    /// Publishes one input item (P13: into the open batch, or closing it first) and hands
+    /// what it makes to the acker; `false` when the acker stopped.
+    async fn publish_item<P>(
+        &mut self,
+        item: Item<P>,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        window: &Arc<Semaphore>,
+    ) -> Result<bool, SinkError> {
+        let item = match item {
+            Item::Event(event) if self.batched(&event) => {
+                let Some(permit) = self.permit(window).await? else {
+                    return Ok(false);
+                };
+                let staged = match self.batches.as_mut() {
+                    Some(batches) => batches.event((event, permit)),
+                    None => [None, None],
+                };
+                for ((event, permit), batch) in staged.into_iter().flatten() {
+                    let publish = self.frame(event, permit, batch)?;
+                    if !self.hand(ack_tx, publish).await? {
+                        return Ok(false);
+                    }
+                }
+                return Ok(true);
+            }
+            item => item,
+        };
+        // B1: anything but the next event of the open batch ends it.
+        if let Some(((event, permit), batch)) = self.batches.as_mut().and_then(Batches::close) {
+            let publish = self.frame(event, permit, batch)?;
+            if !self.hand(ack_tx, publish).await? {
+                return Ok(false);
+            }
+        }
+        let item = match item {
+            Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
+            Item::Commit(p) => AckItem::Commit(p),
+            Item::Idle(p) => AckItem::Idle(p),
+            // P6: already stored.
+            Item::Event(event) if self.is_stored(&event) => {
+                self.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                AckItem::Stored
+            }
+            Item::Event(event) => {
+                let Some(permit) = self.permit(window).await? else {
+                    return Ok(false);
+                };
+                self.frame(event, permit, None)?
+            }
+        };
+        self.hand(ack_tx, item).await
+    }
+
+    /// A permit of the window (P2): at once when there is room, else once a publish is
+    /// acknowledged ([`Publisher::wait_for_room`]).
+    #[inline]
+    async fn permit(
+        &mut self,
+        window: &Arc<Semaphore>,
+    ) -> Result<Option<OwnedSemaphorePermit>, SinkError> {
+        match window.clone().try_acquire_owned() {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => self.wait_for_room(window).await,
+        }
+    }
+
+    /// Hands `item` to the acker (after a publish, the frames to the writer once they fill
+    /// [`FLUSH_BYTES`]); `false` when the acker stopped (its result says why).
+    #[inline]
+    async fn hand<P>(
+        &mut self,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        item: AckItem<P>,
+    ) -> Result<bool, SinkError> {
+        if self.out.buffer.len() >= FLUSH_BYTES {
+            self.out.flush().await?;
+        }
+        match ack_tx.try_send(item) {
+            Ok(()) => Ok(true),
+            Err(mpsc::error::TrySendError::Full(item)) => self.wait_for_acker(ack_tx, item).await,
+            Err(mpsc::error::TrySendError::Closed(_)) => Ok(false),
+        }
+    }
+
+    /// P13: whether `event` goes into an atomic batch (not already stored, P6; not of a
+    /// transaction to publish one message at a time, B4).
+    #[inline]
+    fn batched(&self, event: &OutboxEvent) -> bool {
+        self.batches.is_some()
+            && !self.is_stored(event)
+            && (self.per_message.is_empty()
+                || !self.per_message.contains(&event.position.commit_lsn))
     }
 
     /// P6: whether the stream's tail shows `event` stored.
@@ -550,13 +657,19 @@ impl<'s> Publisher<'s> {
     }
 
     /// Writes `event`'s frame (or its dead-letter record's, P7, P8, P11) into `out` as the
-    /// session's next publish, holding a permit of the window (P2).
+    /// session's next publish, holding a permit of the window (P2), as a message of `batch`
+    /// when given (P13: only a batch's commit has a reply subject, B3).
     #[inline]
     fn frame<P>(
         &mut self,
         event: OutboxEvent,
         permit: OwnedSemaphorePermit,
+        batch: Option<Batch>,
     ) -> Result<AckItem<P>, SinkError> {
+        let replied = batch.as_ref().is_none_or(|batch| batch.commit);
+        if let Some(fence) = self.fence.as_mut() {
+            fence.batch = batch;
+        }
         let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
             self.commit_lsn = (Some(position.commit_lsn), position.commit_lsn.to_string());
@@ -578,13 +691,25 @@ impl<'s> Publisher<'s> {
             instead,
             &mut self.block,
         )?;
+        if !replied {
+            self.out.push(&id, &subject, None, &self.block, &payload);
+            return Ok(AckItem::Staged {
+                event: Acknowledged {
+                    position,
+                    id,
+                    created_at_ms,
+                },
+                dead_letter,
+                subject,
+                permit,
+            });
+        }
         self.sequence += 1;
         let sequence = self.sequence;
         self.out.push(
             &id,
             &subject,
-            &self.reply_prefix,
-            sequence,
+            Some((&self.reply_prefix, sequence)),
             &self.block,
             &payload,
         );
@@ -649,24 +774,17 @@ struct Frames {
 }
 
 impl Frames {
-    /// Appends one `HPUB` frame: its line, the header block, the payload.
+    /// Appends one `HPUB` frame: its line (with the reply subject `{prefix}{sequence}`, if
+    /// any), the header block, the payload.
     fn push(
         &mut self,
         id: &EventId,
         subject: &str,
-        reply_prefix: &str,
-        sequence: u64,
+        reply: Option<(&str, u64)>,
         block: &[u8],
         payload: &[u8],
     ) {
-        wire::hpub_line(
-            &mut self.buffer,
-            subject,
-            reply_prefix,
-            sequence,
-            block.len(),
-            payload.len(),
-        );
+        wire::hpub_line_to(&mut self.buffer, subject, reply, block.len(), payload.len());
         self.buffer.extend_from_slice(block);
         self.buffer.extend_from_slice(payload);
         self.buffer.extend_from_slice(b"\r\n");
@@ -1028,6 +1146,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
         source,
         duplicates,
         clock,
+        staged: Vec::new(),
     };
     acker.run(items).await
 }
@@ -1042,6 +1161,18 @@ struct Acker<'s, P> {
     source: String,
     duplicates: Duplicates,
     clock: Option<TxnClock<'s>>,
+    /// The open atomic batch's messages before its commit, with their tickets (B3).
+    staged: Vec<StagedEvent>,
+}
+
+/// A message of an atomic batch awaiting its commit's answer (B3).
+struct StagedEvent {
+    ticket: Ticket,
+    event: Acknowledged,
+    dead_letter: bool,
+    subject: String,
+    /// Released with the commit's answer (P2).
+    _permit: OwnedSemaphorePermit,
 }
 
 impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
@@ -1075,6 +1206,12 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
                     self.acknowledge(event, dead_letter, sequence, subject)
                         .await?
                 }
+                AckItem::Staged {
+                    event,
+                    dead_letter,
+                    subject,
+                    permit,
+                } => self.stage(event, dead_letter, subject, permit)?,
                 AckItem::Begin { commit_time_us } => self.begin(commit_time_us)?,
                 AckItem::Stored => self.stored()?,
                 AckItem::Commit(end) => self.commit(end)?,
@@ -1095,6 +1232,87 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
             clock.begin(commit_time_us);
         }
         Ok(None)
+    }
+
+    /// A message of an atomic batch (B3): registered, acknowledged with its commit.
+    #[inline]
+    fn stage(
+        &mut self,
+        event: Acknowledged,
+        dead_letter: bool,
+        subject: String,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Option<P>, SinkError> {
+        let ticket = self.tracker.publish()?;
+        if let Some(clock) = &mut self.clock {
+            clock.awaiting();
+        }
+        self.staged.push(StagedEvent {
+            ticket,
+            event,
+            dead_letter,
+            subject,
+            _permit: permit,
+        });
+        Ok(None)
+    }
+
+    /// The batch whose commit (outbox row `id`) JetStream refused (`error`): a message of it
+    /// to a denied subject is P11's denial; a stored message id makes its transaction one to
+    /// publish message by message (B4). Either way nothing of the batch counts as stored.
+    fn refused(&mut self, id: EventId, error: SinkError) -> SinkError {
+        let staged = std::mem::take(&mut self.staged);
+        let denied = staged.iter().find_map(|message| {
+            self.acks
+                .denied
+                .iter()
+                .find(|(subject, _)| *subject == message.subject)
+                .map(|(_, why)| (message, why.clone()))
+        });
+        if let Some((message, why)) = denied {
+            return self.duplicates.denied(
+                message.event.id.clone(),
+                message.subject.clone(),
+                why,
+                message.dead_letter,
+                self.stats,
+            );
+        }
+        if error.jetstream_code() == Some(batch::DUPLICATE_IN_BATCH) {
+            if let Some(first) = staged.first() {
+                warn!(
+                    outbox_id = %id,
+                    commit_lsn = %first.event.position.commit_lsn,
+                    "JetStream refused an atomic batch of this transaction: the stream already holds one of its message ids; the next session publishes the transaction one message at a time, where each duplicate is checked"
+                );
+                self.stats
+                    .per_message
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(first.event.position.commit_lsn);
+            }
+        }
+        error
+    }
+
+    /// The commit's answer came: every message of its batch is stored (B3); counted (P9)
+    /// and acknowledged (P1).
+    fn stored_with_commit(&mut self) -> Result<Option<P>, SinkError> {
+        let mut moved = None;
+        for message in std::mem::take(&mut self.staged) {
+            let counter = if message.dead_letter {
+                self.stats.poison.fetch_add(1, Ordering::Relaxed);
+                &self.stats.dead_lettered
+            } else {
+                &self.stats.stored
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            if let Some(clock) = &mut self.clock {
+                clock.acked(message.event.created_at_ms);
+            }
+            moved = self.tracker.ack(message.ticket)?.or(moved);
+        }
+        Ok(moved)
     }
 
     /// An event already stored (P6): acknowledged without a publish.
@@ -1131,7 +1349,19 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         if let Some(clock) = &mut self.clock {
             clock.awaiting();
         }
-        let ack = match self.acks.next(sequence, &event.id, &subject).await? {
+        let answer = self.acks.next(sequence, &event.id, &subject).await;
+        let answer = match answer {
+            Err(error) if !self.staged.is_empty() => {
+                return Err(self.refused(event.id.clone(), error))
+            }
+            answer => answer?,
+        };
+        // B3: the commit's answer is every staged message's (a denied commit is P11's below).
+        let earlier = match self.staged.is_empty() || answer.is_err() {
+            true => None,
+            false => self.stored_with_commit()?,
+        };
+        let ack = match answer {
             Ok(ack) => ack,
             Err(why) => {
                 let denied =
@@ -1157,7 +1387,7 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         // Acks are awaited in publish order, so every earlier publish of this session is
         // acknowledged too.
         stats.note_stored(&self.source, event);
-        Ok(self.tracker.ack(ticket)?)
+        Ok(self.tracker.ack(ticket)?.or(earlier))
     }
 }
 

@@ -346,8 +346,34 @@ pub fn hpub_line(
     header_len: usize,
     payload_len: usize,
 ) {
+    hpub_line_to(
+        out,
+        subject,
+        Some((reply_prefix, sequence)),
+        header_len,
+        payload_len,
+    );
+}
+
+/// [`hpub_line`] with the reply subject `{prefix}{sequence}` when `reply` is given, or none:
+/// `HPUB {subject} {header_len} {total}\r\n`, a publish nothing answers (a message of an
+/// atomic batch before its commit, `crate::batch` B3).
+pub fn hpub_line_to(
+    out: &mut BytesMut,
+    subject: &str,
+    reply: Option<(&str, u64)>,
+    header_len: usize,
+    payload_len: usize,
+) {
     let mut sequence_text = itoa::Buffer::new();
-    let sequence = sequence_text.format(sequence);
+    let (reply_prefix, sequence, space): (&[u8], &[u8], &[u8]) = match reply {
+        Some((prefix, sequence)) => (
+            prefix.as_bytes(),
+            sequence_text.format(sequence).as_bytes(),
+            b" ",
+        ),
+        None => (b"", b"", b""),
+    };
     let mut header_text = itoa::Buffer::new();
     let header = header_text.format(header_len);
     // Two in-memory lengths cannot overflow `u128`: the total is exact, never wrapped.
@@ -357,9 +383,9 @@ pub fn hpub_line(
         b"HPUB ",
         subject.as_bytes(),
         b" ",
-        reply_prefix.as_bytes(),
-        sequence.as_bytes(),
-        b" ",
+        reply_prefix,
+        sequence,
+        space,
         header.as_bytes(),
         b" ",
         total.as_bytes(),
@@ -745,6 +771,13 @@ mod tests {
             &out[..],
             b"HPUB s r18446744073709551615 18446744073709551615 36893488147419103230\r\n"
         );
+    }
+
+    #[test]
+    fn a_publish_without_reply_has_the_same_sizes() {
+        let mut out = BytesMut::new();
+        hpub_line_to(&mut out, "subj", None, 12, 5);
+        assert_eq!(&out[..], b"HPUB subj 12 17\r\n");
     }
 
     // ---- proptests -------------------------------------------------------------------

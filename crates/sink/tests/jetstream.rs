@@ -464,6 +464,7 @@ fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOp
         dead_letter_subject: "PATH.dlq".to_owned(),
         source: "test".to_owned(),
         ack_timeout,
+        atomic: None,
     }
 }
 

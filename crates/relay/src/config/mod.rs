@@ -209,6 +209,8 @@ pub mod opt {
             "Other writers publish to the stream too: de-duplication only, no sequence fencing or tail resume (weaker; see docs/guarantees.md)");
         ON_POISON = ("on_poison", "OUTBOX_RELAY_ON_POISON", Some("halt"),
             "An event JetStream can never accept: halt (stop, naming it) or dead-letter (a record on {prefix}.dlq in its place)");
+        ATOMIC_TRANSACTIONS = ("atomic_transactions", "OUTBOX_RELAY_ATOMIC_TRANSACTIONS", Some("false"),
+            "Publish each Postgres transaction as one JetStream atomic batch (nats-server 2.12 or newer, a stream with allow_atomic: set on streams the relay creates): consumers never see part of a transaction; one larger than the server's batch limit (1000) is split at it. Strict mode only");
         WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
@@ -716,6 +718,8 @@ pub struct Config {
     pub backfill: backfill::Mode,
     /// Whether acknowledged rows are marked `published` ([`crate::process::mark`]).
     pub mark_published: bool,
+    /// Whether each transaction is published as JetStream atomic batches (`sink::batch`).
+    pub atomic_transactions: bool,
     /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,
     /// What to warn about at start, one line each ([`startup_warnings`]).
@@ -762,6 +766,14 @@ impl Config {
         let failover_slot = raw.parse(&FAILOVER_SLOT, parse_bool)?;
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
+        let atomic_transactions = raw.parse(&ATOMIC_TRANSACTIONS, parse_bool)?;
+        if atomic_transactions && shared_stream {
+            return Err(ConfigError(format!(
+                "{} needs strict mode: a shared stream's other writers publish the same message ids, and JetStream refuses a whole atomic batch holding one; unset {}",
+                ATOMIC_TRANSACTIONS.flag(),
+                SHARED_STREAM.flag()
+            )));
+        }
         let retention = retention_from(raw)?;
         Ok(Config {
             database,
@@ -792,6 +804,7 @@ impl Config {
             create: true,
             backfill: raw.parse(&BACKFILL, backfill::Mode::parse)?,
             mark_published,
+            atomic_transactions,
             retention,
             warnings,
         })

@@ -69,5 +69,6 @@ pub(crate) fn sink_options(
         dead_letter_subject: format!("{}.dlq", config.subject_prefix),
         source,
         ack_timeout: config.ack_timeout,
+        atomic: None,
     }
 }

@@ -867,6 +867,7 @@ use crate::config::{format_duration, format_size, opt, StreamSettings};
 /// (`config.stream_settings`), then warns about what its settings mean for the events (B3).
 pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<()> {
     let ours = format!("{}.>", config.subject_prefix);
+    let mut created = false;
     let info = match jetstream.get_stream(&config.stream).await {
         Ok(mut stream) => stream
             .info()
@@ -888,7 +889,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
                 )));
             }
             let settings = &config.stream_settings;
-            let created = jetstream
+            let stream = jetstream
                 .create_stream(stream_config(config))
                 .await
                 .map_err(|e| create_error(config, &ours, e))?;
@@ -904,7 +905,9 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
                 discard = ?settings.discard,
                 "created stream"
             );
-            created.cached_info().clone()
+            let info = stream.cached_info().clone();
+            created = true;
+            info
         }
         Err(error) => {
             return Err(RelayError::transient(anyhow::anyhow!(
@@ -914,6 +917,9 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
         }
     };
     let info = record_mapping(jetstream, config, info).await?;
+    if config.atomic_transactions {
+        super::atomic::check(jetstream, config, created).await?;
+    }
     let max_payload = jetstream.client().server_info().max_payload;
     for finding in check_stream(&info, config, max_payload) {
         match finding.severity {

@@ -9,12 +9,14 @@
 //! heartbeats; [`mark`] sets acknowledged rows `published` and [`retention`] deletes old
 //! confirmed rows; [`stored`] checks what the stream says is stored against the table before
 //! a session skips by it, and reads a row back as the relay reads it (for `verify` and
-//! `replay` too).
+//! `replay` too); [`atomic`] checks that the server and the stream take atomic batches
+//! (`--atomic-transactions`, X1–X2).
 //!
 //! May use: `config`, `error`, `connect`, `observe`. Inside, [`pipeline`] sits on top and
 //! uses the others; `backfill` uses `bootstrap` and `boundary`, `monitor` uses `identity`,
-//! which uses `bootstrap`. Never uses `commands`: the commands use the process's pieces.
+//! which uses `bootstrap`, which uses `atomic`. Never uses `commands`: the commands use the process's pieces.
 
+pub mod atomic;
 pub mod backfill;
 pub mod bootstrap;
 pub mod boundary;

@@ -624,13 +624,18 @@ fn start(
 ) -> (Reader, SinkTask) {
     let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
     let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
-    let options = sink_options(
+    let mut options = sink_options(
         config,
         prepared.resume.fence,
         prepared.resume.skip_through,
         prepared.max_message_bytes,
         prepared.source,
     );
+    // --atomic-transactions: streamed transactions only (a backfill publishes per message),
+    // checked against the server and the stream by bootstrap (X1).
+    options.atomic = config
+        .atomic_transactions
+        .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,

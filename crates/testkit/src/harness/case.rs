@@ -217,6 +217,21 @@ pub struct Case {
 
 static CASE_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
+/// `TESTKIT_RELAY_ENV`: `KEY=VALUE` pairs (whitespace-separated) every new [`Case`] starts its
+/// `extra_env` with, to run a suite in another relay mode (e.g.
+/// `OUTBOX_RELAY_ATOMIC_TRANSACTIONS=true`) without changing it; a case's own settings
+/// come after them.
+fn relay_env_for_every_case() -> Vec<(String, String)> {
+    let pairs = std::env::var("TESTKIT_RELAY_ENV").unwrap_or_default();
+    pairs
+        .split_whitespace()
+        .map(|pair| match pair.split_once('=') {
+            Some((key, value)) => (key.to_owned(), value.to_owned()),
+            None => panic!("testkit: TESTKIT_RELAY_ENV holds {pair:?}, not KEY=VALUE"),
+        })
+        .collect()
+}
+
 impl Case {
     /// Creates a database with the seed's table on `pg`, and names for everything else.
     pub fn new(pg: &Postgres, nats: &Nats, name: &str) -> Case {
@@ -241,7 +256,7 @@ impl Case {
             slot: format!("slot_{database}"),
             publication: format!("pub_{database}"),
             database,
-            extra_env: vec![],
+            extra_env: relay_env_for_every_case(),
             relay_bin: relay_bin(),
             relay_wrapper: vec![],
         }
@@ -331,10 +346,37 @@ impl Case {
         })
         .await
         .expect("create the R3 stream");
+        if self
+            .extra_env
+            .iter()
+            .any(|(key, value)| key == "OUTBOX_RELAY_ATOMIC_TRANSACTIONS" && value == "true")
+        {
+            self.allow_atomic(js).await;
+        }
         eventually("the R3 stream to have a leader", DEADLINE, || async {
             cluster.stream_leader(&self.stream)
         })
         .await
+    }
+
+    /// Sets `allow_atomic` on the case's stream (through the API's JSON: async-nats has it
+    /// only behind a feature the workspace does not enable), for a relay with
+    /// `--atomic-transactions` on a stream the test created.
+    pub async fn allow_atomic(&self, js: &jetstream::Context) {
+        let info: serde_json::Value = js
+            .request(
+                format!("STREAM.INFO.{}", self.stream),
+                &serde_json::json!({}),
+            )
+            .await
+            .expect("read the stream's configuration");
+        let mut config = info["config"].clone();
+        config["allow_atomic"] = serde_json::Value::Bool(true);
+        let answer: serde_json::Value = js
+            .request(format!("STREAM.UPDATE.{}", self.stream), &config)
+            .await
+            .expect("update the stream");
+        assert!(answer.get("error").is_none(), "allow_atomic: {answer}");
     }
 
     /// The number of messages in the stream (0 if it does not exist yet).
