@@ -157,16 +157,13 @@ async fn a_handled_event_continues_the_producers_trace() {
     assert_eq!(apply.parent_span_id, handle.span_context.span_id());
 }
 
-/// The trace of the Debezium test's producer (another than the first test's).
-const DEBEZIUM_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
-
 /// A handler applying each event once: a duplicate would break `applied`'s primary key.
 struct Applied;
 
 impl Handler for Applied {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
         tx.execute(
-            "INSERT INTO applied (outbox_id, aggregate_id) VALUES ($1, $2)",
+            "INSERT INTO applied (outbox_id, entity_id) VALUES ($1, $2)",
             &[&event.id.to_string(), &event.entity_id],
         )
         .await?;
@@ -174,43 +171,51 @@ impl Handler for Applied {
     }
 }
 
-/// Issue 22 end to end: a Debezium table through the relay's preset (subjects
-/// `{prefix}.{aggregatetype}.{shard}`), the relay SIGKILLed mid-stream and restarted, and the
-/// consumer library applying every row exactly once, each in a span whose parent is the
-/// producer's span its row names (TR2).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers_span() {
+/// A user's own outbox table for [`relayed_and_applied_once_in_the_producers_spans`].
+struct Table {
+    name: &'static str,
+    create: &'static str,
+    env: &'static [(&'static str, &'static str)],
+    template: &'static str,
+    /// The producer's trace (each table's its own: the tests share the exporter).
+    trace_id: &'static str,
+    /// Inserts row `$1` (a number) with the trace context `$2`.
+    insert: &'static str,
+    /// The trace context of row `n` (trace `trace_id`, span id `n`) as the table holds it.
+    context: fn(&str, u64) -> String,
+    /// Every row's id and entity id, as text.
+    rows: &'static str,
+}
+
+/// Issue 22 end to end: `table` through the relay (its subjects by `table.template`), the
+/// relay SIGKILLed mid-stream and restarted, and the consumer library applying every row
+/// exactly once, each handled in a span whose parent is the producer's span its row names
+/// (TR2).
+async fn relayed_and_applied_once_in_the_producers_spans(table: Table) {
+    use testkit::harness::{built_relay, servers, Case};
     exported();
-    use testkit::harness::{built_relay, servers, DEBEZIUM_ENV, DEBEZIUM_TABLE};
-    let mut case = testkit::harness::Case::with_table("dbztrace", DEBEZIUM_TABLE, &[DEBEZIUM_ENV]);
+    let mut case = Case::with_table(table.name, table.create, &[table.env]);
     case.relay_bin = built_relay(None).unwrap();
-    servers()
-        .pg
-        .psql(&case.database, outbox_consumer::SCHEMA_SQL);
-    servers().pg.psql(
+    let pg = &servers().pg;
+    pg.psql(&case.database, outbox_consumer::SCHEMA_SQL);
+    pg.psql(
         &case.database,
-        "CREATE TABLE applied (outbox_id text PRIMARY KEY, aggregate_id text NOT NULL);",
+        "CREATE TABLE applied (outbox_id text PRIMARY KEY, entity_id text NOT NULL);",
     );
     let js = case.jetstream().await;
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
     let rows = 200u64;
+    let (insert, context, trace) = (table.insert, table.context, table.trace_id);
     let writer = tokio::spawn(async move {
         for t in 0..20u64 {
             let tx = sql.transaction().await.unwrap();
             for i in 0..10u64 {
                 let n = t * 10 + i + 1;
-                let context = format!(
-                    "#Wed Dec 02 05:00:00 UTC 2026\ntraceparent=00-{DEBEZIUM_TRACE_ID}-{n:016x}-01\n"
-                );
-                let aggregate_type = if n % 2 == 0 { "Order" } else { "Order.Line" };
-                tx.execute(
-                    "INSERT INTO outboxevent (aggregatetype, aggregateid, type, payload, tracingspancontext) \
-                     VALUES ($1, $2, 'Placed', '{}', $3)",
-                    &[&aggregate_type, &format!("order-{}", n % 13), &context],
-                )
-                .await
-                .unwrap();
+                let n_sql = i64::try_from(n).unwrap();
+                tx.execute(insert, &[&n_sql, &context(trace, n)])
+                    .await
+                    .unwrap();
             }
             tx.commit().await.unwrap();
         }
@@ -223,10 +228,10 @@ async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers
     relay.terminate(DEADLINE);
     assert_eq!(case.stream_count(&js).await, rows, "one message per row");
 
-    let mut config = Config::new("dbz");
+    let mut config = Config::new("applier");
     config.stream = case.stream.clone();
     config.subject_prefix = case.prefix.clone();
-    config.subject_template = "{prefix}.{aggregatetype}.{shard}".into();
+    config.subject_template = table.template.into();
     let client = async_nats::connect(&case.nats_url).await.unwrap();
     let consumer = Consumer::new(
         config,
@@ -238,15 +243,9 @@ async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers
     let running = tokio::spawn(consumer.run(Applied, async {
         let _ = stopped.await;
     }));
-    let trace_id = TraceId::from_hex(DEBEZIUM_TRACE_ID).unwrap();
-    let handled = || {
-        finished_spans()
-            .into_iter()
-            .filter(|s| s.name == "outbox.handle" && s.span_context.trace_id() == trace_id)
-            .collect::<Vec<_>>()
-    };
+    let trace_id = TraceId::from_hex(table.trace_id).unwrap();
     let start = Instant::now();
-    while stats.processed() < rows || (handled().len() as u64) < rows {
+    while stats.processed() < rows {
         assert!(
             start.elapsed() < DEADLINE,
             "{} of {rows} events handled in time",
@@ -260,22 +259,66 @@ async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers
     let sql = case.sql().await;
     let applied: i64 = sql
         .query_one(
-            "SELECT count(*) FROM applied a JOIN outboxevent o ON o.id::text = a.outbox_id \
-              WHERE o.aggregateid = a.aggregate_id",
+            &format!(
+                "SELECT count(*) FROM applied a JOIN ({}) r(id, entity_id) \
+                  ON r.id = a.outbox_id AND r.entity_id = a.entity_id",
+                table.rows
+            ),
             &[],
         )
         .await
         .unwrap()
         .get(0);
     assert_eq!(applied as u64, rows, "every row applied exactly once");
-    let mut parents: Vec<String> = handled()
+    let mut parents: Vec<String> = finished_spans()
         .iter()
+        .filter(|s| s.name == "outbox.handle" && s.span_context.trace_id() == trace_id)
         .map(|s| s.parent_span_id.to_string())
         .collect();
     parents.sort();
     let expected: Vec<String> = (1..=rows).map(|n| format!("{n:016x}")).collect();
     assert_eq!(
         parents, expected,
-        "each handled once, in its own producer span's trace"
+        "every row handled in a span of its own producer span's trace"
     );
+}
+
+/// (a) Debezium's table through the preset: uuid ids, `tracingspancontext` in Java
+/// properties, subjects `{prefix}.{aggregatetype}.{shard}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_tables_events_are_applied_once_each_continuing_its_producers_span() {
+    relayed_and_applied_once_in_the_producers_spans(Table {
+        name: "dbztrace",
+        create: testkit::harness::DEBEZIUM_TABLE,
+        env: testkit::harness::DEBEZIUM_ENV,
+        template: "{prefix}.{aggregatetype}.{shard}",
+        trace_id: "0af7651916cd43dd8448eb211c80319c",
+        insert: "INSERT INTO outboxevent (aggregatetype, aggregateid, type, payload, tracingspancontext) \
+                 VALUES (CASE WHEN $1::int8 % 2 = 0 THEN 'Order' ELSE 'Order.Line' END, \
+                         'order-' || ($1::int8 % 13), 'Placed', '{}', $2)",
+        context: |trace, n| {
+            format!("#Wed Dec 02 05:00:00 UTC 2026\ntraceparent=00-{trace}-{n:016x}-01\n")
+        },
+        rows: "SELECT id::text, aggregateid::text FROM outboxevent",
+    })
+    .await;
+}
+
+/// (b) A text-id table with a `bytea` payload, a bare `traceparent` column and the template
+/// `{prefix}.{region}.{shard}.{event_type}`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_id_tables_events_are_applied_once_each_continuing_its_producers_span() {
+    relayed_and_applied_once_in_the_producers_spans(Table {
+        name: "texttrace",
+        create: testkit::harness::TEXT_TABLE,
+        env: testkit::harness::TEXT_ENV,
+        template: "{prefix}.{region}.{shard}.{event_type}",
+        trace_id: "6e0c63257de34c926f9efcd03927272e",
+        insert: "INSERT INTO app_events (event_id, stream_id, kind, body, region, tenant, trace) \
+                 VALUES ('evt:' || $1::int8, 'stream-' || ($1::int8 % 5), 'Moved', '\\x00ff'::bytea, \
+                         CASE WHEN $1::int8 % 2 = 0 THEN 'eu.west' ELSE 'us' END, 'acme', $2)",
+        context: |trace, n| format!("00-{trace}-{n:016x}-01"),
+        rows: "SELECT event_id, stream_id FROM app_events",
+    })
+    .await;
 }
