@@ -2,7 +2,8 @@
 //! table through `--table-preset debezium`, and a text-id table with a `bytea` payload,
 //! header columns, a trace-context column, a custom subject template and an excluded event
 //! type, each under relay kills: every row exactly once, in commit order, with the keys,
-//! subject and headers the mapping gives; a stream of one mapping refused under another.
+//! subject and headers the mapping gives, and `verify` clean; a stream of one mapping refused
+//! under another.
 
 #![allow(clippy::unwrap_used)]
 
@@ -49,6 +50,16 @@ where
         messages.len() as u64,
         expected,
         "the stream holds exactly one message per relayed row"
+    );
+    // verify reads the table through the same mapping: after the kills, nothing to report.
+    let verify = case.run_command("verify", &[]);
+    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    assert!(
+        verify
+            .stdout
+            .contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order"),
+        "{}",
+        verify.stdout
     );
     messages
 }
