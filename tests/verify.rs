@@ -12,7 +12,7 @@ mod support;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use support::{insert_transaction, servers, Case, Stored, DEADLINE};
+use support::{insert_transaction, servers, Case, Row, Stored, DEADLINE, ROW_COLUMNS};
 
 fn new_case(name: &str) -> Case {
     let s = servers();
@@ -311,10 +311,7 @@ async fn verify_throughput() {
     .await
     .unwrap();
     let started = std::time::Instant::now();
-    let query = format!(
-        "SELECT {}, true FROM outbox_events ORDER BY id",
-        outbox_relay::process::stored::row_columns()
-    );
+    let query = format!("SELECT {ROW_COLUMNS} FROM outbox_events ORDER BY id");
     let stream = sql
         .query_raw(&query, std::iter::empty::<i64>())
         .await
@@ -326,7 +323,7 @@ async fn verify_throughput() {
     #[allow(clippy::async_yields_async)]
     stream
         .then(|row| {
-            let row = outbox_relay::process::stored::row_from(&row.unwrap()).unwrap();
+            let row = outbox::OutboxRow::from(Row::from_sql(&row.unwrap()));
             let position = outbox::Position {
                 commit_lsn: outbox::Lsn(u64::try_from(row.id.as_int().unwrap()).unwrap()),
                 index: 0,

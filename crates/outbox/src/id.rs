@@ -46,6 +46,17 @@ impl EventId {
         EventId::parse(kind, value)
     }
 
+    /// The id a message's headers carry: `Outbox-Id`, read with its `Outbox-Id-Kind` and
+    /// `Outbox-Encoding` ([`Self::from_header`]); `header` looks a header up by name.
+    pub fn from_headers<'a>(header: impl Fn(&str) -> Option<&'a str>) -> Option<EventId> {
+        let percent = header(crate::headers::OUTBOX_ENCODING) == Some(crate::encoding::PERCENT);
+        EventId::from_header(
+            header(crate::headers::OUTBOX_ID)?,
+            header(crate::headers::OUTBOX_ID_KIND),
+            percent,
+        )
+    }
+
     /// The kind of column this id came from, as far as its value tells (a uuid column's
     /// values are [`EventId::Text`] too).
     pub fn is_int(&self) -> bool {

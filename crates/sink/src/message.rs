@@ -268,7 +268,7 @@ fn event_headers(
         h::OUTBOX_TX_INDEX,
         itoa::Buffer::new().format(event.position.index),
     );
-    if let Some(kind) = id_kind(&event.id, event.keys.ordering_key.as_str()) {
+    if let Some(kind) = id_kind(&event.id) {
         put(h::OUTBOX_ID_KIND, kind);
     }
     if hostile {
@@ -284,7 +284,7 @@ fn event_headers(
 
 /// `Outbox-Id-Kind` for a uuid or text id: `uuid` when it has a uuid's shape (a text column
 /// holding uuids says `uuid` too; either way the id is its text).
-fn id_kind(id: &EventId, _ordering_key: &str) -> Option<&'static str> {
+fn id_kind(id: &EventId) -> Option<&'static str> {
     let text = id.as_text()?;
     Some(
         if outbox::EventId::parse(outbox::IdKind::Uuid, text).is_some() {

@@ -53,7 +53,7 @@ pub struct Mark {
 impl Mark {
     /// The mark of a message read back from the stream.
     pub fn of(message: &StreamMessage) -> Mark {
-        let header = |name| header(message, name);
+        let header = |name: &str| header(message, name);
         Mark {
             position: match (
                 header(headers::OUTBOX_COMMIT_LSN),
@@ -93,7 +93,7 @@ pub struct Claim {
 impl Claim {
     /// The claim of a message read back from the stream.
     pub fn of(message: &StreamMessage) -> Claim {
-        let header = |name| header(message, name);
+        let header = |name: &str| header(message, name);
         let dead_letter = header(headers::OUTBOX_DEAD_LETTER_REASON).is_some();
         let ordering_key = if dead_letter {
             serde_json::from_slice::<serde_json::Value>(&message.payload)
@@ -111,7 +111,7 @@ impl Claim {
             (_, key) => key,
         };
         Claim {
-            id: header(headers::OUTBOX_ID).and_then(|id| EventId::from_header(id, kind, percent)),
+            id: EventId::from_headers(header),
             msg_id: header(headers::NATS_MSG_ID).map(str::to_owned),
             ordering_key,
             dead_letter,

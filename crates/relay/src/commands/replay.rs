@@ -38,7 +38,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use outbox::{encoding, headers as h, EventId, Lsn, Position};
+use outbox::{headers as h, EventId, Lsn, Position};
 
 use crate::commands::verify::{self, shown_id, Bounds, Opened, Param, Range};
 use crate::config::{format_duration, Config};
@@ -183,10 +183,7 @@ async fn original_positions(
             return;
         }
         let get = |name: &str| headers.get(name).map(|v| v.as_str());
-        let encoded = get(h::OUTBOX_ENCODING) == Some(encoding::PERCENT);
-        let Some(id) = get(h::OUTBOX_ID)
-            .and_then(|id| EventId::from_header(id, get(h::OUTBOX_ID_KIND), encoded))
-        else {
+        let Some(id) = EventId::from_headers(get) else {
             return;
         };
         let get = |name: &str| get(name).unwrap_or("");

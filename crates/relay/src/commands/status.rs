@@ -783,10 +783,8 @@ fn last_event(message: &jetstream::message::StreamMessage, now: SystemTime) -> L
     LastEvent {
         sequence: message.sequence,
         subject: message.subject.to_string(),
-        outbox_id: header(headers::OUTBOX_ID).and_then(|id| {
-            let percent =
-                header(headers::OUTBOX_ENCODING).as_deref() == Some(outbox::encoding::PERCENT);
-            outbox::EventId::from_header(&id, header(headers::OUTBOX_ID_KIND).as_deref(), percent)
+        outbox_id: outbox::EventId::from_headers(|name| {
+            message.headers.get(name).map(|v| v.as_str())
         }),
         created_at: created_ms.map(utc_millis),
         stored_at: utc_millis(stored_ms),

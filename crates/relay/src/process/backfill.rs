@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::StreamExt;
-use outbox::{encoding, headers, EventId, IdKind, Item, OutboxEvent, Position, Role};
+use outbox::{headers, EventId, IdKind, Item, OutboxEvent, Position, Role};
 use pgoutput::Lsn;
 use replication::{quote_literal, ReplicationConnection};
 use sink::SinkStats;
@@ -537,10 +537,7 @@ async fn stored_backfill_ids(
         if let Some(headers) = &message.headers {
             let header = |name: &str| headers.get(name).map(|v| v.as_str());
             if header(headers::OUTBOX_COMMIT_LSN) == Some(zero.as_str()) {
-                let encoded = header(headers::OUTBOX_ENCODING) == Some(encoding::PERCENT);
-                if let Some(id) = header(headers::OUTBOX_ID).and_then(|id| {
-                    EventId::from_header(id, header(headers::OUTBOX_ID_KIND), encoded)
-                }) {
+                if let Some(id) = EventId::from_headers(header) {
                     ids.insert(id);
                 }
                 if let Some(index) = header(headers::OUTBOX_TX_INDEX).and_then(|i| i.parse().ok()) {

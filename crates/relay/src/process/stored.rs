@@ -22,7 +22,7 @@
 //!   as its bytes do; Rust compares strings by their UTF-8 bytes, as `"C"` does).
 
 use bytes::Bytes;
-use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, OutboxRow, Position};
+use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, Position};
 use sink::resume::{Tail, Verdict};
 use sink::Acknowledged;
 use tokio_postgres::Client;
@@ -63,38 +63,6 @@ pub async fn check_acknowledged(
             Err(why) => Err(why),
         },
     )
-}
-
-/// The seed's table's columns in the order [`row_from`] reads them (tests publish the seed's
-/// rows through them; the relay reads every table through [`RowReader`]); `$n::text::timestamptz`
-/// casts keep time parameters text.
-pub fn row_columns() -> &'static str {
-    "id::int8, entity_id::text, event_type::text, payload::text, \
-     CASE WHEN isfinite(created_at) \
-          THEN (extract(epoch FROM created_at) * 1000000)::numeric(30,0)::text END"
-}
-
-/// An outbox row read back from the table, or why the relay could not have published it.
-pub fn row_from(row: &tokio_postgres::Row) -> std::result::Result<OutboxRow, (i64, String)> {
-    let id: i64 = row.get(0);
-    let entity_id: Option<String> = row.get(1);
-    let event_type: Option<String> = row.get(2);
-    let payload: Option<String> = row.get(3);
-    let micros: Option<String> = row.get(4);
-    let (Some(entity_id), Some(event_type), Some(payload)) = (entity_id, event_type, payload)
-    else {
-        return Err((id, "a column the keys need is NULL".into()));
-    };
-    let Some(micros) = micros.and_then(|m| m.parse::<i128>().ok()) else {
-        return Err((id, "created_at is NULL or infinite".into()));
-    };
-    Ok(OutboxRow::seed(
-        id,
-        entity_id,
-        event_type,
-        Bytes::from(payload),
-        outbox::timestamp::epoch_millis(micros),
-    ))
 }
 
 /// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
