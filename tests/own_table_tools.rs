@@ -392,20 +392,26 @@ async fn marking_and_retention_follow_the_mapped_id_and_creation_time() {
         let n: i64 = sql.query_one(query, &[]).await.unwrap().get(0);
         n
     };
-    support::eventually(
-        "the recent rows marked, the old ones deleted",
-        DEADLINE,
-        || async {
-            let marked = count(
-                "SELECT count(*) FROM app_events WHERE status = 'published' AND attempts = 1 \
+    // Waited on like `eventually`, saying what it saw and what the relay logged if it times out.
+    let start = std::time::Instant::now();
+    loop {
+        let marked = count(
+            "SELECT count(*) FROM app_events WHERE status = 'published' AND attempts = 1 \
                AND published_at IS NOT NULL",
-            )
-            .await;
-            let left = count("SELECT count(*) FROM app_events").await;
-            (marked == 14 && left == 16).then_some(())
-        },
-    )
-    .await;
+        )
+        .await;
+        let left = count("SELECT count(*) FROM app_events").await;
+        if marked == 14 && left == 16 {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "timed out after {DEADLINE:?} waiting for the recent rows marked, the old ones deleted: \
+             {marked} marked, {left} rows left; the relay's log ends:\n{}",
+            support::last_lines(&relay.output(), 40)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     relay.terminate(DEADLINE);
     assert_eq!(
         count("SELECT count(*) FROM app_events WHERE kind = 'Noise' AND status = 'pending'").await,
