@@ -2,6 +2,7 @@
 """nats-server's CPU per message under each way the relay could publish (issue 23's groundwork).
 
 Usage: nats_publish_cost.py NATS_SERVER_BIN [N=100000] [MODES=relay,nofence,minhdr,fast,atomic]
+(`relay:4096`, `nofence:M`, `minhdr:M`: the same with reply subjects cycling through M values)
 
 Starts its own `nats-server -js` on a free loopback port, creates one file-storage stream per
 mode, publishes N messages of the relay's shape (~100-byte payload) over one raw connection with
@@ -84,14 +85,15 @@ def frame(subject, reply, hdr):
     return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject, reply, len(hdr), total, hdr, PAYLOAD)
 
 def run(port, pid, mode):
-    c = Conn(port); name = "S_" + mode.upper()
-    cfg = {"name": name, "subjects": [f"{mode}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
+    base, _, cycle = mode.partition(":"); cycle = int(cycle or 0)
+    c = Conn(port); name = "S_" + mode.upper().replace(":", "_")
+    cfg = {"name": name, "subjects": [f"{name}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
     if mode == "fast": cfg["allow_batched"] = True
     batch = int(mode[6:] or 1000) if mode.startswith("atomic") else 0
     if batch: cfg["allow_atomic"] = True
     r = c.request(f"$JS.API.STREAM.CREATE.{name}", json.dumps(cfg).encode())
     if "error" in r: raise SystemExit(f"{mode}: {r['error']}")
-    subject = f"{mode}.7.OrderPaid".encode()
+    subject = f"{name}.7.OrderPaid".encode()
     frames = []
     bid = uuid.uuid4().hex[:22]
     for i in range(1, N + 1):
@@ -105,7 +107,10 @@ def run(port, pid, mode):
             if last: extra.append((b"Nats-Batch-Commit", b"1"))
             frames.append(frame(subject, b"_I.%d" % i if last else b"", headers(i, "nofence", extra)).replace(b"  ", b" "))
         else:
-            frames.append(frame(subject, b"_I.%d" % i, headers(i, mode)))
+            # `mode:M`: the reply subjects cycle through M values (the server's subject cache
+            # then hits) instead of one per message.
+            reply = b"_I.%d" % (i % cycle if cycle else i)
+            frames.append(frame(subject, reply, headers(i, base)))
     done = [0]; errors = []
     cv = threading.Condition()
     def reader():
