@@ -2,7 +2,7 @@
 """nats-server's CPU per message under each way the relay could publish (issue 23's groundwork).
 
 Usage: nats_publish_cost.py NATS_SERVER_BIN [N=100000] [MODES=relay,nofence,minhdr,fast,atomic]
-(`relay:4096`, `nofence:M`, `minhdr:M`: the same with reply subjects cycling through M values)
+(`relay:M`, `nofence:M`, `minhdr:M`: the same with reply subjects cycling through M values)
 
 Starts its own `nats-server -js` on a free loopback port, creates one file-storage stream per
 mode, publishes N messages of the relay's shape (~100-byte payload) over one raw connection with
@@ -86,6 +86,7 @@ def frame(subject, reply, hdr):
 
 def run(port, pid, mode):
     base, _, cycle = mode.partition(":"); cycle = int(cycle or 0)
+    if cycle and base not in ("relay", "nofence", "minhdr"): raise SystemExit(f"{mode}: a cycle of reply subjects is for relay, nofence and minhdr")
     c = Conn(port); name = "S_" + mode.upper().replace(":", "_")
     cfg = {"name": name, "subjects": [f"{name}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
     if mode == "fast": cfg["allow_batched"] = True
