@@ -305,6 +305,74 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
 /// A time-partitioned outbox: marking and retention work through the root. Rows from 2020
 /// (past the grace period) are deleted from their partition once confirmed; today's rows
 /// (within it) stay, marked `published` once each; the stream holds every event once.
+/// Retention with a short interval while something else in the cluster writes all the
+/// time (another database: the other tests of a file, any busy server). Each round waits for
+/// the slot to confirm the WAL position its snapshot saw; the relay reports progress at
+/// most once a second, so a round that waited only its 200 ms interval never saw it and
+/// nothing was ever deleted (the flaky marking-and-retention test in own_table_tools.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
+    let servers = servers();
+    let mut case = Case::new(&servers.pg, &servers.nats, "retention_busy");
+    for (key, value) in [
+        ("OUTBOX_RELAY_RETENTION_GRACE", "1s"),
+        ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
+        ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
+    ] {
+        case.extra_env.push((key.into(), value.into()));
+    }
+    let busy = format!("{}_busy", case.database);
+    servers.pg.create_database(&busy);
+    let relay = case.start_relay();
+    let busy_sql = support::sql_connect(&servers.pg.url(&busy)).await.unwrap();
+    busy_sql
+        .batch_execute("create table churn (n bigint)")
+        .await
+        .unwrap();
+    // WAL in another database every few milliseconds, until the test ends.
+    let churn = tokio::spawn(async move {
+        loop {
+            let _ = busy_sql.execute("insert into churn values (1)", &[]).await;
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    });
+    let mut writer = case.sql().await;
+    let sql = case.sql().await;
+    let js = case.jetstream().await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.extend(insert_transaction(&mut writer, 10, 3, &format!("busy{i}")).await);
+    }
+    case.wait_for_count(&js, 30, DEADLINE).await;
+    eventually(
+        "the old rows deleted while another database is written",
+        DEADLINE,
+        || async {
+            let left: i64 = sql
+                .query_one(
+                    "select count(*) from outbox_events where id = any($1)",
+                    &[&ids],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (left == 0).then_some(())
+        },
+    )
+    .await;
+    churn.abort();
+    let churned: i64 = support::sql_connect(&servers.pg.url(&busy))
+        .await
+        .unwrap()
+        .query_one("select count(*) from churn", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(churned > 0, "the other database was written meanwhile");
+    eprintln!("retention busy: 30 old rows deleted while another database took {churned} inserts");
+    drop(relay);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_and_retention_work_through_a_partitioned_tables_root() {
     let servers = servers();

@@ -81,7 +81,7 @@ pub use pgoutput::{Lsn, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdat
 pub use sql::connect_sql;
 pub use stream::{
     parse_wal_sender_timeout, pg_timestamp, reply_requested, status_interval, Feedback,
-    ReplicationStream,
+    ReplicationStream, PROGRESS_INTERVAL,
 };
 
 #[cfg(test)]

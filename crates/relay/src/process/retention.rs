@@ -10,10 +10,13 @@
 //!    `W = pg_current_wal_insert_lsn()`. The snapshot is taken when that statement starts,
 //!    so every commit the snapshot sees ended at or below `W`.
 //! 2. Read the slot's `confirmed_flush_lsn` (shared memory, not the snapshot) until it is
-//!    at least `W`, for at most the interval or [`CONFIRM_WAIT`], whichever is shorter; if
-//!    it is not, the round ends (the next starts one interval later). A steadily written table always has a commit above the
-//!    slot's position, so a round waits for the relay's next status update rather than
-//!    giving up at once.
+//!    at least `W`, for at most the interval, but at least [`CONFIRM_WAIT_MIN`] and at most
+//!    [`CONFIRM_WAIT`] ([`confirm_wait`]); if it is not, the round ends (the next starts one
+//!    interval later). A steadily written database always has WAL above the slot's
+//!    position, so a round waits for the relay's next status update rather than giving up
+//!    at once: the relay reports progress at most once a second
+//!    ([`replication::PROGRESS_INTERVAL`]), so a round that waited only a shorter interval
+//!    would find the slot behind `W` every time while anything in the cluster writes.
 //! 3. In the same snapshot: `SELECT id … WHERE created_at < now() - grace ORDER BY id LIMIT
 //!    batch`. Every row it returns committed at or below `W ≤ confirmed`: confirmed.
 //! 4. Commit; `DELETE … WHERE id = ANY($1)` in a short transaction of its own (row locks
@@ -64,8 +67,16 @@ use crate::error::{RelayError, Result};
 use crate::observe::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
-/// position (step 2): past the relay's status interval (10 s at most) and an ack.
+/// position (step 2), at most: past the relay's status interval (10 s at most) and an ack.
 pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
+/// How long a round waits at least (step 2), however short the interval: past the relay's
+/// progress reports (one a second at most), the marker's round and an ack.
+pub const CONFIRM_WAIT_MIN: Duration = Duration::from_secs(3);
+
+/// Step 2's wait for a retention `interval`.
+pub fn confirm_wait(interval: Duration) -> Duration {
+    interval.clamp(CONFIRM_WAIT_MIN, CONFIRM_WAIT)
+}
 /// How often a round reads the slot while it waits.
 const CONFIRM_POLL: Duration = Duration::from_millis(100);
 
@@ -248,7 +259,7 @@ impl Task {
         transaction: &tokio_postgres::Transaction<'_>,
         wal: Lsn,
     ) -> anyhow::Result<Option<Lsn>> {
-        let waited_until = tokio::time::Instant::now() + CONFIRM_WAIT.min(self.settings.interval);
+        let waited_until = tokio::time::Instant::now() + confirm_wait(self.settings.interval);
         Ok(loop {
             let confirmed = transaction
             .query_opt(
@@ -349,6 +360,14 @@ async fn current_wal(transaction: &tokio_postgres::Transaction<'_>) -> anyhow::R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_round_waits_past_the_relays_progress_reports_however_short_the_interval() {
+        assert!(CONFIRM_WAIT_MIN >= 2 * replication::PROGRESS_INTERVAL);
+        assert_eq!(confirm_wait(Duration::from_millis(200)), CONFIRM_WAIT_MIN);
+        assert_eq!(confirm_wait(Duration::from_secs(5)), Duration::from_secs(5));
+        assert_eq!(confirm_wait(Duration::from_secs(60)), CONFIRM_WAIT);
+    }
 
     #[test]
     fn x3_statements_read_old_rows_by_id_and_delete_by_primary_key() {
