@@ -248,6 +248,84 @@ async fn no_reader_sees_part_of_a_transaction_under_kills() {
         .map(|m| (m.commit_lsn(), m.tx_index()))
         .collect();
     assert_eq!(commits, expected, "batch commits where batches end");
+    // B7: each transaction's last event is marked Outbox-Tx-End (unless the relay published
+    // the transaction message by message, B4), and no other event is; a reader of the whole
+    // stream hands every transaction back whole, at its marked end.
+    let per_message = support::lines_with(&output, &["refused an atomic batch"]);
+    let ends = positions(
+        messages
+            .iter()
+            .filter(|m| m.headers.contains_key("Outbox-Tx-End")),
+    );
+    let lasts = positions(
+        messages
+            .iter()
+            .filter(|m| m.tx_index() + 1 == sizes[&m.commit_lsn()]),
+    );
+    if per_message == 0 {
+        assert_eq!(
+            ends, lasts,
+            "Outbox-Tx-End on each transaction's last event"
+        );
+    } else {
+        assert!(
+            ends.iter().all(|end| lasts.contains(end)),
+            "Outbox-Tx-End on last events only"
+        );
+    }
+    let (whole, open) = whole_transactions(&messages);
+    let mut in_order: Vec<(Lsn, usize)> = Vec::new();
+    for message in &messages {
+        if in_order.last().map(|(lsn, _)| *lsn) != Some(message.commit_lsn()) {
+            in_order.push((message.commit_lsn(), sizes[&message.commit_lsn()] as usize));
+        }
+    }
+    let left_open = usize::from(open > 0);
+    assert_eq!(
+        whole,
+        in_order[..in_order.len() - left_open],
+        "whole transactions, in commit order"
+    );
+    assert!(
+        per_message > 0 || open == 0,
+        "the last transaction is marked whole too"
+    );
+    println!(
+        "atomic whole transactions: {} handed back whole by outbox_consumer::Transactions, {open} events left open, {} marked ends",
+        whole.len(),
+        ends.len()
+    );
+}
+
+/// The (commit LSN, index) of `messages`.
+fn positions<'a>(messages: impl Iterator<Item = &'a support::Stored>) -> Vec<(Lsn, u32)> {
+    messages.map(|m| (m.commit_lsn(), m.tx_index())).collect()
+}
+
+/// `messages` read as a consumer of the whole stream would, through outbox-consumer's
+/// [`outbox_consumer::Transactions`]: the transactions it handed back whole (commit LSN,
+/// size), and how many events it left open.
+fn whole_transactions(messages: &[support::Stored]) -> (Vec<(Lsn, usize)>, usize) {
+    let mut assembler = outbox_consumer::Transactions::new();
+    let mut whole = Vec::new();
+    for message in messages {
+        let mut headers = async_nats::HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(name.as_str(), value.as_str());
+        }
+        let event = outbox_consumer::Event::decode(
+            &message.subject,
+            Some(&headers),
+            message.payload.clone().into(),
+            message.sequence,
+            1,
+        )
+        .unwrap();
+        for transaction in assembler.push(event).unwrap() {
+            whole.push((transaction.commit_lsn.unwrap(), transaction.events.len()));
+        }
+    }
+    (whole, assembler.open().len())
 }
 
 /// The relay's output when it refuses to start, and its exit code.
@@ -409,6 +487,7 @@ async fn poison_under_dead_letter_keeps_its_transaction_whole() {
     assert_eq!(last.header("Nats-Batch-Commit"), "1");
     assert_eq!(last.header("Nats-Batch-Sequence"), "5");
     assert_eq!(record.header("Nats-Batch-Id"), last.header("Nats-Batch-Id"));
+    assert_eq!(last.header("Outbox-Tx-End"), "1", "B7");
     println!(
         "atomic poison dead-letter: the record stood in id={poison}'s place inside its transaction's batch of 5; all {} rows once, in order",
         all.len()
@@ -464,6 +543,16 @@ async fn a_batch_holding_stored_message_ids_is_published_message_by_message() {
     );
     // C, after the refused transaction, is a batch again.
     assert_eq!(messages.last().unwrap().header("Nats-Batch-Commit"), "1");
+    // B7: the atomic transactions' last events are marked; the replayed rows, stored by
+    // `replay` message by message, are not.
+    let marked: Vec<usize> = (0..messages.len())
+        .filter(|&i| messages[i].headers.contains_key("Outbox-Tx-End"))
+        .collect();
+    assert_eq!(
+        marked,
+        [9, 24],
+        "Outbox-Tx-End where a transaction ended in a batch"
+    );
     println!(
         "atomic ahead: the relay's batch of the 10 replayed rows was refused once (10201), then published message by message as duplicates of the same rows; 25 rows once, in order"
     );

@@ -121,6 +121,7 @@ pub mod metrics;
 mod order;
 pub mod trace;
 pub mod transaction;
+pub mod whole;
 
 use std::future::Future;
 
@@ -132,6 +133,7 @@ pub use metrics::Metrics;
 pub use outbox::EventId;
 pub use outbox::{Keys, Position};
 pub use transaction::Transaction;
+pub use whole::{Broken, Transactions, WholeTransaction};
 
 /// A handler's error: anything `?` accepts.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

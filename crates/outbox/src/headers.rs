@@ -34,6 +34,18 @@ pub const OUTBOX_ENCODING: &str = "Outbox-Encoding";
 /// ([`crate::mapping::IdKind`]); absent for integer ids (the seed's table).
 pub const OUTBOX_ID_KIND: &str = "Outbox-Id-Kind";
 
+/// `1` on the last event of its transaction, when the relay published the transaction with
+/// `--atomic-transactions` (the commit of its last atomic batch, or the one message after a
+/// batch at the limit); absent on every other message, so its absence says nothing.
+pub const OUTBOX_TX_END: &str = "Outbox-Tx-End";
+/// `--atomic-transactions`: nats-server's batch headers, stored with each message of an
+/// atomic batch. `Nats-Batch-Id` names the batch, `Nats-Batch-Sequence` is the message's
+/// place in it (1, 2, …), and `Nats-Batch-Commit: 1` is on its last message.
+pub const NATS_BATCH_ID: &str = "Nats-Batch-Id";
+/// See [`NATS_BATCH_ID`].
+pub const NATS_BATCH_SEQUENCE: &str = "Nats-Batch-Sequence";
+/// See [`NATS_BATCH_ID`].
+pub const NATS_BATCH_COMMIT: &str = "Nats-Batch-Commit";
 /// Whether a header named `name` is one of the relay's own (`Nats-*` or `Outbox-*`, any
 /// case), as opposed to one a column gave.
 pub fn is_relay_header(name: &str) -> bool {

@@ -47,6 +47,14 @@
 //!   nats-server's atomic batch costs it about 1 ms of CPU per batch on a one-replica file
 //!   stream (it opens and removes a file store of its own for each batch; measured on
 //!   2.15.1, docs/performance.md).
+//! - B7 The event a transaction ends with carries `Outbox-Tx-End: 1`
+//!   ([`outbox::headers::OUTBOX_TX_END`]): the commit of its last batch, or the one message
+//!   after a batch at the limit (B6). No other message does: not a batch cut at the limit,
+//!   not a transaction published one message at a time (B4). So the last event of every
+//!   batch, at the limit too, is held back until the next item says whether the
+//!   transaction goes on. A reader of the whole stream therefore knows a transaction whole
+//!   when it reads that event, without waiting for the next transaction
+//!   (`outbox_consumer::whole`).
 
 /// One message's place in an atomic batch: its headers (`crate::message::Fence`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,25 +104,36 @@ impl<E> Batches<E> {
         }
     }
 
-    /// The next event of the open transaction: the events to frame now, in order (the one
-    /// held back until now, as not its batch's last; this one, when it reaches the limit),
-    /// each with its place in its batch, `None` for a batch of one (B6).
-    pub(crate) fn event(&mut self, event: E) -> [Option<(E, Option<Batch>)>; 2] {
-        let earlier = self.held.take().map(|held| {
-            self.framed += 1;
-            (held, Some(self.batch(self.framed, false)))
+    /// The held-back event when the limit makes it its batch's last: the batch's commit,
+    /// not its transaction's end (B7: an event of the transaction follows). The publisher
+    /// frames it before the next event takes a permit of the window, which a batch as large
+    /// as the window would otherwise wait for until its own commit's answer.
+    pub(crate) fn full(&mut self) -> Option<(E, Option<Batch>)> {
+        if self.framed + 1 != self.limit {
+            return None;
+        }
+        let held = self.held.take()?;
+        self.framed = 0;
+        Some((held, (self.limit > 1).then(|| self.batch(self.limit, true))))
+    }
+
+    /// The next event of the open transaction: the event to frame now, if any (the one held
+    /// back until now: its batch's commit at the limit, [`Batches::full`], else not its
+    /// batch's last), with its place in its batch, `None` for a batch of one (B6). This one
+    /// is held back until the next item says whether it ends its transaction (B7).
+    pub(crate) fn event(&mut self, event: E) -> Option<(E, Option<Batch>)> {
+        let earlier = self.full().or_else(|| {
+            self.held.take().map(|held| {
+                self.framed += 1;
+                (held, Some(self.batch(self.framed, false)))
+            })
         });
-        if earlier.is_none() && self.framed == 0 {
+        if self.framed == 0 {
             self.number += 1;
             self.id = format!("{}.{}", self.token, self.number);
         }
-        if self.framed + 1 == self.limit {
-            self.framed = 0;
-            let batch = (self.limit > 1).then(|| self.batch(self.limit, true));
-            return [earlier, Some((event, batch))];
-        }
         self.held = Some(event);
-        [earlier, None]
+        earlier
     }
 
     /// The open transaction ended (or something that is not one of its events came): the
@@ -164,7 +183,7 @@ mod tests {
         let mut next = 0u32;
         for &size in sizes {
             for _ in 0..size {
-                out.extend(batches.event(next).into_iter().flatten());
+                out.extend(batches.event(next));
                 next += 1;
             }
             out.extend(batches.close());
@@ -217,7 +236,7 @@ mod tests {
             "B6: batches of one are plain"
         );
         let mut batches = Batches::new(1000, "T");
-        let framed: Vec<_> = (0..5).flat_map(|e| batches.event(e)).flatten().collect();
+        let framed: Vec<_> = (0..5).filter_map(|e| batches.event(e)).collect();
         assert!(framed
             .iter()
             .all(|(_, b)| b.as_ref().is_some_and(|b| !b.commit)));

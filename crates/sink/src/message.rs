@@ -65,9 +65,9 @@ pub(crate) mod name {
         HeaderName::from_static(h::OUTBOX_DEAD_LETTER_REASON);
     pub const EXPECTED_LAST_SEQUENCE_STR: &str = "Nats-Expected-Last-Sequence";
     pub const EXPECTED_LAST_MSG_ID_STR: &str = "Nats-Expected-Last-Msg-Id";
-    pub const BATCH_ID_STR: &str = "Nats-Batch-Id";
-    pub const BATCH_SEQUENCE_STR: &str = "Nats-Batch-Sequence";
-    pub const BATCH_COMMIT_STR: &str = "Nats-Batch-Commit";
+    pub const BATCH_ID_STR: &str = h::NATS_BATCH_ID;
+    pub const BATCH_SEQUENCE_STR: &str = h::NATS_BATCH_SEQUENCE;
+    pub const BATCH_COMMIT_STR: &str = h::NATS_BATCH_COMMIT;
 }
 
 /// Strict mode's fence for the next publish (P5): the sequence the stream's last message
@@ -87,6 +87,9 @@ pub struct Fence {
     /// block carries the batch's headers instead of the chain, and the expected sequence
     /// only on the batch's first message (all nats-server accepts in a batch).
     pub batch: Option<crate::batch::Batch>,
+    /// The next publish is its transaction's last event, published by an atomic
+    /// transaction's batches (`crate::batch` B7): the block ends with `Outbox-Tx-End: 1`.
+    pub tx_end: bool,
 }
 
 impl Fence {
@@ -96,6 +99,7 @@ impl Fence {
             sequence,
             last_msg_id: None,
             batch: None,
+            tx_end: false,
         }
     }
 
@@ -162,18 +166,22 @@ fn line(name: &str, value_len: usize) -> usize {
 
 /// The serialised length of the strict-mode fence headers for `fence`, if any.
 pub(crate) fn fence_len(fence: Option<&Fence>) -> usize {
+    let tx_end = fence
+        .filter(|f| f.tx_end)
+        .map_or(0, |_| line(outbox::headers::OUTBOX_TX_END, 1));
     if let Some(fence) = fence.filter(|f| f.batch.is_some()) {
         // Only dead-letter records get here: writing the lines is exact and cheap enough.
         let mut block = BytesMut::new();
         fence.write(&mut block);
-        return block.len();
+        return block.len() + tx_end;
     }
-    fence.map_or(0, |f| {
-        line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f.sequence))
-            + f.last_msg_id
-                .as_ref()
-                .map_or(0, |id| line(name::EXPECTED_LAST_MSG_ID_STR, id.len()))
-    })
+    tx_end
+        + fence.map_or(0, |f| {
+            line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f.sequence))
+                + f.last_msg_id
+                    .as_ref()
+                    .map_or(0, |id| line(name::EXPECTED_LAST_MSG_ID_STR, id.len()))
+        })
 }
 
 /// A row value as its header carries it (M1).
@@ -371,7 +379,8 @@ impl Lines<'_> {
     }
 }
 
-/// `NATS/1.0`, the fence's lines, what `lines` puts, the blank line (M4).
+/// `NATS/1.0`, the fence's lines, what `lines` puts, the fence's `Outbox-Tx-End` (B7), the
+/// blank line (M4).
 fn write_block(
     block: &mut BytesMut,
     fence: Option<&Fence>,
@@ -387,6 +396,9 @@ fn write_block(
     };
     lines(&mut writing);
     let msg_id = writing.msg_id;
+    if fence.is_some_and(|f| f.tx_end) {
+        wire::header_line(block, outbox::headers::OUTBOX_TX_END, b"1");
+    }
     block.extend_from_slice(wire::HEADER_END);
     msg_id
 }
@@ -626,12 +638,12 @@ mod tests {
             id in any::<i64>(),
             index in any::<u32>(),
             payload_len in 0usize..2000,
-            fence in proptest::option::of((any::<u64>(), proptest::option::of("[a-zA-Z0-9:%]{0,60}"))),
+            fence in proptest::option::of((any::<u64>(), proptest::option::of("[a-zA-Z0-9:%]{0,60}"), any::<bool>())),
         ) {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let fence = fence.map(|(sequence, last_msg_id)| Fence { sequence, last_msg_id, batch: None });
+            let fence = fence.map(|(sequence, last_msg_id, tx_end)| Fence { sequence, last_msg_id, batch: None, tx_end });
             let mut block = BytesMut::new();
             let msg_id = write_event_block(&mut block, &event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
             let (_, map, _) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
@@ -647,11 +659,12 @@ mod tests {
                 let expected = match *name {
                     name::EXPECTED_LAST_SEQUENCE_STR => fence.as_ref().map(|f| f.sequence.to_string()),
                     name::EXPECTED_LAST_MSG_ID_STR => fence.as_ref().and_then(|f| f.last_msg_id.clone()),
+                    headers::OUTBOX_TX_END => fence.as_ref().filter(|f| f.tx_end).map(|_| "1".to_owned()),
                     name => get(&map, name),
                 };
                 prop_assert_eq!(Some(*value), expected.as_deref());
             }
-            let fence_lines = fence.as_ref().map_or(0, |f| 1 + usize::from(f.last_msg_id.is_some()));
+            let fence_lines = fence.as_ref().map_or(0, |f| 1 + usize::from(f.last_msg_id.is_some()) + usize::from(f.tx_end));
             prop_assert_eq!(lines.len(), map.iter().count() + fence_lines);
         }
 

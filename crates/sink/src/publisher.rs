@@ -542,15 +542,20 @@ impl<'s> Publisher<'s> {
     ) -> Result<bool, SinkError> {
         let item = match item {
             Item::Event(event) if self.batched(&event) => {
+                // A batch full at the limit commits before its next event waits for room.
+                if let Some(((held, permit), batch)) = self.batches.as_mut().and_then(Batches::full)
+                {
+                    let publish = self.frame(held, permit, batch, false)?;
+                    if !self.hand(ack_tx, publish).await? {
+                        return Ok(false);
+                    }
+                }
                 let Some(permit) = self.permit(window).await? else {
                     return Ok(false);
                 };
-                let staged = match self.batches.as_mut() {
-                    Some(batches) => batches.event((event, permit)),
-                    None => [None, None],
-                };
-                for ((event, permit), batch) in staged.into_iter().flatten() {
-                    let publish = self.frame(event, permit, batch)?;
+                let staged = self.batches.as_mut().and_then(|b| b.event((event, permit)));
+                if let Some(((event, permit), batch)) = staged {
+                    let publish = self.frame(event, permit, batch, false)?;
                     if !self.hand(ack_tx, publish).await? {
                         return Ok(false);
                     }
@@ -561,7 +566,8 @@ impl<'s> Publisher<'s> {
         };
         // B1: anything but the next event of the open batch ends it.
         if let Some(((event, permit), batch)) = self.batches.as_mut().and_then(Batches::close) {
-            let publish = self.frame(event, permit, batch)?;
+            // B7: the event the open transaction ended with.
+            let publish = self.frame(event, permit, batch, true)?;
             if !self.hand(ack_tx, publish).await? {
                 return Ok(false);
             }
@@ -579,7 +585,7 @@ impl<'s> Publisher<'s> {
                 let Some(permit) = self.permit(window).await? else {
                     return Ok(false);
                 };
-                self.frame(event, permit, None)?
+                self.frame(event, permit, None, false)?
             }
         };
         self.hand(ack_tx, item).await
@@ -658,17 +664,20 @@ impl<'s> Publisher<'s> {
 
     /// Writes `event`'s frame (or its dead-letter record's, P7, P8, P11) into `out` as the
     /// session's next publish, holding a permit of the window (P2), as a message of `batch`
-    /// when given (P13: only a batch's commit has a reply subject, B3).
+    /// when given (P13: only a batch's commit has a reply subject, B3), marked as its
+    /// transaction's last event when `tx_end` (B7).
     #[inline]
     fn frame<P>(
         &mut self,
         event: OutboxEvent,
         permit: OwnedSemaphorePermit,
         batch: Option<Batch>,
+        tx_end: bool,
     ) -> Result<AckItem<P>, SinkError> {
         let replied = batch.as_ref().is_none_or(|batch| batch.commit);
         if let Some(fence) = self.fence.as_mut() {
             fence.batch = batch;
+            fence.tx_end = tx_end;
         }
         let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
