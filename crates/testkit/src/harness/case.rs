@@ -233,6 +233,15 @@ fn relay_env_for_every_case() -> Vec<(String, String)> {
 }
 
 impl Case {
+    /// The relay's setting `key` in the case's `extra_env` (the last one set), if any.
+    pub fn relay_setting(&self, key: &str) -> Option<&str> {
+        self.extra_env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
     /// Creates a database with the seed's table on `pg`, and names for everything else.
     pub fn new(pg: &Postgres, nats: &Nats, name: &str) -> Case {
         Case::with_nats_url(pg, &nats.url(), name)
