@@ -187,5 +187,19 @@ async fn r3_stream_leader_killed_twice_nothing_lost_duplicated_or_reordered() {
     );
     findings.assert_faithful();
     assert_eq!(kills.len(), KILLS);
+    // On a replicated stream the fence is the sequence alone (sink P5, `SinkOptions::id_chain`):
+    // nats-server wedges a replica that caught up when a message carries the id chain.
+    let chained = messages
+        .iter()
+        .filter(|m| m.headers.contains_key("Nats-Expected-Last-Msg-Id"))
+        .count();
+    let fenced = messages
+        .iter()
+        .filter(|m| m.headers.contains_key("Nats-Expected-Last-Sequence"))
+        .count();
+    assert_eq!(chained, 0, "no id chain on a replicated stream");
+    if case.relay_setting("OUTBOX_RELAY_ATOMIC_TRANSACTIONS") != Some("true") {
+        assert_eq!(fenced, messages.len(), "every message fenced by sequence");
+    }
     drop(relay);
 }

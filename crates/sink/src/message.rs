@@ -81,8 +81,10 @@ pub struct Fence {
     /// `Nats-Expected-Last-Sequence`.
     pub sequence: u64,
     /// `Nats-Expected-Last-Msg-Id`: the previous publish's `Nats-Msg-Id`, if this session
-    /// published before.
+    /// published before and the fence is chained.
     pub last_msg_id: Option<String>,
+    /// Whether the fence chains publishes by message id (`SinkOptions::id_chain`).
+    pub chained: bool,
     /// The atomic batch the next publish belongs to (`crate::batch` B1–B6), if any: then the
     /// block carries the batch's headers instead of the chain, and the expected sequence
     /// only on the batch's first message (all nats-server accepts in a batch).
@@ -98,9 +100,15 @@ impl Fence {
         Fence {
             sequence,
             last_msg_id: None,
+            chained: true,
             batch: None,
             tx_end: false,
         }
+    }
+
+    /// The fence, chained by message id or not (`SinkOptions::id_chain`).
+    pub fn chained(self, chained: bool) -> Fence {
+        Fence { chained, ..self }
     }
 
     /// Writes the fence's header lines (`Nats-Expected-Last-Sequence`, and
@@ -145,6 +153,9 @@ impl Fence {
     /// Moves the fence past a publish whose `Nats-Msg-Id` is `msg_id`.
     pub(crate) fn advance(&mut self, msg_id: &[u8]) {
         self.sequence += 1;
+        if !self.chained {
+            return;
+        }
         let last = self.last_msg_id.get_or_insert_with(String::new);
         last.clear();
         last.push_str(&String::from_utf8_lossy(msg_id));
@@ -643,7 +654,7 @@ mod tests {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let fence = fence.map(|(sequence, last_msg_id, tx_end)| Fence { sequence, last_msg_id, batch: None, tx_end });
+            let fence = fence.map(|(sequence, last_msg_id, tx_end)| Fence { sequence, last_msg_id, chained: true, batch: None, tx_end });
             let mut block = BytesMut::new();
             let msg_id = write_event_block(&mut block, &event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
             let (_, map, _) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));
@@ -837,6 +848,30 @@ mod tests {
         assert_eq!(excess, Excess::ControlLine);
         assert!(!encoding::is_hostile(&reason), "{reason}");
         assert!(limits.check(100, 0, 3900).is_ok());
+    }
+
+    #[test]
+    fn an_unchained_fence_carries_the_sequence_only() {
+        let written = |fence: &Fence| {
+            let mut block = BytesMut::new();
+            fence.write(&mut block);
+            String::from_utf8(block.to_vec()).unwrap()
+        };
+        for chained in [true, false] {
+            let mut fence = Fence::at(7).chained(chained);
+            fence.advance(b"T:e:1");
+            let block = written(&fence);
+            assert!(
+                block.contains("Nats-Expected-Last-Sequence: 8\r\n"),
+                "{block}"
+            );
+            assert_eq!(
+                block.contains("Nats-Expected-Last-Msg-Id: T:e:1"),
+                chained,
+                "{block}"
+            );
+            assert_eq!(block.len(), fence_len(Some(&fence)), "{block}");
+        }
     }
 
     #[test]

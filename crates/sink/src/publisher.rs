@@ -34,7 +34,8 @@
 //!   publish is lost or refused, or another writer slips a message in, the server refuses
 //!   every later one (the id chain holds where a shifted sequence would line up again), so
 //!   no gap and no reordering can enter the stream; the refusal ends [`run`] and the caller
-//!   re-syncs from the stream's tail.
+//!   re-syncs from the stream's tail. The id chain only with [`SinkOptions::id_chain`] (a
+//!   one-replica stream): see there why not on a replicated one.
 //! - P6 Events at or before [`SinkOptions::resume_after`] (the position of the stream's last
 //!   message) are already stored: they are counted as acknowledged without being published.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
@@ -156,6 +157,14 @@ pub struct SinkOptions {
     /// batches of at most this many (and at most `max_in_flight`, B3); `None`: one
     /// acknowledged publish per event. Strict mode only: ignored without a fence.
     pub atomic: Option<usize>,
+    /// P5's id chain (`Nats-Expected-Last-Msg-Id`): for a stream of one replica. Not on a
+    /// replicated stream: nats-server (read at v2.14.0-585, `processCatchupMsg` in
+    /// `server/jetstream_cluster.go`; seen on 2.15.1) does not update a replica's last
+    /// message id when the replica catches up from the leader, and checks the header again
+    /// when it applies a message, so the first chained message after a catch-up fails on
+    /// that replica for good ("stream write error: last msgid mismatch"): it never becomes
+    /// current again. `Nats-Expected-Last-Sequence` stays on every publish.
+    pub id_chain: bool,
 }
 
 /// Counters the sink keeps; shared so metrics can read them while it runs (P9).
@@ -479,7 +488,9 @@ impl<'s> Publisher<'s> {
             options,
             stats,
             limits,
-            fence: options.fence.map(Fence::at),
+            fence: options
+                .fence
+                .map(|sequence| Fence::at(sequence).chained(options.id_chain)),
             dead_letter_instead: stats.dead_letter_instead(),
             denied_subjects: stats.denied_subjects(),
             commit_lsn: (None, String::new()),

@@ -166,6 +166,8 @@ pub struct Tail {
     pub max_msg_size: Option<usize>,
     /// The stream's duplicate window.
     pub duplicate_window: Duration,
+    /// The stream's replicas (`SinkOptions::id_chain`: the id chain on one only).
+    pub replicas: usize,
     /// The last message's mark, or why it could not be read; `None` for an empty stream or
     /// when it was not asked for.
     pub last: Option<Result<Mark, String>>,
@@ -216,6 +218,7 @@ pub async fn read_tail(
             .ok()
             .filter(|&n| n > 0),
         duplicate_window: info.config.duplicate_window,
+        replicas: info.config.num_replicas,
         last: None,
     };
     if read_last && last_sequence > 0 {
@@ -501,6 +504,7 @@ mod tests {
             last_sequence: 42,
             max_msg_size: None,
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
             last,
         }
     }

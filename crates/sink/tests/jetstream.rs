@@ -465,6 +465,7 @@ fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOp
         source: "test".to_owned(),
         ack_timeout,
         atomic: None,
+        id_chain: true,
     }
 }
 

@@ -56,6 +56,7 @@ pub(crate) fn sink_options(
     resume_after: Option<outbox::Position>,
     max_message_bytes: usize,
     source: String,
+    replicas: usize,
 ) -> SinkOptions {
     SinkOptions {
         max_in_flight: config.max_in_flight,
@@ -70,5 +71,6 @@ pub(crate) fn sink_options(
         source,
         ack_timeout: config.ack_timeout,
         atomic: None,
+        id_chain: replicas <= 1,
     }
 }

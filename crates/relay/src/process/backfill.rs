@@ -411,6 +411,7 @@ async fn publish_snapshot(
         None,
         crate::connect::max_message_bytes(&tail, max_payload),
         source,
+        tail.replicas,
     );
     let publishing = crate::connect::nats::open_publishing(
         &crate::connect::nats::connector(&config.nats)?,

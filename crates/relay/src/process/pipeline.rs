@@ -630,6 +630,7 @@ fn start(
         prepared.resume.skip_through,
         prepared.max_message_bytes,
         prepared.source,
+        prepared.tail.replicas,
     );
     // --atomic-transactions: streamed transactions only (a backfill publishes per message),
     // checked against the server and the stream by bootstrap (X1).
