@@ -198,7 +198,7 @@ async fn r3_stream_leader_killed_twice_nothing_lost_duplicated_or_reordered() {
         .filter(|m| m.headers.contains_key("Nats-Expected-Last-Sequence"))
         .count();
     assert_eq!(chained, 0, "no id chain on a replicated stream");
-    if case.relay_setting("OUTBOX_RELAY_ATOMIC_TRANSACTIONS") != Some("true") {
+    if !case.atomic_transactions() {
         assert_eq!(fenced, messages.len(), "every message fenced by sequence");
     }
     drop(relay);

@@ -213,8 +213,11 @@ impl Rig {
     /// rows: an atomic batch is never seen half stored, but a transaction above the batch
     /// limit is several batches, and the tail stands between them while the relay publishes.
     async fn catch_mid_transaction(&mut self, size: usize) -> Option<Caught> {
-        let atomic = self.case.relay_setting("OUTBOX_RELAY_ATOMIC_TRANSACTIONS") == Some("true");
-        let size = if atomic { size.max(2500) } else { size };
+        let size = if self.case.atomic_transactions() {
+            size.max(2500)
+        } else {
+            size
+        };
         self.relay.wait_streaming(DEADLINE).await;
         let record = self.commit_big_transaction(size).await;
         let ids: HashSet<i64> = record.ids.iter().copied().collect();

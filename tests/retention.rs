@@ -302,9 +302,6 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
     );
 }
 
-/// A time-partitioned outbox: marking and retention work through the root. Rows from 2020
-/// (past the grace period) are deleted from their partition once confirmed; today's rows
-/// (within it) stay, marked `published` once each; the stream holds every event once.
 /// Retention with a short interval while something else in the cluster writes all the
 /// time (another database: the other tests of a file, any busy server). Each round waits for
 /// the slot to confirm the WAL position its snapshot saw; the relay reports progress at
@@ -373,6 +370,9 @@ async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
     drop(relay);
 }
 
+/// A time-partitioned outbox: marking and retention work through the root. Rows from 2020
+/// (past the grace period) are deleted from their partition once confirmed; today's rows
+/// (within it) stay, marked `published` once each; the stream holds every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_and_retention_work_through_a_partitioned_tables_root() {
     let servers = servers();

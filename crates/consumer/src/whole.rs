@@ -167,9 +167,8 @@ pub enum Broken {
 /// event in stream order with [`Transactions::push`].
 #[derive(Debug)]
 pub struct Transactions {
-    /// The open transaction's events (indexes 0, 1, …) and its commit LSN.
+    /// The open transaction's events (indexes 0, 1, …).
     open: Vec<Event>,
-    open_lsn: Option<Lsn>,
     /// The highest stream sequence taken (W2: anything at or below is a redelivery).
     last_sequence: u64,
     /// The position of the last event taken that had one (W2).
@@ -193,7 +192,6 @@ impl Transactions {
     pub fn with_max_events(max_events: usize) -> Self {
         Transactions {
             open: Vec::new(),
-            open_lsn: None,
             last_sequence: 0,
             last_position: None,
             max_events: max_events.max(1),
@@ -219,12 +217,11 @@ impl Transactions {
                 events: vec![event],
             }]);
         };
-        let continues = self.open_lsn == Some(position.commit_lsn);
+        let continues = self.open_lsn() == Some(position.commit_lsn);
         self.check(&event, position, continues)?;
         let mut whole = Vec::new();
         if !continues {
             whole.extend(self.take());
-            self.open_lsn = Some(position.commit_lsn);
         }
         let ends = event.ends_transaction();
         self.last_sequence = event.stream_sequence;
@@ -276,9 +273,15 @@ impl Transactions {
         Ok(())
     }
 
+    /// The open transaction's commit LSN, if it has events: the last position's taken.
+    fn open_lsn(&self) -> Option<Lsn> {
+        let position = self.last_position.filter(|_| !self.open.is_empty())?;
+        Some(position.commit_lsn)
+    }
+
     /// The open transaction, handed back whole.
     fn take(&mut self) -> Option<WholeTransaction> {
-        let commit_lsn = self.open_lsn.take()?;
+        let commit_lsn = self.open_lsn()?;
         Some(WholeTransaction {
             commit_lsn: Some(commit_lsn),
             events: std::mem::take(&mut self.open),

@@ -233,13 +233,14 @@ fn relay_env_for_every_case() -> Vec<(String, String)> {
 }
 
 impl Case {
-    /// The relay's setting `key` in the case's `extra_env` (the last one set), if any.
-    pub fn relay_setting(&self, key: &str) -> Option<&str> {
+    /// Whether the case's relay runs with `--atomic-transactions` (its `extra_env`, the last
+    /// setting; `TESTKIT_RELAY_ENV` included).
+    pub fn atomic_transactions(&self) -> bool {
         self.extra_env
             .iter()
             .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+            .find(|(key, _)| key == "OUTBOX_RELAY_ATOMIC_TRANSACTIONS")
+            .is_some_and(|(_, value)| value == "true")
     }
 
     /// Creates a database with the seed's table on `pg`, and names for everything else.
@@ -355,11 +356,7 @@ impl Case {
         })
         .await
         .expect("create the R3 stream");
-        if self
-            .extra_env
-            .iter()
-            .any(|(key, value)| key == "OUTBOX_RELAY_ATOMIC_TRANSACTIONS" && value == "true")
-        {
+        if self.atomic_transactions() {
             self.allow_atomic(js).await;
         }
         eventually("the R3 stream to have a leader", DEADLINE, || async {
