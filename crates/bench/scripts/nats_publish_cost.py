@@ -13,6 +13,9 @@ at most 2 000 unacknowledged, and prints the server's CPU (utime + stime from /p
 - minhdr:  Nats-Msg-Id and one position header;
 - fast:    fast-ingest batch (2.14+, the stream's allow_batched; the batch's parameters in the
            reply subject, a flow-control ack every 500), the relay's headers without the fence;
+- fastseq: fast-ingest batches of 1 000 (fastseqK: of K), each committed by its last message, every
+           message with the relay's headers and Nats-Expected-Last-Sequence (no id chain): what a
+           fast publish mode that keeps strict mode's sequence fence sends;
 - atomic:  atomic batches of 1 000 (2.12+, allow_atomic; Nats-Batch-Id/-Sequence/-Commit), the
            relay's headers without the fence, a reply on each commit only; atomicK: batches of K
            (e.g. atomic10: the line also gives the CPU per batch, the server's fixed cost of one).
@@ -67,8 +70,9 @@ class Conn:
 
 def headers(i, mode, extra=()):
     h = [(b"Nats-Msg-Id", b"OrderPaid:order-%d:%d" % (i % 977, i))]
-    if mode == "relay":
+    if mode in ("relay", "seqfence"):
         h += [(b"Nats-Expected-Last-Sequence", b"%d" % (i - 1))]
+    if mode == "relay":
         if i > 1: h += [(b"Nats-Expected-Last-Msg-Id", b"OrderPaid:order-%d:%d" % ((i - 1) % 977, i - 1))]
     if mode != "minhdr":
         h += [(b"Outbox-Id", b"%d" % i), (b"Outbox-Entity-Id", b"order-%d" % (i % 977)), (b"Outbox-Event-Type", b"OrderPaid"),
@@ -89,7 +93,8 @@ def run(port, pid, mode):
     if cycle and base not in ("relay", "nofence", "minhdr"): raise SystemExit(f"{mode}: a cycle of reply subjects is for relay, nofence and minhdr")
     c = Conn(port); name = "S_" + mode.upper().replace(":", "_")
     cfg = {"name": name, "subjects": [f"{name}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
-    if mode == "fast": cfg["allow_batched"] = True
+    if mode == "fast" or mode.startswith("fastseq"): cfg["allow_batched"] = True
+    fastseq = int(mode[7:] or 1000) if mode.startswith("fastseq") else 0
     batch = int(mode[6:] or 1000) if mode.startswith("atomic") else 0
     if batch: cfg["allow_atomic"] = True
     r = c.request(f"$JS.API.STREAM.CREATE.{name}", json.dumps(cfg).encode())
@@ -101,6 +106,10 @@ def run(port, pid, mode):
         if mode == "fast":
             op = 0 if i == 1 else (2 if i == N else 1)
             frames.append(frame(subject, b"_I.%s.500.fail.%d.%d.$FI" % (bid.encode(), i, op), headers(i, mode)))
+        elif fastseq:
+            b, k = (i - 1) // fastseq, (i - 1) % fastseq + 1
+            op = 0 if k == 1 else (2 if k == fastseq or i == N else 1)
+            frames.append(frame(subject, b"_I.%s-%d.%d.fail.%d.%d.$FI" % (bid.encode(), b, min(fastseq, 500), k, op), headers(i, "seqfence")))
         elif batch:
             b, k = (i - 1) // batch, (i - 1) % batch + 1
             last = k == batch or i == N
@@ -120,7 +129,9 @@ def run(port, pid, mode):
             a = json.loads(body)
             if "error" in a: errors.append(a); 
             with cv:
-                if mode == "fast":
+                if fastseq:
+                    if "batch" in a and "count" in a: done[0] += a["count"]
+                elif mode == "fast":
                     done[0] = max(done[0], a.get("seq", 0) if "seq" in a else (a.get("count", 0) if "batch" in a else done[0]))
                     if "batch" in a and "count" in a: done[0] = N
                 elif batch:

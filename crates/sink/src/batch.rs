@@ -55,6 +55,45 @@
 //!   transaction goes on. A reader of the whole stream therefore knows a transaction whole
 //!   when it reads that event, without waiting for the next transaction
 //!   (`outbox_consumer::whole`).
+//!
+//! # Fast-ingest batches
+//! The publish mode a current server makes cheaper (nats-server 2.14+, a stream with
+//! `allow_batched`, strict mode on a one-replica stream; the relay selects it, sink
+//! `SinkOptions::fast`): consecutive events, across transactions, are published as
+//! fast-ingest batches, each message stored as it arrives, answered only now and then
+//! (flow control) and the batch's last by a PubAck. What nats-server does with them
+//! (`server/stream.go` `processJetStreamFastBatchMsg`, `server/jetstream_batching.go`, read at
+//! 1787eee03): the batch's id, initial flow, gap mode, sequence and operation travel in the
+//! reply subject (`<prefix>.<id>.<flow>.<gap>.<seq>.<op>.$FI`; op 0 start, 1 append, 2
+//! commit); each message is checked as a plain publish is (a fresh check per message:
+//! `Nats-Expected-Last-Sequence` on every one, and `Nats-Expected-Last-Msg-Id`, checked
+//! where the message is stored); in gap mode `fail`, a message refused or missing ends the
+//! batch at once (a PubAck for what was stored, on that message's reply subject; later
+//! messages of the batch are refused as of an unknown batch); a message whose id the stream
+//! holds is skipped without a word (its PubAck is the previous message's sequence).
+//! - F1 A fast batch is at most [`FAST_BATCH_LIMIT`] messages and half the window; it is
+//!   committed when the input has nothing more ready, at the limit, before its next event
+//!   waits for room in the window, or before any event that is not batched: its last event is held back ([`Batches`]), as for atomic ones.
+//!   A transaction's end does not end the batch: the items between two events (a
+//!   transaction's commit and the next one's begin) reach the acker after the event before
+//!   them, never before it (P1: a commit position never overtakes its events).
+//! - F2 Strict mode's fence: every message carries `Nats-Expected-Last-Sequence`, and the
+//!   batch's first message also the id chain when the session chains (P5); gap mode is
+//!   `fail`. So nothing after a message that was not stored is stored in its batch (the
+//!   server ends it), and a later batch is refused at its first message.
+//! - F3 Nothing of a fast batch counts as stored before its commit's PubAck, and then only
+//!   if its sequence is the one the fence predicts for the commit (no message of the batch
+//!   was a skipped duplicate, none refused); any other answer to any message of the batch
+//!   ends the session, and nothing of the batch is confirmed. Flow-control answers are
+//!   read and dropped by the connection (`crate::conn`).
+//! - F4 After a session with fast batches ends in an error, the next sessions publish one
+//!   message at a time up to the newest event that session batched (where P8 judges each
+//!   duplicate, P11 each denial), then fast again; a server that refuses fast batches
+//!   themselves (batch publish disabled, pattern or id invalid) turns the mode off for the
+//!   process's life, with a warning.
+//! - F5 Batch ids are the session's token and the session number of the batch's first
+//!   message (unique per session, within the server's 64 bytes): an answer's reply subject
+//!   gives the publish it answers (P10), the batch's first plus its sequence less one.
 
 /// One message's place in an atomic batch: its headers (`crate::message::Fence`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +108,71 @@ pub struct Batch {
 
 /// The server's default limit of messages per atomic batch (`streamDefaultMaxAtomicBatchSize`).
 pub const DEFAULT_BATCH_LIMIT: usize = 1000;
+
+/// The most messages of one fast-ingest batch (F1): its commit's answer comes about once
+/// per this many events.
+pub const FAST_BATCH_LIMIT: usize = 1000;
+
+/// The error codes of a server that refuses fast-ingest batches themselves (F4): batch
+/// publish disabled on the stream, the reply subject's pattern or the batch id invalid.
+pub const FAST_REFUSED: [u64; 3] = [10205, 10206, 10207];
+
+/// One message's place in a fast-ingest batch's reply subject (F5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastReply<'a> {
+    /// The session's token.
+    pub token: &'a str,
+    /// The session number of the batch's first message.
+    pub first: u64,
+    /// The initial flow: messages per flow-control answer the session asks for.
+    pub flow: u64,
+    /// The message's sequence in its batch, from 1.
+    pub sequence: u64,
+    /// Whether it is the batch's last (commit, op 2).
+    pub commit: bool,
+}
+
+impl FastReply<'_> {
+    /// The reply subject's part after the session's reply prefix:
+    /// `{token}-{first}.{flow}.fail.{sequence}.{op}.$FI`.
+    pub fn write(&self, out: &mut bytes::BytesMut) {
+        let mut number = itoa::Buffer::new();
+        out.extend_from_slice(self.token.as_bytes());
+        out.extend_from_slice(b"-");
+        out.extend_from_slice(number.format(self.first).as_bytes());
+        out.extend_from_slice(b".");
+        out.extend_from_slice(number.format(self.flow).as_bytes());
+        out.extend_from_slice(b".fail.");
+        out.extend_from_slice(number.format(self.sequence).as_bytes());
+        out.extend_from_slice(match (self.sequence, self.commit) {
+            (_, true) => b".2.$FI",
+            (1, false) => b".0.$FI",
+            _ => b".1.$FI",
+        });
+    }
+
+    /// The longest such part for a session token of `token_len` bytes.
+    pub fn max_len(token_len: usize) -> usize {
+        let number = u64::MAX.to_string().len();
+        token_len + 1 + number + 1 + 5 + ".fail.".len() + number + ".2.$FI".len()
+    }
+}
+
+/// The session number of the publish a fast batch's answer is for, from its reply
+/// subject's part after the session's reply prefix (F5); `None` if it is not one.
+pub fn fast_answered(rest: &[u8]) -> Option<u64> {
+    let rest = std::str::from_utf8(rest).ok()?.strip_suffix(".$FI")?;
+    let mut parts = rest.split('.');
+    let first = parts.next()?.rsplit_once('-')?.1.parse::<u64>().ok()?;
+    let _flow = parts.next()?;
+    let _gap = parts.next()?;
+    let sequence = parts.next()?.parse::<u64>().ok()?;
+    let _op = parts.next()?;
+    if parts.next().is_some() || sequence == 0 {
+        return None;
+    }
+    first.checked_add(sequence - 1)
+}
 
 /// The error code of a batch refused for a message id the stream already holds (B4).
 pub const DUPLICATE_IN_BATCH: u64 = 10201;
@@ -146,7 +250,6 @@ impl<E> Batches<E> {
     }
 
     /// Whether an event is held back (a batch is open).
-    #[cfg(test)]
     pub(crate) fn is_open(&self) -> bool {
         self.held.is_some()
     }
@@ -242,6 +345,52 @@ mod tests {
             .all(|(_, b)| b.as_ref().is_some_and(|b| !b.commit)));
         assert_eq!(framed.len(), 4);
         assert!(batches.is_open());
+    }
+
+    #[test]
+    fn a_fast_reply_names_its_publish_and_fits_the_server_limits() {
+        let token = token("_INBOX.abcdefghijklmnopqrstuv.");
+        for (first, sequence, commit, op) in
+            [(1, 1, false, "0"), (7, 3, false, "1"), (7, 9, true, "2")]
+        {
+            let mut out = bytes::BytesMut::new();
+            FastReply {
+                token,
+                first,
+                flow: 1000,
+                sequence,
+                commit,
+            }
+            .write(&mut out);
+            let text = std::str::from_utf8(&out).unwrap();
+            assert_eq!(
+                text,
+                format!("{token}-{first}.1000.fail.{sequence}.{op}.$FI"),
+            );
+            assert_eq!(fast_answered(&out), Some(first + sequence - 1));
+            // The batch id (the token before the flow) is within the server's 64 bytes.
+            assert!(text.split('.').next().unwrap().len() <= 64);
+        }
+        let mut longest = bytes::BytesMut::new();
+        let long = "n".repeat(40);
+        FastReply {
+            token: &long,
+            first: u64::MAX,
+            flow: 65535,
+            sequence: u64::MAX,
+            commit: true,
+        }
+        .write(&mut longest);
+        assert_eq!(longest.len(), FastReply::max_len(40));
+        for other in [
+            &b"17"[..],
+            b"x-1.5.fail.0.1.$FI",
+            b"x-1.5.fail.2.1",
+            b"x.5.fail.2.1.$FI",
+            b"",
+        ] {
+            assert_eq!(fast_answered(other), None, "{other:?}");
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //!   URL says `tls://`, the options ask for it or the server requires it) or first
 //!   (`tls_first`). The `CONNECT` is async-nats's own [`async_nats::ConnectInfo`].
 //! - C2 A connection is used only once the server answered `CONNECT` and `PING` with
-//!   `PONG`, and the session's one subscription (`SUB {inbox}.* 1`) is written before any
+//!   `PONG`, and the session's one subscription (`SUB {inbox}.> 1`: fast-ingest batches answer on subjects of several tokens, `crate::batch` F5) is written before any
 //!   publish, on the same ordered stream, so the server knows it before it answers.
 //! - C3 Nothing a session writes survives it: the connection is not re-established (no
 //!   publish is ever re-sent by this module); when it fails, the acker learns why
@@ -189,7 +189,7 @@ impl Connector {
     }
 
     /// Opens a session's publishing connection: to the first server that accepts us,
-    /// subscribed to `{inbox}.*` (C2), `inbox` a fresh inbox of `client` (under its inbox
+    /// subscribed to `{inbox}.>` (C2), `inbox` a fresh inbox of `client` (under its inbox
     /// prefix). `window` is the session's window: the capacity of the answers' channel (C5).
     /// Opened before the session says it streams, so a session that streams can publish.
     pub async fn open(
@@ -236,7 +236,7 @@ impl Connector {
                 Err(Failure::Other(why)) => failures.push(format!("{address}: {why}")),
                 Err(Failure::Subscription(why)) => {
                     return Err(crate::error::SinkError::SubscriptionRefused {
-                        subject: format!("{reply_prefix}*"),
+                        subject: format!("{reply_prefix}>"),
                         why,
                     });
                 }
@@ -685,7 +685,7 @@ async fn hello(
     }
 }
 
-/// C2: the subscription to `{reply_prefix}*`, confirmed by the next `PONG`: a server that
+/// C2: the subscription to `{reply_prefix}>`, confirmed by the next `PONG`: a server that
 /// forbids it says so first (a permissions violation leaves the connection open).
 async fn subscribe(
     stream: &mut Stream,
@@ -693,7 +693,7 @@ async fn subscribe(
     info: &mut Info,
     reply_prefix: &str,
 ) -> Result<(), Failure> {
-    let subscribe = format!("SUB {reply_prefix}* {SID}\r\nPING\r\n");
+    let subscribe = format!("SUB {reply_prefix}> {SID}\r\nPING\r\n");
     send(stream, subscribe.as_bytes(), "cannot subscribe").await?;
     match pong(stream, buffer, info).await? {
         Ok(()) => Ok(()),
@@ -1180,13 +1180,16 @@ fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
             payload,
             ..
         } if sid == SID => {
-            let Some(sequence) = subject
-                .strip_prefix(reply_prefix.as_bytes())
-                .and_then(|n| std::str::from_utf8(n).ok())
-                .and_then(|n| n.parse().ok())
-            else {
+            let Some(rest) = subject.strip_prefix(reply_prefix.as_bytes()) else {
                 return Reading::Nothing;
             };
+            let numbered = std::str::from_utf8(rest).ok().and_then(|n| n.parse().ok());
+            let Some(sequence) = numbered.or_else(|| crate::batch::fast_answered(rest)) else {
+                return Reading::Nothing;
+            };
+            if numbered.is_none() {
+                return fast_answer(sequence, payload);
+            }
             let status = headers.and_then(wire::status);
             Reading::Answer(Answer::Ack {
                 sequence,
@@ -1199,6 +1202,28 @@ fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
         ServerOp::Err(text) => Reading::Error(String::from_utf8_lossy(text).into_owned()),
         _ => Reading::Nothing,
     }
+}
+
+/// An answer to publish `sequence`, a message of a fast-ingest batch (`crate::batch` F3):
+/// a flow-control ack is dropped (it confirms nothing the relay relies on); a gap report is
+/// an error; anything else (a PubAck, the `err` report of a refused message) is read as
+/// any answer is.
+fn fast_answer(sequence: u64, payload: &[u8]) -> Reading {
+    if payload.starts_with(br#"{"type":"ack""#) {
+        return Reading::Nothing;
+    }
+    let ack = if payload.starts_with(br#"{"type":"gap""#) {
+        Err(PublishError::with_source(
+            async_nats::jetstream::context::PublishErrorKind::Other,
+            format!(
+                "a message of the fast batch went missing: {}",
+                String::from_utf8_lossy(payload)
+            ),
+        ))
+    } else {
+        ack::read_parts(None, payload).map(Acked::from)
+    };
+    Reading::Answer(Answer::Ack { sequence, ack })
 }
 
 #[cfg(test)]
@@ -1405,7 +1430,7 @@ mod tests {
             "{seen}"
         );
         assert!(seen.contains("\"tls_required\":false"), "{seen}");
-        assert!(seen.contains("SUB _INBOX.t.* 1\r\n"), "{seen}");
+        assert!(seen.contains("SUB _INBOX.t.> 1\r\n"), "{seen}");
         assert!(
             seen.ends_with("PONG\r\n"),
             "the leftover PING was answered: {seen}"

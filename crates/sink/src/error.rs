@@ -65,7 +65,7 @@ pub enum SinkError {
     /// permission the NATS user lacks.
     #[error("the NATS server refused the subscription to {subject}, where the publish acks arrive: {why}")]
     SubscriptionRefused {
-        /// The subscription's subject (`{inbox}.*`).
+        /// The subscription's subject (`{inbox}.>`).
         subject: String,
         /// The server's words.
         why: String,

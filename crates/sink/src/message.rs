@@ -92,6 +92,9 @@ pub struct Fence {
     /// The next publish is its transaction's last event, published by an atomic
     /// transaction's batches (`crate::batch` B7): the block ends with `Outbox-Tx-End: 1`.
     pub tx_end: bool,
+    /// The next publish's sequence in its fast-ingest batch (`crate::batch` F2), if it is in
+    /// one: the id chain only on the batch's first message, the expected sequence on all.
+    pub fast: Option<u64>,
 }
 
 impl Fence {
@@ -103,6 +106,7 @@ impl Fence {
             chained: true,
             batch: None,
             tx_end: false,
+            fast: None,
         }
     }
 
@@ -123,9 +127,17 @@ impl Fence {
             name::EXPECTED_LAST_SEQUENCE_STR,
             itoa::Buffer::new().format(self.sequence).as_bytes(),
         );
-        if let Some(last) = &self.last_msg_id {
+        if let Some(last) = self.chain() {
             wire::header_line(block, name::EXPECTED_LAST_MSG_ID_STR, last.as_bytes());
         }
+    }
+
+    /// The id chain the next publish carries, if any (F2: in a fast batch, its first
+    /// message only).
+    fn chain(&self) -> Option<&String> {
+        self.last_msg_id
+            .as_ref()
+            .filter(|_| self.fast.is_none_or(|sequence| sequence == 1))
     }
 
     /// [`Fence::write`] for a message of an atomic batch (B2): the batch's id and sequence,
@@ -189,8 +201,7 @@ pub(crate) fn fence_len(fence: Option<&Fence>) -> usize {
     tx_end
         + fence.map_or(0, |f| {
             line(name::EXPECTED_LAST_SEQUENCE_STR, digits(f.sequence))
-                + f.last_msg_id
-                    .as_ref()
+                + f.chain()
                     .map_or(0, |id| line(name::EXPECTED_LAST_MSG_ID_STR, id.len()))
         })
 }
@@ -654,7 +665,7 @@ mod tests {
             let event = event(&entity_id, &event_type, id, index, payload_len);
             let commit_lsn = event.position.commit_lsn.to_string();
             let hostile = encoding::row_is_hostile(&entity_id, &event_type);
-            let fence = fence.map(|(sequence, last_msg_id, tx_end)| Fence { sequence, last_msg_id, chained: true, batch: None, tx_end });
+            let fence = fence.map(|(sequence, last_msg_id, tx_end)| Fence { sequence, last_msg_id, chained: true, batch: None, tx_end, fast: None });
             let mut block = BytesMut::new();
             let msg_id = write_event_block(&mut block, &event, hostile, &commit_lsn, Some("7713/db/slot"), fence.as_ref());
             let (_, map, _) = into_message(event, hostile, &commit_lsn, Some("7713/db/slot"));

@@ -5,7 +5,7 @@
 //!  input (bounded) ─► publisher ──(sequence n, permit)──► acker ─► AckTracker ─► watermark (watch)
 //!                       │  HPUB subject {inbox}.n frames        ▲ awaits acks in order,
 //!                       │  (crate::conn's writer task)          │ one task of its own
-//!                       │                  nats-server ─► SUB {inbox}.*  (crate::conn's reader)
+//!                       │                  nats-server ─► SUB {inbox}.>  (crate::conn's reader)
 //!                       └── window: a semaphore of max_in_flight permits, released by the acker
 //! ```
 //! Publishes are frames the publisher writes itself ([`crate::message`] M4, [`crate::wire`])
@@ -63,7 +63,7 @@
 //!   again after a failed session is counted once per ack. With [`SinkStats::timed`] the
 //!   acker also times commit → stored and created → stored ([`crate::latency`] L1–L3).
 //! - P10 An answer counts only for the publish it answers. A session subscribes once to
-//!   `{inbox}.*` on its connection, `inbox` a fresh inbox under the client's inbox prefix
+//!   `{inbox}.>` on its connection, `inbox` a fresh inbox under the client's inbox prefix
 //!   (so NATS permissions that allow the client's inboxes allow it), and publishes its n-th message
 //!   (n from 1) with the reply subject `{inbox}.n`. The acker awaits the answer for the
 //!   oldest unacknowledged publish by its n: an answer that arrives early (within the
@@ -95,6 +95,12 @@
 //!   event of the batch, and P1 counts none of them stored before it; a batch of one is a
 //!   plain, fully fenced publish (B6). A batch refused as holding a stored message id is
 //!   republished one message at a time by later sessions.
+//! - P14 With [`SinkOptions::fast`] (strict mode, not atomic), consecutive events are
+//!   published as fast-ingest batches ([`crate::batch`] F1–F5): every message has a reply
+//!   subject naming its batch and place (so its publish number, P10), the commit's answer
+//!   acknowledges the batch's events only when it is the sequence the fence predicts (F3),
+//!   any other answer to a message of the batch ends the session, and the sessions after a
+//!   failed one publish one message at a time up to the newest event it batched (F4).
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -157,6 +163,11 @@ pub struct SinkOptions {
     /// batches of at most this many (and at most `max_in_flight`, B3); `None`: one
     /// acknowledged publish per event. Strict mode only: ignored without a fence.
     pub atomic: Option<usize>,
+    /// Fast-ingest batches (P14, [`crate::batch`] F1–F5) of at most this many events (and
+    /// at most half the window); `None`: one acknowledged publish per event. Strict mode
+    /// only, and not with [`SinkOptions::atomic`]: ignored there. The caller selects it
+    /// (nats-server 2.14+, the stream's `allow_batched`, one replica).
+    pub fast: Option<usize>,
     /// P5's id chain (`Nats-Expected-Last-Msg-Id`): for a stream of one replica. Not on a
     /// replicated stream: nats-server (read at v2.14.0-585, `processCatchupMsg` in
     /// `server/jetstream_cluster.go`; seen on 2.15.1) does not update a replica's last
@@ -212,6 +223,14 @@ pub struct SinkStats {
     /// id the stream already has: published one message at a time from then on (B4).
     /// Outlives a session.
     per_message: Mutex<std::collections::HashSet<outbox::Lsn>>,
+    /// Fast-ingest batches committed and acknowledged (P14).
+    pub fast_batches: AtomicU64,
+    /// F4: the newest event a session that failed had put into a fast batch; sessions
+    /// publish one message at a time up to it. Outlives a session.
+    fast_paused_through: Mutex<Option<Position>>,
+    /// F4: why the server refuses fast batches, once it did: the mode is off for the
+    /// process's life.
+    fast_off: Mutex<Option<String>>,
 }
 
 /// The newest event a process saw acknowledged, with every earlier one of its session
@@ -296,6 +315,41 @@ impl SinkStats {
             .clone()
     }
 
+    /// F4: why the mode is off, when the server refused fast batches themselves.
+    pub fn fast_off(&self) -> Option<String> {
+        self.fast_off
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn fast_paused_through(&self) -> Option<Position> {
+        *self
+            .fast_paused_through
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// F4: a session that batched up to `position` failed.
+    fn pause_fast_through(&self, position: Position) {
+        let mut paused = self
+            .fast_paused_through
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if paused.is_none_or(|p| p < position) {
+            *paused = Some(position);
+        }
+    }
+
+    /// F4: the server refused a fast batch itself (`why`): off for the process's life.
+    fn turn_fast_off(&self, why: String) {
+        let mut off = self.fast_off.lock().unwrap_or_else(PoisonError::into_inner);
+        if off.is_none() {
+            warn!(reason = %why, "the server refuses fast-ingest batches: publishing one acknowledged message at a time from now on (restart the relay once the stream allows batch publish)");
+            *off = Some(why);
+        }
+    }
+
     fn dead_letter_instead(&self) -> HashMap<Position, String> {
         self.dead_letter_instead
             .lock()
@@ -329,6 +383,10 @@ enum AckItem<P> {
         dead_letter: bool,
         /// Its number in the session: its reply subject is `{inbox}.{sequence}` (P10).
         sequence: u64,
+        /// A fast batch's commit (P14): the number of the batch's first message (its
+        /// answers are the batch's, F3) and the stream sequence the commit must be stored
+        /// at. `None`: a publish of its own.
+        fast: Option<(u64, u64)>,
         /// The subject it was published to (P11), moved here after its frame was written.
         subject: String,
         _permit: OwnedSemaphorePermit,
@@ -391,13 +449,10 @@ async fn publish<P>(
 where
     P: Ord + Copy + Send + Sync + std::fmt::Debug + 'static,
 {
-    let window_size = options.max_in_flight.max(1);
-    let window = Arc::new(Semaphore::new(window_size));
-    *stats.window.lock().unwrap_or_else(PoisonError::into_inner) =
-        Some((Arc::downgrade(&window), window_size));
+    let (window, window_size) = stats.open_window(options.max_in_flight);
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(window_size);
     let start = *watermark.borrow();
-    // P10, C2: the session's own connection, subscribed to `{inbox}.*` before any publish.
+    // P10, C2: the session's own connection, subscribed to `{inbox}.>` before any publish.
     let Connection {
         frames,
         answers,
@@ -407,7 +462,8 @@ where
         reply_prefix,
         tasks: _tasks,
     } = connection;
-    let limits = session_limits(options.limits, max_payload, &reply_prefix);
+    let fast = fast_limit(&options, &stats);
+    let limits = session_limits(options.limits, max_payload, &reply_prefix, fast.is_some());
     let acks = Acks::new(answers, &options, server.clone());
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
     let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
@@ -417,41 +473,87 @@ where
         watermark,
         stats.clone(),
         options.source.clone(),
-        Duplicates {
-            jetstream: jetstream.clone(),
-            strict: options.fence.is_some(),
-            poison: options.poison,
-        },
+        Duplicates::of(&jetstream, &options),
     )));
-    let mut publisher = Publisher::new(&options, limits, frames, reply_prefix, &stats);
+    let mut publisher = Publisher::new(&options, limits, frames, reply_prefix, &stats, fast);
     let publishing = publisher.publish_input(&mut input, &ack_tx, &window, &lame_duck);
     let published = tokio::select! {
-        result = publishing => result,
+        result = publishing => Ok(result),
         // The acker only ends early on an error; stop publishing at once.
-        result = &mut acker => return flatten(result),
+        result = &mut acker => Err(flatten(result)),
     };
-    drop(ack_tx);
-    publisher.finish(published, acker, &lame_duck, server).await
+    let last_fast = publisher.last_fast;
+    let result = match published {
+        Ok(published) => {
+            drop(ack_tx);
+            publisher.finish(published, acker, &lame_duck, server).await
+        }
+        Err(ended) => ended,
+    };
+    // F4: the next sessions publish what this one batched one message at a time.
+    if let (Err(_), Some(position)) = (&result, last_fast) {
+        stats.pause_fast_through(position);
+    }
+    result
+}
+
+impl SinkStats {
+    /// A session's window of `max_in_flight` permits (P2), registered for
+    /// [`SinkStats::in_flight`].
+    fn open_window(&self, max_in_flight: usize) -> (Arc<Semaphore>, usize) {
+        let size = max_in_flight.max(1);
+        let window = Arc::new(Semaphore::new(size));
+        *self.window.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((Arc::downgrade(&window), size));
+        (window, size)
+    }
 }
 
 /// The session's limits: `limits` with the account's `max_payload` when the server
 /// announced one (P12), and the control line's budget less what a reply subject longer
 /// than the budget's takes (P7: a custom inbox prefix; the session's longest reply subject
-/// is `{reply_prefix}{u64::MAX}`).
-fn session_limits(mut limits: Limits, max_payload: usize, reply_prefix: &str) -> Limits {
+/// is `{reply_prefix}{u64::MAX}`, or a fast batch's when `fast`, F5).
+fn session_limits(
+    mut limits: Limits,
+    max_payload: usize,
+    reply_prefix: &str,
+    fast: bool,
+) -> Limits {
     if max_payload > 0 {
         limits.max_message_bytes = limits.max_message_bytes.min(max_payload);
     }
-    let reply_len = reply_prefix.len() + u64::MAX.to_string().len();
+    let numbered = u64::MAX.to_string().len();
+    let longest = match fast {
+        true => numbered.max(batch::FastReply::max_len(batch::token(reply_prefix).len())),
+        false => numbered,
+    };
+    let reply_len = reply_prefix.len() + longest;
     limits.max_control_line = limits
         .max_control_line
         .saturating_sub(reply_len.saturating_sub(crate::REPLY_SUBJECT_LEN));
     limits
 }
 
+/// P14: the session's fast batch limit, if it publishes fast batches: asked for, in strict
+/// mode, not atomic, not turned off (F4); at most half the window (F1).
+fn fast_limit(options: &SinkOptions, stats: &SinkStats) -> Option<usize> {
+    let limit = options
+        .fast
+        .filter(|_| options.fence.is_some() && options.atomic.is_none())?;
+    if stats.fast_off().is_some() {
+        return None;
+    }
+    Some(
+        limit
+            .min(batch::FAST_BATCH_LIMIT)
+            .min(options.max_in_flight / 2)
+            .max(1),
+    )
+}
+
 /// The publisher's state for one session: what it checks events against, the fence, the
 /// frames not yet handed to the writer and the publishes' numbers (P10).
-struct Publisher<'s> {
+struct Publisher<'s, P> {
     options: &'s SinkOptions,
     stats: &'s SinkStats,
     limits: Limits,
@@ -470,20 +572,41 @@ struct Publisher<'s> {
     /// The newest publish's number in the session (P10).
     sequence: u64,
     reply_prefix: String,
-    /// P13: the session's atomic batches, in strict mode with [`SinkOptions::atomic`].
+    /// P13: the session's atomic batches, in strict mode with [`SinkOptions::atomic`];
+    /// P14: its fast batches instead, when `fast`.
     batches: Option<Batches<(OutboxEvent, OwnedSemaphorePermit)>>,
     /// B4: transactions to publish one message at a time.
     per_message: std::collections::HashSet<outbox::Lsn>,
+    /// P14: the batches are fast-ingest ones.
+    fast: Option<Fast<P>>,
+    /// F4: the newest event this session put into a fast batch.
+    last_fast: Option<Position>,
 }
 
-impl<'s> Publisher<'s> {
+/// A session's fast-ingest state (P14).
+struct Fast<P> {
+    /// F4: events up to this one are published one message at a time.
+    paused_through: Option<Position>,
+    /// The session number of the open batch's first message (F5).
+    first: u64,
+    /// The flow the reply subjects ask for.
+    flow: u64,
+    /// F1: the items after the held-back event, handed to the acker after it.
+    deferred: Vec<AckItem<P>>,
+    /// One reply subject.
+    reply: BytesMut,
+}
+
+impl<'s, P> Publisher<'s, P> {
     fn new(
         options: &'s SinkOptions,
         limits: Limits,
         frames: mpsc::Sender<Bytes>,
         reply_prefix: String,
         stats: &'s SinkStats,
+        fast: Option<usize>,
     ) -> Self {
+        let atomic = options.atomic.filter(|_| options.fence.is_some());
         Publisher {
             options,
             stats,
@@ -502,16 +625,19 @@ impl<'s> Publisher<'s> {
             },
             block: BytesMut::with_capacity(1024),
             sequence: 0,
-            batches: options
-                .atomic
-                .filter(|_| options.fence.is_some())
-                .map(|limit| {
-                    Batches::new(
-                        limit.min(options.max_in_flight),
-                        batch::token(&reply_prefix),
-                    )
-                }),
+            batches: atomic
+                .map(|limit| limit.min(options.max_in_flight))
+                .or(fast)
+                .map(|limit| Batches::new(limit, batch::token(&reply_prefix))),
             per_message: stats.per_message(),
+            fast: fast.map(|limit| Fast {
+                paused_through: stats.fast_paused_through(),
+                first: 0,
+                flow: limit.min(usize::from(u16::MAX)) as u64,
+                deferred: Vec::new(),
+                reply: BytesMut::with_capacity(128),
+            }),
+            last_fast: None,
             reply_prefix,
         }
     }
@@ -519,8 +645,9 @@ impl<'s> Publisher<'s> {
     /// Publishes the input's batches, handing each item to the acker in order, until the
     /// input closes, the server goes into lame-duck mode (P12) or the acker stops (then its
     /// result says why). Frames are handed to the writer after each batch, every
-    /// [`FLUSH_BYTES`] and before any wait.
-    async fn publish_input<P>(
+    /// [`FLUSH_BYTES`] and before any wait. F1: a fast batch is committed when the input
+    /// has nothing more ready, and when the session stops taking input.
+    async fn publish_input(
         &mut self,
         input: &mut mpsc::Receiver<Vec<Item<P>>>,
         ack_tx: &mpsc::Sender<AckItem<P>>,
@@ -538,14 +665,20 @@ impl<'s> Publisher<'s> {
                     return Ok(());
                 }
             }
+            if self.fast.is_some() && input.is_empty() && !self.close_batch(ack_tx).await? {
+                return Ok(());
+            }
             self.out.flush().await?;
+        }
+        if self.fast.is_some() {
+            self.close_batch(ack_tx).await?;
         }
         Ok(())
     }
 
     /// Publishes one input item (P13: into the open batch, or closing it first) and hands
     /// what it makes to the acker; `false` when the acker stopped.
-    async fn publish_item<P>(
+    async fn publish_item(
         &mut self,
         item: Item<P>,
         ack_tx: &mpsc::Sender<AckItem<P>>,
@@ -553,40 +686,24 @@ impl<'s> Publisher<'s> {
     ) -> Result<bool, SinkError> {
         let item = match item {
             Item::Event(event) if self.batched(&event) => {
-                // A batch full at the limit commits before its next event waits for room.
-                if let Some(((held, permit), batch)) = self.batches.as_mut().and_then(Batches::full)
-                {
-                    let publish = self.frame(held, permit, batch, false)?;
-                    if !self.hand(ack_tx, publish).await? {
-                        return Ok(false);
-                    }
-                }
-                let Some(permit) = self.permit(window).await? else {
-                    return Ok(false);
-                };
-                let staged = self.batches.as_mut().and_then(|b| b.event((event, permit)));
-                if let Some(((event, permit), batch)) = staged {
-                    let publish = self.frame(event, permit, batch, false)?;
-                    if !self.hand(ack_tx, publish).await? {
-                        return Ok(false);
-                    }
+                return self.publish_batched(event, ack_tx, window).await;
+            }
+            Item::Event(event) => Item::Event(event),
+            // F1: a fast batch goes on across transactions; what comes between two of its
+            // events reaches the acker after the event before it.
+            marker if self.batch_open() && self.fast.is_some() => {
+                if let Some(fast) = self.fast.as_mut() {
+                    fast.deferred.push(marker_item(marker));
                 }
                 return Ok(true);
             }
-            item => item,
+            marker => marker,
         };
         // B1: anything but the next event of the open batch ends it.
-        if let Some(((event, permit), batch)) = self.batches.as_mut().and_then(Batches::close) {
-            // B7: the event the open transaction ended with.
-            let publish = self.frame(event, permit, batch, true)?;
-            if !self.hand(ack_tx, publish).await? {
-                return Ok(false);
-            }
+        if !self.close_batch(ack_tx).await? {
+            return Ok(false);
         }
         let item = match item {
-            Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
-            Item::Commit(p) => AckItem::Commit(p),
-            Item::Idle(p) => AckItem::Idle(p),
             // P6: already stored.
             Item::Event(event) if self.is_stored(&event) => {
                 self.stats.skipped.fetch_add(1, Ordering::Relaxed);
@@ -598,8 +715,88 @@ impl<'s> Publisher<'s> {
                 };
                 self.frame(event, permit, None, false)?
             }
+            marker => marker_item(marker),
         };
         self.hand(ack_tx, item).await
+    }
+
+    /// Publishes an event into the open batch (P13, P14), committing the batch first when
+    /// it is full or, for a fast one, when the window has no room (F1); `false` when the
+    /// acker stopped.
+    async fn publish_batched(
+        &mut self,
+        event: OutboxEvent,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        window: &Arc<Semaphore>,
+    ) -> Result<bool, SinkError> {
+        if self.fast.is_some() {
+            self.last_fast = Some(event.position);
+        }
+        // A batch full at the limit commits before its next event waits for room.
+        if let Some(((held, permit), batch)) = self.batches.as_mut().and_then(Batches::full) {
+            let publish = self.frame(held, permit, batch, false)?;
+            if !self.hand_held(ack_tx, publish).await? {
+                return Ok(false);
+            }
+        }
+        // F1: a fast batch commits before its next event waits for room, so that every
+        // event holding a permit is published (its held-back one too).
+        if self.fast.is_some()
+            && window.available_permits() == 0
+            && !self.close_batch(ack_tx).await?
+        {
+            return Ok(false);
+        }
+        let Some(permit) = self.permit(window).await? else {
+            return Ok(false);
+        };
+        let staged = self.batches.as_mut().and_then(|b| b.event((event, permit)));
+        if let Some(((event, permit), batch)) = staged {
+            let publish = self.frame(event, permit, batch, false)?;
+            if !self.hand_held(ack_tx, publish).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether a batch is open (an event is held back).
+    #[inline]
+    fn batch_open(&self) -> bool {
+        self.batches.as_ref().is_some_and(Batches::is_open)
+    }
+
+    /// Commits the open batch, if any: frames its held-back event as its commit (B7: the
+    /// transaction's end, for an atomic one) and hands it to the acker; `false` when the
+    /// acker stopped.
+    async fn close_batch(&mut self, ack_tx: &mpsc::Sender<AckItem<P>>) -> Result<bool, SinkError> {
+        let Some(((event, permit), batch)) = self.batches.as_mut().and_then(Batches::close) else {
+            return Ok(true);
+        };
+        let tx_end = self.fast.is_none();
+        let publish = self.frame(event, permit, batch, tx_end)?;
+        self.hand_held(ack_tx, publish).await
+    }
+
+    /// Hands a batch's event to the acker, then what waited for it (F1).
+    async fn hand_held(
+        &mut self,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        publish: AckItem<P>,
+    ) -> Result<bool, SinkError> {
+        if !self.hand(ack_tx, publish).await? {
+            return Ok(false);
+        }
+        let deferred = match self.fast.as_mut() {
+            Some(fast) if !fast.deferred.is_empty() => std::mem::take(&mut fast.deferred),
+            _ => return Ok(true),
+        };
+        for item in deferred {
+            if !self.hand(ack_tx, item).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// A permit of the window (P2): at once when there is room, else once a publish is
@@ -618,7 +815,7 @@ impl<'s> Publisher<'s> {
     /// Hands `item` to the acker (after a publish, the frames to the writer once they fill
     /// [`FLUSH_BYTES`]); `false` when the acker stopped (its result says why).
     #[inline]
-    async fn hand<P>(
+    async fn hand(
         &mut self,
         ack_tx: &mpsc::Sender<AckItem<P>>,
         item: AckItem<P>,
@@ -633,14 +830,23 @@ impl<'s> Publisher<'s> {
         }
     }
 
-    /// P13: whether `event` goes into an atomic batch (not already stored, P6; not of a
-    /// transaction to publish one message at a time, B4).
+    /// P13, P14: whether `event` goes into a batch (not already stored, P6; not of a
+    /// transaction to publish one message at a time, B4; not at or before where a failed
+    /// fast session got to, F4).
     #[inline]
     fn batched(&self, event: &OutboxEvent) -> bool {
-        self.batches.is_some()
-            && !self.is_stored(event)
-            && (self.per_message.is_empty()
-                || !self.per_message.contains(&event.position.commit_lsn))
+        if self.batches.is_none() || self.is_stored(event) {
+            return false;
+        }
+        match &self.fast {
+            Some(fast) => fast
+                .paused_through
+                .is_none_or(|paused| event.position > paused),
+            None => {
+                self.per_message.is_empty()
+                    || !self.per_message.contains(&event.position.commit_lsn)
+            }
+        }
     }
 
     /// P6: whether the stream's tail shows `event` stored.
@@ -664,7 +870,7 @@ impl<'s> Publisher<'s> {
 
     /// Hands `item` to the acker, whose queue is full; `false` when the acker stopped. The
     /// acker may be awaiting a frame still in `out`: they are handed to the writer first.
-    async fn wait_for_acker<P>(
+    async fn wait_for_acker(
         &mut self,
         ack_tx: &mpsc::Sender<AckItem<P>>,
         item: AckItem<P>,
@@ -675,20 +881,26 @@ impl<'s> Publisher<'s> {
 
     /// Writes `event`'s frame (or its dead-letter record's, P7, P8, P11) into `out` as the
     /// session's next publish, holding a permit of the window (P2), as a message of `batch`
-    /// when given (P13: only a batch's commit has a reply subject, B3), marked as its
-    /// transaction's last event when `tx_end` (B7).
+    /// when given (P13: only a batch's commit has a reply subject, B3; P14: every message of
+    /// a fast batch has one, F5), marked as its transaction's last event when `tx_end` (B7).
     #[inline]
-    fn frame<P>(
+    fn frame(
         &mut self,
         event: OutboxEvent,
         permit: OwnedSemaphorePermit,
         batch: Option<Batch>,
         tx_end: bool,
     ) -> Result<AckItem<P>, SinkError> {
+        // P14: a fast batch's place goes into the reply subject, not the headers.
+        let (batch, fast) = match (&self.fast, batch) {
+            (Some(_), Some(batch)) => (None, Some((batch.sequence, batch.commit))),
+            (_, batch) => (batch, None),
+        };
         let replied = batch.as_ref().is_none_or(|batch| batch.commit);
         if let Some(fence) = self.fence.as_mut() {
             fence.batch = batch;
             fence.tx_end = tx_end;
+            fence.fast = fast.map(|(sequence, _)| sequence);
         }
         let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
@@ -711,6 +923,27 @@ impl<'s> Publisher<'s> {
             instead,
             &mut self.block,
         )?;
+        let acknowledged = Acknowledged {
+            position,
+            id,
+            created_at_ms,
+        };
+        if let Some((sequence, commit)) = fast {
+            return Ok(self.frame_fast(
+                acknowledged,
+                subject,
+                &payload,
+                dead_letter,
+                permit,
+                sequence,
+                commit,
+            ));
+        }
+        let Acknowledged {
+            position,
+            id,
+            created_at_ms,
+        } = acknowledged;
         if !replied {
             self.out.push(&id, &subject, None, &self.block, &payload);
             return Ok(AckItem::Staged {
@@ -741,9 +974,65 @@ impl<'s> Publisher<'s> {
             },
             dead_letter,
             sequence,
+            fast: None,
             subject,
             _permit: permit,
         })
+    }
+
+    /// [`Publisher::frame`]'s end for a message of a fast batch (F1–F5): its reply subject
+    /// names the batch and its place; the commit is awaited with the stream sequence the
+    /// fence predicts for it (F3), the others are staged.
+    #[allow(clippy::too_many_arguments)]
+    fn frame_fast(
+        &mut self,
+        event: Acknowledged,
+        subject: String,
+        payload: &[u8],
+        dead_letter: bool,
+        permit: OwnedSemaphorePermit,
+        sequence_in_batch: u64,
+        commit: bool,
+    ) -> AckItem<P> {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        let token = batch::token(&self.reply_prefix);
+        let Some(fast) = self.fast.as_mut() else {
+            unreachable!("frame_fast is called in fast mode only");
+        };
+        if sequence_in_batch == 1 {
+            fast.first = sequence;
+        }
+        fast.reply.clear();
+        fast.reply.extend_from_slice(self.reply_prefix.as_bytes());
+        batch::FastReply {
+            token,
+            first: fast.first,
+            flow: fast.flow,
+            sequence: sequence_in_batch,
+            commit,
+        }
+        .write(&mut fast.reply);
+        self.out
+            .push_reply(&event.id, &subject, &fast.reply, &self.block, payload);
+        if !commit {
+            return AckItem::Staged {
+                event,
+                dead_letter,
+                subject,
+                permit,
+            };
+        }
+        // After `prepare`, the fence's sequence is this message's own.
+        let expect = self.fence.as_ref().map_or(0, |fence| fence.sequence);
+        AckItem::Publish {
+            event,
+            dead_letter,
+            sequence,
+            fast: Some((fast.first, expect)),
+            subject,
+            _permit: permit,
+        }
     }
 
     /// The session's end once the input is published (`published`) or failed: P4, the acker
@@ -777,6 +1066,16 @@ impl<'s> Publisher<'s> {
     }
 }
 
+/// The acker's item for an input item that is not an event.
+fn marker_item<P>(item: Item<P>) -> AckItem<P> {
+    match item {
+        Item::Begin { commit_time_us } => AckItem::Begin { commit_time_us },
+        Item::Commit(p) => AckItem::Commit(p),
+        Item::Idle(p) => AckItem::Idle(p),
+        Item::Event(_) => unreachable!("events are published, not marked"),
+    }
+}
+
 /// Why a session's publishing connection failed, when it did not say.
 const CONNECTION_CLOSED: &str = "the connection is closed";
 
@@ -805,6 +1104,25 @@ impl Frames {
         payload: &[u8],
     ) {
         wire::hpub_line_to(&mut self.buffer, subject, reply, block.len(), payload.len());
+        self.body(id, block, payload);
+    }
+
+    /// [`Frames::push`] with a reply subject written whole (a fast batch's, F5).
+    fn push_reply(
+        &mut self,
+        id: &EventId,
+        subject: &str,
+        reply: &[u8],
+        block: &[u8],
+        payload: &[u8],
+    ) {
+        wire::hpub_line_reply(&mut self.buffer, subject, reply, block.len(), payload.len());
+        self.body(id, block, payload);
+    }
+
+    /// A frame's header block, payload and end, after its line.
+    #[inline]
+    fn body(&mut self, id: &EventId, block: &[u8], payload: &[u8]) {
         self.buffer.extend_from_slice(block);
         self.buffer.extend_from_slice(payload);
         self.buffer.extend_from_slice(b"\r\n");
@@ -885,23 +1203,34 @@ impl Acks {
     }
 
     /// The answer to publish `sequence` (outbox row `id`, to `subject`), the oldest
-    /// unacknowledged one (P10); `Ok(Err(why))` when the server denied it (P11).
+    /// unacknowledged one (P10); `Ok(Err(why))` when the server denied it (P11). A fast
+    /// batch's commit (P14) is answered by the first answer to any publish of its batch,
+    /// `first` to `sequence` (F3): one before the commit's ends the batch early, an error.
     async fn next(
         &mut self,
+        first: u64,
         sequence: u64,
         id: &EventId,
         subject: &str,
     ) -> Result<Result<Acked, String>, SinkError> {
         self.awaited = sequence;
-        let answered = |ack: Result<Acked, PublishError>| {
+        let answered = |answer_to: u64, ack: Result<Acked, PublishError>| {
+            let ack = match ack {
+                Ok(ack) if answer_to != sequence => Err(ended_early(answer_to - first + 1, &ack)),
+                ack => ack,
+            };
             ack.map(Ok).map_err(|source| SinkError::Ack {
                 id: id.clone(),
                 source,
             })
         };
         if !self.early.is_empty() {
-            if let Some(answer) = self.early.remove(&sequence) {
-                return answered(answer);
+            // Answers to publishes before this batch answer nothing awaited.
+            self.early = self.early.split_off(&first);
+            if let Some((&answer_to, _)) = self.early.range(first..=sequence).next() {
+                if let Some(answer) = self.early.remove(&answer_to) {
+                    return answered(answer_to, answer);
+                }
             }
         }
         let mut armed = false;
@@ -928,8 +1257,8 @@ impl Acks {
             let Some((answer_to, ack)) = self.note(answer) else {
                 continue;
             };
-            if answer_to == sequence {
-                return answered(ack);
+            if (first..=sequence).contains(&answer_to) {
+                return answered(answer_to, ack);
             }
             self.keep_early(sequence, answer_to, ack);
         }
@@ -971,7 +1300,9 @@ impl Acks {
     /// awaits it.
     fn keep_early(&mut self, oldest: u64, answer_to: u64, ack: Result<Acked, PublishError>) {
         if answer_to >= oldest && answer_to - oldest < self.window {
-            self.early.insert(answer_to, ack);
+            // The first answer counts (a fast batch's message can be answered twice: a
+            // refusal, then the batch's PubAck, F3).
+            self.early.entry(answer_to).or_insert(ack);
         } else {
             debug!(
                 oldest,
@@ -1003,6 +1334,56 @@ impl Acks {
             }
         }
     }
+}
+
+/// F3: a fast batch counts only when its commit (`fast`: the batch's first publish and the
+/// stream sequence the fence predicts) is stored where the fence predicts; F4: a server
+/// that refuses fast batches themselves turns the mode off.
+fn fast_checked(
+    answer: Result<Result<Acked, String>, SinkError>,
+    fast: Option<(u64, u64)>,
+    id: &EventId,
+    stats: &SinkStats,
+) -> Result<Result<Acked, String>, SinkError> {
+    let Some((_, expect)) = fast else {
+        return answer;
+    };
+    let answer = match answer {
+        Ok(Ok(ack)) if ack.duplicate || ack.sequence != expect => Err(SinkError::Ack {
+            id: id.clone(),
+            source: PublishError::with_source(
+                PublishErrorKind::Other,
+                format!(
+                    "the fast batch's commit was stored at stream sequence {}{}, not {expect}: a message of the batch was already in the stream or not stored",
+                    ack.sequence,
+                    if ack.duplicate { " as a duplicate" } else { "" }
+                ),
+            ),
+        }),
+        answer => answer,
+    };
+    if let Err(error) = &answer {
+        if error
+            .jetstream_code()
+            .is_some_and(|code| batch::FAST_REFUSED.contains(&code))
+        {
+            stats.turn_fast_off(error.to_string());
+        }
+    }
+    answer
+}
+
+/// F3: a fast batch answered by a PubAck before its commit, on its message `place`: the
+/// batch ended there (a message refused, missing or a duplicate).
+fn ended_early(place: u64, ack: &Acked) -> PublishError {
+    PublishError::with_source(
+        PublishErrorKind::Other,
+        format!(
+            "the fast batch ended at its message {place} (stream sequence {}{}), before its commit: a message of it was refused, lost or already in the stream",
+            ack.sequence,
+            if ack.duplicate { ", a duplicate" } else { "" }
+        ),
+    )
 }
 
 /// Writes `event`'s header block into `block` (the event's own, or its dead-letter record's
@@ -1219,11 +1600,12 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
                     event,
                     dead_letter,
                     sequence,
+                    fast,
                     subject,
                     // Released once the ack is in (P2).
                     _permit,
                 } => {
-                    self.acknowledge(event, dead_letter, sequence, subject)
+                    self.acknowledge(event, dead_letter, sequence, fast, subject)
                         .await?
                 }
                 AckItem::Staged {
@@ -1362,6 +1744,7 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         event: Acknowledged,
         dead_letter: bool,
         sequence: u64,
+        fast: Option<(u64, u64)>,
         subject: String,
     ) -> Result<Option<P>, SinkError> {
         let stats = self.stats;
@@ -1369,13 +1752,18 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         if let Some(clock) = &mut self.clock {
             clock.awaiting();
         }
-        let answer = self.acks.next(sequence, &event.id, &subject).await;
+        let first = fast.map_or(sequence, |(first, _)| first);
+        let answer = self.acks.next(first, sequence, &event.id, &subject).await;
+        let answer = fast_checked(answer, fast, &event.id, stats);
         let answer = match answer {
             Err(error) if !self.staged.is_empty() => {
                 return Err(self.refused(event.id.clone(), error))
             }
             answer => answer?,
         };
+        if fast.is_some() {
+            stats.fast_batches.fetch_add(1, Ordering::Relaxed);
+        }
         // B3: the commit's answer is every staged message's (a denied commit is P11's below).
         let earlier = match self.staged.is_empty() || answer.is_err() {
             true => None,
@@ -1416,6 +1804,16 @@ struct Duplicates {
     jetstream: Context,
     strict: bool,
     poison: PoisonPolicy,
+}
+
+impl Duplicates {
+    fn of(jetstream: &Context, options: &SinkOptions) -> Self {
+        Duplicates {
+            jetstream: jetstream.clone(),
+            strict: options.fence.is_some(),
+            poison: options.poison,
+        }
+    }
 }
 
 impl Duplicates {

@@ -366,12 +366,33 @@ pub fn hpub_line_to(
     payload_len: usize,
 ) {
     let mut sequence_text = itoa::Buffer::new();
+    let reply = reply
+        .map(|(prefix, sequence)| (prefix.as_bytes(), sequence_text.format(sequence).as_bytes()));
+    hpub_parts(out, subject, reply, header_len, payload_len);
+}
+
+/// [`hpub_line`] with a reply subject written whole by the caller (a fast-ingest batch's,
+/// `crate::batch` F5).
+pub fn hpub_line_reply(
+    out: &mut BytesMut,
+    subject: &str,
+    reply: &[u8],
+    header_len: usize,
+    payload_len: usize,
+) {
+    hpub_parts(out, subject, Some((reply, b"")), header_len, payload_len);
+}
+
+/// The `HPUB` line with the reply subject made of two parts, if any.
+fn hpub_parts(
+    out: &mut BytesMut,
+    subject: &str,
+    reply: Option<(&[u8], &[u8])>,
+    header_len: usize,
+    payload_len: usize,
+) {
     let (reply_prefix, sequence, space): (&[u8], &[u8], &[u8]) = match reply {
-        Some((prefix, sequence)) => (
-            prefix.as_bytes(),
-            sequence_text.format(sequence).as_bytes(),
-            b" ",
-        ),
+        Some((prefix, rest)) => (prefix, rest, b" "),
         None => (b"", b"", b""),
     };
     let mut header_text = itoa::Buffer::new();

@@ -465,6 +465,7 @@ fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOp
         source: "test".to_owned(),
         ack_timeout,
         atomic: None,
+        fast: None,
         id_chain: true,
     }
 }
@@ -902,4 +903,100 @@ fn frames_the_sink_writes_are_stored_as_the_contract_says_to_the_byte() {
         fitted.get(),
         refused.get()
     );
+}
+
+/// Creates stream `name` on `{name}.>` through the JetStream API's JSON, with `allow_batched`
+/// as given (async-nats 0.51 has the setting only behind a feature the relay leaves off).
+async fn raw_stream(js: &jetstream::Context, name: &str, allow_batched: bool) {
+    let config = serde_json::json!({
+        "name": name,
+        "subjects": [format!("{name}.>")],
+        "storage": "file",
+        "allow_batched": allow_batched,
+    });
+    let answer: serde_json::Value = js
+        .request(format!("STREAM.CREATE.{name}"), &config)
+        .await
+        .unwrap();
+    assert!(answer.get("error").is_none(), "{answer}");
+}
+
+/// The message id stored at `sequence` of stream `name`.
+async fn msg_id_at(js: &jetstream::Context, name: &str, sequence: u64) -> String {
+    let stream = js.get_stream(name).await.unwrap();
+    let message = stream.get_raw_message(sequence).await.unwrap();
+    message
+        .headers
+        .get("Nats-Msg-Id")
+        .map(|v| v.to_string())
+        .unwrap_or_default()
+}
+
+/// P14, F1–F5 on a current nats-server: fast-ingest batches store every event once, in
+/// order, and are confirmed by their commits; a message of a batch that the stream already
+/// holds ends the session with nothing of that batch confirmed; a stream that does not allow
+/// batch publish turns the mode off (F4).
+#[tokio::test]
+async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_cannot_prove() {
+    let nats = Nats::start_current(&[]);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    raw_stream(&js, "FAST", true).await;
+    let timeout = std::time::Duration::from_secs(10);
+    let fast = |fence| sink::SinkOptions {
+        max_in_flight: 2000,
+        fast: Some(sink::batch::FAST_BATCH_LIMIT),
+        ..options(Some(fence), timeout)
+    };
+
+    let events: Vec<_> = (1..=2500)
+        .map(|id| event("FAST", id, id as u32 - 1))
+        .collect();
+    let (result, watermark, stats) = session(&nats, &js, fast(0), events.clone()).await;
+    result.unwrap();
+    assert_eq!(watermark, 1, "the transaction is confirmed");
+    assert_eq!(
+        stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+        2500
+    );
+    assert_eq!(
+        stats
+            .fast_batches
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3,
+        "batches of 1 000, 1 000 and 500"
+    );
+    assert_eq!(stored(&js, "FAST").await, 2500);
+    for sequence in [1, 2, 999, 1000, 1001, 2000, 2001, 2500] {
+        assert_eq!(
+            msg_id_at(&js, "FAST", sequence).await,
+            events[sequence as usize - 1].keys.dedupe_key,
+            "stream sequence {sequence} holds the event published in that place"
+        );
+    }
+
+    // A batch one of whose messages the stream already holds (a reused id): never confirmed.
+    let mut more: Vec<_> = (2501..=2600)
+        .map(|id| event("FAST", id, id as u32 - 1))
+        .collect();
+    more[49] = event("FAST", 10, 2549);
+    let (result, watermark, _) = session(&nats, &js, fast(2500), more).await;
+    assert!(result.is_err(), "{result:?}");
+    assert_eq!(watermark, 0, "nothing of the batch is confirmed");
+    assert_eq!(
+        stored(&js, "FAST").await,
+        2549,
+        "what came before the duplicate is stored, nothing after it"
+    );
+
+    // A stream without allow_batched: the server refuses, and the mode turns off.
+    raw_stream(&js, "SLOW", false).await;
+    let events: Vec<_> = (1..=10)
+        .map(|id| event("SLOW", id, id as u32 - 1))
+        .collect();
+    let (result, watermark, stats) = session(&nats, &js, fast(0), events).await;
+    assert!(result.is_err(), "{result:?}");
+    assert_eq!(watermark, 0);
+    let off = stats.fast_off().expect("the mode is off");
+    assert!(off.contains("batch publish is disabled"), "{off}");
 }
