@@ -71,6 +71,7 @@ pub(crate) fn sink_options(
         source,
         ack_timeout: config.ack_timeout,
         atomic: None,
+        fast: None,
         id_chain: replicas <= 1,
     }
 }

@@ -8,6 +8,13 @@
 //!   never falls back to per-message publishing silently.
 //! - X2 It sets `allow_atomic` only on a stream it has just created; an existing stream's
 //!   settings are the operator's.
+//! - X3 `--fast-ingest` (`sink::batch` F1–F5): a session publishes fast-ingest batches only
+//!   to a nats-server of version 2.14 or newer, a stream of one replica whose
+//!   `allow_batched` is set, read when the session starts; anywhere else it publishes one
+//!   acknowledged message per event, and says why once per session (a setting the operator
+//!   may change, not a setup error); so too in shared mode and with
+//!   `--atomic-transactions`. `allow_batched` is set only on a stream the relay has
+//!   just created (X2).
 //!
 //! The stream's `allow_atomic` is read and written through the JetStream API's JSON
 //! (`STREAM.INFO`, `STREAM.UPDATE`), which async-nats exposes only behind its `server_2_12`
@@ -21,6 +28,9 @@ use crate::error::{RelayError, Result};
 
 /// The first nats-server with atomic batch publish (`allow_atomic`).
 pub(crate) const FIRST_VERSION: (u64, u64) = (2, 12);
+
+/// The first nats-server with fast-ingest batches (`allow_batched`, X3).
+pub(crate) const FAST_FIRST_VERSION: (u64, u64) = (2, 14);
 
 /// What the server and the stream say about atomic batches.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +47,7 @@ pub(crate) enum Verdict {
 /// `allow_atomic`, for a stream the relay `created` or not.
 pub(crate) fn judge(version: &str, allow_atomic: bool, created: bool, stream: &str) -> Verdict {
     let flag = opt::ATOMIC_TRANSACTIONS.flag();
-    if !supports(version) {
+    if !supports(version, FIRST_VERSION) {
         return Verdict::Refused(format!(
             "{flag} needs nats-server {}.{} or newer (atomic batch publish); this server is {version}: upgrade it, or unset {flag}",
             FIRST_VERSION.0, FIRST_VERSION.1
@@ -52,15 +62,14 @@ pub(crate) fn judge(version: &str, allow_atomic: bool, created: bool, stream: &s
     }
 }
 
-/// Whether `version` (`major.minor.patch`, maybe with a suffix) is at least
-/// [`FIRST_VERSION`].
-fn supports(version: &str) -> bool {
+/// Whether `version` (`major.minor.patch`, maybe with a suffix) is at least `first`.
+fn supports(version: &str, first: (u64, u64)) -> bool {
     let mut parts = version
         .trim_start_matches('v')
         .split(|c: char| !c.is_ascii_digit())
         .map(|part| part.parse::<u64>().ok());
     match (parts.next().flatten(), parts.next().flatten()) {
-        (Some(major), Some(minor)) => (major, minor) >= FIRST_VERSION,
+        (Some(major), Some(minor)) => (major, minor) >= first,
         _ => false,
     }
 }
@@ -82,8 +91,74 @@ pub(crate) async fn check(
     match judge(&version, allow_atomic, created, &config.stream) {
         Verdict::Ready => Ok(()),
         Verdict::Refused(why) => Err(RelayError::setup(anyhow::anyhow!(why))),
-        Verdict::Allow => allow(jetstream, &config.stream, settings).await,
+        Verdict::Allow => allow(jetstream, &config.stream, settings, "allow_atomic").await,
     }
+}
+
+/// X3: why a session with `--fast-ingest` publishes one message per event instead, on
+/// server `version` and a stream of `replicas` whose `allow_batched` is as given; `None`:
+/// it publishes fast-ingest batches.
+pub(crate) fn fast_refusal(version: &str, replicas: usize, allow_batched: bool) -> Option<String> {
+    if !supports(version, FAST_FIRST_VERSION) {
+        return Some(format!(
+            "nats-server {version} has no fast-ingest batches ({}.{} or newer has)",
+            FAST_FIRST_VERSION.0, FAST_FIRST_VERSION.1
+        ));
+    }
+    if replicas != 1 {
+        return Some(format!(
+            "the stream has {replicas} replicas (fast-ingest batches are used on a stream of one)"
+        ));
+    }
+    (!allow_batched).then(|| {
+        "the stream does not allow batch publish (allow_batched: true enables it)".to_owned()
+    })
+}
+
+/// X3: the session's fast batch limit under `--fast-ingest`, for a stream of `replicas`;
+/// `None` (logged with the reason) when it publishes one message per event.
+pub(crate) async fn fast_limit(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    replicas: usize,
+) -> Result<Option<usize>> {
+    if !config.fast_ingest {
+        return Ok(None);
+    }
+    // Strict mode only (the fence proves a batch stored), and an atomic batch is one already.
+    if config.shared_stream || config.atomic_transactions {
+        tracing::info!(stream = %config.stream, "publishing without fast-ingest batches: they are for strict mode without --atomic-transactions");
+        return Ok(None);
+    }
+    let version = jetstream.client().server_info().version;
+    let info = stream_info(jetstream, &config.stream).await?;
+    let allow_batched = info
+        .pointer("/config/allow_batched")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    match fast_refusal(&version, replicas, allow_batched) {
+        None => Ok(Some(sink::batch::FAST_BATCH_LIMIT)),
+        Some(why) => {
+            tracing::info!(stream = %config.stream, reason = %why, "publishing one acknowledged message per event, not fast-ingest batches");
+            Ok(None)
+        }
+    }
+}
+
+/// X2, X3: sets `allow_batched` on a stream the relay `created`, under `--fast-ingest` on a
+/// server that has fast-ingest batches.
+pub(crate) async fn allow_fast(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    created: bool,
+) -> Result<()> {
+    let version = jetstream.client().server_info().version;
+    if !config.fast_ingest || !created || !supports(&version, FAST_FIRST_VERSION) {
+        return Ok(());
+    }
+    let info = stream_info(jetstream, &config.stream).await?;
+    let settings = info.get("config").cloned().unwrap_or(Value::Null);
+    allow(jetstream, &config.stream, settings, "allow_batched").await
 }
 
 /// The stream's `STREAM.INFO` answer, as JSON.
@@ -96,10 +171,16 @@ async fn stream_info(jetstream: &jetstream::Context, stream: &str) -> Result<Val
     Ok(info)
 }
 
-/// X2: sets `allow_atomic` on `stream`, whose configuration is `settings`.
-async fn allow(jetstream: &jetstream::Context, stream: &str, mut settings: Value) -> Result<()> {
+/// X2: sets `setting` (`allow_atomic`, `allow_batched`) on `stream`, whose configuration
+/// is `settings`.
+async fn allow(
+    jetstream: &jetstream::Context,
+    stream: &str,
+    mut settings: Value,
+    setting: &str,
+) -> Result<()> {
     if let Some(map) = settings.as_object_mut() {
-        map.insert("allow_atomic".into(), Value::Bool(true));
+        map.insert(setting.into(), Value::Bool(true));
     }
     let answer: Value = jetstream
         .request(format!("STREAM.UPDATE.{stream}"), &settings)
@@ -107,8 +188,8 @@ async fn allow(jetstream: &jetstream::Context, stream: &str, mut settings: Value
         .map_err(|e| {
             RelayError::transient(anyhow::anyhow!("cannot update stream {stream}: {e}"))
         })?;
-    refusal(&answer, stream, "allow atomic publish on")?;
-    tracing::info!(stream = %stream, "stream allows atomic publish (allow_atomic)");
+    refusal(&answer, stream, &format!("set {setting} on"))?;
+    tracing::info!(stream = %stream, "stream allows {setting}");
     Ok(())
 }
 
@@ -129,6 +210,21 @@ fn refusal(answer: &Value, stream: &str, what: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_ingest_only_on_2_14_a_single_replica_and_allow_batched() {
+        assert_eq!(fast_refusal("2.15.1", 1, true), None);
+        assert_eq!(fast_refusal("v2.14.0", 1, true), None);
+        for (version, replicas, allow, says) in [
+            ("2.12.8", 1, true, "2.12.8"),
+            ("2.9.10", 1, true, "2.14"),
+            ("2.15.1", 3, true, "3 replicas"),
+            ("2.15.1", 1, false, "allow_batched"),
+        ] {
+            let why = fast_refusal(version, replicas, allow).expect("refused");
+            assert!(why.contains(says), "{why}");
+        }
+    }
 
     #[test]
     fn versions_before_2_12_are_refused_naming_the_version() {

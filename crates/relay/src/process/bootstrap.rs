@@ -920,6 +920,8 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     if config.atomic_transactions {
         super::atomic::check(jetstream, config, created).await?;
     }
+    // X3: --fast-ingest's stream setting on a stream just created.
+    super::atomic::allow_fast(jetstream, config, created).await?;
     let max_payload = jetstream.client().server_info().max_payload;
     for finding in check_stream(&info, config, max_payload) {
         match finding.severity {

@@ -352,6 +352,8 @@ struct Prepared {
     resume: sink::resume::Resume,
     source: String,
     max_message_bytes: usize,
+    /// `--fast-ingest`'s batch limit, when this session publishes fast batches (X3).
+    fast: Option<usize>,
     /// The sink's publishing connection, opened with the files read for this session (N4).
     publishing: sink::Connection,
 }
@@ -445,6 +447,9 @@ async fn prepare(
     };
     let (tail, resume) = plan_resume(config, metrics, lease, &jetstream, session).await?;
     let max_message_bytes = max_message_bytes(&tail, max_payload);
+    let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas)
+        .await
+        .map_err(|e| e.at(Target::Nats))?;
     let (stream, status_interval) = start_replication(connection, lease, config).await?;
     Ok(Prepared {
         jetstream,
@@ -455,6 +460,7 @@ async fn prepare(
         resume,
         source,
         max_message_bytes,
+        fast,
         publishing,
     })
 }
@@ -637,6 +643,8 @@ fn start(
     options.atomic = config
         .atomic_transactions
         .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
+    // --fast-ingest, where the server and the stream allow it (X3).
+    options.fast = prepared.fast;
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,
