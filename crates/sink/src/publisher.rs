@@ -595,6 +595,8 @@ struct Fast<P> {
     deferred: Vec<AckItem<P>>,
     /// One reply subject.
     reply: BytesMut,
+    /// The session's batch token (F5), taken from the reply prefix once.
+    token: String,
 }
 
 impl<'s, P> Publisher<'s, P> {
@@ -636,6 +638,7 @@ impl<'s, P> Publisher<'s, P> {
                 flow: limit.min(usize::from(u16::MAX)) as u64,
                 deferred: Vec::new(),
                 reply: BytesMut::with_capacity(128),
+                token: batch::token(&reply_prefix).to_owned(),
             }),
             last_fast: None,
             reply_prefix,
@@ -996,7 +999,6 @@ impl<'s, P> Publisher<'s, P> {
     ) -> AckItem<P> {
         self.sequence += 1;
         let sequence = self.sequence;
-        let token = batch::token(&self.reply_prefix);
         let Some(fast) = self.fast.as_mut() else {
             unreachable!("frame_fast is called in fast mode only");
         };
@@ -1006,7 +1008,7 @@ impl<'s, P> Publisher<'s, P> {
         fast.reply.clear();
         fast.reply.extend_from_slice(self.reply_prefix.as_bytes());
         batch::FastReply {
-            token,
+            token: &fast.token,
             first: fast.first,
             flow: fast.flow,
             sequence: sequence_in_batch,

@@ -81,9 +81,7 @@ pub(crate) async fn check(
     config: &Config,
     created: bool,
 ) -> Result<()> {
-    let version = jetstream.client().server_info().version;
-    let info = stream_info(jetstream, &config.stream).await?;
-    let settings = info.get("config").cloned().unwrap_or(Value::Null);
+    let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
     let allow_atomic = settings
         .get("allow_atomic")
         .and_then(Value::as_bool)
@@ -130,10 +128,9 @@ pub(crate) async fn fast_limit(
         tracing::info!(stream = %config.stream, "publishing without fast-ingest batches: they are for strict mode without --atomic-transactions");
         return Ok(None);
     }
-    let version = jetstream.client().server_info().version;
-    let info = stream_info(jetstream, &config.stream).await?;
-    let allow_batched = info
-        .pointer("/config/allow_batched")
+    let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
+    let allow_batched = settings
+        .get("allow_batched")
         .and_then(Value::as_bool)
         .unwrap_or(false);
     match fast_refusal(&version, replicas, allow_batched) {
@@ -156,9 +153,18 @@ pub(crate) async fn allow_fast(
     if !config.fast_ingest || !created || !supports(&version, FAST_FIRST_VERSION) {
         return Ok(());
     }
-    let info = stream_info(jetstream, &config.stream).await?;
-    let settings = info.get("config").cloned().unwrap_or(Value::Null);
+    let (_, settings) = server_and_stream(jetstream, &config.stream).await?;
     allow(jetstream, &config.stream, settings, "allow_batched").await
+}
+
+/// The server's version and `stream`'s configuration, as JSON.
+async fn server_and_stream(
+    jetstream: &jetstream::Context,
+    stream: &str,
+) -> Result<(String, Value)> {
+    let version = jetstream.client().server_info().version;
+    let info = stream_info(jetstream, stream).await?;
+    Ok((version, info.get("config").cloned().unwrap_or(Value::Null)))
 }
 
 /// The stream's `STREAM.INFO` answer, as JSON.
