@@ -94,6 +94,11 @@
 //! - F5 Batch ids are the session's token and the session number of the batch's first
 //!   message (unique per session, within the server's 64 bytes): an answer's reply subject
 //!   gives the publish it answers (P10), the batch's first plus its sequence less one.
+//! - F6 A session that halts on a poison event (P7) with a fast batch open ends the batch
+//!   with an end-of-batch commit (op 3: a message the server does not store, which commits
+//!   what came before it) and awaits its PubAck like any commit's (F3), so that what the
+//!   batch stored before the poison event is acknowledged and confirmed as far as whole
+//!   transactions go, as in per-message mode.
 
 /// One message's place in an atomic batch: its headers (`crate::message::Fence`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +135,8 @@ pub struct FastReply<'a> {
     pub sequence: u64,
     /// Whether it is the batch's last (commit, op 2).
     pub commit: bool,
+    /// F6: an end-of-batch commit (op 3), itself not stored; with `commit`.
+    pub end_of_batch: bool,
 }
 
 impl FastReply<'_> {
@@ -144,9 +151,10 @@ impl FastReply<'_> {
         out.extend_from_slice(number.format(self.flow).as_bytes());
         out.extend_from_slice(b".fail.");
         out.extend_from_slice(number.format(self.sequence).as_bytes());
-        out.extend_from_slice(match (self.sequence, self.commit) {
-            (_, true) => b".2.$FI",
-            (1, false) => b".0.$FI",
+        out.extend_from_slice(match (self.sequence, self.commit, self.end_of_batch) {
+            (_, _, true) => b".3.$FI",
+            (_, true, false) => b".2.$FI",
+            (1, false, false) => b".0.$FI",
             _ => b".1.$FI",
         });
     }
@@ -350,9 +358,12 @@ mod tests {
     #[test]
     fn a_fast_reply_names_its_publish_and_fits_the_server_limits() {
         let token = token("_INBOX.abcdefghijklmnopqrstuv.");
-        for (first, sequence, commit, op) in
-            [(1, 1, false, "0"), (7, 3, false, "1"), (7, 9, true, "2")]
-        {
+        for (first, sequence, commit, end_of_batch, op) in [
+            (1, 1, false, false, "0"),
+            (7, 3, false, false, "1"),
+            (7, 9, true, false, "2"),
+            (7, 10, true, true, "3"),
+        ] {
             let mut out = bytes::BytesMut::new();
             FastReply {
                 token,
@@ -360,6 +371,7 @@ mod tests {
                 flow: 1000,
                 sequence,
                 commit,
+                end_of_batch,
             }
             .write(&mut out);
             let text = std::str::from_utf8(&out).unwrap();
@@ -379,6 +391,7 @@ mod tests {
             flow: 65535,
             sequence: u64::MAX,
             commit: true,
+            end_of_batch: false,
         }
         .write(&mut longest);
         assert_eq!(longest.len(), FastReply::max_len(40));

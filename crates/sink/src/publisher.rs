@@ -42,8 +42,9 @@
 //!   stream's `max_msg_size`, or a publish line longer than the server's
 //!   `max_control_line`: [`Limits`], checked before publishing), or that no consumer could
 //!   decode (a payload that is not valid UTF-8), is never dropped silently:
-//!   under [`PoisonPolicy::Halt`] [`run`] awaits the acks of everything published before it,
-//!   then ends with [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
+//!   under [`PoisonPolicy::Halt`] [`run`] awaits the acks of everything published before it
+//!   (ending an open fast batch for that, [`crate::batch`] F6), then ends with
+//!   [`SinkError::Poison`] naming it, and nothing after it is confirmed; under
 //!   [`PoisonPolicy::DeadLetter`] a small record with its id, keys and the reason takes its
 //!   place in the stream, in order, cut to what fits (M3); if even that cannot fit, [`run`]
 //!   halts.
@@ -96,7 +97,7 @@
 //!   plain, fully fenced publish (B6). A batch refused as holding a stored message id is
 //!   republished one message at a time by later sessions.
 //! - P14 With [`SinkOptions::fast`] (strict mode, not atomic), consecutive events are
-//!   published as fast-ingest batches ([`crate::batch`] F1–F5): every message has a reply
+//!   published as fast-ingest batches ([`crate::batch`] F1–F6): every message has a reply
 //!   subject naming its batch and place (so its publish number, P10), the commit's answer
 //!   acknowledges the batch's events only when it is the sequence the fence predicts (F3),
 //!   any other answer to a message of the batch ends the session, and the sessions after a
@@ -163,7 +164,7 @@ pub struct SinkOptions {
     /// batches of at most this many (and at most `max_in_flight`, B3); `None`: one
     /// acknowledged publish per event. Strict mode only: ignored without a fence.
     pub atomic: Option<usize>,
-    /// Fast-ingest batches (P14, [`crate::batch`] F1–F5) of at most this many events (and
+    /// Fast-ingest batches (P14, [`crate::batch`] F1–F6) of at most this many events (and
     /// at most half the window); `None`: one acknowledged publish per event. Strict mode
     /// only, and not with [`SinkOptions::atomic`]: ignored there. The caller selects it
     /// (nats-server 2.14+, the stream's `allow_batched`, one replica).
@@ -399,9 +400,20 @@ enum AckItem<P> {
         subject: String,
         permit: OwnedSemaphorePermit,
     },
+    /// F6: an open fast batch's end-of-batch commit, publish `sequence` of the batch whose
+    /// first message is publish `first`: its PubAck, at stream sequence `expect`, is every
+    /// staged message's.
+    FastEnd {
+        sequence: u64,
+        first: u64,
+        expect: u64,
+    },
     Commit(P),
     Idle(P),
 }
+
+/// An empty header block: an end-of-batch commit's (F6).
+const EMPTY_HEADERS: &[u8] = b"NATS/1.0\r\n\r\n";
 
 /// Publishes `input` on `connection` until it closes or an error occurs, publishing the
 /// confirmable position to `watermark` as acks arrive. See the module docs for the
@@ -485,8 +497,9 @@ where
     let last_fast = publisher.last_fast;
     let result = match published {
         Ok(published) => {
-            drop(ack_tx);
-            publisher.finish(published, acker, &lame_duck, server).await
+            publisher
+                .finish(published, ack_tx, acker, &lame_duck, server)
+                .await
         }
         Err(ended) => ended,
     };
@@ -597,6 +610,27 @@ struct Fast<P> {
     reply: BytesMut,
     /// The session's batch token (F5), taken from the reply prefix once.
     token: String,
+    /// F6: while a batch is open, the sequence in it of its newest message sent and the
+    /// subject of its first.
+    open: Option<(u64, String)>,
+}
+
+impl<P> Fast<P> {
+    /// Writes the reply subject of message `sequence` of the open batch (F5; its commit,
+    /// an end-of-batch one, F6) into `reply`, after the session's `prefix`.
+    fn write_reply(&mut self, prefix: &str, sequence: u64, commit: bool, end_of_batch: bool) {
+        self.reply.clear();
+        self.reply.extend_from_slice(prefix.as_bytes());
+        batch::FastReply {
+            token: &self.token,
+            first: self.first,
+            flow: self.flow,
+            sequence,
+            commit,
+            end_of_batch,
+        }
+        .write(&mut self.reply);
+    }
 }
 
 impl<'s, P> Publisher<'s, P> {
@@ -639,6 +673,7 @@ impl<'s, P> Publisher<'s, P> {
                 deferred: Vec::new(),
                 reply: BytesMut::with_capacity(128),
                 token: batch::token(&reply_prefix).to_owned(),
+                open: None,
             }),
             last_fast: None,
             reply_prefix,
@@ -1005,16 +1040,12 @@ impl<'s, P> Publisher<'s, P> {
         if sequence_in_batch == 1 {
             fast.first = sequence;
         }
-        fast.reply.clear();
-        fast.reply.extend_from_slice(self.reply_prefix.as_bytes());
-        batch::FastReply {
-            token: &fast.token,
-            first: fast.first,
-            flow: fast.flow,
-            sequence: sequence_in_batch,
-            commit,
+        fast.write_reply(&self.reply_prefix, sequence_in_batch, commit, false);
+        match (&mut fast.open, commit) {
+            (_, true) => fast.open = None,
+            (None, false) => fast.open = Some((sequence_in_batch, subject.clone())),
+            (Some(open), false) => open.0 = sequence_in_batch,
         }
-        .write(&mut fast.reply);
         self.out
             .push_reply(&event.id, &subject, &fast.reply, &self.block, payload);
         if !commit {
@@ -1037,28 +1068,60 @@ impl<'s, P> Publisher<'s, P> {
         }
     }
 
+    /// F6: ends the open fast batch, if any, with an end-of-batch commit (a message the
+    /// server does not store) to the subject of its first message, and hands its awaited
+    /// PubAck to the acker.
+    async fn end_fast_batch(&mut self, ack_tx: &mpsc::Sender<AckItem<P>>) -> Result<(), SinkError> {
+        let Some(fast) = self.fast.as_mut() else {
+            return Ok(());
+        };
+        let Some((newest, subject)) = fast.open.take() else {
+            return Ok(());
+        };
+        self.sequence += 1;
+        fast.write_reply(&self.reply_prefix, newest + 1, true, true);
+        let id = self.out.last_id.clone();
+        self.out
+            .push_reply(&id, &subject, &fast.reply, EMPTY_HEADERS, b"");
+        let item = AckItem::FastEnd {
+            sequence: self.sequence,
+            first: fast.first,
+            // The fence's sequence is the newest message's own.
+            expect: self.fence.as_ref().map_or(0, |fence| fence.sequence),
+        };
+        self.hand(ack_tx, item).await.map(drop)
+    }
+
     /// The session's end once the input is published (`published`) or failed: P4, the acker
-    /// drains what is in flight; P12, lame-duck mode ends the session after that.
+    /// drains what is in flight (its queue, `ack_tx`, closed); P12, lame-duck mode ends the
+    /// session after that.
     async fn finish(
         mut self,
         published: Result<(), SinkError>,
+        ack_tx: mpsc::Sender<AckItem<P>>,
         acker: AbortOnDropHandle<Result<(), SinkError>>,
         lame_duck: &AtomicBool,
         server: String,
     ) -> Result<(), SinkError> {
         match published {
-            Ok(()) => flatten(acker.await).and_then(|()| match lame_duck.load(Ordering::Relaxed) {
-                // P12: everything published is acknowledged; the rest is the next session's.
-                true => Err(SinkError::LameDuck { server }),
-                false => Ok(()),
-            }),
+            Ok(()) => {
+                drop(ack_tx);
+                flatten(acker.await).and_then(|()| match lame_duck.load(Ordering::Relaxed) {
+                    // P12: everything published is acknowledged; the rest is the next session's.
+                    true => Err(SinkError::LameDuck { server }),
+                    false => Ok(()),
+                })
+            }
             // P7 halt stops *at* the poison event: the publishes before it are awaited
             // (stored, and confirmed as far as whole transactions go) before the error ends
-            // the run. Aborting the acker here would drop them unflushed, and a relay halting
-            // on every restart would never deliver the events before the poison one.
+            // the run, an open fast batch ended for that (F6). Aborting the acker here would
+            // drop them unflushed, and a relay halting on every restart would never deliver
+            // the events before the poison one.
             Err(error) if error.poison_id().is_some() => {
+                let ended = self.end_fast_batch(&ack_tx).await;
+                drop(ack_tx);
                 let flushed = self.out.flush().await;
-                flatten(acker.await).and(flushed).and(Err(error))
+                flatten(acker.await).and(ended).and(flushed).and(Err(error))
             }
             Err(error) => {
                 acker.abort();
@@ -1616,6 +1679,11 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
                     subject,
                     permit,
                 } => self.stage(event, dead_letter, subject, permit)?,
+                AckItem::FastEnd {
+                    sequence,
+                    first,
+                    expect,
+                } => self.fast_end(sequence, first, expect).await?,
                 AckItem::Begin { commit_time_us } => self.begin(commit_time_us)?,
                 AckItem::Stored => self.stored()?,
                 AckItem::Commit(end) => self.commit(end)?,
@@ -1716,6 +1784,40 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
             }
             moved = self.tracker.ack(message.ticket)?.or(moved);
         }
+        Ok(moved)
+    }
+
+    /// F6: awaits the answer to an end-of-batch commit (publish `sequence`, of the batch
+    /// whose first message is publish `first`), which must be at stream sequence `expect`
+    /// (F3); then every staged message is stored.
+    async fn fast_end(
+        &mut self,
+        sequence: u64,
+        first: u64,
+        expect: u64,
+    ) -> Result<Option<P>, SinkError> {
+        let Some((newest, subject)) = self
+            .staged
+            .last()
+            .map(|message| (message.event.clone(), message.subject.clone()))
+        else {
+            return Ok(None);
+        };
+        let answer = self.acks.next(first, sequence, &newest.id, &subject).await;
+        let refusal = match fast_checked(answer, Some((first, expect)), &newest.id, self.stats) {
+            Ok(Ok(_)) => None,
+            Ok(Err(why)) => Some(SinkError::Ack {
+                id: newest.id.clone(),
+                source: PublishError::with_source(PublishErrorKind::Other, why),
+            }),
+            Err(error) => Some(error),
+        };
+        if let Some(error) = refusal {
+            return Err(self.refused(newest.id, error));
+        }
+        self.stats.fast_batches.fetch_add(1, Ordering::Relaxed);
+        let moved = self.stored_with_commit()?;
+        self.stats.note_stored(&self.source, newest);
         Ok(moved)
     }
 

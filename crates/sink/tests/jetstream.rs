@@ -482,13 +482,27 @@ async fn session(
     u64,
     std::sync::Arc<sink::SinkStats>,
 ) {
-    let (items_tx, items_rx) = tokio::sync::mpsc::channel(4);
-    let (watermark_tx, watermark_rx) = tokio::sync::watch::channel(0u64);
-    let stats = std::sync::Arc::new(sink::SinkStats::default());
     let mut batch = vec![outbox::Item::Begin { commit_time_us: 0 }];
     batch.extend(events.into_iter().map(outbox::Item::Event));
     batch.push(outbox::Item::Commit(1));
-    items_tx.send(batch).await.unwrap();
+    session_of(nats, js, options, batch).await
+}
+
+/// [`session`] over the input `items`, in one batch.
+async fn session_of(
+    nats: &Nats,
+    js: &jetstream::Context,
+    options: sink::SinkOptions,
+    items: Vec<outbox::Item<u64>>,
+) -> (
+    Result<(), sink::SinkError>,
+    u64,
+    std::sync::Arc<sink::SinkStats>,
+) {
+    let (items_tx, items_rx) = tokio::sync::mpsc::channel(4);
+    let (watermark_tx, watermark_rx) = tokio::sync::watch::channel(0u64);
+    let stats = std::sync::Arc::new(sink::SinkStats::default());
+    items_tx.send(items).await.unwrap();
     drop(items_tx);
     let connection = sink::Connector::plain(nats.url())
         .open(&js.client(), options.max_in_flight)
@@ -999,4 +1013,62 @@ async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_canno
     assert_eq!(watermark, 0);
     let off = stats.fast_off().expect("the mode is off");
     assert!(off.contains("batch publish is disabled"), "{off}");
+}
+
+/// F6 on a current nats-server: a poison event under halt inside an open fast batch. The
+/// session ends naming it, with what the batch stored before it acknowledged: the
+/// transaction before it confirmed, its own transaction not, nothing after it stored.
+#[tokio::test]
+async fn a_poison_event_inside_a_fast_batch_halts_with_what_came_before_it_acknowledged() {
+    let nats = Nats::start_current(&[]);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    raw_stream(&js, "POISON", true).await;
+    let options = sink::SinkOptions {
+        max_in_flight: 2000,
+        fast: Some(sink::batch::FAST_BATCH_LIMIT),
+        limits: sink::Limits {
+            max_message_bytes: 4096,
+            max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,
+        },
+        ..options(Some(0), std::time::Duration::from_secs(10))
+    };
+    // Transaction A (5 events, ends at position 1), then B: 2 events, the poison one, 2.
+    let mut items = vec![outbox::Item::Begin { commit_time_us: 0 }];
+    items.extend((1..=5).map(|id| outbox::Item::Event(event("POISON", id, id as u32 - 1))));
+    items.push(outbox::Item::Commit(1));
+    items.push(outbox::Item::Begin { commit_time_us: 0 });
+    for id in 6..=10 {
+        let mut event = event("POISON", id, id as u32 - 6);
+        event.position.commit_lsn = outbox::Lsn(0x2000);
+        if id == 8 {
+            event.payload = Bytes::from(format!("{{\"blob\":\"{}\"}}", "x".repeat(10_000)));
+        }
+        items.push(outbox::Item::Event(event));
+    }
+    items.push(outbox::Item::Commit(2));
+    let (result, watermark, stats) = session_of(&nats, &js, options, items).await;
+    match &result {
+        Err(sink::SinkError::Poison { id, .. }) => assert_eq!(id.to_string(), "8"),
+        other => panic!("expected a halt on poison event 8, got {other:?}"),
+    }
+    assert_eq!(watermark, 1, "A confirmed, B not");
+    assert_eq!(
+        stats.stored.load(std::sync::atomic::Ordering::Relaxed),
+        7,
+        "the 7 events before the poison one acknowledged"
+    );
+    assert_eq!(
+        stats
+            .fast_batches
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "one batch, ended by its end-of-batch commit"
+    );
+    assert_eq!(stored(&js, "POISON").await, 7, "nothing after it stored");
+    assert_eq!(
+        msg_id_at(&js, "POISON", 7).await,
+        event("POISON", 7, 1).keys.dedupe_key
+    );
+    println!("fast poison halt: events 1-7 stored and acknowledged by the end-of-batch commit, A confirmed, B not, nothing after the poison event");
 }
