@@ -504,37 +504,8 @@ async fn poison_under_dead_letter_keeps_its_transaction_whole() {
 async fn a_batch_holding_stored_message_ids_is_published_message_by_message() {
     let nats = Nats::start_current(&[]);
     let case = atomic_case(&nats, "atomic_ahead");
-    let mut relay = tokio::task::block_in_place(|| case.start_relay());
     let mut sql = case.sql().await;
-    let first = support::insert_transaction(&mut sql, 10, 2, "a").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 10, DEADLINE).await;
-    relay.terminate(Duration::from_secs(10));
-    let ahead = support::insert_transaction(&mut sql, 10, 2, "b").await;
-    // The stopped relay's lease goes a moment after it exits: replay until it is free.
-    let from = ahead[0].to_string();
-    eventually("a forced replay of the unstreamed rows", DEADLINE, || {
-        let output = case
-            .relay_command("replay")
-            .args(["--from-id", &from, "--force"])
-            .output()
-            .unwrap();
-        async move { output.status.success().then_some(()) }
-    })
-    .await;
-    assert_eq!(case.stream_count(&js).await, 20);
-    let relay = tokio::task::block_in_place(|| case.start_relay());
-    let after = support::insert_transaction(&mut sql, 5, 2, "c").await;
-    case.wait_for_count(&js, 25, DEADLINE).await;
-    let (messages, _) = case.wait_confirmed(&js, &sql, 25).await;
-    let ids: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
-    let mut expected = first.clone();
-    expected.extend(&ahead);
-    expected.extend(&after);
-    assert_eq!(
-        ids, expected,
-        "every row once, the replayed ones where replay put them"
-    );
+    let (relay, messages) = support::replay_ahead_then_relay(&case, &mut sql).await;
     let output = relay.output();
     assert_eq!(
         support::lines_with(&output, &["refused an atomic batch"]),

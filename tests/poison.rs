@@ -25,17 +25,25 @@ use testkit::Process;
 /// far below the poison row's ~10 KB.
 const MAX_MESSAGE_SIZE: i32 = 4096;
 
-/// Creates the case's stream before the relay does, with [`MAX_MESSAGE_SIZE`].
+/// Creates the case's stream before the relay does, with [`MAX_MESSAGE_SIZE`]; on
+/// nats-server 2.14 or newer with `allow_batched` too, so that a relay with `--fast-ingest`
+/// (the default) has the poison row inside a fast-ingest batch (`sink::batch` F6).
 async fn create_limited_stream(case: &Case, js: &jetstream::Context) {
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        storage: jetstream::stream::StorageType::File,
-        max_message_size: MAX_MESSAGE_SIZE,
-        ..Default::default()
-    })
-    .await
-    .expect("create the limited stream");
+    let version = js.client().server_info().version;
+    let mut numbers = version.split('.').map(|n| n.parse::<u64>().unwrap_or(0));
+    let fast = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (2, 14);
+    let config = serde_json::json!({
+        "name": case.stream,
+        "subjects": [format!("{}.>", case.prefix)],
+        "storage": "file",
+        "max_msg_size": MAX_MESSAGE_SIZE,
+        "allow_batched": fast,
+    });
+    let answer: serde_json::Value = js
+        .request(format!("STREAM.CREATE.{}", case.stream), &config)
+        .await
+        .expect("create the limited stream");
+    assert!(answer.get("error").is_none(), "{answer}");
 }
 
 /// What the test wrote: three transactions, the poison row in the middle one.
@@ -169,19 +177,35 @@ async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothi
     );
     eprintln!(
         "poison_halt: injected 1 oversized row (id={}, ~10 KB against max_msg_size {MAX_MESSAGE_SIZE}) between {} and {} ordinary rows; \
-         relay exited with {status}; stream holds the {} rows before it, 0 after; slot confirmed {confirmed} <= commit {poison_commit}",
+         relay exited with {status}; stream holds the {} rows before it, 0 after; slot confirmed {confirmed} <= commit {poison_commit}; published {}",
         written.poison,
         expected_before.len(),
         written.same_tx_after.len() + written.after_tx.len(),
         messages.len(),
+        if output.contains("publishing fast-ingest batches") {
+            "in fast-ingest batches"
+        } else {
+            "one message per event"
+        },
     );
 
     // Nothing was lost by halting: with the limit raised, a restart relays the poison row and
     // everything after it, exactly once, in commit order.
-    let mut stream = js.get_stream(&case.stream).await.unwrap();
-    let mut config = stream.info().await.unwrap().config.clone();
-    config.max_message_size = 1024 * 1024;
-    js.update_stream(config).await.expect("raise max_msg_size");
+    // Through the API's JSON, which keeps allow_batched (async-nats' config lacks it).
+    let info: serde_json::Value = js
+        .request(
+            format!("STREAM.INFO.{}", case.stream),
+            &serde_json::json!({}),
+        )
+        .await
+        .unwrap();
+    let mut config = info["config"].clone();
+    config["max_msg_size"] = serde_json::json!(1024 * 1024);
+    let answer: serde_json::Value = js
+        .request(format!("STREAM.UPDATE.{}", case.stream), &config)
+        .await
+        .expect("raise max_msg_size");
+    assert!(answer.get("error").is_none(), "{answer}");
     let relay = start_relay(&case);
     let all = written.all();
     let (messages, last_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;

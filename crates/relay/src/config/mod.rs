@@ -211,8 +211,8 @@ pub mod opt {
             "An event JetStream can never accept: halt (stop, naming it) or dead-letter (a record on {prefix}.dlq in its place)");
         ATOMIC_TRANSACTIONS = ("atomic_transactions", "OUTBOX_RELAY_ATOMIC_TRANSACTIONS", Some("false"),
             "Publish each Postgres transaction as one JetStream atomic batch (nats-server 2.12 or newer, a stream with allow_atomic: set on streams the relay creates): consumers never see part of a transaction; one larger than the server's batch limit (1000) is split at it. Strict mode only");
-        FAST_INGEST = ("fast_ingest", "OUTBOX_RELAY_FAST_INGEST", Some("false"),
-            "Publish consecutive events as fast-ingest batches where the server and the stream allow it (nats-server 2.14 or newer, a one-replica stream with allow_batched: set on streams the relay creates): one answer per batch instead of one per event; elsewhere, in shared mode and with --atomic-transactions, one acknowledged publish per event");
+        FAST_INGEST = ("fast_ingest", "OUTBOX_RELAY_FAST_INGEST", Some("true"),
+            "Publish consecutive events as fast-ingest batches where the server and the stream allow it (nats-server 2.14 or newer, a one-replica stream with allow_batched: set on streams the relay creates): one answer per batch instead of one per event; elsewhere, in shared mode and with --atomic-transactions, one acknowledged publish per event; false: always one per event");
         WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
@@ -723,7 +723,7 @@ pub struct Config {
     /// Whether each transaction is published as JetStream atomic batches (`sink::batch`).
     pub atomic_transactions: bool,
     /// Whether streamed events go out as fast-ingest batches where the server and the
-    /// stream allow it (`sink::batch` F1–F5, [`crate::process::atomic`] X3).
+    /// stream allow it (`sink::batch` F1–F6, [`crate::process::atomic`] X3).
     pub fast_ingest: bool,
     /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,

@@ -81,6 +81,45 @@ impl Phase {
     }
 }
 
+/// How a session publishes streamed events (`crate::process::atomic` X1, X3), for
+/// `outbox_relay_publish_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PublishMode {
+    /// One acknowledged publish per event.
+    PerMessage = 1,
+    /// Fast-ingest batches (`--fast-ingest`, nats-server 2.14+).
+    FastBatches = 2,
+    /// One atomic batch per transaction (`--atomic-transactions`).
+    AtomicBatches = 3,
+}
+
+impl PublishMode {
+    const ALL: [PublishMode; 3] = [
+        PublishMode::PerMessage,
+        PublishMode::FastBatches,
+        PublishMode::AtomicBatches,
+    ];
+
+    /// The metric's label.
+    fn label(self) -> &'static str {
+        match self {
+            PublishMode::PerMessage => "per_message",
+            PublishMode::FastBatches => "fast_batches",
+            PublishMode::AtomicBatches => "atomic_batches",
+        }
+    }
+
+    /// For a log line: "publishing {}".
+    pub fn describe(self) -> &'static str {
+        match self {
+            PublishMode::PerMessage => "one acknowledged message per event",
+            PublishMode::FastBatches => "fast-ingest batches",
+            PublishMode::AtomicBatches => "each transaction as atomic batches",
+        }
+    }
+}
+
 /// The slot as the server sees it, polled on the lease's connection ([`crate::process::monitor`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSample {
@@ -144,6 +183,8 @@ struct Counters {
 struct State {
     sink: Arc<SinkStats>,
     phase: AtomicU8,
+    /// The current or last session's [`PublishMode`]; 0 before the first.
+    publish_mode: AtomicU8,
     received_lsn: AtomicU64,
     confirmed_lsn: AtomicU64,
     slot: Mutex<Option<SlotSample>>,
@@ -218,6 +259,7 @@ impl Metrics {
         let state = Arc::new(State {
             sink,
             phase: AtomicU8::new(Phase::Starting as u8),
+            publish_mode: AtomicU8::new(0),
             received_lsn: AtomicU64::new(0),
             confirmed_lsn: AtomicU64::new(0),
             slot: Mutex::new(None),
@@ -290,6 +332,11 @@ impl Metrics {
             state,
             max_lag_bytes: config.max_lag_bytes,
         }
+    }
+
+    /// Records a session's publish mode; whether it differs from the previous session's.
+    pub fn set_publish_mode(&self, mode: PublishMode) -> bool {
+        self.state.publish_mode.swap(mode as u8, Ordering::Relaxed) != mode as u8
     }
 
     /// The sink's counters, kept across sessions.
@@ -527,6 +574,7 @@ impl Collector for State {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         self.encode_sink(&mut encoder)?;
         self.encode_session(&mut encoder)?;
+        self.encode_mode(&mut encoder)?;
         self.encode_slot(&mut encoder)?;
         self.encode_nats(&mut encoder)
     }
@@ -562,6 +610,13 @@ impl State {
             "Events JetStream acknowledged as duplicates of another event: their outbox id was reused (TRUNCATE ... RESTART IDENTITY, a restored sequence)",
             MetricType::Counter,
             &[(None, load(&sink.reused_ids))],
+        )?;
+        emit(
+            encoder,
+            "fast_batches",
+            "Fast-ingest batches JetStream committed and acknowledged (--fast-ingest, nats-server 2.14+), each up to 1000 events",
+            MetricType::Counter,
+            &[(None, load(&sink.fast_batches))],
         )?;
         for (name, help, latency) in [
             (
@@ -643,6 +698,31 @@ impl State {
             if lsn != 0 {
                 emit(encoder, name, help, MetricType::Gauge, &[(None, gauge(lsn as f64))])?;
             }
+        }
+        Ok(())
+    }
+
+    /// The session's publish mode, once a session chose one.
+    fn encode_mode(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let gauge = |value: f64| ConstGauge::new(value);
+        let mode = self.publish_mode.load(Ordering::Relaxed);
+        if mode != 0 {
+            let values: Vec<_> = PublishMode::ALL
+                .iter()
+                .map(|m| {
+                    (
+                        Some(("mode", m.label())),
+                        gauge(f64::from(u8::from(*m as u8 == mode))),
+                    )
+                })
+                .collect();
+            emit(
+                encoder,
+                "publish_mode",
+                "1 for how the current (or last) session publishes streamed events: per_message (one acknowledged publish per event), fast_batches (--fast-ingest on nats-server 2.14+), atomic_batches (--atomic-transactions)",
+                MetricType::Gauge,
+                &values,
+            )?;
         }
         Ok(())
     }

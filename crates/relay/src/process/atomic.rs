@@ -8,12 +8,13 @@
 //!   never falls back to per-message publishing silently.
 //! - X2 It sets `allow_atomic` only on a stream it has just created; an existing stream's
 //!   settings are the operator's.
-//! - X3 `--fast-ingest` (`sink::batch` F1–F5): a session publishes fast-ingest batches only
+//! - X3 `--fast-ingest` (`sink::batch` F1–F6): a session publishes fast-ingest batches only
 //!   to a nats-server of version 2.14 or newer, a stream of one replica whose
 //!   `allow_batched` is set, read when the session starts; anywhere else it publishes one
-//!   acknowledged message per event, and says why once per session (a setting the operator
-//!   may change, not a setup error); so too in shared mode and with
-//!   `--atomic-transactions`. `allow_batched` is set only on a stream the relay has
+//!   acknowledged message per event, and says why when the mode differs from the previous
+//!   session's (a setting the operator may change, not a setup error); so too in shared
+//!   mode, with `--atomic-transactions` and once the server refused fast batches (F4).
+//!   `--fast-ingest` is on by default: on 2.9 to 2.13 it changes nothing. `allow_batched` is set only on a stream the relay has
 //!   just created (X2).
 //!
 //! The stream's `allow_atomic` is read and written through the JetStream API's JSON
@@ -25,6 +26,7 @@ use serde_json::Value;
 
 use crate::config::{opt, Config};
 use crate::error::{RelayError, Result};
+use crate::observe::metrics::{Metrics, PublishMode};
 
 /// The first nats-server with atomic batch publish (`allow_atomic`).
 pub(crate) const FIRST_VERSION: (u64, u64) = (2, 12);
@@ -113,33 +115,64 @@ pub(crate) fn fast_refusal(version: &str, replicas: usize, allow_batched: bool) 
     })
 }
 
-/// X3: the session's fast batch limit under `--fast-ingest`, for a stream of `replicas`;
-/// `None` (logged with the reason) when it publishes one message per event.
+/// X3: the session's fast batch limit, for a stream of `replicas`; `None` when it publishes
+/// one message per event. The choice goes to `metrics` (`outbox_relay_publish_mode`) and,
+/// when it differs from the previous session's, into one info line with the reason.
 pub(crate) async fn fast_limit(
     jetstream: &jetstream::Context,
     config: &Config,
     replicas: usize,
+    metrics: &Metrics,
 ) -> Result<Option<usize>> {
+    let choice = fast_choice(jetstream, config, replicas, metrics).await?;
+    let mode = match (&choice, config.atomic_transactions) {
+        (Ok(_), _) => PublishMode::FastBatches,
+        (Err(_), true) => PublishMode::AtomicBatches,
+        (Err(_), false) => PublishMode::PerMessage,
+    };
+    if metrics.set_publish_mode(mode) {
+        match &choice {
+            Ok(limit) => {
+                tracing::info!(stream = %config.stream, limit, "publishing fast-ingest batches")
+            }
+            Err(why) => {
+                tracing::info!(stream = %config.stream, reason = %why, "publishing {}, not fast-ingest batches", mode.describe())
+            }
+        }
+    }
+    Ok(choice.ok())
+}
+
+/// X3: the fast batch limit, or why this session publishes without fast-ingest batches.
+async fn fast_choice(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    replicas: usize,
+    metrics: &Metrics,
+) -> Result<std::result::Result<usize, String>> {
+    let flag = opt::FAST_INGEST.flag();
     if !config.fast_ingest {
-        return Ok(None);
+        return Ok(Err(format!("{flag} is off")));
     }
     // Strict mode only (the fence proves a batch stored), and an atomic batch is one already.
     if config.shared_stream || config.atomic_transactions {
-        tracing::info!(stream = %config.stream, "publishing without fast-ingest batches: they are for strict mode without --atomic-transactions");
-        return Ok(None);
+        return Ok(Err(format!(
+            "{flag} is for strict mode without {}",
+            opt::ATOMIC_TRANSACTIONS.flag()
+        )));
+    }
+    if let Some(off) = metrics.sink().fast_off() {
+        return Ok(Err(off));
     }
     let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
     let allow_batched = settings
         .get("allow_batched")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    match fast_refusal(&version, replicas, allow_batched) {
-        None => Ok(Some(sink::batch::FAST_BATCH_LIMIT)),
-        Some(why) => {
-            tracing::info!(stream = %config.stream, reason = %why, "publishing one acknowledged message per event, not fast-ingest batches");
-            Ok(None)
-        }
-    }
+    Ok(match fast_refusal(&version, replicas, allow_batched) {
+        None => Ok(sink::batch::FAST_BATCH_LIMIT),
+        Some(why) => Err(why),
+    })
 }
 
 /// X2, X3: sets `allow_batched` on a stream the relay `created`, under `--fast-ingest` on a

@@ -447,7 +447,7 @@ async fn prepare(
     };
     let (tail, resume) = plan_resume(config, metrics, lease, &jetstream, session).await?;
     let max_message_bytes = max_message_bytes(&tail, max_payload);
-    let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas)
+    let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
         .await
         .map_err(|e| e.at(Target::Nats))?;
     let (stream, status_interval) = start_replication(connection, lease, config).await?;

@@ -43,7 +43,7 @@ pub use relay::Relay;
 pub use stream::{read_stream, stream_tail, Stored};
 pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
 pub use writers::{
-    assert_matches_row, attempt, insert_transaction, rows, rows_by_id, write_transaction, Attempt,
-    Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY,
-    ROW_COLUMNS,
+    assert_matches_row, attempt, insert_transaction, replay_ahead_then_relay, rows, rows_by_id,
+    write_transaction, Attempt, Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers,
+    MIXED_SIZES, ROLLBACK_EVERY, ROW_COLUMNS,
 };

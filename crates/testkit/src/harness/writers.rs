@@ -19,6 +19,7 @@ use pgoutput::Lsn;
 
 use super::case::{eventually, sql_connect, Case, DEADLINE};
 use super::stream::Stored;
+use crate::Process;
 
 /// The columns [`Row::from_sql`] reads, in its order.
 pub const ROW_COLUMNS: &str = "id, entity_id, event_type, payload::text, \
@@ -159,6 +160,45 @@ pub async fn insert_transaction(
     tag: &str,
 ) -> Vec<i64> {
     write_transaction(sql, count, entities, tag, true).await
+}
+
+/// The stream ahead of the slot (issue 23's B4, F3): the case's relay streams 10 rows (`a`)
+/// and is stopped; `outbox-relay replay --force` publishes 10 more (`b`) before any relay
+/// streamed them; a relay started again streams them and 5 more (`c`). Returns that relay
+/// and the stream's messages once all 25 rows are confirmed, checked to be there once each,
+/// in order. On a multi-threaded runtime (it starts relays in place).
+pub async fn replay_ahead_then_relay(
+    case: &Case,
+    sql: &mut tokio_postgres::Client,
+) -> (Process, Vec<Stored>) {
+    let mut relay = tokio::task::block_in_place(|| case.start_relay());
+    let mut expected = insert_transaction(sql, 10, 2, "a").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 10, DEADLINE).await;
+    relay.terminate(Duration::from_secs(10));
+    let ahead = insert_transaction(sql, 10, 2, "b").await;
+    // The stopped relay's lease goes a moment after it exits: replay until it is free.
+    let from = ahead[0].to_string();
+    eventually("a forced replay of the unstreamed rows", DEADLINE, || {
+        let output = case
+            .relay_command("replay")
+            .args(["--from-id", &from, "--force"])
+            .output()
+            .expect("run outbox-relay replay");
+        async move { output.status.success().then_some(()) }
+    })
+    .await;
+    assert_eq!(case.stream_count(&js).await, 20);
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    expected.extend(ahead);
+    expected.extend(insert_transaction(sql, 5, 2, "c").await);
+    let (messages, _) = case.wait_confirmed(&js, sql, 25).await;
+    let ids: Vec<i64> = messages.iter().map(Stored::outbox_id).collect();
+    assert_eq!(
+        ids, expected,
+        "every row once, the replayed ones where replay put them"
+    );
+    (relay, messages)
 }
 
 /// Inserts `count` rows in one transaction, seed-style (placeholder key columns), for
