@@ -338,8 +338,8 @@ async fn main() -> Result<()> {
             consumer(&mut bench, &mut results, sizes.consumer, sizes.latency).await?;
         }
         if cli.only.contains(&Scenario::Modes) {
-            let atomic = nats_supports_atomic();
-            modes::compare(&mut bench, &mut results, sizes.batch, TX_ROWS, atomic).await?;
+            let version = nats_version();
+            modes::compare(&mut bench, &mut results, sizes.batch, TX_ROWS, version).await?;
         }
     }
 
@@ -932,14 +932,15 @@ async fn machine(bench: &Bench) -> String {
 
 /// Whether the benchmark's nats-server (`TESTKIT_NATS_SERVER`, else the one on `PATH`) is
 /// 2.12 or newer: atomic batches.
-fn nats_supports_atomic() -> bool {
+/// The benchmarked nats-server's (major, minor) version.
+fn nats_version() -> (u64, u64) {
     let bin = std::env::var("TESTKIT_NATS_SERVER").unwrap_or_else(|_| "nats-server".to_owned());
     let version = command_output(&bin, &["--version"]);
     let mut parts = version
         .trim_start_matches(|c: char| !c.is_ascii_digit())
         .split('.')
         .map(|part| part.parse::<u64>().unwrap_or(0));
-    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (2, 12)
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
 }
 
 fn command_output(program: &str, args: &[&str]) -> String {

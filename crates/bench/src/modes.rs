@@ -1,10 +1,11 @@
 //! **Publish modes** (issue 23): the same backlog of 1 000-row transactions drained by the
-//! relay once per publish mode, on the same nats-server in the same run: per message (the
-//! default, an ack per event) and atomic transactions (`--atomic-transactions`, one atomic
-//! batch per transaction, on nats-server 2.12 or newer only; skipped, and said, on an older
-//! one). Each drain is [`crate::drain`]'s (a fresh database, slot and stream per mode, the
-//! backlog written before the relay starts); rows per mode: events/s, the CPU per event of
-//! the walsender, the relay and nats-server, and their sum (the whole pipeline's), and the
+//! relay once per publish mode, on the same nats-server in the same run: per message (an ack
+//! per event, `--fast-ingest false`), fast-ingest batches (the default, nats-server 2.14 or
+//! newer) and atomic transactions (`--atomic-transactions`, one atomic batch per
+//! transaction, nats-server 2.12 or newer); a mode the server lacks is skipped, and said.
+//! Each drain is [`crate::drain`]'s (a fresh database, slot and stream per mode, the backlog
+//! written before the relay starts); rows per mode: events/s, the CPU per event of the
+//! walsender, the relay and nats-server, and their sum (the whole pipeline's), and the
 //! relay's CPU over the walsender's.
 
 use anyhow::Result;
@@ -13,45 +14,60 @@ use crate::harness::Bench;
 use crate::report::{Results, Unit};
 use crate::{drain, load};
 
-/// A publish mode: its label and the relay environment that selects it.
+/// A publish mode: its label, the first nats-server that has it and the relay environment
+/// that selects it.
 struct Mode {
     label: &'static str,
-    atomic: bool,
+    first: (u64, u64),
+    env: [(&'static str, bool); 2],
 }
 
-const MODES: [Mode; 2] = [
+const ATOMIC_ENV: &str = "OUTBOX_RELAY_ATOMIC_TRANSACTIONS";
+const FAST_ENV: &str = "OUTBOX_RELAY_FAST_INGEST";
+
+const MODES: [Mode; 3] = [
     Mode {
         label: "per message",
-        atomic: false,
+        first: (0, 0),
+        env: [(ATOMIC_ENV, false), (FAST_ENV, false)],
+    },
+    Mode {
+        label: "fast-ingest batches",
+        first: (2, 14),
+        env: [(ATOMIC_ENV, false), (FAST_ENV, true)],
     },
     Mode {
         label: "atomic transactions",
-        atomic: true,
+        first: (2, 12),
+        env: [(ATOMIC_ENV, true), (FAST_ENV, false)],
     },
 ];
 
-const ATOMIC_ENV: &str = "OUTBOX_RELAY_ATOMIC_TRANSACTIONS";
-
-/// Drains `events` events in `per_tx`-row transactions once per mode the server supports
-/// (`atomic_supported`), recording each mode's figures.
+/// Drains `events` events in `per_tx`-row transactions once per mode nats-server `version`
+/// has, recording each mode's figures.
 pub async fn compare(
     bench: &mut Bench,
     results: &mut Results,
     events: u64,
     per_tx: u64,
-    atomic_supported: bool,
+    version: (u64, u64),
 ) -> Result<()> {
     for mode in &MODES {
-        if mode.atomic && !atomic_supported {
-            eprintln!("bench: modes: atomic transactions skipped (nats-server older than 2.12)");
+        if version < mode.first {
+            eprintln!(
+                "bench: modes: {} skipped (nats-server {}.{} is older than {}.{})",
+                mode.label, version.0, version.1, mode.first.0, mode.first.1
+            );
             continue;
         }
         let label = format!("modes: {events} events in {per_tx}-row tx, {}", mode.label);
         let mut case = bench.case("modes").await?;
-        case.relay.extra_env.retain(|(key, _)| key != ATOMIC_ENV);
-        case.relay
-            .extra_env
-            .push((ATOMIC_ENV.to_owned(), mode.atomic.to_string()));
+        for (key, value) in mode.env {
+            case.relay.extra_env.retain(|(set, _)| set != key);
+            case.relay
+                .extra_env
+                .push((key.to_owned(), value.to_string()));
+        }
         bench.relay_init(&case)?;
         load::write_batched(&case.sql, events, per_tx).await?;
         let drained = drain::drain(bench, &case, events).await?;

@@ -164,6 +164,11 @@ async fn fast_choice(
     if let Some(off) = metrics.sink().fast_off() {
         return Ok(Err(off));
     }
+    // The server and the replicas first: a server without fast batches is asked nothing.
+    let version = jetstream.client().server_info().version;
+    if let Some(why) = fast_refusal(&version, replicas, true) {
+        return Ok(Err(why));
+    }
     let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
     let allow_batched = settings
         .get("allow_batched")
