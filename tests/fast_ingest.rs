@@ -65,12 +65,6 @@ async fn allow_batched(js: &jetstream::Context, stream: &str) -> bool {
     info["config"]["allow_batched"].as_bool().unwrap_or(false)
 }
 
-/// Whether nats-server `version` has fast-ingest batches (2.14 or newer).
-fn has_fast_ingest(version: &str) -> bool {
-    let mut numbers = version.split('.').map(|n| n.parse::<u64>().unwrap_or(0));
-    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (2, 14)
-}
-
 const FAST: &str = r#"outbox_relay_publish_mode{mode="fast_batches"}"#;
 const PER_MESSAGE: &str = r#"outbox_relay_publish_mode{mode="per_message"}"#;
 const BATCHES: &str = "outbox_relay_fast_batches_total";
@@ -129,7 +123,7 @@ async fn per_message_where_the_server_or_the_stream_does_not_allow_it() {
     let ids = insert_transaction(&mut sql, 20, 3, "old").await;
     let (messages, _) = shared.wait_confirmed(&js, &sql, ids.len() as u64).await;
     assert_eq!(messages.len(), ids.len());
-    let fast = has_fast_ingest(&version);
+    let fast = testkit::has_fast_ingest(&version);
     assert_eq!(
         metric(addr, FAST).await,
         f64::from(u8::from(fast)),

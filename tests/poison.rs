@@ -29,9 +29,7 @@ const MAX_MESSAGE_SIZE: i32 = 4096;
 /// nats-server 2.14 or newer with `allow_batched` too, so that a relay with `--fast-ingest`
 /// (the default) has the poison row inside a fast-ingest batch (`sink::batch` F6).
 async fn create_limited_stream(case: &Case, js: &jetstream::Context) {
-    let version = js.client().server_info().version;
-    let mut numbers = version.split('.').map(|n| n.parse::<u64>().unwrap_or(0));
-    let fast = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (2, 14);
+    let fast = testkit::has_fast_ingest(&js.client().server_info().version);
     let config = serde_json::json!({
         "name": case.stream,
         "subjects": [format!("{}.>", case.prefix)],

@@ -73,10 +73,11 @@
 //! holds is skipped without a word (its PubAck is the previous message's sequence).
 //! - F1 A fast batch is at most [`FAST_BATCH_LIMIT`] messages and half the window; it is
 //!   committed when the input has nothing more ready, at the limit, before its next event
-//!   waits for room in the window, or before any event that is not batched: its last event is held back ([`Batches`]), as for atomic ones.
-//!   A transaction's end does not end the batch: the items between two events (a
-//!   transaction's commit and the next one's begin) reach the acker after the event before
-//!   them, never before it (P1: a commit position never overtakes its events).
+//!   waits for room in the window, or before any event that is not batched: its last event
+//!   is held back ([`Batches`]), as for atomic ones. A transaction's end does not end the
+//!   batch: the items between two events (a transaction's commit and the next one's begin)
+//!   reach the acker after the event before them, never before it (P1: a commit position
+//!   never overtakes its events).
 //! - F2 Strict mode's fence: every message carries `Nats-Expected-Last-Sequence`, and the
 //!   batch's first message also the id chain when the session chains (P5); gap mode is
 //!   `fail`. So nothing after a message that was not stored is stored in its batch (the

@@ -20,8 +20,9 @@
 //!   URL says `tls://`, the options ask for it or the server requires it) or first
 //!   (`tls_first`). The `CONNECT` is async-nats's own [`async_nats::ConnectInfo`].
 //! - C2 A connection is used only once the server answered `CONNECT` and `PING` with
-//!   `PONG`, and the session's one subscription (`SUB {inbox}.> 1`: fast-ingest batches answer on subjects of several tokens, `crate::batch` F5) is written before any
-//!   publish, on the same ordered stream, so the server knows it before it answers.
+//!   `PONG`, and the session's one subscription (`SUB {inbox}.> 1`: fast-ingest batches
+//!   answer on subjects of several tokens, `crate::batch` F5) is written before any publish,
+//!   on the same ordered stream, so the server knows it before it answers.
 //! - C3 Nothing a session writes survives it: the connection is not re-established (no
 //!   publish is ever re-sent by this module); when it fails, the acker learns why
 //!   ([`Answer::Closed`], or the writer's channel closing) and the session ends (P3), and
@@ -1184,12 +1185,10 @@ fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
                 return Reading::Nothing;
             };
             let numbered = std::str::from_utf8(rest).ok().and_then(|n| n.parse().ok());
-            let Some(sequence) = numbered.or_else(|| crate::batch::fast_answered(rest)) else {
-                return Reading::Nothing;
+            let Some(sequence) = numbered else {
+                return crate::batch::fast_answered(rest)
+                    .map_or(Reading::Nothing, |sequence| fast_answer(sequence, payload));
             };
-            if numbered.is_none() {
-                return fast_answer(sequence, payload);
-            }
             let status = headers.and_then(wire::status);
             Reading::Answer(Answer::Ack {
                 sequence,

@@ -961,14 +961,14 @@ impl<'s, P> Publisher<'s, P> {
             instead,
             &mut self.block,
         )?;
-        let acknowledged = Acknowledged {
+        let event = Acknowledged {
             position,
             id,
             created_at_ms,
         };
         if let Some((sequence, commit)) = fast {
             return Ok(self.frame_fast(
-                acknowledged,
+                event,
                 subject,
                 &payload,
                 dead_letter,
@@ -977,19 +977,11 @@ impl<'s, P> Publisher<'s, P> {
                 commit,
             ));
         }
-        let Acknowledged {
-            position,
-            id,
-            created_at_ms,
-        } = acknowledged;
         if !replied {
-            self.out.push(&id, &subject, None, &self.block, &payload);
+            self.out
+                .push(&event.id, &subject, None, &self.block, &payload);
             return Ok(AckItem::Staged {
-                event: Acknowledged {
-                    position,
-                    id,
-                    created_at_ms,
-                },
+                event,
                 dead_letter,
                 subject,
                 permit,
@@ -998,18 +990,14 @@ impl<'s, P> Publisher<'s, P> {
         self.sequence += 1;
         let sequence = self.sequence;
         self.out.push(
-            &id,
+            &event.id,
             &subject,
             Some((&self.reply_prefix, sequence)),
             &self.block,
             &payload,
         );
         Ok(AckItem::Publish {
-            event: Acknowledged {
-                position,
-                id,
-                created_at_ms,
-            },
+            event,
             dead_letter,
             sequence,
             fast: None,
@@ -1018,7 +1006,7 @@ impl<'s, P> Publisher<'s, P> {
         })
     }
 
-    /// [`Publisher::frame`]'s end for a message of a fast batch (F1–F5): its reply subject
+    /// [`Publisher::frame`]'s end for a message of a fast batch (F1–F6): its reply subject
     /// names the batch and its place; the commit is awaited with the stream sequence the
     /// fence predicts for it (F3), the others are staged.
     #[allow(clippy::too_many_arguments)]
@@ -1803,22 +1791,42 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         else {
             return Ok(None);
         };
-        let answer = self.acks.next(first, sequence, &newest.id, &subject).await;
-        let refusal = match fast_checked(answer, Some((first, expect)), &newest.id, self.stats) {
-            Ok(Ok(_)) => None,
-            Ok(Err(why)) => Some(SinkError::Ack {
-                id: newest.id.clone(),
-                source: PublishError::with_source(PublishErrorKind::Other, why),
-            }),
-            Err(error) => Some(error),
-        };
-        if let Some(error) = refusal {
-            return Err(self.refused(newest.id, error));
+        let answer = self.answer(sequence, Some((first, expect)), &newest.id, &subject);
+        if let Err(why) = answer.await? {
+            let source = PublishError::with_source(PublishErrorKind::Other, why);
+            return Err(self.refused(
+                newest.id.clone(),
+                SinkError::Ack {
+                    id: newest.id,
+                    source,
+                },
+            ));
         }
-        self.stats.fast_batches.fetch_add(1, Ordering::Relaxed);
         let moved = self.stored_with_commit()?;
         self.stats.note_stored(&self.source, newest);
         Ok(moved)
+    }
+
+    /// The answer to publish `sequence` (outbox row `id`, to `subject`; a fast batch's
+    /// commit when `fast`, checked by F3 and counted); an error while a batch's messages
+    /// are staged refuses them all. `Ok(Err(why))`: the server denied it (P11).
+    async fn answer(
+        &mut self,
+        sequence: u64,
+        fast: Option<(u64, u64)>,
+        id: &EventId,
+        subject: &str,
+    ) -> Result<Result<Acked, String>, SinkError> {
+        let first = fast.map_or(sequence, |(first, _)| first);
+        let answer = self.acks.next(first, sequence, id, subject).await;
+        let answer = match fast_checked(answer, fast, id, self.stats) {
+            Err(error) if !self.staged.is_empty() => return Err(self.refused(id.clone(), error)),
+            answer => answer?,
+        };
+        if fast.is_some() {
+            self.stats.fast_batches.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(answer)
     }
 
     /// An event already stored (P6): acknowledged without a publish.
@@ -1856,18 +1864,7 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         if let Some(clock) = &mut self.clock {
             clock.awaiting();
         }
-        let first = fast.map_or(sequence, |(first, _)| first);
-        let answer = self.acks.next(first, sequence, &event.id, &subject).await;
-        let answer = fast_checked(answer, fast, &event.id, stats);
-        let answer = match answer {
-            Err(error) if !self.staged.is_empty() => {
-                return Err(self.refused(event.id.clone(), error))
-            }
-            answer => answer?,
-        };
-        if fast.is_some() {
-            stats.fast_batches.fetch_add(1, Ordering::Relaxed);
-        }
+        let answer = self.answer(sequence, fast, &event.id, &subject).await?;
         // B3: the commit's answer is every staged message's (a denied commit is P11's below).
         let earlier = match self.staged.is_empty() || answer.is_err() {
             true => None,

@@ -220,6 +220,13 @@ pub(crate) fn nats_bin() -> PathBuf {
         })
 }
 
+/// Whether nats-server `version` (as its INFO gives it, `2.15.1`) has fast-ingest batches
+/// (2.14 or newer): where the relay's default `--fast-ingest` publishes them.
+pub fn has_fast_ingest(version: &str) -> bool {
+    let mut numbers = version.split('.').map(|n| n.parse::<u64>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (2, 14)
+}
+
 /// Minimal HTTP/1.0 GET against 127.0.0.1:{port}.
 pub fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));

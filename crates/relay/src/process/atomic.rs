@@ -14,8 +14,8 @@
 //!   acknowledged message per event, and says why when the mode differs from the previous
 //!   session's (a setting the operator may change, not a setup error); so too in shared
 //!   mode, with `--atomic-transactions` and once the server refused fast batches (F4).
-//!   `--fast-ingest` is on by default: on 2.9 to 2.13 it changes nothing. `allow_batched` is set only on a stream the relay has
-//!   just created (X2).
+//!   `--fast-ingest` is on by default: on 2.9 to 2.13 it changes nothing. `allow_batched` is
+//!   set only on a stream the relay has just created (X2).
 //!
 //! The stream's `allow_atomic` is read and written through the JetStream API's JSON
 //! (`STREAM.INFO`, `STREAM.UPDATE`), which async-nats exposes only behind its `server_2_12`
@@ -83,12 +83,14 @@ pub(crate) async fn check(
     config: &Config,
     created: bool,
 ) -> Result<()> {
-    let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
-    let allow_atomic = settings
-        .get("allow_atomic")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    match judge(&version, allow_atomic, created, &config.stream) {
+    let version = jetstream.client().server_info().version;
+    let settings = stream_config(jetstream, &config.stream).await?;
+    match judge(
+        &version,
+        allowed(&settings, "allow_atomic"),
+        created,
+        &config.stream,
+    ) {
         Verdict::Ready => Ok(()),
         Verdict::Refused(why) => Err(RelayError::setup(anyhow::anyhow!(why))),
         Verdict::Allow => allow(jetstream, &config.stream, settings, "allow_atomic").await,
@@ -169,15 +171,13 @@ async fn fast_choice(
     if let Some(why) = fast_refusal(&version, replicas, true) {
         return Ok(Err(why));
     }
-    let (version, settings) = server_and_stream(jetstream, &config.stream).await?;
-    let allow_batched = settings
-        .get("allow_batched")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    Ok(match fast_refusal(&version, replicas, allow_batched) {
-        None => Ok(sink::batch::FAST_BATCH_LIMIT),
-        Some(why) => Err(why),
-    })
+    let settings = stream_config(jetstream, &config.stream).await?;
+    Ok(
+        match fast_refusal(&version, replicas, allowed(&settings, "allow_batched")) {
+            None => Ok(sink::batch::FAST_BATCH_LIMIT),
+            Some(why) => Err(why),
+        },
+    )
 }
 
 /// X2, X3: sets `allow_batched` on a stream the relay `created`, under `--fast-ingest` on a
@@ -191,28 +191,30 @@ pub(crate) async fn allow_fast(
     if !config.fast_ingest || !created || !supports(&version, FAST_FIRST_VERSION) {
         return Ok(());
     }
-    let (_, settings) = server_and_stream(jetstream, &config.stream).await?;
+    let settings = stream_config(jetstream, &config.stream).await?;
     allow(jetstream, &config.stream, settings, "allow_batched").await
 }
 
-/// The server's version and `stream`'s configuration, as JSON.
-async fn server_and_stream(
-    jetstream: &jetstream::Context,
-    stream: &str,
-) -> Result<(String, Value)> {
-    let version = jetstream.client().server_info().version;
-    let info = stream_info(jetstream, stream).await?;
-    Ok((version, info.get("config").cloned().unwrap_or(Value::Null)))
-}
-
-/// The stream's `STREAM.INFO` answer, as JSON.
-async fn stream_info(jetstream: &jetstream::Context, stream: &str) -> Result<Value> {
-    let info: Value = jetstream
+/// `stream`'s configuration, as JSON (its `STREAM.INFO` answer's).
+async fn stream_config(jetstream: &jetstream::Context, stream: &str) -> Result<Value> {
+    let mut info: Value = jetstream
         .request(format!("STREAM.INFO.{stream}"), &serde_json::json!({}))
         .await
         .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read stream {stream}: {e}")))?;
     refusal(&info, stream, "read")?;
-    Ok(info)
+    Ok(info
+        .get_mut("config")
+        .map(Value::take)
+        .unwrap_or(Value::Null))
+}
+
+/// Whether the stream configuration `settings` has `setting` (`allow_atomic`,
+/// `allow_batched`) set.
+fn allowed(settings: &Value, setting: &str) -> bool {
+    settings
+        .get(setting)
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
 }
 
 /// X2: sets `setting` (`allow_atomic`, `allow_batched`) on `stream`, whose configuration
