@@ -69,9 +69,14 @@ use crate::observe::metrics::Metrics;
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
 /// position (step 2), at most: past the relay's status interval (10 s at most) and an ack.
 pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
-/// How long a round waits at least (step 2), however short the interval: past the relay's
-/// progress reports (one a second at most), the marker's round and an ack.
-pub const CONFIRM_WAIT_MIN: Duration = Duration::from_secs(3);
+/// How long a round waits at least (step 2), however short the interval: past everything
+/// between a WAL position and its confirmation. The identity check vouches for the LSN its
+/// previous check read ([`crate::process::identity`] V2: up to two checks, one a second), the
+/// relay reports progress at most once a second (twice, for a report just missed), and the
+/// marker's round and an ack come on top. A floor of 3 s, which left out the identity check,
+/// let a round miss the confirmation under load every time while other databases wrote
+/// (a fresh `W` each round), and retention with a short interval stalled.
+pub const CONFIRM_WAIT_MIN: Duration = Duration::from_secs(6);
 
 /// Step 2's wait for a retention `interval`.
 pub fn confirm_wait(interval: Duration) -> Duration {
@@ -362,10 +367,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_round_waits_past_the_relays_progress_reports_however_short_the_interval() {
-        assert!(CONFIRM_WAIT_MIN >= 2 * replication::PROGRESS_INTERVAL);
+    fn a_round_waits_past_the_whole_confirmation_chain_however_short_the_interval() {
+        let chain = 2 * crate::process::identity::CHECK + 2 * replication::PROGRESS_INTERVAL;
+        assert!(
+            CONFIRM_WAIT_MIN >= chain + Duration::from_secs(1),
+            "{chain:?}"
+        );
         assert_eq!(confirm_wait(Duration::from_millis(200)), CONFIRM_WAIT_MIN);
-        assert_eq!(confirm_wait(Duration::from_secs(5)), Duration::from_secs(5));
+        assert_eq!(
+            confirm_wait(Duration::from_secs(10)),
+            Duration::from_secs(10)
+        );
         assert_eq!(confirm_wait(Duration::from_secs(60)), CONFIRM_WAIT);
     }
 
