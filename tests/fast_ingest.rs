@@ -9,7 +9,8 @@
 //! - [`per_message_where_the_server_or_the_stream_does_not_allow_it`]: on the shared server
 //!   (Debian's 2.9.10 unless `TESTKIT_NATS_SERVER` says otherwise) the choice follows its
 //!   version; on a current server with an operator's stream without `allow_batched`, one
-//!   acknowledged message per event, with the reason logged once.
+//!   acknowledged message per event, with the reason logged once, and after
+//!   docs/upgrading.md's one-time update of the stream, fast batches.
 //! - [`a_fast_batch_of_replayed_ids_is_never_taken_as_stored`] (F3, F4): rows `replay --force`
 //!   already published go into a fast batch, which the server skips without a word (or
 //!   refuses by the fence); the session ends, the next ones publish them one message at a
@@ -166,10 +167,24 @@ async fn per_message_where_the_server_or_the_stream_does_not_allow_it() {
         1,
         "{output}"
     );
+    drop(relay);
+
+    // docs/upgrading.md's one-time update (the stream's configuration with allow_batched, to
+    // STREAM.UPDATE): the relay started again publishes fast batches to the same stream.
+    support::update_stream_setting(&js, &case.stream, "allow_batched", true.into()).await;
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let later = insert_transaction(&mut sql, 30, 3, "updated").await;
+    let all: Vec<i64> = ids.iter().chain(&later).copied().collect();
+    let (messages, _) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
+    let stored: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
+    assert_eq!(stored, all, "every row once, in order, across the update");
+    assert_eq!(metric(addr, FAST).await, 1.0);
+    assert!(metric(addr, BATCHES).await >= 1.0);
     println!(
-        "fast fallback: nats-server {version} (shared) chose {}; a current server with a stream without allow_batched published {} rows one message each, the reason logged once",
+        "fast fallback: nats-server {version} (shared) chose {}; a current server with a stream without allow_batched published {} rows one message each, the reason logged once; after the documented update {} more rows in fast batches",
         if fast { "fast batches" } else { "one message per event" },
-        ids.len()
+        ids.len(),
+        later.len()
     );
     drop(relay);
 }

@@ -193,20 +193,7 @@ async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothi
     // Nothing was lost by halting: with the limit raised, a restart relays the poison row and
     // everything after it, exactly once, in commit order.
     // Through the API's JSON, which keeps allow_batched (async-nats' config lacks it).
-    let info: serde_json::Value = js
-        .request(
-            format!("STREAM.INFO.{}", case.stream),
-            &serde_json::json!({}),
-        )
-        .await
-        .unwrap();
-    let mut config = info["config"].clone();
-    config["max_msg_size"] = serde_json::json!(1024 * 1024);
-    let answer: serde_json::Value = js
-        .request(format!("STREAM.UPDATE.{}", case.stream), &config)
-        .await
-        .expect("raise max_msg_size");
-    assert!(answer.get("error").is_none(), "{answer}");
+    support::update_stream_setting(&js, &case.stream, "max_msg_size", (1024 * 1024).into()).await;
     let relay = start_relay(&case);
     let all = written.all();
     let (messages, last_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;

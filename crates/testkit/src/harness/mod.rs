@@ -40,7 +40,7 @@ pub use logs::{
     SESSION_ENDED, STREAMING,
 };
 pub use relay::Relay;
-pub use stream::{read_stream, stream_tail, Stored};
+pub use stream::{read_stream, stream_tail, update_stream_setting, Stored};
 pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
 pub use writers::{
     assert_matches_row, attempt, insert_transaction, replay_ahead_then_relay, rows, rows_by_id,

@@ -148,3 +148,26 @@ pub async fn stream_tail(
     let lsn = header("Outbox-Commit-Lsn").and_then(|v| v.parse().ok());
     Some((last, id.zip(lsn)))
 }
+
+/// Sets `setting` to `value` in stream `name`'s configuration through the JetStream API's
+/// JSON (`STREAM.INFO`'s configuration, changed, to `STREAM.UPDATE`), which keeps the
+/// settings async-nats' configuration type lacks (`allow_batched`, `allow_atomic`); panics
+/// with the server's answer when it refuses.
+pub async fn update_stream_setting(
+    js: &jetstream::Context,
+    name: &str,
+    setting: &str,
+    value: serde_json::Value,
+) {
+    let info: serde_json::Value = js
+        .request(format!("STREAM.INFO.{name}"), &serde_json::json!({}))
+        .await
+        .expect("read the stream's configuration");
+    let mut config = info["config"].clone();
+    config[setting] = value;
+    let answer: serde_json::Value = js
+        .request(format!("STREAM.UPDATE.{name}"), &config)
+        .await
+        .expect("update the stream");
+    assert!(answer.get("error").is_none(), "{answer}");
+}
