@@ -470,6 +470,62 @@ async fn an_existing_stream_in_memory_with_a_short_max_age_is_warned_about_and_l
     assert_eq!(warnings.len(), 4, "{warnings:?}");
 }
 
+/// B4 on a current nats-server (2.12+): an operator's stream that acknowledges a publish
+/// before writing it (`persist_mode: async`) is warned about at start and in `status`, and
+/// left as it is; a stream the relay creates there gets no such warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_persist_stream_is_warned_about_on_a_current_server() {
+    let nats = testkit::Nats::start_current(&[]);
+    let warning = "acknowledges events before writing them (persist_mode: async)";
+
+    let created = Case::new(&servers().pg, &nats, "stream_persist_default");
+    let log = init(&created);
+    assert!(log.contains("created stream"), "{log}");
+    assert!(!log.contains(warning), "{log}");
+
+    let case = Case::new(&servers().pg, &nats, "stream_persist_async");
+    let js = case.jetstream().await;
+    let config = serde_json::json!({
+        "name": case.stream, "subjects": [format!("{}.>", case.prefix)], "storage": "file",
+        "duplicate_window": 120_000_000_000u64, "persist_mode": "async",
+    });
+    let answer: Value = js
+        .request(format!("STREAM.CREATE.{}", case.stream), &config)
+        .await
+        .unwrap();
+    assert!(answer.get("error").is_none(), "{answer}");
+    let log = init(&case);
+    let expected = format!(
+        "stream {} {warning}: when nats-server is killed or crashes",
+        case.stream
+    );
+    assert!(log.contains(&expected), "{expected:?} missing from\n{log}");
+    assert!(
+        log.contains("create the stream with persist_mode: default"),
+        "{log}"
+    );
+    let run = status(&case, &["--json"]);
+    let warnings = run.findings("warning");
+    assert_eq!(
+        warnings.iter().filter(|w| w.contains(warning)).count(),
+        1,
+        "{}",
+        run.stdout
+    );
+    let info: Value = js
+        .request(
+            format!("STREAM.INFO.{}", case.stream),
+            &serde_json::json!({}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(info["config"]["persist_mode"], "async", "left as it is");
+    println!(
+        "persist_mode async: nats-server {}, warned at init and in status; a created stream not",
+        js.client().server_info().version
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_discard_new_stream_is_broken_in_status() {
     let case = new_case("stream_full");

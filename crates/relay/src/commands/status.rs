@@ -669,6 +669,10 @@ async fn gather_nats(
         }
     };
     let mut findings = stream_findings(&info, config, max_payload);
+    match bootstrap::persistence_finding(&jetstream, &config.stream).await {
+        Ok(finding) => findings.extend(finding.map(status_finding)),
+        Err(e) => findings.push(Finding::new(Level::Unknown, e.to_string())),
+    }
     let last_event = read_last_event(&stream, &info, config, now, &mut findings).await;
     let stream = Stream {
         name: config.stream.clone(),
@@ -687,14 +691,17 @@ fn stream_findings(
 ) -> Vec<Finding> {
     bootstrap::check_stream(info, config, max_payload)
         .into_iter()
-        .map(|finding| {
-            let level = match finding.severity {
-                StreamSeverity::Refused | StreamSeverity::Full => Level::Broken,
-                StreamSeverity::Warning => Level::Warning,
-            };
-            Finding::new(level, finding.message)
-        })
+        .map(status_finding)
         .collect()
+}
+
+/// A stream finding as a status level: refused or full is broken.
+fn status_finding(finding: bootstrap::StreamFinding) -> Finding {
+    let level = match finding.severity {
+        StreamSeverity::Refused | StreamSeverity::Full => Level::Broken,
+        StreamSeverity::Warning => Level::Warning,
+    };
+    Finding::new(level, finding.message)
 }
 
 /// The stream's last message as the last event, if the stream holds any; a warning in

@@ -65,7 +65,7 @@ pub(crate) fn judge(version: &str, allow_atomic: bool, created: bool, stream: &s
 }
 
 /// Whether `version` (`major.minor.patch`, maybe with a suffix) is at least `first`.
-fn supports(version: &str, first: (u64, u64)) -> bool {
+pub(crate) fn supports(version: &str, first: (u64, u64)) -> bool {
     let mut parts = version
         .trim_start_matches('v')
         .split(|c: char| !c.is_ascii_digit())
@@ -196,7 +196,7 @@ pub(crate) async fn allow_fast(
 }
 
 /// `stream`'s configuration, as JSON (its `STREAM.INFO` answer's).
-async fn stream_config(jetstream: &jetstream::Context, stream: &str) -> Result<Value> {
+pub(crate) async fn stream_config(jetstream: &jetstream::Context, stream: &str) -> Result<Value> {
     let mut info: Value = jetstream
         .request(format!("STREAM.INFO.{stream}"), &serde_json::json!({}))
         .await

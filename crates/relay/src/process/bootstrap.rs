@@ -34,7 +34,8 @@
 //!   table, is refused naming both ([`check_stream`]).
 //! - B4 The stream is never changed once it exists (but for B5's record on an empty stream); what its settings mean for the events is
 //!   said at every start ([`check_stream`]): subjects that do not cover `{prefix}.>` stop the
-//!   relay; memory storage, a retention that deletes events no consumer has read (`max_age`,
+//!   relay; memory storage, a stream that acknowledges before it writes (`persist_mode:
+//!   async`, nats-server 2.12+: [`check_stream_persistence`]), a retention that deletes events no consumer has read (`max_age`,
 //!   `max_bytes`/`max_msgs` with discard old, interest or work-queue retention), a
 //!   `discard: new` limit (full: every publish fails), a `max_msg_size` above the server's
 //!   `max_payload`, and settings that differ from the options given for them are warnings
@@ -923,7 +924,9 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     // X3: --fast-ingest's stream setting on a stream just created.
     super::atomic::allow_fast(jetstream, config, created).await?;
     let max_payload = jetstream.client().server_info().max_payload;
-    for finding in check_stream(&info, config, max_payload) {
+    let mut findings = check_stream(&info, config, max_payload);
+    findings.extend(persistence_finding(jetstream, &config.stream).await?);
+    for finding in findings {
         match finding.severity {
             StreamSeverity::Refused => return Err(setup(finding.message)),
             StreamSeverity::Full | StreamSeverity::Warning => {
@@ -1199,6 +1202,43 @@ fn check_stream_settings(
     }
 }
 
+/// The first nats-server with a stream setting `persist_mode` (2.12).
+const PERSIST_MODE_FIRST_VERSION: (u64, u64) = (2, 12);
+
+/// B4: what the stream's `persist_mode` means for the events, read through the API's JSON
+/// (async-nats's typed configuration has no such field) on a server that has the setting.
+pub async fn persistence_finding(
+    jetstream: &jetstream::Context,
+    name: &str,
+) -> Result<Option<StreamFinding>> {
+    let version = jetstream.client().server_info().version;
+    if !super::atomic::supports(&version, PERSIST_MODE_FIRST_VERSION) {
+        return Ok(None);
+    }
+    let settings = super::atomic::stream_config(jetstream, name).await?;
+    Ok(check_stream_persistence(name, &settings))
+}
+
+/// B4: a stream that acknowledges a publish before writing it (`persist_mode: async`) loses
+/// the events of nats-server's last moments when it is killed or crashes, after the relay
+/// confirmed them (an LSN is confirmed on the ack) and Postgres released their WAL: a
+/// warning, like memory storage. `settings` is the stream's configuration as JSON.
+pub fn check_stream_persistence(name: &str, settings: &serde_json::Value) -> Option<StreamFinding> {
+    let mode = settings
+        .get("persist_mode")
+        .and_then(serde_json::Value::as_str)?;
+    (mode == "async").then(|| StreamFinding {
+        severity: StreamSeverity::Warning,
+        message: format!(
+            "stream {name} acknowledges events before writing them (persist_mode: async): when \
+             nats-server is killed or crashes, the events it acknowledged last (up to its flush \
+             delay) are lost, though the relay confirmed them and Postgres released them, so \
+             nothing publishes them again; create the stream with persist_mode: default (a \
+             stream's persist mode cannot change: recreate it)"
+        ),
+    })
+}
+
 /// A retention that can delete events no consumer has read: interest or work-queue
 /// retention, a max age.
 fn check_stream_retention(name: &str, stream: &StreamConfig, findings: &mut Vec<StreamFinding>) {
@@ -1373,7 +1413,7 @@ pub fn subject_filter_covers(filter: &str, pattern: &str) -> bool {
 mod stream_tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{check_stream, jetstream, StreamSeverity};
+    use super::{check_stream, check_stream_persistence, jetstream, StreamSeverity};
 
     /// A stream's info as the server sends it: `config` over a file stream without limits.
     fn info(config: serde_json::Value, messages: u64, bytes: u64) -> jetstream::stream::Info {
@@ -1415,6 +1455,30 @@ mod stream_tests {
     #[test]
     fn the_stream_the_relay_creates_by_default_gets_no_finding() {
         assert_eq!(check(serde_json::json!({}), 10, &[]), vec![]);
+    }
+
+    #[test]
+    fn a_stream_that_acknowledges_before_it_writes_is_a_warning_that_says_why() {
+        let found = check_stream_persistence("S", &serde_json::json!({"persist_mode": "async"}))
+            .expect("a finding");
+        assert_eq!(found.severity, StreamSeverity::Warning);
+        assert!(
+            found
+                .message
+                .contains("stream S acknowledges events before writing them (persist_mode: async)")
+                && found
+                    .message
+                    .contains("create the stream with persist_mode: default"),
+            "{found:?}"
+        );
+        // The default, said or not (a server before 2.12 says nothing).
+        for settings in [
+            serde_json::json!({"persist_mode": "default"}),
+            serde_json::json!({}),
+            serde_json::Value::Null,
+        ] {
+            assert_eq!(check_stream_persistence("S", &settings), None, "{settings}");
+        }
     }
 
     #[test]
