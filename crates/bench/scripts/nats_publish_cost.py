@@ -19,6 +19,9 @@ at most 2 000 unacknowledged, and prints the server's CPU (utime + stime from /p
 - atomic:  atomic batches of 1 000 (2.12+, allow_atomic; Nats-Batch-Id/-Sequence/-Commit), the
            relay's headers without the fence, a reply on each commit only; atomicK: batches of K
            (e.g. atomic10: the line also gives the CPU per batch, the server's fixed cost of one).
+A mode may carry tags after a `+`, settings of its stream: `+async` (persist_mode async, 2.12+:
+acknowledged before written, so not durable against a server kill; for reference), `+dw1s` (a 1 s
+duplicate window instead of 2 min), e.g. `fastseq+async`.
 A measurement tool, not a client: no reconnects, no checks beyond counting what was stored."""
 import json, os, socket, subprocess, sys, tempfile, threading, time, uuid
 
@@ -89,11 +92,16 @@ def frame(subject, reply, hdr):
     return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject, reply, len(hdr), total, hdr, PAYLOAD)
 
 def run(port, pid, mode):
+    label = mode; tags = mode.split("+"); mode = tags[0]
     base, _, cycle = mode.partition(":"); cycle = int(cycle or 0)
     if cycle and base not in ("relay", "nofence", "minhdr"): raise SystemExit(f"{mode}: a cycle of reply subjects is for relay, nofence and minhdr")
     c = Conn(port); name = "S_" + mode.upper().replace(":", "_")
     cfg = {"name": name, "subjects": [f"{name}.>"], "storage": "file", "duplicate_window": 120_000_000_000}
     if mode == "fast" or mode.startswith("fastseq"): cfg["allow_batched"] = True
+    if "async" in tags: cfg["persist_mode"] = "async"
+    if "dw1s" in tags: cfg["duplicate_window"] = 1_000_000_000
+    if tags[1:]:
+        name += "_" + "_".join(tags[1:]).upper(); cfg.update(name=name, subjects=[f"{name}.>"])
     fastseq = int(mode[7:] or 1000) if mode.startswith("fastseq") else 0
     batch = int(mode[6:] or 1000) if mode.startswith("atomic") else 0
     if batch: cfg["allow_atomic"] = True
@@ -153,7 +161,7 @@ def run(port, pid, mode):
     info = c.request(f"$JS.API.STREAM.INFO.{name}", b"")
     stored = info.get("state", {}).get("messages")
     per_batch = f"  {1e3 * (after - before) / N * batch:5.2f} ms/batch" if batch else ""
-    print(f"{mode:8} stored {stored}/{N}  server CPU {1e6 * (after - before) / N:6.2f} us/msg{per_batch}  {N / elapsed:8.0f} msg/s  errors {len(errors)} {errors[:1]}", flush=True)
+    print(f"{label:16} stored {stored}/{N}  server CPU {1e6 * (after - before) / N:6.2f} us/msg{per_batch}  {N / elapsed:8.0f} msg/s  errors {len(errors)} {errors[:1]}", flush=True)
 
 d = tempfile.mkdtemp(); port = free_port()
 srv = subprocess.Popen([BIN, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

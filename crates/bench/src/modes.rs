@@ -2,7 +2,10 @@
 //! relay once per publish mode, on the same nats-server in the same run: per message (an ack
 //! per event, `--fast-ingest false`), fast-ingest batches (the default, nats-server 2.14 or
 //! newer) and atomic transactions (`--atomic-transactions`, one atomic batch per
-//! transaction, nats-server 2.12 or newer); a mode the server lacks is skipped, and said.
+//! transaction, nats-server 2.12 or newer); a mode the server lacks is skipped, and said. A
+//! fourth row, for reference only, drains in fast-ingest batches into a stream an operator
+//! made with `persist_mode: async` (acknowledged before written; the relay warns about it):
+//! what giving up nats-server's durability against a kill would save.
 //! Each drain is [`crate::drain`]'s (a fresh database, slot and stream per mode, the backlog
 //! written before the relay starts); rows per mode: events/s, the CPU per event of the
 //! walsender, the relay and nats-server, and their sum (the whole pipeline's), and the
@@ -20,26 +23,39 @@ struct Mode {
     label: &'static str,
     first: (u64, u64),
     env: [(&'static str, bool); 2],
+    /// The stream is created beforehand with `persist_mode: async`: nats-server acknowledges
+    /// before it writes, which the relay warns about (a server kill loses acknowledged
+    /// events). Measured for reference only: what giving up that durability would save.
+    persist_async: bool,
 }
 
 const ATOMIC_ENV: &str = "OUTBOX_RELAY_ATOMIC_TRANSACTIONS";
 const FAST_ENV: &str = "OUTBOX_RELAY_FAST_INGEST";
 
-const MODES: [Mode; 3] = [
+const MODES: [Mode; 4] = [
     Mode {
         label: "per message",
         first: (0, 0),
         env: [(ATOMIC_ENV, false), (FAST_ENV, false)],
+        persist_async: false,
     },
     Mode {
         label: "fast-ingest batches",
         first: (2, 14),
         env: [(ATOMIC_ENV, false), (FAST_ENV, true)],
+        persist_async: false,
     },
     Mode {
         label: "atomic transactions",
         first: (2, 12),
         env: [(ATOMIC_ENV, true), (FAST_ENV, false)],
+        persist_async: false,
+    },
+    Mode {
+        label: "fast-ingest batches, persist_mode async (reference: not durable)",
+        first: (2, 14),
+        env: [(ATOMIC_ENV, false), (FAST_ENV, true)],
+        persist_async: true,
     },
 ];
 
@@ -67,6 +83,9 @@ pub async fn compare(
             case.relay
                 .extra_env
                 .push((key.to_owned(), value.to_string()));
+        }
+        if mode.persist_async {
+            create_async_stream(bench, &case).await?;
         }
         bench.relay_init(&case)?;
         load::write_batched(&case.sql, events, per_tx).await?;
@@ -101,6 +120,23 @@ pub async fn compare(
         );
         let stream = case.relay.stream.clone();
         bench.drop_case(case, &[&stream]).await?;
+    }
+    Ok(())
+}
+
+/// The case's stream as the relay would create it on 2.14+ (`allow_batched`), but with
+/// `persist_mode: async`, which only an operator can choose.
+async fn create_async_stream(bench: &Bench, case: &crate::harness::Case) -> Result<()> {
+    let config = serde_json::json!({
+        "name": case.stream, "subjects": [format!("{}.>", case.prefix)], "storage": "file",
+        "duplicate_window": 120_000_000_000u64, "allow_batched": true, "persist_mode": "async",
+    });
+    let answer: serde_json::Value = bench
+        .js
+        .request(format!("STREAM.CREATE.{}", case.stream), &config)
+        .await?;
+    if let Some(error) = answer.get("error") {
+        anyhow::bail!("create stream {} (persist_mode async): {error}", case.stream);
     }
     Ok(())
 }
