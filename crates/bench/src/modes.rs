@@ -136,7 +136,10 @@ async fn create_async_stream(bench: &Bench, case: &crate::harness::Case) -> Resu
         .request(format!("STREAM.CREATE.{}", case.stream), &config)
         .await?;
     if let Some(error) = answer.get("error") {
-        anyhow::bail!("create stream {} (persist_mode async): {error}", case.stream);
+        anyhow::bail!(
+            "create stream {} (persist_mode async): {error}",
+            case.stream
+        );
     }
     Ok(())
 }
