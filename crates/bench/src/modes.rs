@@ -129,7 +129,8 @@ pub async fn compare(
 async fn create_async_stream(bench: &Bench, case: &crate::harness::Case) -> Result<()> {
     let config = serde_json::json!({
         "name": case.stream, "subjects": [format!("{}.>", case.prefix)], "storage": "file",
-        "duplicate_window": 120_000_000_000u64, "allow_batched": true, "persist_mode": "async",
+        "duplicate_window": crate::harness::DUPLICATE_WINDOW.as_nanos(),
+        "allow_batched": true, "persist_mode": "async",
     });
     let answer: serde_json::Value = bench
         .js

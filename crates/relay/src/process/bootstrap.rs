@@ -35,7 +35,8 @@
 //! - B4 The stream is never changed once it exists (but for B5's record on an empty stream); what its settings mean for the events is
 //!   said at every start ([`check_stream`]): subjects that do not cover `{prefix}.>` stop the
 //!   relay; memory storage, a stream that acknowledges before it writes (`persist_mode:
-//!   async`, nats-server 2.12+: [`check_stream_persistence`]), a retention that deletes events no consumer has read (`max_age`,
+//!   async`, nats-server 2.12+: [`check_stream_persistence`]), a retention that deletes
+//!   events no consumer has read (`max_age`,
 //!   `max_bytes`/`max_msgs` with discard old, interest or work-queue retention), a
 //!   `discard: new` limit (full: every publish fails), a `max_msg_size` above the server's
 //!   `max_payload`, and settings that differ from the options given for them are warnings
