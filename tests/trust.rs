@@ -1,6 +1,6 @@
 //! Trust nothing unverified (issue 18, cases 2 and 5), against real Postgres 15 and
 //! nats-server processes: a message the relay did not write never makes it skip a real event
-//! (`sink::resume` S4, `relay::stored` V1, `sink::publisher` P8), and a payload no consumer
+//! (`sink::resume` S4, `sink::publisher` P8), and a payload no consumer
 //! could decode goes to the poison policy naming its id (P7).
 
 #![allow(clippy::unwrap_used)]
@@ -49,8 +49,8 @@ async fn publish(js: &async_nats::jetstream::Context, subject: String, headers: 
 
 /// Case 2, the tail: a message of another writer that carries the relay's own
 /// `Outbox-Source` and a position past every unrelayed event, below the server's WAL end. It
-/// names an outbox id the table does not hold, so the session does not skip by it: every row
-/// is published once, in order.
+/// is not the replayed event at its place in the stream, so the session skips nothing by it
+/// (`sink::resume` S4): every row is published once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_tail_with_the_relays_own_source_skips_no_real_event() {
     let case = new_case("forged_tail");
@@ -94,8 +94,8 @@ async fn a_forged_tail_with_the_relays_own_source_skips_no_real_event() {
     assert_eq!(published, expected, "every row once, in order");
     let output = relay.output();
     assert!(
-        output.contains("is not the row the table holds under its outbox id")
-            && output.contains("no row with outbox id 999999"),
+        output.contains("the stream does not hold this replayed event at its place")
+            && output.contains("(outbox id 999999) is not it"),
         "the relay says why it does not skip by the tail:\n{output}"
     );
 }

@@ -5,16 +5,21 @@
 //! # Invariants
 //! - A1–A4 ([`tracker`]): a position is confirmable only when it and everything before it
 //!   was acknowledged by JetStream; never on receipt, never for a failed publish.
-//! - P1–P13 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
-//!   drains it, strict mode fences, nothing is dropped silently, an ack counts only for the
-//!   publish it answers, a publish the server denies goes to the poison policy.
+//! - P1–P15 ([`publisher`]): the window is bounded, errors stop the sink, closing the input
+//!   drains it, strict mode fences and its fence counts only what the stream stores, nothing
+//!   is dropped silently, an ack counts only for the publish it answers, a publish the server
+//!   denies goes to the poison policy.
 //! - B1–B6 ([`batch`]): with atomic transactions, each transaction is one JetStream atomic
 //!   batch (split at the server's limit), committed only at its end, fenced by its first
 //!   message, acknowledged by its commit's answer alone.
 //! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
 //!   classified as it classifies them.
-//! - S1–S3 ([`resume`]): a stored position is skipped through only if it is of the session's
-//!   own history; the fence never depends on it.
+//! - S1–S6 ([`resume`]): a replayed event is skipped only when the stream holds it at its
+//!   place, compared message by message (not by the table, which outbox users empty); the
+//!   fence never depends on the tail, and counts only what the stream stores.
+//! - RV1–RV2 ([`vouch`]): the stream's run of replayed events is found by walking back from
+//!   the tail and read in bounded chunks; the first event it does not vouch for ends the
+//!   comparison.
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
 //! - L1–L3 ([`latency`]): what the acker times, once per transaction or run of events.
@@ -40,6 +45,7 @@ pub mod message;
 pub mod publisher;
 pub mod resume;
 pub mod tracker;
+pub mod vouch;
 pub mod wire;
 
 pub use conn::{Connection, Connector};

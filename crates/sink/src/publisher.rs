@@ -36,8 +36,16 @@
 //!   no gap and no reordering can enter the stream; the refusal ends [`run`] and the caller
 //!   re-syncs from the stream's tail. The id chain only with [`SinkOptions::id_chain`] (a
 //!   one-replica stream): see there why not on a replicated one.
-//! - P6 Events at or before [`SinkOptions::resume_after`] (the position of the stream's last
-//!   message) are already stored: they are counted as acknowledged without being published.
+//! - P6 A replayed event the stream holds at its place ([`SinkOptions::compare`],
+//!   `crate::resume` S4, [`crate::vouch`]) is already stored: it is counted as acknowledged
+//!   without being published. Nothing else is skipped.
+//! - P15 The fence counts only what the stream stores (`crate::resume` S6): while an event may
+//!   be in the stream already (at or before the tail's position and not vouched for by P6,
+//!   or any event while the tail gave no position of the session's history, until the
+//!   session's first publish stored as new), it is published alone, never in a batch: the
+//!   publisher first awaits every earlier answer, then sets the fence to the stream's last
+//!   sequence as the answers left it (a duplicate consumes none) with the id chain started
+//!   again.
 //! - P7 An event JetStream can never accept (larger than the server's `max_payload` or the
 //!   stream's `max_msg_size`, or a publish line longer than the server's
 //!   `max_control_line`: [`Limits`], checked before publishing), or that no consumer could
@@ -147,8 +155,9 @@ pub struct SinkOptions {
     /// Strict mode: the stream's last sequence when the session starts (the relay must be
     /// the stream's only writer). `None`: shared mode, de-duplication only.
     pub fence: Option<u64>,
-    /// The position of the stream's last message, when it could be read (P6).
-    pub resume_after: Option<Position>,
+    /// Strict mode: where replayed events are compared with the stream (P6), when the
+    /// stream's tail is of the session's history.
+    pub compare: Option<crate::vouch::Compare>,
     /// What the server accepts (P7).
     pub limits: Limits,
     /// What to do with an event beyond the limits, or refused for good.
@@ -212,14 +221,6 @@ pub struct SinkStats {
     dead_letter_instead: Mutex<HashMap<Position, String>>,
     /// Subjects the server denied a publish to, with its words (P11). Outlives a session.
     denied_subjects: Mutex<HashMap<String, String>>,
-    /// The position through which the stream is known to hold every event: the newest
-    /// event acknowledged (stored or duplicate) with every earlier one of its session
-    /// acknowledged too (P6). Outlives a session, so the next one skips what this one
-    /// learned is stored even when the stream's tail cannot tell (a duplicate consumes no
-    /// sequence, so re-publishing it would break the fence of everything behind it). Kept
-    /// with the source it was learned from: positions of another source (another timeline
-    /// after a fail-over) say nothing about this one.
-    stored_through: std::sync::Mutex<Option<(String, Acknowledged)>>,
     /// Transactions (by commit LSN) a batch of which JetStream refused for holding a message
     /// id the stream already has: published one message at a time from then on (B4).
     /// Outlives a session.
@@ -234,9 +235,7 @@ pub struct SinkStats {
     fast_off: Mutex<Option<String>>,
 }
 
-/// The newest event a process saw acknowledged, with every earlier one of its session
-/// ([`SinkStats::stored_through`]): its position, and the row it was, for the next session
-/// to check against the table before it skips by it (`crate::resume` S4).
+/// An event the acker awaits the answer for: its position, and the row it was (P8, P9).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Acknowledged {
     /// The event's position.
@@ -285,21 +284,6 @@ impl SinkStats {
     /// (it lost the lease; whoever holds it now confirms it).
     pub fn forget_unconfirmed(&self) {
         self.oldest_unconfirmed_us.store(0, Ordering::Relaxed);
-    }
-
-    /// See the field's docs: the position through which the stream holds every event of
-    /// `source`, as far as this process saw acknowledged.
-    pub fn stored_through(&self, source: &str) -> Option<Acknowledged> {
-        match &*self.through_lock() {
-            Some((seen, acknowledged)) if seen == source => Some(acknowledged.clone()),
-            _ => None,
-        }
-    }
-
-    fn through_lock(&self) -> std::sync::MutexGuard<'_, Option<(String, Acknowledged)>> {
-        self.stored_through
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn denied_subjects(&self) -> HashMap<String, String> {
@@ -357,17 +341,33 @@ impl SinkStats {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
+}
 
-    fn note_stored(&self, source: &str, acknowledged: Acknowledged) {
-        let mut through = self.through_lock();
-        match &mut *through {
-            Some((seen, through)) if seen == source => {
-                if acknowledged.position > through.position {
-                    *through = acknowledged;
-                }
-            }
-            other => *other = Some((source.to_owned(), acknowledged)),
-        }
+/// P15: which events may be in the stream already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Doubt {
+    /// None: the stream was empty, the session stored a publish as new, or not strict mode.
+    None,
+    /// Those at or before the tail's position (P6 did not vouch for them).
+    Through(Position),
+    /// Every event, until the session stores a publish as new (the tail gave no position of
+    /// the session's history).
+    UntilStored,
+}
+
+/// P15: what the acker's answers left of the stream, for the publisher.
+#[derive(Debug, Default)]
+struct Answered {
+    /// The stream sequence of the session's newest publish stored as new.
+    last_stored: AtomicU64,
+    /// Whether the session stored any publish as new.
+    any: AtomicBool,
+}
+
+impl Answered {
+    fn stored(&self, sequence: u64) {
+        self.last_stored.store(sequence, Ordering::Release);
+        self.any.store(true, Ordering::Release);
     }
 }
 
@@ -477,6 +477,7 @@ where
     let fast = fast_limit(&options, &stats);
     let limits = session_limits(options.limits, max_payload, &reply_prefix, fast.is_some());
     let acks = Acks::new(answers, &options, server.clone());
+    let answered = Arc::new(Answered::default());
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
     let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
         ack_rx,
@@ -484,10 +485,16 @@ where
         AckTracker::new(start),
         watermark,
         stats.clone(),
-        options.source.clone(),
+        answered.clone(),
         Duplicates::of(&jetstream, &options),
     )));
     let mut publisher = Publisher::new(&options, limits, frames, reply_prefix, &stats, fast);
+    publisher.vouching = options
+        .compare
+        .clone()
+        .filter(|_| options.fence.is_some())
+        .map(|compare| crate::vouch::Vouching::new(compare, jetstream.clone()));
+    publisher.answered = answered;
     let publishing = publisher.publish_input(&mut input, &ack_tx, &window, &lame_duck);
     let published = tokio::select! {
         result = publishing => Ok(result),
@@ -594,6 +601,14 @@ struct Publisher<'s, P> {
     fast: Option<Fast<P>>,
     /// F4: the newest event this session put into a fast batch.
     last_fast: Option<Position>,
+    /// P6: the comparison of replayed events with the stream, in strict mode.
+    vouching: Option<crate::vouch::Vouching>,
+    /// P15: which events may be in the stream already.
+    doubt: Doubt,
+    /// P15: what the acker's answers left of the stream.
+    answered: Arc<Answered>,
+    /// P2: the window's size.
+    window_size: usize,
 }
 
 /// A session's fast-ingest state (P14).
@@ -677,6 +692,14 @@ impl<'s, P> Publisher<'s, P> {
             }),
             last_fast: None,
             reply_prefix,
+            vouching: None,
+            doubt: match (options.fence, &options.compare) {
+                (None | Some(0), _) => Doubt::None,
+                (Some(_), Some(compare)) => Doubt::Through(compare.through),
+                (Some(_), None) => Doubt::UntilStored,
+            },
+            answered: Arc::default(),
+            window_size: options.max_in_flight.max(1),
         }
     }
 
@@ -722,6 +745,20 @@ impl<'s, P> Publisher<'s, P> {
         ack_tx: &mpsc::Sender<AckItem<P>>,
         window: &Arc<Semaphore>,
     ) -> Result<bool, SinkError> {
+        if let Item::Event(event) = &item {
+            // P6: already stored.
+            if self.vouched(event).await {
+                if !self.close_batch(ack_tx).await? {
+                    return Ok(false);
+                }
+                self.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                return self.hand(ack_tx, AckItem::Stored).await;
+            }
+            // P15: alone, once every earlier answer is in.
+            if self.in_doubt(event) && !self.settle(ack_tx, window).await? {
+                return Ok(false);
+            }
+        }
         let item = match item {
             Item::Event(event) if self.batched(&event) => {
                 return self.publish_batched(event, ack_tx, window).await;
@@ -742,11 +779,6 @@ impl<'s, P> Publisher<'s, P> {
             return Ok(false);
         }
         let item = match item {
-            // P6: already stored.
-            Item::Event(event) if self.is_stored(&event) => {
-                self.stats.skipped.fetch_add(1, Ordering::Relaxed);
-                AckItem::Stored
-            }
             Item::Event(event) => {
                 let Some(permit) = self.permit(window).await? else {
                     return Ok(false);
@@ -868,12 +900,12 @@ impl<'s, P> Publisher<'s, P> {
         }
     }
 
-    /// P13, P14: whether `event` goes into a batch (not already stored, P6; not of a
-    /// transaction to publish one message at a time, B4; not at or before where a failed
-    /// fast session got to, F4).
+    /// P13, P14: whether `event` goes into a batch (not one the stream may hold already,
+    /// P15; not of a transaction to publish one message at a time, B4; not at or before where
+    /// a failed fast session got to, F4).
     #[inline]
     fn batched(&self, event: &OutboxEvent) -> bool {
-        if self.batches.is_none() || self.is_stored(event) {
+        if self.batches.is_none() || self.in_doubt(event) {
             return false;
         }
         match &self.fast {
@@ -887,12 +919,67 @@ impl<'s, P> Publisher<'s, P> {
         }
     }
 
-    /// P6: whether the stream's tail shows `event` stored.
+    /// P6: whether the stream holds `event` at its place (`crate::resume` S4).
     #[inline]
-    fn is_stored(&self, event: &OutboxEvent) -> bool {
-        self.options
-            .resume_after
-            .is_some_and(|tail| event.position <= tail)
+    async fn vouched(&mut self, event: &OutboxEvent) -> bool {
+        let Some(vouching) = &mut self.vouching else {
+            return false;
+        };
+        let holds = vouching.holds(event).await;
+        if vouching.ended() {
+            self.vouching = None;
+        }
+        holds
+    }
+
+    /// P15: whether the stream may hold `event` already.
+    #[inline]
+    fn in_doubt(&self, event: &OutboxEvent) -> bool {
+        match self.doubt {
+            Doubt::None => false,
+            Doubt::Through(through) => event.position <= through,
+            Doubt::UntilStored => true,
+        }
+    }
+
+    /// P15: awaits every earlier answer (the frames handed to the writer, the whole window
+    /// back), then sets the fence to the stream's last sequence as the answers left it (a
+    /// duplicate consumes none), the id chain started again; once the session stored a
+    /// publish as new, nothing is in doubt any more. `false` when the acker stopped.
+    async fn settle(
+        &mut self,
+        ack_tx: &mpsc::Sender<AckItem<P>>,
+        window: &Arc<Semaphore>,
+    ) -> Result<bool, SinkError> {
+        if !self.close_batch(ack_tx).await? {
+            return Ok(false);
+        }
+        self.out.flush().await?;
+        let size = u32::try_from(self.window_size).unwrap_or(u32::MAX);
+        let Ok(all) = window.acquire_many(size).await else {
+            return Ok(false);
+        };
+        drop(all);
+        if ack_tx.is_closed() {
+            return Ok(false);
+        }
+        if self.answered.any.load(Ordering::Acquire) {
+            self.doubt = Doubt::None;
+            return Ok(true);
+        }
+        if let Some(fence) = self.fence.as_mut() {
+            let last = self.answered.last_stored.load(Ordering::Acquire);
+            let last = if last == 0 {
+                self.options.fence.unwrap_or(0)
+            } else {
+                last
+            };
+            if fence.sequence != last {
+                fence.sequence = last;
+                fence.last_msg_id = None;
+            }
+        }
+        Ok(true)
     }
 
     /// P2: a permit of the full window, once a publish is acknowledged; `None` never (the
@@ -1582,7 +1669,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
     tracker: AckTracker<P>,
     watermark: watch::Sender<P>,
     stats: Arc<SinkStats>,
-    source: String,
+    answered: Arc<Answered>,
     duplicates: Duplicates,
 ) -> Result<(), SinkError> {
     let clock = stats.timing.then(|| {
@@ -1597,7 +1684,7 @@ async fn acker<P: Ord + Copy + std::fmt::Debug>(
         tracker,
         watermark,
         stats: &stats,
-        source,
+        answered,
         duplicates,
         clock,
         staged: Vec::new(),
@@ -1612,7 +1699,8 @@ struct Acker<'s, P> {
     tracker: AckTracker<P>,
     watermark: watch::Sender<P>,
     stats: &'s SinkStats,
-    source: String,
+    /// P15: the stream's last sequence as the answers left it.
+    answered: Arc<Answered>,
     duplicates: Duplicates,
     clock: Option<TxnClock<'s>>,
     /// The open atomic batch's messages before its commit, with their tickets (B3).
@@ -1803,7 +1891,7 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
             ));
         }
         let moved = self.stored_with_commit()?;
-        self.stats.note_stored(&self.source, newest);
+        self.answered.stored(expect);
         Ok(moved)
     }
 
@@ -1890,12 +1978,14 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
         } else {
             stats.stored.fetch_add(1, Ordering::Relaxed);
         }
+        if !ack.duplicate {
+            // P15: before the permit is released, so a publisher awaiting every answer sees
+            // it.
+            self.answered.stored(ack.sequence);
+        }
         if let Some(clock) = &mut self.clock {
             clock.acked(event.created_at_ms);
         }
-        // Acks are awaited in publish order, so every earlier publish of this session is
-        // acknowledged too.
-        stats.note_stored(&self.source, event);
         Ok(self.tracker.ack(ticket)?.or(earlier))
     }
 }

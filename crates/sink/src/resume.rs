@@ -1,37 +1,50 @@
-//! Where a session resumes (P6): what the stream's tail, and what this process already saw
-//! acknowledged, show stored; so what the session may skip, and where strict mode's fence
-//! starts. And what a stored message says it is ([`Claim`]), so that no decision rests on a
-//! message read back from the stream before it is checked.
+//! Where a session resumes (P6): which replayed events the stream already holds, so what the
+//! session skips, and where strict mode's fence starts. And what a stored message says it is
+//! ([`Claim`]), so that no decision rests on a message read back from the stream before it is
+//! checked.
 //!
-//! Reading is [`read_tail`] (JetStream I/O); deciding is [`plan`], a pure function of what
-//! was read, of its check against the table (the caller's I/O) and of the session,
+//! Reading is [`read_tail`] and [`crate::vouch`] (JetStream I/O); deciding is [`plan`],
+//! [`vouch`] and [`walks_past`], pure functions of what was read and of the session,
 //! unit-tested here.
 //!
 //! # Invariants
-//! - S1 A stored position is used to skip only if it belongs to the session's own history:
-//!   the stored message carries the session's `Outbox-Source` (cluster, timeline, database,
-//!   slot: `outbox::source`), and its commit LSN lies below the server's WAL end. Anything
-//!   else is a [`Distrust`] for the caller to report; the session then relies on
-//!   `Nats-Msg-Id` de-duplication for what it replays.
-//! - S2 What an earlier session of the process saw acknowledged counts only for the source
-//!   it was learned from, and only below the WAL end too.
+//! - S1 A stored position is of the session's own history only when the stored message
+//!   carries the session's `Outbox-Source` (cluster, timeline, database, slot:
+//!   `outbox::source`) and its commit LSN lies below the server's WAL end. Anything else is a
+//!   [`Distrust`] for the caller to report; the session then compares nothing with the
+//!   stream and relies on `Nats-Msg-Id` de-duplication for what it replays (S6).
+//! - S2 Nothing but the stream vouches for a replayed event: not the table (outbox tables are
+//!   emptied by design: Debezium's remove-after-insert, a poller's clean-up, retention,
+//!   TRUNCATE, dropped partitions), not what an earlier session of the process saw
+//!   acknowledged (a stream can lose what it acknowledged: a purge, a restore of the NATS
+//!   server's store).
 //! - S3 Strict mode's fence starts at the stream's last sequence whatever the tail says:
 //!   fencing never depends on trusting a position.
-//! - S4 A stored position is used to skip only once the row it claims to be was checked
-//!   against the table ([`Session::tail_check`], [`Session::acknowledged`]): the row with its
-//!   `Outbox-Id` exists and yields the same `Nats-Msg-Id` and ordering key. A database
-//!   restored from a backup and written past the old tail reuses the same ids, LSNs, source
-//!   and timeline; only the rows tell the two histories apart. A message that fails the check
-//!   is a [`Distrust::NotTheRow`].
+//! - S4 A replayed event is skipped only when the stream holds it at its place ([`vouch`]):
+//!   the session's replayed events at or before the tail's position ([`Resume::compare_through`])
+//!   are compared, in order, with the stream's run of messages that ends at the tail and
+//!   starts after the last message, walking back from the tail, that is not of this history
+//!   at or after the first replayed event's position, or not in commit order ([`walks_past`]).
+//!   Each must carry the event's position, a source of its history (S1, S5), its
+//!   `Outbox-Id`, `Nats-Msg-Id` (the event's, or its dead-letter record's) and ordering key.
+//!   The first that does not (a database restored from a backup and written past the old
+//!   tail reuses ids, LSNs, source and timeline; another writer's message; a message deleted
+//!   from the stream) ends the comparison for the session: nothing after it is skipped, so
+//!   nothing is skipped that the replay did not vouch for. The table is read for nothing.
 //! - S5 After a fail-over or a point-in-time restore (a new timeline), a stored position from
 //!   an ancestor timeline counts as the session's own history (S1) only below the switch
-//!   point where the current timeline's history ([`Session::history`], the server's
+//!   point where the current timeline's history ([`Lineage::history`], the server's
 //!   `TIMELINE_HISTORY`, [`parse_timeline_history`]) left that timeline: the same cluster,
 //!   database and slot, and its commit record starts before the switch point, so it was
 //!   replayed into the new timeline unchanged. At or past the switch point (WAL the old
 //!   primary wrote that the promoted server never received) it is never used to skip
 //!   ([`Distrust::PastSwitchPoint`]), and a timeline not in the history (a sibling) is
-//!   another source. S4 still applies to what S5 admits.
+//!   another source. S4 still compares what S5 admits.
+//! - S6 The fence counts only what the stream stores (`crate::publisher` P5): an event the
+//!   stream may hold already (at or before the tail's position and not vouched for by S4, or
+//!   any event while the tail gave no position of this history, until the session's first
+//!   publish stored as new) is published alone and its answer awaited; a duplicate answer
+//!   leaves the fence at the stream's last sequence.
 
 use std::time::Duration;
 
@@ -76,8 +89,8 @@ fn header<'a>(message: &'a StreamMessage, name: &str) -> Option<&'a str> {
 /// Which outbox row a stored message says it was published for: what the relay writes into
 /// every event message (`Outbox-Id`, `Nats-Msg-Id`, `Outbox-Ordering-Key`) and every
 /// dead-letter record (the ordering key in its body). Anyone who may publish on the stream's
-/// subjects can write these too, so a claim is only believed once checked against the row
-/// ([`Claim::check`], [`Claim::is_row`]; S4, P8).
+/// subjects can write these too, so a claim is only believed once checked against the event
+/// the replay or the acker has for it ([`Claim::check`], [`Claim::is_row`]; S4, P8).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Claim {
     /// `Outbox-Id`.
@@ -131,9 +144,9 @@ impl Claim {
             && self.ordering_key.as_deref() == Some(id.ordering_key(created_at_ms).as_str())
     }
 
-    /// Whether the message is what the relay publishes for `event`, the row with the
-    /// claim's id read back from the table (S4): the same `Nats-Msg-Id` (of the event, or of
-    /// its dead-letter record) and ordering key. `Err` says what differs, for the log.
+    /// Whether the message is what the relay publishes for `event` (S4): the same
+    /// `Outbox-Id`, `Nats-Msg-Id` (of the event, or of its dead-letter record) and ordering
+    /// key. `Err` says what differs, for the log.
     pub fn check(&self, event: &OutboxEvent) -> Result<(), String> {
         let msg_id = if self.dead_letter {
             crate::message::dead_letter_msg_id(event)
@@ -148,9 +161,12 @@ impl Claim {
             return Ok(());
         }
         Err(format!(
-            "outbox id {} in the table gives Nats-Msg-Id {msg_id:?} and ordering key {ordering_key}, \
-             the message carries {:?} and {}",
+            "outbox id {} gives Nats-Msg-Id {msg_id:?} and ordering key {ordering_key}, \
+             the message carries outbox id {}, {:?} and {}",
             event.id,
+            self.id
+                .as_ref()
+                .map_or_else(|| "none".to_owned(), ToString::to_string),
             self.msg_id.as_deref().unwrap_or("none"),
             self.ordering_key.as_deref().unwrap_or("none"),
         ))
@@ -233,10 +249,6 @@ pub async fn read_tail(
     Ok(tail)
 }
 
-/// The outcome of checking a stored position's row against the table (S4): `Err` says what
-/// was found instead (no such row, other keys).
-pub type Verdict = Result<(), String>;
-
 /// One line of a timeline history file (`parent_tli switchpoint reason`): the history of
 /// the current timeline left `timeline` at `switch_point`. WAL of `timeline` below the switch
 /// point is part of the current history; from the switch point on, the current history
@@ -304,35 +316,56 @@ fn other_timeline(theirs: &str, ours: &str) -> Option<u32> {
         .then_some(their_timeline)
 }
 
+/// The history a session's events belong to (S1, S5): its `Outbox-Source` and the history of
+/// the server's current timeline.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lineage {
+    /// The session's `Outbox-Source`.
+    pub source: String,
+    /// The history of the server's current timeline (S5): empty on timeline 1.
+    pub history: Vec<Switch>,
+}
+
+impl Lineage {
+    /// Whether a message from `theirs` at `position` is of this history (S1's source, S5's
+    /// switch point; the WAL end is the caller's): `Err` says why not.
+    pub fn owns(&self, theirs: Option<&str>, position: Position) -> Result<(), Distrust> {
+        if theirs == Some(self.source.as_str()) {
+            return Ok(());
+        }
+        let ancestor = theirs.and_then(|theirs| {
+            let timeline = other_timeline(theirs, &self.source)?;
+            let switch = self.history.iter().find(|s| s.timeline == timeline)?;
+            Some((theirs, switch.switch_point))
+        });
+        match ancestor {
+            // S5: the commit record starts before the switch point, so the current history
+            // holds it unchanged.
+            Some((_, switch_point)) if position.commit_lsn < switch_point => Ok(()),
+            Some((theirs, switch_point)) => Err(Distrust::PastSwitchPoint {
+                theirs: theirs.to_owned(),
+                commit_lsn: position.commit_lsn,
+                switch_point,
+            }),
+            None => Err(Distrust::OtherSource {
+                theirs: theirs.map(str::to_owned),
+            }),
+        }
+    }
+}
+
 /// What the session is, for [`plan`].
 #[derive(Debug, Clone)]
 pub struct Session<'a> {
-    /// Its `Outbox-Source`.
-    pub source: &'a str,
+    /// Its history (S1, S5).
+    pub lineage: &'a Lineage,
     /// The server's WAL end when the session started (`IDENTIFY_SYSTEM`).
     pub wal_end: Lsn,
-    /// The history of the server's current timeline (S5): empty on timeline 1.
-    pub history: &'a [Switch],
-    /// What earlier sessions of this process saw acknowledged from `source`, with its
-    /// row's check against the table.
-    pub acknowledged: Option<(Position, Verdict)>,
-    /// The tail's row checked against the table ([`Claim::check`]); consulted only for a
-    /// tail of the session's own history (S1, S5).
-    pub tail_check: Verdict,
     /// Strict mode (the relay is the stream's only writer).
     pub strict: bool,
 }
 
-/// Which stored position a [`Distrust`] is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stored {
-    /// The stream's last message.
-    Tail,
-    /// What an earlier session of this process saw acknowledged.
-    Acknowledged,
-}
-
-/// Why a stored position was not used to skip (S1, S2).
+/// Why the stream's tail gives no position to compare replayed events up to (S1, S5).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Distrust {
     /// The last message could not be read (purged, aged out).
@@ -351,14 +384,12 @@ pub enum Distrust {
     /// The position's commit LSN lies at or beyond the server's WAL end: not this server's
     /// history (a restored-older database, or a message the relay did not write).
     BeyondWalEnd {
-        /// Which position.
-        stored: Stored,
         /// Its commit LSN.
         commit_lsn: Lsn,
     },
     /// The position is of an ancestor timeline of the session's (S5), at or past the switch
-    /// point where the current history left it: WAL the promoted server never had, whose
-    /// LSNs the new timeline reuses for other commits.
+    /// point where the current history left it: WAL the old primary wrote that the promoted
+    /// server never received, whose LSNs the new timeline reuses for other commits.
     PastSwitchPoint {
         /// The tail's `Outbox-Source`.
         theirs: String,
@@ -367,15 +398,6 @@ pub enum Distrust {
         /// Where the current history left the tail's timeline.
         switch_point: Lsn,
     },
-    /// The row the position was stored for is not in the table as it was published (S4): a
-    /// database restored from a backup and written past the old tail, or a message the
-    /// relay did not write.
-    NotTheRow {
-        /// Which position.
-        stored: Stored,
-        /// What the check found.
-        why: String,
-    },
 }
 
 /// A session's resume plan.
@@ -383,46 +405,34 @@ pub enum Distrust {
 pub struct Resume {
     /// Strict mode: the stream's last sequence, where the fence starts (S3).
     pub fence: Option<u64>,
-    /// Events at or before this position are stored already: skip them (P6).
-    pub skip_through: Option<Position>,
-    /// Stored positions not used, and why (to be reported by the caller).
+    /// Replayed events at or before this position are compared with the stream's messages
+    /// (S4): each the stream holds at its place is skipped (P6).
+    pub compare_through: Option<Position>,
+    /// Why the tail gave no such position (to be reported by the caller).
     pub distrust: Vec<Distrust>,
 }
 
-/// The resume plan for `session` given `tail` (S1–S5). Shared mode skips nothing and fences
-/// nothing.
+/// The resume plan for `session` given `tail` (S1, S3, S5). Shared mode compares nothing and
+/// fences nothing.
 pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
     let mut resume = Resume {
         fence: session.strict.then_some(tail.last_sequence),
-        skip_through: None,
+        compare_through: None,
         distrust: Vec::new(),
     };
     if !session.strict {
         return resume;
     }
-    let from_tail = tail_position(tail, session).unwrap_or_else(|why| {
-        resume.distrust.push(why);
-        None
-    });
-    let acknowledged = session
-        .acknowledged
-        .as_ref()
-        .map(|(position, check)| (Stored::Acknowledged, *position, check));
-    // Skip through the further of the two (P6).
-    resume.skip_through = [from_tail, acknowledged]
-        .into_iter()
-        .flatten()
-        .filter_map(|candidate| trusted(candidate, session.wal_end, &mut resume.distrust))
-        .max();
+    match tail_position(tail, session) {
+        Ok(position) => resume.compare_through = position,
+        Err(why) => resume.distrust.push(why),
+    }
     resume
 }
 
-/// The tail's position with its row's check, if it is of this session's source (S1) or of
-/// an ancestor timeline's before the switch point (S5); `Ok(None)` for an empty stream.
-fn tail_position<'s>(
-    tail: &Tail,
-    session: &'s Session<'_>,
-) -> Result<Option<(Stored, Position, &'s Verdict)>, Distrust> {
+/// The tail's position, if it is of this session's history (S1, S5) below the WAL end;
+/// `Ok(None)` for an empty stream.
+fn tail_position(tail: &Tail, session: &Session<'_>) -> Result<Option<Position>, Distrust> {
     let (position, source) = match &tail.last {
         None => return Ok(None),
         Some(Err(error)) => {
@@ -435,55 +445,66 @@ fn tail_position<'s>(
             position: Some(position),
             source,
             ..
-        })) => (position, source),
+        })) => (*position, source),
     };
-    let ancestor = source.as_deref().and_then(|theirs| {
-        let timeline = other_timeline(theirs, session.source)?;
-        let switch = session.history.iter().find(|s| s.timeline == timeline)?;
-        Some((theirs, switch.switch_point))
-    });
-    match ancestor {
-        _ if source.as_deref() == Some(session.source) => {
-            Ok(Some((Stored::Tail, *position, &session.tail_check)))
-        }
-        // S5: the commit record starts before the switch point, so the current history holds
-        // it unchanged.
-        Some((_, switch_point)) if position.commit_lsn < switch_point => {
-            Ok(Some((Stored::Tail, *position, &session.tail_check)))
-        }
-        Some((theirs, switch_point)) => Err(Distrust::PastSwitchPoint {
-            theirs: theirs.to_owned(),
+    session.lineage.owns(source.as_deref(), position)?;
+    if position.commit_lsn >= session.wal_end {
+        return Err(Distrust::BeyondWalEnd {
             commit_lsn: position.commit_lsn,
-            switch_point,
-        }),
-        None => Err(Distrust::OtherSource {
-            theirs: source.clone(),
-        }),
+        });
     }
+    Ok(Some(position))
 }
 
-/// A stored position to skip through, only below the WAL end (S1, S2) and only once its row
-/// checked out (S4); otherwise why not, pushed to `distrust`.
-fn trusted(
-    (stored, position, check): (Stored, Position, &Verdict),
-    wal_end: Lsn,
-    distrust: &mut Vec<Distrust>,
-) -> Option<Position> {
-    if position.commit_lsn >= wal_end {
-        distrust.push(Distrust::BeyondWalEnd {
-            stored,
-            commit_lsn: position.commit_lsn,
-        });
-        None
-    } else if let Err(why) = check {
-        distrust.push(Distrust::NotTheRow {
-            stored,
-            why: why.clone(),
-        });
-        None
-    } else {
-        Some(position)
+/// S4: whether `mark`, the stream's message at the place of replayed `event` in the run, is
+/// that event: its position, a source of `lineage` (S1, S5), its `Outbox-Id`, `Nats-Msg-Id`
+/// and ordering key (of the event, or of its dead-letter record). `Err` says what differs.
+pub fn vouch(mark: &Mark, event: &OutboxEvent, lineage: &Lineage) -> Result<(), String> {
+    if mark.position != Some(event.position) {
+        return Err(format!(
+            "it is at {}, the replayed event (outbox id {}) at {}",
+            mark.position
+                .map_or_else(|| "no outbox position".to_owned(), place),
+            event.id,
+            place(event.position)
+        ));
     }
+    lineage
+        .owns(mark.source.as_deref(), event.position)
+        .map_err(|why| format!("its source is not this history's: {why:?}"))?;
+    mark.claim.check(event)
+}
+
+/// A position as the log says it.
+fn place(position: Position) -> String {
+    format!(
+        "commit LSN {}, index {}",
+        position.commit_lsn, position.index
+    )
+}
+
+/// S4: whether the walk back from the tail goes on past `mark` (read at a sequence, or why
+/// not), the message before `later` (the position of the message after it, none for the
+/// tail): a message of `lineage` at or after `first`, the first replayed event's position,
+/// and not after `later` (the run is in commit order). The run starts after the first message
+/// the walk does not go past.
+pub fn walks_past(
+    mark: &Result<Mark, String>,
+    first: Position,
+    later: Option<Position>,
+    lineage: &Lineage,
+) -> bool {
+    let Ok(Mark {
+        position: Some(position),
+        source,
+        ..
+    }) = mark
+    else {
+        return false;
+    };
+    *position >= first
+        && later.is_none_or(|later| *position < later)
+        && lineage.owns(source.as_deref(), *position).is_ok()
 }
 
 #[cfg(test)]
@@ -509,50 +530,48 @@ mod tests {
         }
     }
 
-    fn ours(position: Position) -> Option<Result<Mark, String>> {
-        Some(Ok(Mark {
+    fn mark(source: &str, position: Position) -> Mark {
+        Mark {
             position: Some(position),
-            source: Some(SOURCE.to_owned()),
+            source: Some(source.to_owned()),
             claim: Claim::default(),
-        }))
+        }
     }
 
-    fn session(acknowledged: Option<Position>) -> Session<'static> {
+    fn ours(position: Position) -> Option<Result<Mark, String>> {
+        Some(Ok(mark(SOURCE, position)))
+    }
+
+    fn lineage(source: &str, history: Vec<Switch>) -> Lineage {
+        Lineage {
+            source: source.to_owned(),
+            history,
+        }
+    }
+
+    fn session(lineage: &Lineage) -> Session<'_> {
         Session {
-            source: SOURCE,
+            lineage,
             wal_end: Lsn(1_000),
-            history: &[],
-            acknowledged: acknowledged.map(|position| (position, Ok(()))),
-            tail_check: Ok(()),
             strict: true,
         }
     }
 
     #[test]
-    fn a_tail_of_our_own_history_is_skipped_through_and_the_fence_starts_at_it() {
-        let resume = plan(&tail(ours(at(500, 3))), &session(None));
+    fn a_tail_of_our_own_history_is_compared_through_and_the_fence_starts_at_it() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let resume = plan(&tail(ours(at(500, 3))), &session(&ours_only));
         assert_eq!(resume.fence, Some(42));
-        assert_eq!(resume.skip_through, Some(at(500, 3)));
+        assert_eq!(resume.compare_through, Some(at(500, 3)));
         assert!(resume.distrust.is_empty());
     }
 
     #[test]
-    fn the_further_of_tail_and_acknowledged_is_skipped_through() {
-        let resume = plan(&tail(ours(at(500, 3))), &session(Some(at(600, 0))));
-        assert_eq!(resume.skip_through, Some(at(600, 0)));
-        let resume = plan(&tail(ours(at(500, 3))), &session(Some(at(400, 9))));
-        assert_eq!(resume.skip_through, Some(at(500, 3)));
-    }
-
-    #[test]
     fn a_tail_of_another_source_or_timeline_is_not_used() {
-        let other = Some(Ok(Mark {
-            position: Some(at(500, 3)),
-            source: Some("7301/2/app/slot".to_owned()),
-            claim: Claim::default(),
-        }));
-        let resume = plan(&tail(other), &session(None));
-        assert_eq!(resume.skip_through, None);
+        let ours_only = lineage(SOURCE, vec![]);
+        let other = Some(Ok(mark("7301/2/app/slot", at(500, 3))));
+        let resume = plan(&tail(other), &session(&ours_only));
+        assert_eq!(resume.compare_through, None);
         assert_eq!(
             resume.fence,
             Some(42),
@@ -567,90 +586,34 @@ mod tests {
     }
 
     #[test]
-    fn positions_at_or_beyond_the_wal_end_are_not_used() {
-        let resume = plan(&tail(ours(at(1_000, 0))), &session(Some(at(2_000, 0))));
-        assert_eq!(resume.skip_through, None);
+    fn a_position_at_or_beyond_the_wal_end_is_not_used() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let resume = plan(&tail(ours(at(1_000, 0))), &session(&ours_only));
+        assert_eq!(resume.compare_through, None);
         assert_eq!(
             resume.distrust,
-            vec![
-                Distrust::BeyondWalEnd {
-                    stored: Stored::Tail,
-                    commit_lsn: Lsn(1_000)
-                },
-                Distrust::BeyondWalEnd {
-                    stored: Stored::Acknowledged,
-                    commit_lsn: Lsn(2_000)
-                },
-            ]
+            vec![Distrust::BeyondWalEnd {
+                commit_lsn: Lsn(1_000)
+            }]
         );
     }
 
     #[test]
-    fn an_unreadable_or_unpositioned_tail_is_reported_and_acknowledged_still_counts() {
+    fn an_unreadable_or_unpositioned_tail_is_reported() {
+        let ours_only = lineage(SOURCE, vec![]);
         let resume = plan(
             &tail(Some(Err("no message found".into()))),
-            &session(Some(at(7, 1))),
+            &session(&ours_only),
         );
-        assert_eq!(resume.skip_through, Some(at(7, 1)));
+        assert_eq!(resume.compare_through, None);
         assert_eq!(
             resume.distrust,
             vec![Distrust::Unreadable {
                 error: "no message found".into()
             }]
         );
-        let resume = plan(&tail(Some(Ok(Mark::default()))), &session(None));
+        let resume = plan(&tail(Some(Ok(Mark::default()))), &session(&ours_only));
         assert_eq!(resume.distrust, vec![Distrust::NoPosition]);
-    }
-
-    /// S4: a database restored from a backup and written past the old tail has the same
-    /// source and a WAL end past the tail; only the rows tell the histories apart.
-    #[test]
-    fn a_position_whose_row_does_not_check_out_is_not_used() {
-        let mut restored = session(Some(at(600, 0)));
-        restored.tail_check = Err("no row with outbox id 300".into());
-        restored.acknowledged = Some((at(600, 0), Err("no row with outbox id 310".into())));
-        let resume = plan(&tail(ours(at(500, 3))), &restored);
-        assert_eq!(resume.skip_through, None);
-        assert_eq!(
-            resume.fence,
-            Some(42),
-            "the fence never depends on the tail"
-        );
-        assert_eq!(
-            resume.distrust,
-            vec![
-                Distrust::NotTheRow {
-                    stored: Stored::Tail,
-                    why: "no row with outbox id 300".into()
-                },
-                Distrust::NotTheRow {
-                    stored: Stored::Acknowledged,
-                    why: "no row with outbox id 310".into()
-                },
-            ]
-        );
-        // One that checks out still counts.
-        restored.acknowledged = Some((at(400, 1), Ok(())));
-        let resume = plan(&tail(ours(at(500, 3))), &restored);
-        assert_eq!(resume.skip_through, Some(at(400, 1)));
-    }
-
-    /// The row check is only for a tail the session could use: another source's tail is
-    /// reported as such whatever the check says.
-    #[test]
-    fn the_source_is_judged_before_the_row() {
-        let mut unchecked = session(None);
-        unchecked.tail_check = Err("not checked".into());
-        let other = Some(Ok(Mark {
-            position: Some(at(500, 3)),
-            source: None,
-            claim: Claim::default(),
-        }));
-        let resume = plan(&tail(other), &unchecked);
-        assert_eq!(
-            resume.distrust,
-            vec![Distrust::OtherSource { theirs: None }]
-        );
     }
 
     /// Timeline 4 of cluster 7301: timeline 1 until 100, 2 until 300, 3 until 600.
@@ -659,20 +622,8 @@ mod tests {
                             2\t0/12C\tbefore 2026-12-01 10:00:00+00\n\
                             3\t0/258\tno recovery target specified\n";
 
-    fn on_timeline_4(history: &[Switch]) -> Session<'_> {
-        Session {
-            source: "7301/4/app/slot",
-            history,
-            ..session(None)
-        }
-    }
-
     fn from(source: &str, position: Position) -> Tail {
-        tail(Some(Ok(Mark {
-            position: Some(position),
-            source: Some(source.to_owned()),
-            claim: Claim::default(),
-        })))
+        tail(Some(Ok(mark(source, position))))
     }
 
     #[test]
@@ -709,19 +660,22 @@ mod tests {
     }
 
     /// S5: each ancestor's positions count below where the current history left it, and
-    /// never at or past it; the row check still applies.
+    /// never at or past it.
     #[test]
     fn an_ancestor_timeline_is_trusted_only_below_its_switch_point() {
-        let history = parse_timeline_history(HISTORY4).unwrap();
-        let session = on_timeline_4(&history);
+        let timeline_4 = lineage("7301/4/app/slot", parse_timeline_history(HISTORY4).unwrap());
+        let session = session(&timeline_4);
         for (timeline, switch_point) in [(1, 100), (2, 300), (3, 600)] {
             let theirs = format!("7301/{timeline}/app/slot");
             let below = plan(&from(&theirs, at(switch_point - 1, 7)), &session);
-            assert_eq!(below.skip_through, Some(at(switch_point - 1, 7)));
+            assert_eq!(below.compare_through, Some(at(switch_point - 1, 7)));
             assert!(below.distrust.is_empty(), "{:?}", below.distrust);
             for past in [switch_point, switch_point + 1, 900] {
                 let resume = plan(&from(&theirs, at(past, 0)), &session);
-                assert_eq!(resume.skip_through, None, "timeline {timeline} at {past}");
+                assert_eq!(
+                    resume.compare_through, None,
+                    "timeline {timeline} at {past}"
+                );
                 assert_eq!(
                     resume.distrust,
                     vec![Distrust::PastSwitchPoint {
@@ -732,27 +686,13 @@ mod tests {
                 );
             }
         }
-        // Below the switch point, S4 still decides.
-        let unchecked = Session {
-            tail_check: Err("no row with outbox id 3".into()),
-            ..on_timeline_4(&history)
-        };
-        let resume = plan(&from("7301/2/app/slot", at(200, 0)), &unchecked);
-        assert_eq!(resume.skip_through, None);
-        assert_eq!(
-            resume.distrust,
-            vec![Distrust::NotTheRow {
-                stored: Stored::Tail,
-                why: "no row with outbox id 3".into()
-            }]
-        );
     }
 
     /// S5 admits only ancestors of the same cluster, database and slot.
     #[test]
     fn a_timeline_outside_the_history_or_another_database_is_another_source() {
-        let history = parse_timeline_history(HISTORY4).unwrap();
-        let session = on_timeline_4(&history);
+        let timeline_4 = lineage("7301/4/app/slot", parse_timeline_history(HISTORY4).unwrap());
+        let session = session(&timeline_4);
         for theirs in [
             // A sibling: timeline 5 branched off elsewhere.
             "7301/5/app/slot",
@@ -763,7 +703,7 @@ mod tests {
             "garbage",
         ] {
             let resume = plan(&from(theirs, at(50, 0)), &session);
-            assert_eq!(resume.skip_through, None, "{theirs}");
+            assert_eq!(resume.compare_through, None, "{theirs}");
             assert_eq!(
                 resume.distrust,
                 vec![Distrust::OtherSource {
@@ -772,14 +712,28 @@ mod tests {
             );
         }
         // Without a history (timeline 1, or none read), no ancestor is trusted.
-        let resume = plan(&from("7301/3/app/slot", at(50, 0)), &on_timeline_4(&[]));
-        assert_eq!(resume.skip_through, None);
+        let no_history = lineage("7301/4/app/slot", vec![]);
+        let resume = plan(
+            &from("7301/3/app/slot", at(50, 0)),
+            &self::session(&no_history),
+        );
+        assert_eq!(resume.compare_through, None);
         // The session's own timeline is S1's, whatever the history says.
         let resume = plan(&from("7301/4/app/slot", at(900, 0)), &session);
-        assert_eq!(resume.skip_through, Some(at(900, 0)));
+        assert_eq!(resume.compare_through, Some(at(900, 0)));
     }
 
     fn event(id: i64, entity_id: &str, event_type: &str, created_at_ms: i64) -> OutboxEvent {
+        event_at(id, entity_id, event_type, created_at_ms, at(500, 0))
+    }
+
+    fn event_at(
+        id: i64,
+        entity_id: &str,
+        event_type: &str,
+        created_at_ms: i64,
+        position: Position,
+    ) -> OutboxEvent {
         outbox::OutboxRow::seed(
             id,
             entity_id,
@@ -787,7 +741,7 @@ mod tests {
             bytes::Bytes::from_static(b"{}"),
             created_at_ms,
         )
-        .into_event("outbox", std::num::NonZeroU64::new(8).unwrap(), at(500, 0))
+        .into_event("outbox", std::num::NonZeroU64::new(8).unwrap(), position)
     }
 
     fn claim_of(event: &OutboxEvent) -> Claim {
@@ -796,6 +750,15 @@ mod tests {
             msg_id: Some(crate::message::msg_id(event)),
             ordering_key: Some(event.keys.ordering_key.clone()),
             dead_letter: false,
+        }
+    }
+
+    /// What the relay wrote for `event` from `source`.
+    fn written(event: &OutboxEvent, source: &str) -> Mark {
+        Mark {
+            position: Some(event.position),
+            source: Some(source.to_owned()),
+            claim: claim_of(event),
         }
     }
 
@@ -839,23 +802,120 @@ mod tests {
         assert!(!forged.is_row(&EventId::Int(300), 1_700_000_000_123));
     }
 
+    /// S4: a replayed event is vouched for by the message the relay wrote for it, whatever
+    /// the table now holds (the row may be gone), and by nothing else.
     #[test]
-    fn an_empty_stream_skips_nothing_and_says_nothing() {
-        let resume = plan(&tail(None), &session(None));
-        assert_eq!(resume.skip_through, None);
+    fn a_replayed_event_is_vouched_for_only_by_its_own_message() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let row = event_at(
+            300,
+            "order-1",
+            "order.created",
+            1_700_000_000_123,
+            at(500, 2),
+        );
+        assert_eq!(vouch(&written(&row, SOURCE), &row, &ours_only), Ok(()));
+        // Its dead-letter record takes its place.
+        let record = Mark {
+            claim: Claim {
+                msg_id: Some(crate::message::dead_letter_msg_id(&row)),
+                dead_letter: true,
+                ..claim_of(&row)
+            },
+            ..written(&row, SOURCE)
+        };
+        assert_eq!(vouch(&record, &row, &ours_only), Ok(()));
+
+        // A restored database written past the old tail: the same id and position, another
+        // row (another time).
+        let restored = event_at(
+            300,
+            "order-1",
+            "order.created",
+            1_700_000_099_000,
+            at(500, 2),
+        );
+        let why = vouch(&written(&row, SOURCE), &restored, &ours_only).unwrap_err();
+        assert!(why.contains("ordering key"), "{why}");
+        // Another position.
+        let moved = event_at(
+            300,
+            "order-1",
+            "order.created",
+            1_700_000_000_123,
+            at(500, 3),
+        );
+        let why = vouch(&written(&row, SOURCE), &moved, &ours_only).unwrap_err();
+        assert!(why.contains("commit LSN 0/1F4, index 2"), "{why}");
+        // Another source.
+        let why = vouch(&written(&row, "7301/2/app/slot"), &row, &ours_only).unwrap_err();
+        assert!(why.contains("source"), "{why}");
+        // A forged message without a row identity.
+        let forged = Mark {
+            claim: Claim {
+                msg_id: Some(crate::message::msg_id(&row)),
+                ..Claim::default()
+            },
+            ..written(&row, SOURCE)
+        };
+        assert!(vouch(&forged, &row, &ours_only).is_err());
+        // S5: an ancestor's message below the switch point vouches, past it not.
+        let timeline_2 = lineage(
+            "7301/2/app/slot",
+            parse_timeline_history("1\t0/258\tr\n").unwrap(),
+        );
+        assert_eq!(vouch(&written(&row, SOURCE), &row, &timeline_2), Ok(()));
+        let past = event_at(
+            300,
+            "order-1",
+            "order.created",
+            1_700_000_000_123,
+            at(700, 2),
+        );
+        assert!(vouch(&written(&past, SOURCE), &past, &timeline_2).is_err());
+    }
+
+    /// S4: the walk back from the tail goes past messages of this history at or after the
+    /// first replayed event, in commit order, and stops at anything else.
+    #[test]
+    fn the_walk_back_stops_at_the_first_message_outside_the_run() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let first = at(500, 0);
+        let walks = |mark: Result<Mark, String>, later: Option<Position>| {
+            walks_past(&mark, first, later, &ours_only)
+        };
+        assert!(walks(Ok(mark(SOURCE, at(500, 0))), None));
+        assert!(walks(Ok(mark(SOURCE, at(600, 1))), Some(at(700, 0))));
+        // Before the first replayed event: confirmed before the session.
+        assert!(!walks(Ok(mark(SOURCE, at(499, 9))), Some(at(700, 0))));
+        // Not in commit order: a lost history's message before the new history's run.
+        assert!(!walks(Ok(mark(SOURCE, at(900, 0))), Some(at(700, 0))));
+        assert!(!walks(Ok(mark(SOURCE, at(700, 0))), Some(at(700, 0))));
+        // Another source, no position, a message that cannot be read.
+        assert!(!walks(Ok(mark("7301/2/app/slot", at(600, 0))), None));
+        assert!(!walks(Ok(Mark::default()), None));
+        assert!(!walks(Err("no message found".into()), None));
+    }
+
+    #[test]
+    fn an_empty_stream_compares_nothing_and_says_nothing() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let resume = plan(&tail(None), &session(&ours_only));
+        assert_eq!(resume.compare_through, None);
         assert!(resume.distrust.is_empty());
     }
 
     #[test]
-    fn shared_mode_neither_skips_nor_fences() {
-        let mut shared = session(Some(at(7, 1)));
+    fn shared_mode_neither_compares_nor_fences() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let mut shared = session(&ours_only);
         shared.strict = false;
         let resume = plan(&tail(ours(at(500, 3))), &shared);
         assert_eq!(
             resume,
             Resume {
                 fence: None,
-                skip_through: None,
+                compare_through: None,
                 distrust: vec![]
             }
         );

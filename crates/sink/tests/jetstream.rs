@@ -455,7 +455,7 @@ fn options(fence: Option<u64>, ack_timeout: std::time::Duration) -> sink::SinkOp
     sink::SinkOptions {
         max_in_flight: 16,
         fence,
-        resume_after: None,
+        compare: None,
         limits: sink::Limits {
             max_message_bytes: 1024 * 1024,
             max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,

@@ -53,7 +53,6 @@ pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -
 pub(crate) fn sink_options(
     config: &Config,
     fence: Option<u64>,
-    resume_after: Option<outbox::Position>,
     max_message_bytes: usize,
     source: String,
     replicas: usize,
@@ -61,7 +60,7 @@ pub(crate) fn sink_options(
     SinkOptions {
         max_in_flight: config.max_in_flight,
         fence,
-        resume_after,
+        compare: None,
         limits: sink::Limits {
             max_message_bytes,
             max_control_line: sink::DEFAULT_MAX_CONTROL_LINE,

@@ -417,17 +417,10 @@ impl Metrics {
                     switch_point = %switch_point, metric = TAIL_REJECTED_NAME,
                     "the stream's last message was published from an earlier timeline at or past the point where this server's history left it (WAL the old primary wrote that the promoted server never received); not skipping by it: {FALLBACK}. Check with `outbox-relay verify` (docs/guarantees.md)");
             }
-            Distrust::BeyondWalEnd { stored, commit_lsn } => {
+            Distrust::BeyondWalEnd { commit_lsn } => {
                 self.counters.tail_rejected.inc();
-                let what = stored_what(*stored);
                 warn!(commit_lsn = %commit_lsn, metric = TAIL_REJECTED_NAME,
-                    "{what} claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
-            }
-            Distrust::NotTheRow { stored, why } => {
-                self.counters.tail_rejected.inc();
-                let what = stored_what(*stored);
-                warn!(last_sequence, reason = %why, metric = TAIL_REJECTED_NAME,
-                    "{what} is not the row the table holds under its outbox id (a database restored from a backup and written since, or a message not written by this relay); not skipping by it: {FALLBACK}. After a restore, check with `outbox-relay verify` (docs/guarantees.md)");
+                    "the stream's last message claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
             }
         }
     }
@@ -538,14 +531,6 @@ impl Metrics {
 
 /// The `Content-Type` of [`Metrics::render`].
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
-
-/// Which stored position a log line is about.
-fn stored_what(stored: sink::resume::Stored) -> &'static str {
-    match stored {
-        sink::resume::Stored::Tail => "the stream's last message",
-        sink::resume::Stored::Acknowledged => "what an earlier session acknowledged",
-    }
-}
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)

@@ -408,7 +408,6 @@ async fn publish_snapshot(
     let options = crate::connect::sink_options(
         config,
         (!config.shared_stream).then_some(tail.last_sequence),
-        None,
         crate::connect::max_message_bytes(&tail, max_payload),
         source,
         tail.replicas,

@@ -351,6 +351,8 @@ struct Prepared {
     tail: sink::resume::Tail,
     resume: sink::resume::Resume,
     source: String,
+    /// The session's history (`sink::resume` S1, S5).
+    lineage: sink::resume::Lineage,
     max_message_bytes: usize,
     /// `--fast-ingest`'s batch limit, when this session publishes fast batches (X3).
     fast: Option<usize>,
@@ -437,15 +439,16 @@ async fn prepare(
     let source = source(&system, config);
     // S5: positions of an ancestor timeline count below where this timeline's history left it.
     let history = timeline_history(&mut connection, system.timeline).await?;
+    let lineage = sink::resume::Lineage {
+        source: source.clone(),
+        history,
+    };
     let session = sink::resume::Session {
-        source: &source,
+        lineage: &lineage,
         wal_end: system.xlogpos,
-        history: &history,
-        acknowledged: None,
-        tail_check: Ok(()),
         strict: !config.shared_stream,
     };
-    let (tail, resume) = plan_resume(config, metrics, lease, &jetstream, session).await?;
+    let (tail, resume) = plan_resume(config, metrics, &jetstream, session).await?;
     let max_message_bytes = max_message_bytes(&tail, max_payload);
     let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
         .await
@@ -459,6 +462,7 @@ async fn prepare(
         tail,
         resume,
         source,
+        lineage,
         max_message_bytes,
         fast,
         publishing,
@@ -497,43 +501,24 @@ async fn check_postgres(
     Ok(slot)
 }
 
-/// The stream's tail and the resume plan for `session` (its `acknowledged` and
-/// `tail_check` filled in here), each distrust of the tail recorded.
+/// The stream's tail and the resume plan for `session`, each distrust of the tail recorded.
+/// Nothing is checked against the table (`sink::resume` S2): the replay itself is compared
+/// with the stream (S4).
 async fn plan_resume(
     config: &Config,
     metrics: &Metrics,
-    lease: &Lease,
     jetstream: &jetstream::Context,
-    mut session: sink::resume::Session<'_>,
+    session: sink::resume::Session<'_>,
 ) -> Result<(sink::resume::Tail, sink::resume::Resume)> {
-    let source = session.source;
     let tail = sink::resume::read_tail(jetstream, &config.stream, !config.shared_stream)
         .await
         .map_err(|e| RelayError::transient(anyhow::Error::new(e)).at(Target::Nats))?;
-    // P6, I6: what is stored already, by positions of this session's own history only,
-    // whose rows check out against the table (sink::resume S4, crate::process::stored).
-    let strict = !config.shared_stream;
-    let tail_check = if strict {
-        crate::process::stored::check_tail(lease.client(), config, &tail).await?
-    } else {
-        Ok(())
-    };
-    let acknowledged = match metrics.sink().stored_through(source) {
-        Some(acknowledged) if strict => Some((
-            acknowledged.position,
-            crate::process::stored::check_acknowledged(lease.client(), config, &acknowledged)
-                .await?,
-        )),
-        _ => None,
-    };
-    session.acknowledged = acknowledged;
-    session.tail_check = tail_check;
     let resume = sink::resume::plan(&tail, &session);
     for why in &resume.distrust {
         metrics.record(Event::TailDistrusted {
             why,
             last_sequence: tail.last_sequence,
-            source,
+            source: &session.lineage.source,
         });
     }
     Ok((tail, resume))
@@ -594,7 +579,7 @@ async fn stream_events(
         stream = %config.stream,
         mode = if config.shared_stream { "shared" } else { "strict" },
         last_sequence = prepared.tail.last_sequence,
-        skip_through = ?prepared.resume.skip_through,
+        compare_through = ?prepared.resume.compare_through,
         "streaming outbox events"
     );
     let (reader, sink) = start(config, metrics, prepared, identity.vouched());
@@ -633,7 +618,6 @@ fn start(
     let mut options = sink_options(
         config,
         prepared.resume.fence,
-        prepared.resume.skip_through,
         prepared.max_message_bytes,
         prepared.source,
         prepared.tail.replicas,
@@ -645,6 +629,16 @@ fn start(
         .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
     // --fast-ingest, where the server and the stream allow it (X3).
     options.fast = prepared.fast;
+    // P6: replayed events at or before the tail's position are compared with the stream.
+    options.compare = prepared
+        .resume
+        .compare_through
+        .map(|through| sink::vouch::Compare {
+            stream: config.stream.clone(),
+            through,
+            last_sequence: prepared.tail.last_sequence,
+            lineage: prepared.lineage,
+        });
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,

@@ -1,21 +1,11 @@
-//! Checking what the stream says is stored against the table, before a session skips by it
-//! (`sink::resume` S4).
-//!
-//! A session skips replayed events at or before the stream's last message, or before what
-//! an earlier session of the process saw acknowledged. Both are read back from outside: a
-//! database restored from a backup and then written past the old tail has the same
-//! `Outbox-Source` and a WAL end past the tail, and anyone with publish permission on the
-//! stream's subjects can write a message that looks like the relay's. So each is checked
-//! against the row it claims to be.
+//! Reading outbox rows as the relay reads them, for the tools that compare the table with the
+//! stream (verify, replay, backfill, marking, retention). Streaming reads no row: a session
+//! resumes by comparing its replay with the stream, never with the table (`sink::resume` S2,
+//! S4), since outbox tables are emptied by design.
 //!
 //! # Invariants
-//! - V1 A stored position is vouched for only when the row with its `Outbox-Id` exists in the
-//!   table and yields the same `Nats-Msg-Id` and ordering key (for the tail,
-//!   `sink::resume::Claim::check`), or the same ordering key (for what was acknowledged: the
-//!   acker keeps the id and `created_at`, and the ack itself matched the `Nats-Msg-Id`).
 //! - V2 A row that cannot be read as the relay would read it (a NULL key column, an
-//!   infinite `created_at`) vouches for nothing. A query that fails ends the session
-//!   (transient): a check that did not run never vouches.
+//!   infinite `created_at`) yields no event ([`RowReader::event`]).
 //! - V3 Rows read in id order ([`RowReader::order_by`]) come in one stable order for every
 //!   id kind: integers and uuids by value, text ids by their bytes (`COLLATE "C"`), which is
 //!   the order `outbox::EventId`'s `Ord` gives the same ids (a uuid's lower-case text sorts
@@ -23,47 +13,10 @@
 
 use bytes::Bytes;
 use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, Position};
-use sink::resume::{Tail, Verdict};
-use sink::Acknowledged;
 use tokio_postgres::Client;
 
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result};
-
-/// The tail's check (V1): `Ok` also when there is nothing to check (no tail, or one without
-/// a claimed row: `sink::resume::plan` distrusts those for what they lack).
-pub async fn check_tail(client: &Client, config: &Config, tail: &Tail) -> Result<Verdict> {
-    let Some(Ok(mark)) = &tail.last else {
-        return Ok(Ok(()));
-    };
-    let (Some(id), Some(position)) = (&mark.claim.id, mark.position) else {
-        return Ok(Err("the message carries no Outbox-Id".into()));
-    };
-    Ok(match read_row(client, config, id, position).await? {
-        Ok(event) => mark.claim.check(&event),
-        Err(why) => Err(why),
-    })
-}
-
-/// The check of what an earlier session of this process saw acknowledged (V1).
-pub async fn check_acknowledged(
-    client: &Client,
-    config: &Config,
-    acknowledged: &Acknowledged,
-) -> Result<Verdict> {
-    let id = &acknowledged.id;
-    Ok(
-        match read_row(client, config, id, acknowledged.position).await? {
-            Ok(event) if event.created_at_ms == acknowledged.created_at_ms => Ok(()),
-            Ok(event) => Err(format!(
-                "outbox id {id} in the table gives ordering key {}, the event acknowledged had {}",
-                event.keys.ordering_key,
-                id.ordering_key(acknowledged.created_at_ms)
-            )),
-            Err(why) => Err(why),
-        },
-    )
-}
 
 /// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
 /// (`bytea` as its hex output, which the control session pins), through the builder
@@ -236,44 +189,6 @@ pub async fn id_in_text_array(client: &Client, config: &Config) -> anyhow::Resul
         "{} = ANY($1::text[]::{type_name}[])",
         replication::quote_identifier(id)
     ))
-}
-
-/// The row with `id` as the relay reads it (V2), as the event it yields at `position`, or
-/// why there is none to check against.
-async fn read_row(
-    client: &Client,
-    config: &Config,
-    id: &EventId,
-    position: Position,
-) -> Result<std::result::Result<OutboxEvent, String>> {
-    let table = table_sql(&config.table);
-    let columns = crate::process::bootstrap::check_table(client, config).await?;
-    let reader = RowReader::new(config, columns);
-    let sql = format!(
-        "SELECT {} FROM {table} WHERE {} = $1::text::{}",
-        reader.select,
-        reader.id_column,
-        reader.id_kind.sql_type()
-    );
-    let rows = client.query(&sql, &[&id.to_string()]).await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot check outbox id {id}, which the stream says is stored, against table {table}: {e}"
-        ))
-    })?;
-    let Some(row) = rows.first() else {
-        return Ok(Err(format!(
-            "no row with outbox id {id} in table {table} (a database restored from a backup, a table emptied or recreated, or a message the relay did not write)"
-        )));
-    };
-    Ok(match reader.event(row, position) {
-        Ok(Some(event)) => Ok(event),
-        Ok(None) => Err(format!(
-            "outbox id {id} in table {table} has an event type the filter excludes, so the relay published no event for it"
-        )),
-        Err(_) => Err(format!(
-            "outbox id {id} in table {table} has a NULL, non-UTF-8 or infinite key column, so the relay published no event for it"
-        )),
-    })
 }
 
 /// A reader for a table of the seed's column names whose id column has type `id_type`
