@@ -132,6 +132,7 @@ use crate::conn::{Acked, Answer, Connection};
 use crate::error::{PoisonKind, SinkError};
 use crate::latency::{Latency, TxnClock};
 use crate::message::{fit_dead_letter, write_event_block, write_map_block, Fence, Limits};
+use crate::resume::Doubt;
 use crate::tracker::{AckTracker, Ticket};
 use crate::wire;
 
@@ -341,18 +342,6 @@ impl SinkStats {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
-}
-
-/// P15: which events may be in the stream already.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Doubt {
-    /// None: the stream was empty, the session stored a publish as new, or not strict mode.
-    None,
-    /// Those at or before the tail's position (P6 did not vouch for them).
-    Through(Position),
-    /// Every event, until the session stores a publish as new (the tail gave no position of
-    /// the session's history).
-    UntilStored,
 }
 
 /// P15: what the acker's answers left of the stream, for the publisher.
@@ -693,11 +682,7 @@ impl<'s, P> Publisher<'s, P> {
             last_fast: None,
             reply_prefix,
             vouching: None,
-            doubt: match (options.fence, &options.compare) {
-                (None | Some(0), _) => Doubt::None,
-                (Some(_), Some(compare)) => Doubt::Through(compare.through),
-                (Some(_), None) => Doubt::UntilStored,
-            },
+            doubt: Doubt::at_start(options.fence, options.compare.as_ref().map(|c| c.through)),
             answered: Arc::default(),
             window_size: options.max_in_flight.max(1),
         }
@@ -935,11 +920,7 @@ impl<'s, P> Publisher<'s, P> {
     /// P15: whether the stream may hold `event` already.
     #[inline]
     fn in_doubt(&self, event: &OutboxEvent) -> bool {
-        match self.doubt {
-            Doubt::None => false,
-            Doubt::Through(through) => event.position <= through,
-            Doubt::UntilStored => true,
-        }
+        self.doubt.covers(event.position)
     }
 
     /// P15: awaits every earlier answer (the frames handed to the writer, the whole window
@@ -963,21 +944,20 @@ impl<'s, P> Publisher<'s, P> {
         if ack_tx.is_closed() {
             return Ok(false);
         }
-        if self.answered.any.load(Ordering::Acquire) {
-            self.doubt = Doubt::None;
+        let Some(fence) = self.fence.as_mut() else {
             return Ok(true);
-        }
-        if let Some(fence) = self.fence.as_mut() {
-            let last = self.answered.last_stored.load(Ordering::Acquire);
-            let last = if last == 0 {
-                self.options.fence.unwrap_or(0)
-            } else {
-                last
-            };
-            if fence.sequence != last {
-                fence.sequence = last;
-                fence.last_msg_id = None;
-            }
+        };
+        let stored = self
+            .answered
+            .any
+            .load(Ordering::Acquire)
+            .then(|| self.answered.last_stored.load(Ordering::Acquire));
+        let start = self.options.fence.unwrap_or(0);
+        let settled = self.doubt.settle(start, fence.sequence, stored);
+        self.doubt = settled.doubt;
+        if let Some(sequence) = settled.fence {
+            fence.sequence = sequence;
+            fence.last_msg_id = None;
         }
         Ok(true)
     }

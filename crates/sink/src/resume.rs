@@ -475,6 +475,102 @@ pub fn vouch(mark: &Mark, event: &OutboxEvent, lineage: &Lineage) -> Result<(), 
     mark.claim.check(event)
 }
 
+/// S4: the walk back from the tail to the first message of the run, one message at a time
+/// (the caller reads them, newest first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Walk {
+    first: Position,
+    later: Option<Position>,
+    start: u64,
+}
+
+impl Walk {
+    /// A walk from the tail at `last_sequence`, for a replay whose first event is at
+    /// `first`.
+    pub fn from_tail(last_sequence: u64, first: Position) -> Walk {
+        Walk {
+            first,
+            later: None,
+            start: last_sequence + 1,
+        }
+    }
+
+    /// Takes `mark`, the message at `sequence` (the one before the last taken): `false` when
+    /// the walk stops there ([`walks_past`]), the run starting after it.
+    pub fn step(&mut self, sequence: u64, mark: &Result<Mark, String>, lineage: &Lineage) -> bool {
+        if !walks_past(mark, self.first, self.later, lineage) {
+            return false;
+        }
+        self.later = mark.as_ref().ok().and_then(|mark| mark.position);
+        self.start = sequence;
+        true
+    }
+
+    /// The run's first sequence, as far as the walk went (past the tail: an empty run).
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+}
+
+/// S6: which replayed events the stream may hold already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Doubt {
+    /// None: the stream was empty, the session stored a publish as new, or not strict mode.
+    None,
+    /// Those at or before the tail's position that S4 did not vouch for.
+    Through(Position),
+    /// Every event, until the session stores a publish as new (the tail gave no position of
+    /// the session's history).
+    UntilStored,
+}
+
+/// What [`Doubt::settle`] leaves: the doubt from now on, and the fence's sequence when it
+/// must be set again (a duplicate consumed none), the id chain then started again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// The doubt from now on.
+    pub doubt: Doubt,
+    /// The fence's new sequence, if it changes.
+    pub fence: Option<u64>,
+}
+
+impl Doubt {
+    /// A session's doubt (S6): none without a fence or on an empty stream; through the
+    /// tail's position when it is of the session's history (`compare_through`); otherwise
+    /// until the session stores a publish as new.
+    pub fn at_start(fence: Option<u64>, compare_through: Option<Position>) -> Doubt {
+        match (fence, compare_through) {
+            (None | Some(0), _) => Doubt::None,
+            (Some(_), Some(through)) => Doubt::Through(through),
+            (Some(_), None) => Doubt::UntilStored,
+        }
+    }
+
+    /// Whether the stream may hold the event at `position` already: then it is published
+    /// alone, once every earlier answer is in.
+    pub fn covers(&self, position: Position) -> bool {
+        match self {
+            Doubt::None => false,
+            Doubt::Through(through) => position <= *through,
+            Doubt::UntilStored => true,
+        }
+    }
+
+    /// S6, once every earlier answer of the session is in: `start` is the stream's last
+    /// sequence when the session started, `fence` the sequence the fence predicts now (one
+    /// more per publish), `stored` the stream sequence of the session's newest publish
+    /// stored as new, if any. The fence goes to the stream's last sequence as the answers
+    /// left it (a duplicate consumes none). A session that stored a publish as new is in
+    /// doubt no more: what it publishes after it is new, the stream being in commit order.
+    pub fn settle(self, start: u64, fence: u64, stored: Option<u64>) -> Settled {
+        let last = stored.unwrap_or(start);
+        Settled {
+            doubt: if stored.is_some() { Doubt::None } else { self },
+            fence: (fence != last).then_some(last),
+        }
+    }
+}
+
 /// A position as the log says it.
 fn place(position: Position) -> String {
     format!(
@@ -895,6 +991,71 @@ mod tests {
         assert!(!walks(Ok(mark("7301/2/app/slot", at(600, 0))), None));
         assert!(!walks(Ok(Mark::default()), None));
         assert!(!walks(Err("no message found".into()), None));
+    }
+
+    /// S4: the run is what the walk went past, newest first, in commit order.
+    #[test]
+    fn a_walk_finds_the_run_after_the_first_message_outside_it() {
+        let ours_only = lineage(SOURCE, vec![]);
+        // Sequences 1..=6: confirmed before the session (1, 2), then a lost history's
+        // message (3, past the new run's positions), then the new run (4..=6).
+        let stream = [
+            (1, Ok(mark(SOURCE, at(100, 0)))),
+            (2, Ok(mark(SOURCE, at(200, 0)))),
+            (3, Ok(mark(SOURCE, at(900, 0)))),
+            (4, Ok(mark(SOURCE, at(300, 0)))),
+            (5, Ok(mark(SOURCE, at(300, 1)))),
+            (6, Ok(mark(SOURCE, at(400, 0)))),
+        ];
+        let walk_from = |first: Position| {
+            let mut walk = Walk::from_tail(6, first);
+            for (sequence, mark) in stream.iter().rev() {
+                if !walk.step(*sequence, mark, &ours_only) {
+                    break;
+                }
+            }
+            walk.start()
+        };
+        assert_eq!(walk_from(at(300, 0)), 4);
+        assert_eq!(walk_from(at(400, 0)), 6);
+        assert_eq!(walk_from(at(500, 0)), 7, "past the tail: an empty run");
+        assert_eq!(Walk::from_tail(0, at(1, 0)).start(), 1);
+    }
+
+    /// S6: what may be in the stream is published alone, and a duplicate leaves the fence at
+    /// the stream's last sequence.
+    #[test]
+    fn doubt_ends_with_the_first_publish_stored_as_new() {
+        assert_eq!(Doubt::at_start(None, Some(at(5, 0))), Doubt::None);
+        assert_eq!(Doubt::at_start(Some(0), None), Doubt::None);
+        assert_eq!(Doubt::at_start(Some(9), None), Doubt::UntilStored);
+        let through = Doubt::at_start(Some(9), Some(at(5, 0)));
+        assert_eq!(through, Doubt::Through(at(5, 0)));
+        assert!(through.covers(at(5, 0)) && !through.covers(at(5, 1)));
+        assert!(Doubt::UntilStored.covers(at(u64::MAX, 0)));
+        // One duplicate: the fence predicted 10, the stream still ends at 9.
+        assert_eq!(
+            through.settle(9, 10, None),
+            Settled {
+                doubt: through,
+                fence: Some(9)
+            }
+        );
+        // Nothing published yet, or every publish stored as new: nothing to set again.
+        assert_eq!(
+            through.settle(9, 9, None),
+            Settled {
+                doubt: through,
+                fence: None
+            }
+        );
+        assert_eq!(
+            Doubt::UntilStored.settle(9, 10, Some(10)),
+            Settled {
+                doubt: Doubt::None,
+                fence: None
+            }
+        );
     }
 
     #[test]

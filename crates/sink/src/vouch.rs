@@ -19,7 +19,7 @@ use futures::future::join_all;
 use outbox::{OutboxEvent, Position};
 use tracing::{info, warn};
 
-use crate::resume::{vouch, walks_past, Lineage, Mark};
+use crate::resume::{vouch, Lineage, Mark, Walk};
 
 /// Messages read at once, walking back or reading the run forward.
 pub const READ_AHEAD: u64 = 64;
@@ -51,7 +51,7 @@ enum State {
     Unlocated,
     /// The run's messages from `next` on; `read` holds those read ahead.
     Reading {
-        handle: Stream<()>,
+        handle: Box<Stream<()>>,
         next: u64,
         read: VecDeque<(u64, Result<Mark, String>)>,
     },
@@ -131,23 +131,20 @@ impl Vouching {
             .get_stream_no_info(&self.compare.stream)
             .await
             .map_err(|e| format!("cannot open stream {}: {e}", self.compare.stream))?;
-        let mut later: Option<Position> = None;
+        let mut walk = Walk::from_tail(self.compare.last_sequence, first);
         let mut sequence = self.compare.last_sequence;
         'walk: while sequence > 0 {
             let low = sequence.saturating_sub(READ_AHEAD - 1).max(1);
-            let marks = read(&handle, low..=sequence).await;
-            for (at, mark) in marks.into_iter().rev() {
-                if !walks_past(&mark, first, later, &self.compare.lineage) {
-                    sequence = at;
+            for (at, mark) in read(&handle, low..=sequence).await.into_iter().rev() {
+                if !walk.step(at, &mark, &self.compare.lineage) {
                     break 'walk;
                 }
-                later = mark.ok().and_then(|m| m.position);
-                sequence = at - 1;
             }
+            sequence = low - 1;
         }
         Ok(State::Reading {
-            handle,
-            next: sequence + 1,
+            handle: Box::new(handle),
+            next: walk.start(),
             read: VecDeque::new(),
         })
     }
