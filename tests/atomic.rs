@@ -132,6 +132,7 @@ fn plans() -> impl FnMut() -> Plan + Send + 'static {
             offset: k,
             event_types: &["OrderPaid", "order.refunded"],
             commit: true,
+            delete: false,
             pause: Duration::from_millis(50),
         };
         k += 1;

@@ -19,6 +19,10 @@
 #![allow(clippy::unwrap_used)]
 mod support;
 
+/// Issue 36: the same faults while the table is emptied, every way users empty it.
+#[path = "faults/emptied.rs"]
+mod emptied;
+
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,9 +35,10 @@ use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use support::{
-    assert_matches_row, attempt, check_stream, eventually, insert_transaction, last_lines,
-    lines_with, rows, servers, sql_connect, stream_tail, strip_ansi, Case, Ledger, Outcome, Plan,
-    Relay, Sampler, Stored, TxRecord, Writers, DEADLINE,
+    assert_matches_row, attempt, check_stream, eventually, insert_transaction,
+    jetstream_with_timeout, last_lines, lines_with, rows, servers, sql_connect,
+    sql_connect_retrying, stream_tail, strip_ansi, Case, Ledger, Outcome, Plan, Relay, Sampler,
+    Stored, TxRecord, Writers, DEADLINE,
 };
 use testkit::{Nats, Postgres, Proxy};
 
@@ -43,23 +48,6 @@ static SERIAL: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-/// A SQL connection, retried (Postgres may be restarting).
-async fn connect(url: &str) -> tokio_postgres::Client {
-    eventually("a SQL connection", DEADLINE, || async {
-        sql_connect(url).await.ok()
-    })
-    .await
-}
-
-/// A JetStream context whose requests give up after a second (the sampler and the fault
-/// injector poll through nats-server restarts).
-async fn jetstream_with_timeout(url: &str) -> jetstream::Context {
-    let client = async_nats::connect(url).await.expect("connect to NATS");
-    jetstream::context::ContextBuilder::new()
-        .timeout(Duration::from_secs(1))
-        .build(client)
 }
 
 // -----------------------------------------------------------------------------------------
@@ -87,6 +75,7 @@ fn random_plans(seed: u64) -> impl FnMut() -> Plan + Send + 'static {
         offset: rng.random_range(0..1000),
         event_types: EVENT_TYPES,
         commit: rng.random_bool(0.8),
+        delete: false,
         pause: Duration::from_millis(rng.random_range(30..250)),
     }
 }
@@ -99,6 +88,7 @@ fn injector_plan(size: usize) -> Plan {
         offset: 0,
         event_types: EVENT_TYPES,
         commit: true,
+        delete: false,
         pause: Duration::ZERO,
     }
 }
@@ -185,7 +175,7 @@ impl Rig {
     /// Commits a `size`-row transaction from the injector (retrying while Postgres is
     /// unreachable) and returns its record.
     async fn commit_big_transaction(&mut self, size: usize) -> TxRecord {
-        let mut sql = connect(&self.case.pg_url).await;
+        let mut sql = sql_connect_retrying(&self.case.pg_url).await;
         loop {
             let tag = format!("injector-{}", self.injector_seq);
             let result = attempt(&mut sql, &injector_plan(size), &tag).await;
@@ -201,7 +191,7 @@ impl Rig {
                     return record;
                 }
             }
-            sql = connect(&self.case.pg_url).await;
+            sql = sql_connect_retrying(&self.case.pg_url).await;
         }
     }
 
@@ -473,7 +463,7 @@ async fn torture() {
     // COMMIT was cut off by the crash commit?
     let log = writers.stop().await;
     rig.relay.assert_alive();
-    let sql = connect(&case.pg_url).await;
+    let sql = sql_connect_retrying(&case.pg_url).await;
     let committed = log.committed_ids();
     let table = rows(&sql).await;
     let table_ids: HashSet<i64> = table.iter().map(|r| r.id).collect();

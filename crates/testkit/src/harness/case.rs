@@ -49,6 +49,23 @@ pub async fn jetstream_at(url: &str) -> jetstream::Context {
     jetstream::new(async_nats::connect(url).await.expect("connect to NATS"))
 }
 
+/// A JetStream context whose requests give up after a second (for tests that poll through
+/// nats-server restarts).
+pub async fn jetstream_with_timeout(url: &str) -> jetstream::Context {
+    let client = async_nats::connect(url).await.expect("connect to NATS");
+    jetstream::context::ContextBuilder::new()
+        .timeout(Duration::from_secs(1))
+        .build(client)
+}
+
+/// A SQL connection, retried until [`DEADLINE`] (Postgres may be restarting).
+pub async fn sql_connect_retrying(url: &str) -> tokio_postgres::Client {
+    eventually("a SQL connection", DEADLINE, || async {
+        sql_connect(url).await.ok()
+    })
+    .await
+}
+
 /// A SQL connection (no TLS) whose connection task runs on its own; the error when Postgres
 /// is unreachable or refuses.
 pub async fn sql_connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {

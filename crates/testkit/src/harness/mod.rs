@@ -31,8 +31,9 @@ pub mod writers;
 
 pub use case::{
     assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, built_relay,
-    eventually, jetstream_at, relay_bin, relay_command, relay_one_row_as_superuser, servers,
-    sql_connect, target_profile_dir, wal_lsn, Case, Servers, DEADLINE, SCHEMA_SQL, TRIGGER_SQL,
+    eventually, jetstream_at, jetstream_with_timeout, relay_bin, relay_command,
+    relay_one_row_as_superuser, servers, sql_connect, sql_connect_retrying, target_profile_dir,
+    wal_lsn, Case, Servers, DEADLINE, SCHEMA_SQL, TRIGGER_SQL,
 };
 pub use faithful::{check_faithful, check_stream, Findings, Sample, Sampler};
 pub use logs::{

@@ -126,6 +126,10 @@ pub struct Plan {
     pub event_types: &'static [&'static str],
     /// Commit it (else roll it back).
     pub commit: bool,
+    /// Delete the rows again in the same transaction (Debezium's remove-after-insert): only
+    /// the WAL carries them. The transaction also records its tag in `writer_commits`
+    /// (which the test creates), so that [`Ledger::settle`] can tell whether it committed.
+    pub delete: bool,
     /// How long the writer pauses after it (its pace, not a wait for anything).
     pub pause: Duration,
 }
@@ -216,6 +220,7 @@ pub async fn write_transaction(
         offset: 0,
         event_types: ORDER_PAID,
         commit,
+        delete: false,
         pause: Duration::ZERO,
     };
     let tx = sql.transaction().await.expect("begin");
@@ -255,6 +260,8 @@ pub struct Attempt {
     pub before_commit: Option<Lsn>,
     /// The same right after COMMIT returned: its commit record starts before this.
     pub after_commit: Option<Lsn>,
+    /// Its rows were deleted in it ([`Plan::delete`]).
+    pub deleted: bool,
 }
 
 /// Writes one transaction as `plan` says and commits it (or rolls it back). `Err` means the
@@ -267,12 +274,21 @@ pub async fn attempt(
 ) -> Result<Attempt, Option<Attempt>> {
     let tx = sql.transaction().await.map_err(|_| None)?;
     let ids = insert_rows(&tx, plan, tag).await.map_err(|_| None)?;
+    if plan.delete {
+        tx.execute("delete from outbox_events where id = any($1)", &[&ids])
+            .await
+            .map_err(|_| None)?;
+        tx.execute("insert into writer_commits (tag) values ($1)", &[&tag])
+            .await
+            .map_err(|_| None)?;
+    }
     let mut attempt = Attempt {
         ids,
         tag: tag.to_owned(),
         outcome: Outcome::RolledBack,
         before_commit: None,
         after_commit: None,
+        deleted: plan.delete,
     };
     if !plan.commit {
         return match tx.rollback().await {
@@ -317,6 +333,8 @@ pub struct TxRecord {
     pub outcome: Outcome,
     pub before_commit: Option<Lsn>,
     pub after_commit: Option<Lsn>,
+    /// Its rows were deleted in it ([`Plan::delete`]).
+    pub deleted: bool,
 }
 
 impl TxRecord {
@@ -329,6 +347,7 @@ impl TxRecord {
             outcome: attempt.outcome,
             before_commit: attempt.before_commit,
             after_commit: attempt.after_commit,
+            deleted: attempt.deleted,
         }
     }
 }
@@ -359,9 +378,9 @@ impl Ledger {
     }
 
     /// Takes the records and resolves each transaction in doubt by looking for its rows, by
-    /// id and tag (all there: committed; none: not). The tag matters: after a crash (the
-    /// test servers run with `fsync = off`) the sequence may hand a transaction in doubt's
-    /// ids to a later one.
+    /// id and tag (all there: committed; none: not), or, for one that deleted its rows, for
+    /// its tag in `writer_commits`. The tag matters: after a crash (the test servers run with
+    /// `fsync = off`) the sequence may hand a transaction in doubt's ids to a later one.
     pub async fn settle(&self, sql: &tokio_postgres::Client) -> WriterLog {
         let mut transactions = std::mem::take(&mut *self.lock());
         let mut settled_in_doubt = (0, 0);
@@ -369,14 +388,25 @@ impl Ledger {
             .iter_mut()
             .filter(|r| r.outcome == Outcome::InDoubt)
         {
-            let present: i64 = sql
-                .query_one(
+            let present: i64 = if record.deleted {
+                let marked: i64 = sql
+                    .query_one(
+                        "select count(*) from writer_commits where tag = $1",
+                        &[&record.tag],
+                    )
+                    .await
+                    .expect("look for a transaction's tag")
+                    .get(0);
+                marked * record.ids.len() as i64
+            } else {
+                sql.query_one(
                     "select count(*) from outbox_events where id = any($1) and payload->>'tag' = $2",
                     &[&record.ids, &record.tag],
                 )
                 .await
                 .expect("count a transaction's rows")
-                .get(0);
+                .get(0)
+            };
             record.outcome = if present == 0 {
                 settled_in_doubt.1 += 1;
                 Outcome::Aborted
@@ -474,6 +504,7 @@ impl Writers {
                     offset: 0,
                     event_types: ORDER_PAID,
                     commit: (k + 1) % ROLLBACK_EVERY != 0,
+                    delete: false,
                     pause,
                 };
                 k += 1;
