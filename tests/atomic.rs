@@ -522,11 +522,11 @@ async fn a_batch_holding_stored_message_ids_is_published_message_by_message() {
         .collect();
     assert_eq!(
         marked,
-        [9, 24],
+        [9, 25],
         "Outbox-Tx-End where a transaction ended in a batch"
     );
     println!(
-        "atomic ahead: the relay's batch of the 10 replayed rows was refused once (10201), then published message by message as duplicates of the same rows; 25 rows once, in order"
+        "atomic ahead: the relay's batch of the 10 replayed rows was refused once (10201), then published message by message as duplicates of the same rows; 26 rows once, in order"
     );
     drop(relay);
 }

@@ -3,7 +3,8 @@
 //! the stream, a message published twice and a message with a wrong key, each found by its
 //! outbox id (exit 5); and the range flags. After the documented migration (issue 18 case
 //! 10) verify expects exactly the relay's rows: those already published when the slot was
-//! created are left out on one line, and a deleted message is named by its id.
+//! created are left out on one line, and a deleted message is named by its id. Rows deleted
+//! from the table after relaying (issue 36) are one line and no discrepancy.
 
 #![allow(clippy::unwrap_used)]
 
@@ -616,4 +617,56 @@ async fn verify_compares_positions_within_one_wal_history_only() {
     let run = verify(&case, &[]);
     assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
     assert!(run.stdout.contains("0 out of order"), "{}", run.stdout);
+}
+
+/// Issue 36: outbox tables are emptied by design. Rows deleted after relaying (inside the
+/// table's id range, below it, and then every row) are one line, "rows deleted after
+/// relaying", never `unexpected` and never a failing exit (`verify` V7); `replay` and
+/// `backfill` of a range whose rows are gone are refused naming why (exit 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_table_is_one_line_and_no_discrepancy() {
+    let case = new_case("verify_emptied");
+    let messages = relayed(&case).await;
+    let ids: Vec<i64> = messages.iter().map(Stored::outbox_id).collect();
+    let sql = case.sql().await;
+    // Below the range (a clean-up), and inside it (remove-after-insert, a partition).
+    let deleted: Vec<i64> = ids[..5].iter().chain(&ids[12..15]).copied().collect();
+    sql.execute("delete from outbox_events where id = any($1)", &[&deleted])
+        .await
+        .unwrap();
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    let line = run.lines("rows deleted after relaying: 8 messages");
+    assert_eq!(line.len(), 1, "{}", run.stdout);
+    assert!(
+        line[0].contains(&format!("3 of them with ids {}..={}", ids[12], ids[14])),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("verify: OK: 22 rows") && run.stdout.contains(" 0 unexpected"),
+        "{}",
+        run.stdout
+    );
+
+    sql.batch_execute("truncate outbox_events").await.unwrap();
+    let run = verify(&case, &[]);
+    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    assert_eq!(
+        run.lines("rows deleted after relaying: 30 messages").len(),
+        1,
+        "{}",
+        run.stdout
+    );
+
+    for (tool, args) in [("replay", vec!["--force"]), ("backfill", vec!["--force"])] {
+        let output = case.relay_command(tool).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{tool}: {stderr}");
+        assert!(
+            stderr.contains("holds no row in the range given")
+                && stderr.contains("deleted after they were relayed"),
+            "{tool} names why: {stderr}"
+        );
+    }
 }

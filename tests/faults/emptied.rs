@@ -21,7 +21,8 @@ enum Lifecycle {
     /// Each row deleted in the transaction that inserts it (Debezium's remove-after-insert).
     DeletedInTransaction,
     /// A poller's clean-up: every row up to the stream's last message's id deleted, tail row
-    /// included, every 20–80 ms (with concurrent writers, rows not yet relayed too).
+    /// included, every 20–80 ms (with concurrent writers, rows not yet relayed too), while the
+    /// relay marks what it relayed `published` (`--mark-published`, the documented migration).
     PollerCleanup,
     /// The relay's own retention, with a 1 s grace.
     Retention,
@@ -214,6 +215,10 @@ async fn emptied(lifecycle: Lifecycle) {
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned())),
     );
+    if lifecycle == Lifecycle::PollerCleanup {
+        case.extra_env
+            .push(("OUTBOX_RELAY_MARK_PUBLISHED".into(), "true".into()));
+    }
     if lifecycle == Lifecycle::Retention {
         case.extra_env.extend(
             [

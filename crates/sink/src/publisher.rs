@@ -41,8 +41,9 @@
 //!   without being published. Nothing else is skipped.
 //! - P15 The fence counts only what the stream stores (`crate::resume` S6): while an event may
 //!   be in the stream already (at or before the tail's position and not vouched for by P6,
-//!   or any event while the tail gave no position of the session's history, until the
-//!   session's first publish stored as new), it is published alone, never in a batch: the
+//!   at or before the newest event a failed session of the process published, or any event
+//!   while the tail gave no position of the session's history, until the session's first
+//!   publish stored as new), it is published alone, never in a batch: the
 //!   publisher first awaits every earlier answer, then sets the fence to the stream's last
 //!   sequence as the answers left it (a duplicate consumes none) with the id chain started
 //!   again.
@@ -231,6 +232,9 @@ pub struct SinkStats {
     /// F4: the newest event a session that failed had put into a fast batch; sessions
     /// publish one message at a time up to it. Outlives a session.
     fast_paused_through: Mutex<Option<Position>>,
+    /// P15: the newest event a failed session published; the next sessions publish alone
+    /// what lies at or before it (`crate::resume::Doubt`). Outlives a session.
+    failed_through: Mutex<Option<Position>>,
     /// F4: why the server refuses fast batches, once it did: the mode is off for the
     /// process's life.
     fast_off: Mutex<Option<String>>,
@@ -318,13 +322,20 @@ impl SinkStats {
 
     /// F4: a session that batched up to `position` failed.
     fn pause_fast_through(&self, position: Position) {
-        let mut paused = self
-            .fast_paused_through
+        raise(&self.fast_paused_through, position);
+    }
+
+    /// P15: the newest event a failed session of the process published.
+    fn failed_through(&self) -> Option<Position> {
+        *self
+            .failed_through
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if paused.is_none_or(|p| p < position) {
-            *paused = Some(position);
-        }
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// P15: a session that published up to `position` failed.
+    fn fail_through(&self, position: Position) {
+        raise(&self.failed_through, position);
     }
 
     /// F4: the server refused a fast batch itself (`why`): off for the process's life.
@@ -341,6 +352,14 @@ impl SinkStats {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+}
+
+/// Raises the position in `slot` to `position`.
+fn raise(slot: &Mutex<Option<Position>>, position: Position) {
+    let mut held = slot.lock().unwrap_or_else(PoisonError::into_inner);
+    if held.is_none_or(|p| p < position) {
+        *held = Some(position);
     }
 }
 
@@ -490,7 +509,7 @@ where
         // The acker only ends early on an error; stop publishing at once.
         result = &mut acker => Err(flatten(result)),
     };
-    let last_fast = publisher.last_fast;
+    let (last_fast, last_framed) = (publisher.last_fast, publisher.last_framed);
     let result = match published {
         Ok(published) => {
             publisher
@@ -502,6 +521,10 @@ where
     // F4: the next sessions publish what this one batched one message at a time.
     if let (Err(_), Some(position)) = (&result, last_fast) {
         stats.pause_fast_through(position);
+    }
+    // P15: what this session published may be in the stream without its answer.
+    if let (Err(_), Some(position)) = (&result, last_framed) {
+        stats.fail_through(position);
     }
     result
 }
@@ -590,10 +613,14 @@ struct Publisher<'s, P> {
     fast: Option<Fast<P>>,
     /// F4: the newest event this session put into a fast batch.
     last_fast: Option<Position>,
+    /// P15: the newest event this session published.
+    last_framed: Option<Position>,
     /// P6: the comparison of replayed events with the stream, in strict mode.
     vouching: Option<crate::vouch::Vouching>,
     /// P15: which events may be in the stream already.
     doubt: Doubt,
+    /// P15: the newest publish was in doubt: the next one waits for its answer.
+    settling: bool,
     /// P15: what the acker's answers left of the stream.
     answered: Arc<Answered>,
     /// P2: the window's size.
@@ -680,9 +707,15 @@ impl<'s, P> Publisher<'s, P> {
                 open: None,
             }),
             last_fast: None,
+            last_framed: None,
             reply_prefix,
             vouching: None,
-            doubt: Doubt::at_start(options.fence, options.compare.as_ref().map(|c| c.through)),
+            doubt: Doubt::at_start(
+                options.fence,
+                options.compare.as_ref().map(|c| c.through),
+                stats.failed_through(),
+            ),
+            settling: false,
             answered: Arc::default(),
             window_size: options.max_in_flight.max(1),
         }
@@ -739,10 +772,12 @@ impl<'s, P> Publisher<'s, P> {
                 self.stats.skipped.fetch_add(1, Ordering::Relaxed);
                 return self.hand(ack_tx, AckItem::Stored).await;
             }
-            // P15: alone, once every earlier answer is in.
-            if self.in_doubt(event) && !self.settle(ack_tx, window).await? {
+            // P15: alone, once every earlier answer is in; and the first publish after one
+            // in doubt too, so that its fence counts only what the stream stored.
+            if (self.settling || self.in_doubt(event)) && !self.settle(ack_tx, window).await? {
                 return Ok(false);
             }
+            self.settling = self.in_doubt(event);
         }
         let item = match item {
             Item::Event(event) if self.batched(&event) => {
@@ -1008,6 +1043,7 @@ impl<'s, P> Publisher<'s, P> {
             fence.fast = fast.map(|(sequence, _)| sequence);
         }
         let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
+        self.last_framed = Some(position);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
             self.commit_lsn = (Some(position.commit_lsn), position.commit_lsn.to_string());
         }

@@ -536,12 +536,22 @@ pub struct Settled {
 
 impl Doubt {
     /// A session's doubt (S6): none without a fence or on an empty stream; through the
-    /// tail's position when it is of the session's history (`compare_through`); otherwise
-    /// until the session stores a publish as new.
-    pub fn at_start(fence: Option<u64>, compare_through: Option<Position>) -> Doubt {
+    /// tail's position when it is of the session's history (`compare_through`), or through
+    /// the newest event a failed session of the process had published (`failed_through`:
+    /// its answer may never have come, and the stream may hold events past its tail another
+    /// writer such as `outbox-relay replay --force` put there), whichever is later;
+    /// otherwise until the session stores a publish as new. Doubt only makes the session
+    /// publish alone, never skip, so a memory of the process may widen it.
+    pub fn at_start(
+        fence: Option<u64>,
+        compare_through: Option<Position>,
+        failed_through: Option<Position>,
+    ) -> Doubt {
         match (fence, compare_through) {
             (None | Some(0), _) => Doubt::None,
-            (Some(_), Some(through)) => Doubt::Through(through),
+            (Some(_), Some(through)) => {
+                Doubt::Through(through.max(failed_through.unwrap_or(through)))
+            }
             (Some(_), None) => Doubt::UntilStored,
         }
     }
@@ -564,8 +574,14 @@ impl Doubt {
     /// doubt no more: what it publishes after it is new, the stream being in commit order.
     pub fn settle(self, start: u64, fence: u64, stored: Option<u64>) -> Settled {
         let last = stored.unwrap_or(start);
+        let doubt = match self {
+            // S6: what comes after a publish stored as new is new (the stream in commit
+            // order), unless the doubt names a later event.
+            Doubt::UntilStored if stored.is_some() => Doubt::None,
+            other => other,
+        };
         Settled {
-            doubt: if stored.is_some() { Doubt::None } else { self },
+            doubt,
             fence: (fence != last).then_some(last),
         }
     }
@@ -1026,11 +1042,16 @@ mod tests {
     /// the stream's last sequence.
     #[test]
     fn doubt_ends_with_the_first_publish_stored_as_new() {
-        assert_eq!(Doubt::at_start(None, Some(at(5, 0))), Doubt::None);
-        assert_eq!(Doubt::at_start(Some(0), None), Doubt::None);
-        assert_eq!(Doubt::at_start(Some(9), None), Doubt::UntilStored);
-        let through = Doubt::at_start(Some(9), Some(at(5, 0)));
+        assert_eq!(Doubt::at_start(None, Some(at(5, 0)), None), Doubt::None);
+        assert_eq!(Doubt::at_start(Some(0), None, Some(at(5, 0))), Doubt::None);
+        assert_eq!(Doubt::at_start(Some(9), None, None), Doubt::UntilStored);
+        let through = Doubt::at_start(Some(9), Some(at(5, 0)), Some(at(4, 0)));
         assert_eq!(through, Doubt::Through(at(5, 0)));
+        // A failed session's publishes past the tail stay in doubt.
+        assert_eq!(
+            Doubt::at_start(Some(9), Some(at(5, 0)), Some(at(7, 2))),
+            Doubt::Through(at(7, 2))
+        );
         assert!(through.covers(at(5, 0)) && !through.covers(at(5, 1)));
         assert!(Doubt::UntilStored.covers(at(u64::MAX, 0)));
         // One duplicate: the fence predicted 10, the stream still ends at 9.
@@ -1054,6 +1075,14 @@ mod tests {
             Settled {
                 doubt: Doubt::None,
                 fence: None
+            }
+        );
+        // Through a position, a stored publish ends nothing: the next may be in the stream.
+        assert_eq!(
+            through.settle(9, 11, Some(10)),
+            Settled {
+                doubt: through,
+                fence: Some(10)
             }
         );
     }

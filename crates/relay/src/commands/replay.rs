@@ -128,8 +128,10 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         ..Report::default()
     };
     let Some(bounds) = &opened.bounds else {
-        report.elapsed = started.elapsed();
-        return Ok(report);
+        return Err(crate::process::stored::no_rows_in_range(
+            &config.table,
+            "replay",
+        ));
     };
     let positions = original_positions(config, &opened.stream, bounds).await?;
     publish_rows(config, &opened, &positions, &mut report).await?;

@@ -60,6 +60,11 @@
 //!   every other row in range is checked. The real problems come first in the report, each
 //!   by outbox id, then what is informational (dead-lettered rows, the left-out rows'
 //!   count and id range, one line), then the summary.
+//! - V7 Outbox tables are emptied by design (Debezium's remove-after-insert, a poller's
+//!   clean-up, retention, TRUNCATE, dropped partitions): over the whole table, an event
+//!   message of this database's relay (its `Outbox-Source` names this database and slot) whose
+//!   row is gone is counted on one line, "rows deleted after relaying", never a discrepancy;
+//!   one without a row that is not ours is `unexpected`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -225,7 +230,7 @@ struct Entry {
     count: u32,
     /// Dead-letter records.
     dead_letters: u16,
-    /// [`ROW`], [`IN_RANGE`].
+    /// [`ROW`], [`IN_RANGE`], [`OURS`].
     flags: u8,
 }
 
@@ -261,6 +266,9 @@ const NO_POSITION: Position = Position {
 const ROW: u8 = 1;
 /// The row is in the range checked.
 const IN_RANGE: u8 = 2;
+/// The first event message carries this database's and slot's `Outbox-Source` (any cluster
+/// or timeline): a relay streaming this table published it.
+const OURS: u8 = 4;
 
 /// The lowest and highest id of a range and its row count.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -641,6 +649,14 @@ pub struct Report {
     /// Rows in range of an event type the mapping's filter excludes: never published, not
     /// checked.
     pub excluded: u64,
+    /// Event messages of this database's relay whose rows are gone, between the lowest and
+    /// highest id in the table (V7).
+    pub deleted: u64,
+    /// The lowest and highest of those ids.
+    pub deleted_ids: Option<(EventId, EventId)>,
+    /// The same, with ids below the lowest or above the highest id in the table (all of
+    /// them, for an empty table).
+    pub deleted_outside: u64,
     /// Every problem, by kind then id.
     pub problems: Vec<Problem>,
     /// How long it took.
@@ -668,6 +684,7 @@ impl Report {
         let mut out = String::new();
         self.render_problems(&mut out, max_listed);
         self.render_left_out(&mut out);
+        self.render_deleted(&mut out);
         self.render_summary(&mut out);
         out
     }
@@ -732,6 +749,31 @@ impl Report {
             }
             _ => {}
         }
+    }
+
+    /// V7: the messages whose rows were deleted after relaying, one line.
+    fn render_deleted(&self, out: &mut String) {
+        if self.deleted + self.deleted_outside == 0 {
+            return;
+        }
+        let within = self
+            .deleted_ids
+            .as_ref()
+            .map_or_else(String::new, |(low, high)| {
+                format!(
+                    ", {} of them with ids {}..={} among the table's",
+                    self.deleted,
+                    shown_id(low),
+                    shown_id(high)
+                )
+            });
+        let _ = writeln!(
+            out,
+            "rows deleted after relaying: {} messages of this database's relay whose rows are no longer \
+             in the table{within}: not checked (a clean-up, retention, Debezium's remove-after-insert, \
+             TRUNCATE or a dropped partition deletes rows after they are relayed; the stream keeps them)",
+            self.deleted + self.deleted_outside
+        );
     }
 
     /// The summary line: the verdict (V5) and each kind's count.
@@ -849,6 +891,18 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
         bounds,
         reader,
     })
+}
+
+/// V7: the end of the `Outbox-Source` of every message a relay streaming this database's
+/// slot writes (`/{database}/{slot}`, `outbox::source_id`), whatever the cluster or timeline.
+async fn our_source_suffix(client: &tokio_postgres::Client, config: &Config) -> Result<String> {
+    let row = client
+        .query_one("SELECT current_database()::text", &[])
+        .await
+        .map_err(read_error("cannot read the database's name"))?;
+    let database: String = row.get(0);
+    let source = outbox::source::source_id("", 0, &database, &config.slot);
+    Ok(source.trim_start_matches("/0").to_owned())
 }
 
 /// The lowest and highest id of the rows `condition` selects, and their count: one query;
@@ -979,6 +1033,8 @@ struct StreamSide {
     out_of_order: Vec<(EventId, String)>,
     /// The ids and sequences of second and later copies.
     duplicates: Vec<(EventId, u64)>,
+    /// Event messages of ours whose ids lie outside the bounds (V7).
+    ours_outside: u64,
 }
 
 /// The commit order's checks as the stream is read (step 2): per entity, and globally in
@@ -1072,11 +1128,17 @@ struct Tally {
     order: OrderCheck,
     out_of_order: Vec<(EventId, String)>,
     duplicates: Vec<(EventId, u64)>,
+    /// [`our_source_suffix`].
+    ours: String,
+    /// Event messages of ours whose ids lie outside the bounds (V7).
+    ours_outside: u64,
 }
 
 impl Tally {
-    fn new(config: &Config, bounds: Bounds) -> Tally {
+    fn new(config: &Config, bounds: Bounds, ours: String) -> Tally {
         Tally {
+            ours,
+            ours_outside: 0,
             dead_letter_subject: format!("{}.dlq", config.subject_prefix),
             index: Index::new(&bounds),
             bounds,
@@ -1094,9 +1156,16 @@ impl Tally {
             return;
         };
         let seen = Seen::of(headers);
-        let Some(id) = seen.id().filter(|id| self.bounds.contains(id)) else {
+        let Some(id) = seen.id() else {
             return;
         };
+        let ours = seen.source.ends_with(&self.ours);
+        if !self.bounds.contains(&id) {
+            if ours && message.subject.as_str() != self.dead_letter_subject {
+                self.ours_outside += 1;
+            }
+            return;
+        }
         let entry = self.index.get(&id);
         if message.subject.as_str() == self.dead_letter_subject {
             entry.dead_letters = entry.dead_letters.saturating_add(1);
@@ -1113,6 +1182,9 @@ impl Tally {
         let (digest, entity) = seen_digest(message.subject.as_str(), &seen, &message.payload);
         entry.seq = seq;
         entry.digest = digest;
+        if ours {
+            entry.flags |= OURS;
+        }
         if let Some(position) = Position::from_headers(seen.commit_lsn, seen.tx_index) {
             let problem = self
                 .order
@@ -1127,7 +1199,12 @@ impl Tally {
 /// message over costs no thread wake-up (on a multi-threaded runtime that wake-up, a futex
 /// call per message, cost as much as the comparison), and the table's side runs on the
 /// relay's runtime beside it.
-fn read_stream(config: &Config, bounds: Bounds, started: Instant) -> Result<StreamSide> {
+fn read_stream(
+    config: &Config,
+    bounds: Bounds,
+    ours: String,
+    started: Instant,
+) -> Result<StreamSide> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -1140,7 +1217,7 @@ fn read_stream(config: &Config, bounds: Bounds, started: Instant) -> Result<Stre
             .get_stream(&config.stream)
             .await
             .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        let mut tally = Tally::new(config, bounds);
+        let mut tally = Tally::new(config, bounds, ours);
         let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
             tally.message(seq, message)
         })
@@ -1155,6 +1232,7 @@ fn read_stream(config: &Config, bounds: Bounds, started: Instant) -> Result<Stre
             index: tally.index,
             out_of_order: tally.out_of_order,
             duplicates: tally.duplicates,
+            ours_outside: tally.ours_outside,
         })
     })
 }
@@ -1164,6 +1242,7 @@ fn read_stream(config: &Config, bounds: Bounds, started: Instant) -> Result<Stre
 fn spawn_stream_side(
     config: &Config,
     bounds: Bounds,
+    ours: String,
     started: Instant,
 ) -> Result<impl std::future::Future<Output = Result<StreamSide>>> {
     let (send, answer) = tokio::sync::oneshot::channel();
@@ -1171,7 +1250,7 @@ fn spawn_stream_side(
     std::thread::Builder::new()
         .name("verify-stream".into())
         .spawn(move || {
-            let _ = send.send(read_stream(&stream_config, bounds, started));
+            let _ = send.send(read_stream(&stream_config, bounds, ours, started));
         })
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a thread: {e}")))?;
     Ok(async {
@@ -1387,6 +1466,7 @@ fn judge_stream(
     duplicates: Vec<(EventId, u64)>,
     out_of_order: Vec<(EventId, String)>,
     whole_table: bool,
+    report: &mut Report,
     problems: &mut Vec<Problem>,
 ) {
     let in_range = |id: &EventId| index.peek(id).flags & IN_RANGE != 0;
@@ -1423,12 +1503,20 @@ fn judge_stream(
     }
     if whole_table {
         index.for_each(|id, entry| {
-            if entry.flags & ROW == 0 && (entry.count > 0 || entry.dead_letters > 0) {
+            if entry.flags & (ROW | OURS) == OURS && entry.count > 0 {
+                // V7: deleted after relaying.
+                report.deleted += 1;
+                report.deleted_ids = Some(match report.deleted_ids.take() {
+                    Some((low, high)) => (low.min(id.clone()), high.max(id)),
+                    None => (id.clone(), id),
+                });
+            } else if entry.flags & ROW == 0 && (entry.count > 0 || entry.dead_letters > 0) {
                 problems.push(Problem {
                     kind: "unexpected",
                     id,
                     detail: format!(
-                        "at sequence {}: no row has this id (rolled back, or deleted from the table)",
+                        "at sequence {}: no row has this id, and the message is not this database's relay's \
+                         (another database, slot or writer)",
                         entry.seq
                     ),
                 });
@@ -1495,8 +1583,29 @@ async fn explain_mismatches(
 pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let started = Instant::now();
     let opened = open(config, &mut range).await?;
+    let ours = our_source_suffix(&opened.client, config).await?;
+    let whole_table = range.since.is_none() && range.until.is_none();
+    // V7: messages outside the table's id bounds count as deleted only when the range is the
+    // whole table.
+    let unrestricted =
+        whole_table && range.from_id.is_none() && range.to_id.is_none() && range.entity.is_none();
     let Some(bounds) = opened.bounds.clone() else {
+        // V7: an emptied table; what the stream holds of ours was deleted after relaying.
+        let mut deleted = 0;
+        if unrestricted {
+            scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
+                let ours = message.headers.as_ref().is_some_and(|headers| {
+                    let seen = Seen::of(headers);
+                    seen.id().is_some() && seen.source.ends_with(&ours)
+                });
+                if ours && !message.subject.as_str().ends_with(".dlq") {
+                    deleted += 1;
+                }
+            })
+            .await?;
+        }
         return Ok(Report {
+            deleted_outside: deleted,
             elapsed: started.elapsed(),
             ..Report::default()
         });
@@ -1514,7 +1623,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         ..Report::default()
     };
     // 2. and 3., side by side.
-    let stream_side = spawn_stream_side(config, bounds.clone(), started)?;
+    let stream_side = spawn_stream_side(config, bounds.clone(), ours, started)?;
     let table_side = spawn_table_side(&opened, config, &bounds, runs, started).await?;
     let (read, table_read) = tokio::join!(stream_side, table_side);
     let StreamSide {
@@ -1522,11 +1631,21 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         mut index,
         out_of_order,
         duplicates,
+        ours_outside,
     } = read?;
     report.messages = read;
+    if unrestricted {
+        report.deleted_outside = ours_outside;
+    }
     let (mut problems, mismatched) = judge_rows(table_read?, &mut index, &mut report);
-    let whole_table = range.since.is_none() && range.until.is_none();
-    judge_stream(&index, duplicates, out_of_order, whole_table, &mut problems);
+    judge_stream(
+        &index,
+        duplicates,
+        out_of_order,
+        whole_table,
+        &mut report,
+        &mut problems,
+    );
     problems.extend(explain_mismatches(&opened, config, mismatched).await?);
     problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
     report.problems = problems;

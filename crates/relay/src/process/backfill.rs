@@ -701,6 +701,13 @@ pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<Rang
         }
     }
     let cursor = Cursor::open(&client, config, reader, filter).await?;
+    if cursor.total == 0 {
+        let _ = client.batch_execute("COMMIT").await;
+        return Err(crate::process::stored::no_rows_in_range(
+            &config.table,
+            "backfill",
+        ));
+    }
     let report = publish_range(&jetstream, config, cursor).await?;
     let _ = client.batch_execute("COMMIT").await;
     Ok(report)

@@ -18,6 +18,19 @@ use tokio_postgres::Client;
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result};
 
+/// The refusal of a tool that publishes rows (`replay`, `backfill`) when the range holds
+/// none: outbox tables are emptied by design, so rows relayed before may be gone, and the
+/// tool says so rather than reporting success for nothing (exit 2).
+pub fn no_rows_in_range(table: &impl std::fmt::Display, tool: &str) -> RelayError {
+    RelayError::setup(anyhow::anyhow!(
+        "{tool}: table {table} holds no row in the range given, so there is nothing to publish: \
+         the rows were deleted after they were relayed (a clean-up, retention, Debezium's \
+         remove-after-insert, TRUNCATE, a dropped partition) or never existed. {tool} publishes \
+         rows the table still holds; the events the relay published stay in the stream (read \
+         them there, e.g. with a consumer from a start sequence or time)"
+    ))
+}
+
 /// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
 /// (`bytea` as its hex output, which the control session pins), through the builder
 /// streaming uses (`outbox` E4), so a row read back yields exactly the event streaming

@@ -167,10 +167,12 @@ pub async fn insert_transaction(
 }
 
 /// The stream ahead of the slot (issue 23's B4, F3): the case's relay streams 10 rows (`a`)
-/// and is stopped; `outbox-relay replay --force` publishes 10 more (`b`) before any relay
-/// streamed them; a relay started again streams them and 5 more (`c`). Returns that relay
-/// and the stream's messages once all 25 rows are confirmed, checked to be there once each,
-/// in order. On a multi-threaded runtime (it starts relays in place).
+/// and is stopped; one row (`gap`) is committed, then 10 more (`b`), which `outbox-relay
+/// replay --force` publishes before any relay streamed them; a relay started again streams
+/// `gap` (published alone and stored: `sink::resume` S6 ends its doubt), then `b` as if new
+/// (a batch where batches are on), and, once `b` is confirmed, 5 more rows (`c`). Returns that relay and the stream's
+/// messages once all 26 rows are confirmed, checked to be there once each, in order (`b`
+/// where replay put them). On a multi-threaded runtime (it starts relays in place).
 pub async fn replay_ahead_then_relay(
     case: &Case,
     sql: &mut tokio_postgres::Client,
@@ -180,6 +182,7 @@ pub async fn replay_ahead_then_relay(
     let js = case.jetstream().await;
     case.wait_for_count(&js, 10, DEADLINE).await;
     relay.terminate(Duration::from_secs(10));
+    let gap = insert_transaction(sql, 1, 1, "gap").await;
     let ahead = insert_transaction(sql, 10, 2, "b").await;
     // The stopped relay's lease goes a moment after it exits: replay until it is free.
     let from = ahead[0].to_string();
@@ -193,10 +196,19 @@ pub async fn replay_ahead_then_relay(
     })
     .await;
     assert_eq!(case.stream_count(&js).await, 20);
+    let past_b = super::case::wal_lsn(sql).await;
     let relay = tokio::task::block_in_place(|| case.start_relay());
-    expected.extend(ahead);
+    // `c` once `b` is confirmed: no session that published `b` also published `c`.
+    eventually(
+        "the slot to confirm the replayed rows",
+        DEADLINE,
+        || async { (case.confirmed_flush_lsn(sql).await >= past_b).then_some(()) },
+    )
+    .await;
+    expected.extend(&ahead);
+    expected.extend(&gap);
     expected.extend(insert_transaction(sql, 5, 2, "c").await);
-    let (messages, _) = case.wait_confirmed(&js, sql, 25).await;
+    let (messages, _) = case.wait_confirmed(&js, sql, 26).await;
     let ids: Vec<i64> = messages.iter().map(Stored::outbox_id).collect();
     assert_eq!(
         ids, expected,
