@@ -24,19 +24,22 @@ enum Lifecycle {
     /// included, every 20–80 ms (with concurrent writers, rows not yet relayed too), while the
     /// relay marks what it relayed `published` (`--mark-published`, the documented migration).
     PollerCleanup,
-    /// The relay's own retention, with a 1 s grace.
+    /// The relay's own retention, with a 1 s grace. It deletes only rows the slot confirmed,
+    /// so it never took the stream's tail row with unconfirmed events behind it: a guard, not
+    /// a case the table check got wrong.
     Retention,
     /// `TRUNCATE outbox_events` every 300–800 ms.
     Truncate,
-    /// A table partitioned by id range, its oldest partition detached and dropped while
-    /// newer rows are written.
+    /// A table partitioned by id range (100 rows a partition), its oldest partition detached
+    /// and dropped as soon as rows go to the next one: rows not yet relayed, the stream's tail
+    /// row among them, go with it.
     DroppedPartition,
 }
 
 /// Rows per partition of [`Lifecycle::DroppedPartition`]'s table.
-const PARTITION_ROWS: i64 = 500;
+const PARTITION_ROWS: i64 = 100;
 /// Partitions created ahead (a default partition takes the rest).
-const PARTITIONS: i64 = 80;
+const PARTITIONS: i64 = 150;
 
 /// The seed's table partitioned by id (a unique key must include the partition key).
 fn partitioned_by_id() -> String {
