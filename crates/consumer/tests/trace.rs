@@ -195,7 +195,7 @@ async fn relayed_and_applied_once_in_the_producers_spans(table: Table) {
     use testkit::harness::{built_relay, servers, Case};
     exported();
     let mut case = Case::with_table(table.name, table.create, &[table.env]);
-    case.relay_bin = built_relay(None).unwrap();
+    case.relay_bin = built_relay(None, env!("CARGO_PKG_NAME")).unwrap();
     let pg = &servers().pg;
     pg.psql(&case.database, outbox_consumer::SCHEMA_SQL);
     pg.psql(

@@ -26,7 +26,7 @@ const SCHEMA: &str = include_str!("../../../sql/schema.sql");
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let keep = std::env::args().any(|a| a == "--keep");
-    let relay_bin = built_relay(None).map_err(anyhow::Error::msg)?;
+    let relay_bin = built_relay(None, env!("CARGO_PKG_NAME")).map_err(anyhow::Error::msg)?;
 
     println!("== starting a throwaway Postgres 15 (wal_level=logical) and nats-server -js");
     let (pg, nats) = tokio::task::spawn_blocking(|| (Postgres::start(), Nats::start())).await?;

@@ -164,7 +164,10 @@ where
 /// `outbox-relay` of cargo profile `profile` (`None`: the running executable's own) in the
 /// running executable's target directory, built first when this runs under cargo (`CARGO`
 /// is set, as with `cargo run`): how the demo and the benchmark find the relay they run.
-pub fn built_relay(profile: Option<&str>) -> Result<PathBuf, String> {
+/// `with` is the running package: it is built alongside (`-p outbox-relay -p {with}`), so
+/// that cargo unifies the dependencies' features as it did for the running package when
+/// that one depends on the relay crate, and compiles nothing a second time.
+pub fn built_relay(profile: Option<&str>, with: &str) -> Result<PathBuf, String> {
     let own = target_profile_dir();
     let own_name = own
         .file_name()
@@ -182,9 +185,9 @@ pub fn built_relay(profile: Option<&str>) -> Result<PathBuf, String> {
     let relay = own.with_file_name(directory).join("outbox-relay");
     if let Some(cargo) = std::env::var_os("CARGO") {
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        eprintln!("cargo build --profile {profile} -p outbox-relay");
+        eprintln!("cargo build --profile {profile} -p outbox-relay -p {with}");
         let status = Command::new(cargo)
-            .args(["build", "--profile", profile, "-p", "outbox-relay"])
+            .args(["build", "--profile", profile, "-p", "outbox-relay", "-p", with])
             .current_dir(&workspace)
             .status()
             .map_err(|e| format!("cannot run cargo build -p outbox-relay: {e}"))?;
