@@ -252,6 +252,7 @@ impl Bench {
 pub fn locate_relay(explicit: Option<PathBuf>) -> Result<PathBuf> {
     match explicit {
         Some(path) => Ok(path),
-        None => harness::built_relay(Some("release"), env!("CARGO_PKG_NAME")).map_err(anyhow::Error::msg),
+        None => harness::built_relay(Some("release"), env!("CARGO_PKG_NAME"))
+            .map_err(anyhow::Error::msg),
     }
 }

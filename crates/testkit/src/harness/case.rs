@@ -187,7 +187,15 @@ pub fn built_relay(profile: Option<&str>, with: &str) -> Result<PathBuf, String>
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         eprintln!("cargo build --profile {profile} -p outbox-relay -p {with}");
         let status = Command::new(cargo)
-            .args(["build", "--profile", profile, "-p", "outbox-relay", "-p", with])
+            .args([
+                "build",
+                "--profile",
+                profile,
+                "-p",
+                "outbox-relay",
+                "-p",
+                with,
+            ])
             .current_dir(&workspace)
             .status()
             .map_err(|e| format!("cannot run cargo build -p outbox-relay: {e}"))?;
