@@ -10,9 +10,12 @@
 //! # Invariants
 //! - S1 A stored position is of the session's own history only when the stored message
 //!   carries the session's `Outbox-Source` (cluster, timeline, database, slot:
-//!   `outbox::source`) and its commit LSN lies below the server's WAL end. Anything else is a
-//!   [`Distrust`] for the caller to report; the session then compares nothing with the
-//!   stream and relies on `Nats-Msg-Id` de-duplication for what it replays (S6).
+//!   `outbox::source`). Anything else is a [`Distrust`] for the caller to report; the session
+//!   then compares nothing with the stream and relies on `Nats-Msg-Id` de-duplication for
+//!   what it replays (S6). A tail whose commit LSN lies at or beyond the server's WAL end (a
+//!   database restored from an older backup) is reported too, but still compared through:
+//!   S4 skips only what the stream holds at its place, so the events the restored history
+//!   replays unchanged are skipped, and the first new one ends the comparison.
 //! - S2 Nothing but the stream vouches for a replayed event: not the table (outbox tables are
 //!   emptied by design: Debezium's remove-after-insert, a poller's clean-up, retention,
 //!   TRUNCATE, dropped partitions), not what an earlier session of the process saw
@@ -381,8 +384,9 @@ pub enum Distrust {
         /// The tail's `Outbox-Source`, if any.
         theirs: Option<String>,
     },
-    /// The position's commit LSN lies at or beyond the server's WAL end: not this server's
-    /// history (a restored-older database, or a message the relay did not write).
+    /// The position's commit LSN lies at or beyond the server's WAL end: WAL this server does
+    /// not have (a restored-older database, or a message the relay did not write). Reported;
+    /// the replay is still compared with the stream (S1, S4).
     BeyondWalEnd {
         /// Its commit LSN.
         commit_lsn: Lsn,
@@ -427,11 +431,21 @@ pub fn plan(tail: &Tail, session: &Session<'_>) -> Resume {
         Ok(position) => resume.compare_through = position,
         Err(why) => resume.distrust.push(why),
     }
+    // S1: a tail beyond the WAL end (a database restored from an older backup) is reported,
+    // and still compared through: the comparison skips only what the stream holds at its
+    // place (S4), so the events the restored history replays unchanged are not stored twice.
+    if let Some(position) = resume.compare_through {
+        if position.commit_lsn >= session.wal_end {
+            resume.distrust.push(Distrust::BeyondWalEnd {
+                commit_lsn: position.commit_lsn,
+            });
+        }
+    }
     resume
 }
 
-/// The tail's position, if it is of this session's history (S1, S5) below the WAL end;
-/// `Ok(None)` for an empty stream.
+/// The tail's position, if it is of this session's history (S1, S5); `Ok(None)` for an
+/// empty stream.
 fn tail_position(tail: &Tail, session: &Session<'_>) -> Result<Option<Position>, Distrust> {
     let (position, source) = match &tail.last {
         None => return Ok(None),
@@ -448,11 +462,6 @@ fn tail_position(tail: &Tail, session: &Session<'_>) -> Result<Option<Position>,
         })) => (*position, source),
     };
     session.lineage.owns(source.as_deref(), position)?;
-    if position.commit_lsn >= session.wal_end {
-        return Err(Distrust::BeyondWalEnd {
-            commit_lsn: position.commit_lsn,
-        });
-    }
     Ok(Some(position))
 }
 
@@ -697,11 +706,12 @@ mod tests {
         );
     }
 
+    /// S1: reported, and still compared through (S4 skips only what the stream holds).
     #[test]
-    fn a_position_at_or_beyond_the_wal_end_is_not_used() {
+    fn a_position_at_or_beyond_the_wal_end_is_reported_and_still_compared() {
         let ours_only = lineage(SOURCE, vec![]);
         let resume = plan(&tail(ours(at(1_000, 0))), &session(&ours_only));
-        assert_eq!(resume.compare_through, None);
+        assert_eq!(resume.compare_through, Some(at(1_000, 0)));
         assert_eq!(
             resume.distrust,
             vec![Distrust::BeyondWalEnd {

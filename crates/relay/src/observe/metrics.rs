@@ -284,7 +284,7 @@ impl Metrics {
             ),
             (
                 "tail_rejected",
-                "Stored positions not used to skip because they lie beyond the server's WAL end or their rows do not check out against the table (a restored database, or a message the relay did not write)",
+                "Stream tails beyond the server's WAL end (a restored database, or a message the relay did not write; the replay is still compared with the stream) or past an earlier timeline's switch point (not used)",
                 &counters.tail_rejected,
             ),
             (
@@ -420,7 +420,7 @@ impl Metrics {
             Distrust::BeyondWalEnd { commit_lsn } => {
                 self.counters.tail_rejected.inc();
                 warn!(commit_lsn = %commit_lsn, metric = TAIL_REJECTED_NAME,
-                    "the stream's last message claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?); not skipping by it: {FALLBACK}");
+                    "the stream's last message claims a commit beyond the server's WAL end (restored from an older backup, or a message not written by this relay?): the replay is compared with the stream's messages, and only the events it holds at their place are skipped; check with `outbox-relay verify` (docs/guarantees.md)");
             }
         }
     }
