@@ -75,4 +75,35 @@ pub enum Rules {
     OldTableCheck,
     /// [`Rules::OldTableCheck`] without the row check.
     NoRowCheckOld,
+    /// Candidate fixes of the findings, not main's rules: [`Rules::Current`] with these.
+    Candidate(Fixes),
+}
+
+/// Candidate fixes of the findings of the model checker against main's rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Fixes {
+    /// F1 ([`check::known_restore_duplicate`]): a tail of the session's source whose
+    /// position lies at or beyond the WAL end (`Distrust::BeyondWalEnd`, a restored
+    /// database) is still compared through (S4 compares each replayed event's identity, so
+    /// a lost history's message vouches for nothing of the new one).
+    pub compare_beyond_wal_end: bool,
+    /// F2 (a session loop after a restore): the first event past the doubt, after an event
+    /// published in doubt, is published as one in doubt is: after every earlier answer, the
+    /// fence set to the stream's last sequence (`Doubt::settle`).
+    pub settle_at_doubts_end: bool,
+}
+
+impl Rules {
+    /// Whether these rules compare replayed events with the stream (S4) and fence by S6.
+    pub fn compares(self) -> bool {
+        matches!(self, Rules::Current | Rules::Candidate(_))
+    }
+
+    /// The candidate fixes these rules apply.
+    pub fn fixes(self) -> Fixes {
+        match self {
+            Rules::Candidate(fixes) => fixes,
+            _ => Fixes::default(),
+        }
+    }
 }

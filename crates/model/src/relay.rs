@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 
 use outbox::{EventId, Lsn, OutboxEvent, Position};
-use sink::resume::{plan, vouch, Doubt, Lineage, Mark, Tail, Walk};
+use sink::resume::{plan, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
 use sink::{AckTracker, Ticket};
 
 use crate::model::State;
@@ -81,6 +81,9 @@ pub struct Session {
     /// The stream sequence of the session's newest publish stored as new (P15's
     /// `Answered`).
     pub stored: Option<u64>,
+    /// `Fixes::settle_at_doubts_end`: an event was published in doubt since the last
+    /// settle.
+    pub doubted: bool,
 }
 
 /// The relay process.
@@ -176,12 +179,18 @@ impl Context {
             in_flight: VecDeque::new(),
             answers: VecDeque::new(),
             stored: None,
+            doubted: false,
         };
         match self.rules {
-            Rules::Current => {
+            Rules::Current | Rules::Candidate(_) => {
                 session.compare = resume.compare_through;
-                session.doubt = Doubt::at_start(resume.fence, resume.compare_through);
-                if resume.compare_through.is_some() {
+                if self.rules.fixes().compare_beyond_wal_end
+                    && matches!(resume.distrust[..], [Distrust::BeyondWalEnd { .. }])
+                {
+                    session.compare = tail.last_position();
+                }
+                session.doubt = Doubt::at_start(resume.fence, session.compare);
+                if session.compare.is_some() {
                     session.vouching = Vouching::Unlocated;
                 }
             }
@@ -196,7 +205,7 @@ impl Context {
                 state.pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
             match self.rules {
-                Rules::Current => {
+                Rules::Current | Rules::Candidate(_) => {
                     let _ = write!(
                         log,
                         "compare through {}, doubt {:?}",
@@ -266,13 +275,13 @@ impl Context {
         let end = txn.end;
         let mut session = current.clone();
         let skip = match self.rules {
-            Rules::Current if session.vouching != Vouching::Off => holds(
+            rules if rules.compares() && session.vouching != Vouching::Off => holds(
                 &mut session,
                 &event(row, position),
                 &state.stream,
                 &self.lineage,
             ),
-            Rules::Current => false,
+            rules if rules.compares() => false,
             _ => session
                 .skip_through
                 .is_some_and(|through| position <= through),
@@ -286,7 +295,7 @@ impl Context {
             let ticket = tracker(session.tracker.publish());
             tracker(session.tracker.ack(ticket));
             said = match self.rules {
-                Rules::Current => format!(
+                Rules::Current | Rules::Candidate(_) => format!(
                     "skips {row} at {} (vouched for by the stream's message at its place)",
                     at(position)
                 ),
@@ -296,7 +305,11 @@ impl Context {
                 ),
             };
         } else {
-            if self.rules == Rules::Current && session.doubt.covers(position) {
+            let at_doubts_end = self.rules.fixes().settle_at_doubts_end && session.doubted;
+            if self.rules.compares() && (session.doubt.covers(position) || at_doubts_end) {
+                if self.rules.fixes().settle_at_doubts_end {
+                    session.doubted = session.doubt.covers(position);
+                }
                 // P15: alone, once every earlier answer is in.
                 if !session.in_flight.is_empty() || !session.answers.is_empty() {
                     return false;
@@ -373,7 +386,7 @@ impl Context {
                     return false;
                 }
                 tracker(session.tracker.ack(sent.ticket));
-                if self.rules != Rules::Current {
+                if !self.rules.compares() {
                     let newest = (sent.publish.position, row);
                     state.relay.memory = Some(match state.relay.memory {
                         Some(known) if known.0 > newest.0 => known,

@@ -4,8 +4,8 @@
 //! `OUTBOX_MODEL_DEEP=1` checks the current rules at larger bounds.
 
 use outbox_model::{
-    check, check_safety, check_with, known_restore_duplicate, Action, Bounds, Model, Options,
-    Report, Rules, Violation,
+    check, check_safety, check_with, known_restore_duplicate, Action, Bounds, Fixes, Model,
+    Options, Report, Rules, Violation,
 };
 
 fn run(rules: Rules, bounds: Bounds) -> Report {
@@ -189,4 +189,80 @@ fn the_old_rules_without_the_row_check_skip_after_a_restore() {
     );
     assert!(found.trace.contains("skips"), "{found}");
     assert!(run(Rules::Current, bounds).counterexample.is_none());
+}
+
+/// Finding F2's world: 4 transactions of up to 2 events (one rolled back, so the new rows
+/// after the restore do not reuse the lost history's ids), a crash, a backup and its restore.
+fn f2_bounds() -> Bounds {
+    only(|b| {
+        b.transactions = 4;
+        b.max_events = 2;
+        b.rollbacks = true;
+        b.crashes = 1;
+        b.restores = 1;
+    })
+}
+
+/// F2 is still there: on main's rules, after a restore written past the old tail and a
+/// crash, a session replays events the stream holds outside its run in doubt (S6), the
+/// last of them is answered as a duplicate, and the first event past the doubt carries a
+/// fence that counted it: refused, and the next session does the same (a loop). When this
+/// fails, F2 is fixed: un-ignore
+/// `f2_a_duplicate_at_the_end_of_the_doubt_leaves_the_fence_ahead_a_session_loop`.
+#[test]
+fn finding_f2_is_still_found() {
+    let report = check(&Model::new(Rules::Current, f2_bounds()));
+    eprintln!("{report}");
+    let found = report
+        .counterexample
+        .expect("F2 is fixed: see the test's doc");
+    assert_eq!(found.violation, Violation::Loop, "{found}");
+    assert!(
+        found.actions[..found.fault_free_from]
+            .iter()
+            .any(|a| matches!(a, Action::Restore(_))),
+        "{found}"
+    );
+    assert!(
+        found.trace.contains("refused: wrong last sequence"),
+        "{found}"
+    );
+}
+
+/// Finding F2, as a test of what should hold: every fault-free run after a restore and a
+/// crash ends with every event stored and confirmed. Fails on main's rules (it prints the
+/// trace); ignored until F2 is fixed.
+#[test]
+#[ignore = "finding F2: fails on main's rules (sink::resume S6 settles only before events in doubt)"]
+fn f2_a_duplicate_at_the_end_of_the_doubt_leaves_the_fence_ahead_a_session_loop() {
+    let report = run(Rules::Current, f2_bounds());
+    assert!(
+        report.counterexample.is_none(),
+        "{}",
+        report
+            .counterexample
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
+}
+
+/// The candidate fix of F2 (`Fixes::settle_at_doubts_end`: the first event past the doubt
+/// is settled as one in doubt is) removes the loop in F2's world.
+#[test]
+fn the_candidate_fix_of_f2_removes_the_loop() {
+    let fixed = Rules::Candidate(Fixes {
+        compare_beyond_wal_end: false,
+        settle_at_doubts_end: true,
+    });
+    let report = run(fixed, f2_bounds());
+    assert!(
+        report.counterexample.is_none(),
+        "{}",
+        report
+            .counterexample
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
 }
