@@ -532,15 +532,17 @@ pub fn summary(state: &State) -> String {
     s
 }
 
-/// Finding F1 (issue 37's model checker, against main's rules): after a Postgres restore
-/// whose WAL end lies at or below the stream's tail (the tail is a lost history's message),
-/// `sink::resume::plan` distrusts the tail (S1, `Distrust::BeyondWalEnd`), so S4 compares
-/// nothing and the session replays every event the restored slot gives it under S6's doubt;
+/// Finding F1 (issue 37's model checker, against main's rules): after a Postgres restore,
 /// once the duplicate window has expired, an event of the current history that the stream
-/// holds at its place is stored a second time. docs/guarantees.md ("After a restore", step
-/// 2) says replays may be stored twice after the window; the stream's message at the
-/// event's place would vouch for it (S4), but is never read. Whether a counterexample is
-/// this one: an event stored twice, on a trace with a restore and a window expiry.
+/// holds is stored a second time. Two causes: the restored WAL end lies at or below the
+/// stream's tail (a lost history's message), so `sink::resume::plan` distrusts the tail (S1,
+/// `Distrust::BeyondWalEnd`) and the session compares nothing; or the walk back from the
+/// tail (S4, `walks_past`) stops at a lost history's message at the same position as a new
+/// one (not in commit order), so the run misses the current history's earlier messages.
+/// Either way the event is replayed in doubt (S6) and only the window recognises it.
+/// docs/guarantees.md ("After a restore", step 2) says replays may be stored twice after the
+/// window. Whether a counterexample is this one: an event stored twice, on a trace with a
+/// restore and a window expiry.
 pub fn known_restore_duplicate(violation: &Violation, actions: &[Action]) -> bool {
     matches!(violation, Violation::I6Twice { .. })
         && actions.contains(&Action::Expire)

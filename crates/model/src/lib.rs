@@ -11,7 +11,7 @@
 //! takes is its own code: `sink::resume::plan`, `Walk`, `vouch`, `Doubt`, `AckTracker`,
 //! `Claim::is_row`.
 //!
-//! [`check`] explores every interleaving up to [`Bounds`] breadth first and checks, in every
+//! [`check()`] explores every interleaving up to [`Bounds`] breadth first and checks, in every
 //! state, the invariants as docs/architecture.md numbers them: I1 (the slot never confirms
 //! past an event the stream does not hold), I5 (commit order), I6 (exactly once, a gap-free
 //! prefix of the commit order), nothing rolled back; and progress: from every state, every
@@ -26,7 +26,7 @@
 //! replayed with the relay's own words for each decision, and no dependency tree for a
 //! test (stateright brings an HTTP explorer, crossbeam, dashmap, parking_lot, serde). The
 //! explorer is 200 lines: a table of visited fingerprints with parent pointers, a queue,
-//! and a memoised depth-first search for progress ([`check`] C1–C4).
+//! and a memoised depth-first search for progress ([`mod@check`] C1–C4).
 //!
 //! # Rules
 //! [`Rules::Current`] are main's rules as of issue 37 (resume by comparing replayed events
@@ -36,6 +36,22 @@
 //! fence that predicts one more sequence per publish, duplicate or not.
 //! [`Rules::NoRowCheckOld`] is the old rules without S4's row check. The checker must fail
 //! on both (a mutation test of the checker itself: `tests/check.rs`).
+//!
+//! # Findings against main's rules
+//! - F1 ([`check::known_restore_duplicate`]): after a restore and a window expiry, an event
+//!   the stream holds is stored twice (documented for restores; counted as known in CI).
+//! - F2: after a restore written past the old tail and a crash, a session loop (found at 4
+//!   transactions): the last event in doubt is answered as a duplicate and the first event
+//!   past the doubt carries a fence that counted it. [`Rules::Candidate`] with
+//!   [`Fixes::settle_at_doubts_end`] removes it in the model.
+//!
+//! # Decisions the model cannot call
+//! Mirrored in [`relay`], each named there: the order of `sink::vouch::Vouching::holds` (when
+//! the run is located, when the comparison ends), the publisher's `publish_item` and
+//! `settle` (skip, then settle when in doubt, then publish), the acker's P8 judgement
+//! (`Duplicates::other_event`, private; the model calls `Claim::is_row` and
+//! `Claim::is_anonymous` as it does), the fence's advance (`Fence::advance`, `pub(crate)`),
+//! and where the slot's replay starts (Postgres).
 //!
 //! # What the model leaves out
 //! One source and timeline (no fail-over, no timeline history: S5 is not exercised), no
@@ -52,7 +68,7 @@
 //! - W1–W4 ([`world`]): what the environment is and how the stream answers.
 //! - M1–M2 ([`model`]): steps are functions; faults are bounded, the relay's steps not.
 //! - R1–R3 ([`relay`]): what a session keeps, how it ends, the window and P15.
-//! - C1–C4 ([`check`]): every state once; safety in each; progress from each; traces.
+//! - C1–C4 ([`mod@check`]): every state once; safety in each; progress from each; traces.
 
 pub mod check;
 pub mod model;

@@ -5,7 +5,7 @@
 //! # Invariants
 //! - W1 The WAL holds committed transactions only, in commit order, each of 1–2 events at
 //!   increasing LSNs; a rolled-back transaction takes ids and a `created_at` tick, and never
-//!   reaches the WAL ([`State::rolled_back`]).
+//!   reaches the WAL ([`crate::model::State::rolled_back`]).
 //! - W2 A row is identified by its outbox id and `created_at` ([`Row`]): the clock never
 //!   rewinds, so a row written after a restore (reused id, reused LSN) is another row, with
 //!   another ordering key, as the real `created_at` makes it.
