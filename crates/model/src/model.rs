@@ -67,6 +67,16 @@ impl Bounds {
         }
     }
 
+    /// `OUTBOX_MODEL_DEEP=1`'s second run: 4 transactions and 2 crashes, no restore (with a
+    /// restore, 4 transactions find finding F2).
+    pub fn deep_without_restore() -> Bounds {
+        Bounds {
+            transactions: 4,
+            restores: 0,
+            ..Bounds::deep()
+        }
+    }
+
     /// No faults at all: only transactions.
     pub fn none() -> Bounds {
         Bounds {
