@@ -446,12 +446,12 @@ impl Cut {
 /// than [`DEAD_LETTER_ID_MAX`] bytes. A function of the event alone (M3).
 /// The `Nats-Msg-Id` the relay writes for `event` (M1: percent-encoded for a header-hostile
 /// row).
-pub(crate) fn msg_id(event: &OutboxEvent) -> String {
+pub fn msg_id(event: &OutboxEvent) -> String {
     value(event.keys.dedupe_key.clone(), event.is_hostile())
 }
 
 /// The `Nats-Msg-Id` of `event`'s dead-letter record.
-pub(crate) fn dead_letter_msg_id(event: &OutboxEvent) -> String {
+pub fn dead_letter_msg_id(event: &OutboxEvent) -> String {
     dead_letter_id(event, event.is_hostile())
 }
 

@@ -522,7 +522,7 @@ impl Walk {
 }
 
 /// S6: which replayed events the stream may hold already.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Doubt {
     /// None: the stream was empty, the session stored a publish as new, or not strict mode.
     None,

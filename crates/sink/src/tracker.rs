@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Ticket(u64);
 
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Group<P> {
     /// Publishes not yet acknowledged.
     pending: u64,
@@ -46,8 +46,9 @@ pub enum TrackerError {
     UnknownTicket,
 }
 
-/// Turns acknowledgements into a confirmable watermark. See the module docs.
-#[derive(Debug)]
+/// Turns acknowledgements into a confirmable watermark. See the module docs. `Clone`, `Eq`
+/// and `Hash` for a model checker's state (`crates/model`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AckTracker<P> {
     groups: VecDeque<Group<P>>,
     /// Sequence number of `groups[0]`.

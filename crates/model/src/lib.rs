@@ -1,0 +1,125 @@
+//! An explicit-state model checker of the relay's restart decisions (issue 37).
+//!
+//! The world around the relay is modelled, small and explicit ([`world`], [`model`]): an
+//! outbox table whose rows others delete or TRUNCATE at any time, the WAL in commit order
+//! with transactions of 1–2 events (some rolled back), the slot's confirmed position, a
+//! cold backup that rewinds WAL, slot and table and is then written past with reused ids and
+//! LSNs (another `created_at`, so another ordering key), and the JetStream stream with the
+//! relay's marks on each message, its last sequence, a duplicate window that expires, and
+//! its answer to each publish (stored, duplicate, or refused by the fence). The relay
+//! ([`relay`]) crashes between any two steps, losing its session. Every decision the relay
+//! takes is its own code: `sink::resume::plan`, `Walk`, `vouch`, `Doubt`, `AckTracker`,
+//! `Claim::is_row`.
+//!
+//! [`check()`] explores every interleaving up to [`Bounds`] breadth first and checks, in every
+//! state, the invariants as docs/architecture.md numbers them: I1 (the slot never confirms
+//! past an event the stream does not hold), I5 (commit order), I6 (exactly once, a gap-free
+//! prefix of the commit order), nothing rolled back; and progress: from every state, every
+//! run of the relay without further faults reaches a state where every committed event is
+//! stored and confirmed (or the relay halted naming a reused id, P8), never a loop.
+//!
+//! # Why an explorer of our own, not stateright
+//! stateright 0.31 (crates.io) would do, but the checker needs three things it does not give
+//! as directly: the progress property as "every fault-free continuation of every reachable
+//! state ends" (a search over a sub-graph from each state, with a memo; stateright's
+//! `eventually` properties are checked per path and are documented as incomplete), traces
+//! replayed with the relay's own words for each decision, and no dependency tree for a
+//! test (stateright brings an HTTP explorer, crossbeam, dashmap, parking_lot, serde). The
+//! explorer is 200 lines: a table of visited fingerprints with parent pointers, a queue,
+//! and a memoised depth-first search for progress ([`mod@check`] C1–C4).
+//!
+//! # Rules
+//! [`Rules::Current`] are main's rules as of issue 37 (resume by comparing replayed events
+//! with the stream's run, S2/S4/S6, P15). [`Rules::OldTableCheck`] re-implements the rules
+//! before (commit 739aa4d): skip through the tail's position once its row checks out
+//! against the table (old S4), or through what the process saw acknowledged (old S2), and a
+//! fence that predicts one more sequence per publish, duplicate or not.
+//! [`Rules::NoRowCheckOld`] is the old rules without S4's row check. The checker must fail
+//! on both (a mutation test of the checker itself: `tests/check.rs`).
+//!
+//! # Findings against main's rules
+//! - F1 ([`check::known_restore_duplicate`]): after a restore and a window expiry, an event
+//!   the stream holds is stored twice (documented for restores; counted as known in CI).
+//! - F2: after a restore written past the old tail and a crash, a session loop (found at 4
+//!   transactions): the last event in doubt is answered as a duplicate and the first event
+//!   past the doubt carries a fence that counted it. [`Rules::Candidate`] with
+//!   [`Fixes::settle_at_doubts_end`] removes it in the model.
+//!
+//! # Decisions the model cannot call
+//! Mirrored in [`relay`], each named there: the order of `sink::vouch::Vouching::holds` (when
+//! the run is located, when the comparison ends), the publisher's `publish_item` and
+//! `settle` (skip, then settle when in doubt, then publish), the acker's P8 judgement
+//! (`Duplicates::other_event`, private; the model calls `Claim::is_row` and
+//! `Claim::is_anonymous` as it does), the fence's advance (`Fence::advance`, `pub(crate)`),
+//! and where the slot's replay starts (Postgres).
+//!
+//! # What the model leaves out
+//! One source and timeline (no fail-over, no timeline history: S5 is not exercised), no
+//! lease or standby, no second writer, no shared mode, no atomic or fast batches, no
+//! dead-letter policy (P8 halts), no stream limits, purges or deleted messages, no idle
+//! positions or keepalives, no slot invalidation, no `--mark-published` and no identity
+//! checks. A session's start (slot, WAL end, tail, plan) is one step, and a dead session's
+//! in-flight publishes land (a prefix of them) before anything else happens. The status
+//! update may come at any time or never within a session (its timing is free). A TRUNCATE
+//! does not restart identity (reused ids come from the restore). `Nats-Msg-Id` is a function
+//! of the outbox id alone.
+//!
+//! # Invariants
+//! - W1–W4 ([`world`]): what the environment is and how the stream answers.
+//! - M1–M2 ([`model`]): steps are functions; faults are bounded, the relay's steps not.
+//! - R1–R3 ([`relay`]): what a session keeps, how it ends, the window and P15.
+//! - C1–C4 ([`mod@check`]): every state once; safety in each; progress from each; traces.
+
+pub mod check;
+pub mod model;
+pub mod relay;
+pub mod world;
+
+pub use check::{
+    check, check_safety, check_with, known_restore_duplicate, Counterexample, Options, Report,
+    Violation,
+};
+pub use model::{Action, Bounds, Model, State};
+
+/// Which rules decide what a session skips and how the fence moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rules {
+    /// main's rules as of issue 37: `sink::resume` S1–S6, P15.
+    Current,
+    /// The rules of 739aa4d: the tail's row checked against the table (old S4), the
+    /// process's memory of what was acknowledged (old S2), the fence always advancing.
+    OldTableCheck,
+    /// [`Rules::OldTableCheck`] without the row check.
+    NoRowCheckOld,
+    /// Candidate fixes of the findings, not main's rules: [`Rules::Current`] with these.
+    Candidate(Fixes),
+}
+
+/// Candidate fixes of the findings of the model checker against main's rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Fixes {
+    /// F1 ([`check::known_restore_duplicate`]): a tail of the session's source whose
+    /// position lies at or beyond the WAL end (`Distrust::BeyondWalEnd`, a restored
+    /// database) is still compared through (S4 compares each replayed event's identity, so
+    /// a lost history's message vouches for nothing of the new one).
+    pub compare_beyond_wal_end: bool,
+    /// F2 (a session loop after a restore): the first event past the doubt, after an event
+    /// published in doubt, is published as one in doubt is: after every earlier answer, the
+    /// fence set to the stream's last sequence (`Doubt::settle`).
+    pub settle_at_doubts_end: bool,
+}
+
+impl Rules {
+    /// Whether these rules compare replayed events with the stream (S4) and fence by S6.
+    pub fn compares(self) -> bool {
+        matches!(self, Rules::Current | Rules::Candidate(_))
+    }
+
+    /// The candidate fixes these rules apply.
+    pub fn fixes(self) -> Fixes {
+        match self {
+            Rules::Candidate(fixes) => fixes,
+            _ => Fixes::default(),
+        }
+    }
+}

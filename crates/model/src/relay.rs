@@ -1,0 +1,564 @@
+//! The relay inside the model: its process memory, its session, and each of its steps.
+//! Every decision is the relay's own code, called as the relay calls it:
+//! [`sink::resume::plan`] (what the tail is trusted for), [`sink::resume::Walk`] and
+//! [`sink::resume::vouch`] (what a session skips), [`sink::resume::Doubt`] (the fence after
+//! duplicates), [`sink::AckTracker`] (what may be confirmed),
+//! [`sink::resume::Claim::is_row`] (P8's check of a duplicate's original). What this module
+//! writes itself is the glue the relay keeps in async I/O code: the order of those calls
+//! (`sink::vouch::Vouching::holds`, `sink::publisher`'s `publish_item` and `settle`, the
+//! acker's `acknowledge`), mirrored line by line and named where it is.
+//!
+//! # Invariants
+//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and keeps
+//!   nothing of an earlier session ([`Rules::Current`], S2). [`Rules::OldTableCheck`] and
+//!   [`Rules::NoRowCheckOld`] keep old S2's memory of what the process saw acknowledged,
+//!   lost when the process crashes.
+//! - R2 A session ends (its in-flight publishes landing or not) on a refusal, a P8 halt, a
+//!   crash or a Postgres restore; a halt stops the relay for good (`PoisonPolicy::Halt`).
+//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] an event in
+//!   doubt waits for every earlier answer (P15).
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+
+use outbox::{EventId, Lsn, OutboxEvent, Position};
+use sink::resume::{plan, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
+use sink::{AckTracker, Ticket};
+
+use crate::model::State;
+use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, SOURCE};
+use crate::Rules;
+
+/// Where a session's comparison of replayed events with the stream is (`sink::vouch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Vouching {
+    /// Nothing to compare (no tail of this history, or the old rules).
+    Off,
+    /// The run is found when the first event to compare arrives.
+    Unlocated,
+    /// The run's next message is at this sequence.
+    Reading(u64),
+    /// The comparison ended (RV2).
+    Ended,
+}
+
+/// A publish handed to the connection and the tracker's ticket for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Sent {
+    /// What the server gets.
+    pub publish: Publish,
+    /// The tracker's ticket.
+    pub ticket: Ticket,
+}
+
+/// One session of the relay: everything a crash loses.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Session {
+    /// The stream's last sequence when it started (`SinkOptions::fence`).
+    pub start: u64,
+    /// `Nats-Expected-Last-Sequence` of the next publish.
+    pub fence: u64,
+    /// `Nats-Expected-Last-Msg-Id` of the next publish: the previous publish's (P5).
+    pub chain: Option<i64>,
+    /// S6 (current rules).
+    pub doubt: Doubt,
+    /// Old rules: replayed events at or before this are skipped unseen.
+    pub skip_through: Option<Position>,
+    /// S4: events at or before this are compared with the stream (`Compare::through`).
+    pub compare: Option<Position>,
+    /// Where the comparison is.
+    pub vouching: Vouching,
+    /// The next event the replication stream delivers: a WAL transaction and an index in it.
+    pub next_txn: usize,
+    /// See `next_txn`.
+    pub next_event: usize,
+    /// The session's tracker (A1–A4).
+    pub tracker: AckTracker<u64>,
+    /// Publishes handed to the connection, not yet answered by the server.
+    pub in_flight: VecDeque<Sent>,
+    /// Answers the acker has not handled yet, in order.
+    pub answers: VecDeque<(Sent, Answer)>,
+    /// The stream sequence of the session's newest publish stored as new (P15's
+    /// `Answered`).
+    pub stored: Option<u64>,
+    /// `Fixes::settle_at_doubts_end`: an event was published in doubt since the last
+    /// settle.
+    pub doubted: bool,
+}
+
+/// The relay process.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct Relay {
+    /// The session streaming, if any.
+    pub session: Option<Session>,
+    /// Old S2: the newest event this process saw acknowledged (lost on a crash).
+    pub memory: Option<(Position, Row)>,
+    /// The relay stopped for good (P8 under `PoisonPolicy::Halt`), and why.
+    pub halted: Option<Halt>,
+}
+
+/// Why the relay halted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Halt {
+    /// P8: a duplicate of another row's message (a reused outbox id within the window).
+    ReusedId {
+        /// The event's row.
+        row: Row,
+        /// The original's.
+        original: Row,
+    },
+    /// P8: a duplicate of a message without a row identity (cannot happen in the model: only
+    /// the relay writes).
+    ForeignDuplicate,
+}
+
+/// What the relay needs to know of itself.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// Which rules decide.
+    pub rules: Rules,
+    /// The session's history (one source, timeline 1).
+    pub lineage: Lineage,
+    /// `max_in_flight`.
+    pub window: usize,
+    /// P5's id chain (a one-replica stream).
+    pub id_chain: bool,
+}
+
+impl Context {
+    /// A context for `rules`.
+    pub fn new(rules: Rules, window: usize, id_chain: bool) -> Context {
+        Context {
+            rules,
+            lineage: Lineage {
+                source: SOURCE.to_owned(),
+                history: Vec::new(),
+            },
+            window,
+            id_chain,
+        }
+    }
+
+    /// A session starts (`relay::process::pipeline`'s `prepare`): the slot's position, the
+    /// WAL end, the stream's tail, the plan.
+    pub fn start(&self, state: &mut State, log: &mut Option<String>) {
+        let tail = Tail {
+            last_sequence: state.stream.last_sequence(),
+            max_msg_size: None,
+            duplicate_window: std::time::Duration::from_secs(120),
+            replicas: 1,
+            last: (state.stream.last_sequence() > 0)
+                .then(|| state.stream.mark(state.stream.last_sequence())),
+        };
+        let wal_end = Lsn(state.pg.next_lsn);
+        let resume = plan(
+            &tail,
+            &sink::resume::Session {
+                lineage: &self.lineage,
+                wal_end,
+                strict: true,
+            },
+        );
+        let fence = resume.fence.unwrap_or(0);
+        let mut session = Session {
+            start: fence,
+            fence,
+            chain: None,
+            doubt: Doubt::None,
+            skip_through: None,
+            compare: None,
+            vouching: Vouching::Off,
+            next_txn: state
+                .pg
+                .wal
+                .iter()
+                .position(|txn| txn.end > state.pg.confirmed)
+                .unwrap_or(state.pg.wal.len()),
+            next_event: 0,
+            tracker: AckTracker::new(state.pg.confirmed),
+            in_flight: VecDeque::new(),
+            answers: VecDeque::new(),
+            stored: None,
+            doubted: false,
+        };
+        match self.rules {
+            Rules::Current | Rules::Candidate(_) => {
+                session.compare = resume.compare_through;
+                if self.rules.fixes().compare_beyond_wal_end
+                    && matches!(resume.distrust[..], [Distrust::BeyondWalEnd { .. }])
+                {
+                    session.compare = tail.last_position();
+                }
+                session.doubt = Doubt::at_start(resume.fence, session.compare);
+                if session.compare.is_some() {
+                    session.vouching = Vouching::Unlocated;
+                }
+            }
+            Rules::OldTableCheck | Rules::NoRowCheckOld => {
+                session.skip_through = self.old_skip_through(state, &tail, &resume, wal_end);
+            }
+        }
+        if let Some(log) = log {
+            let _ = write!(
+                log,
+                "relay: session starts from slot {} (WAL end {}), tail seq {}; plan: fence {}, ",
+                state.pg.confirmed, wal_end.0, tail.last_sequence, fence
+            );
+            match self.rules {
+                Rules::Current | Rules::Candidate(_) => {
+                    let _ = write!(
+                        log,
+                        "compare through {}, doubt {:?}",
+                        session.compare.map_or_else(|| "-".to_owned(), at),
+                        session.doubt
+                    );
+                }
+                _ => {
+                    let _ = write!(
+                        log,
+                        "skip through {}",
+                        session.skip_through.map_or_else(|| "-".to_owned(), at)
+                    );
+                }
+            }
+            if !resume.distrust.is_empty() {
+                let _ = write!(log, " (distrust: {:?})", resume.distrust);
+            }
+        }
+        state.relay.session = Some(session);
+    }
+
+    /// Old S4 and S2 (`git show 739aa4d:crates/sink/src/resume.rs`): skip through the
+    /// further of the tail's position (S1 by `plan`, then its row checked against the table)
+    /// and what the process saw acknowledged (below the WAL end, its row checked against the
+    /// table by id and `created_at`). [`Rules::NoRowCheckOld`] checks no row.
+    fn old_skip_through(
+        &self,
+        state: &State,
+        tail: &Tail,
+        resume: &sink::resume::Resume,
+        wal_end: Lsn,
+    ) -> Option<Position> {
+        let check_rows = self.rules == Rules::OldTableCheck;
+        let from_tail = resume.compare_through.filter(|&position| {
+            !check_rows
+                || match &tail.last {
+                    Some(Ok(mark)) => tail_row_checks_out(&state.pg, mark, position),
+                    _ => false,
+                }
+        });
+        let acknowledged = state
+            .relay
+            .memory
+            .filter(|(position, _)| position.commit_lsn < wal_end)
+            .filter(|(_, row)| {
+                !check_rows || state.pg.table.iter().any(|r| r.id == row.id && r == row)
+            })
+            .map(|(position, _)| position);
+        from_tail.max(acknowledged)
+    }
+
+    /// The publisher takes the replication stream's next event (`publish_item`): skipped
+    /// when the stream holds it (P6), else published, alone after every earlier answer when
+    /// in doubt (P15). `false` when there is none or it must wait (the window, P15).
+    pub fn take(&self, state: &mut State, log: &mut Option<String>) -> bool {
+        let Some(current) = &state.relay.session else {
+            return false;
+        };
+        let Some(txn) = state.pg.wal.get(current.next_txn) else {
+            return false;
+        };
+        let index = current.next_event;
+        let row = txn.rows[index];
+        let position = txn.position(index);
+        let last_of_txn = index + 1 == txn.rows.len();
+        let end = txn.end;
+        let mut session = current.clone();
+        let skip = match self.rules {
+            rules if rules.compares() && session.vouching != Vouching::Off => holds(
+                &mut session,
+                &event(row, position),
+                &state.stream,
+                &self.lineage,
+            ),
+            rules if rules.compares() => false,
+            _ => session
+                .skip_through
+                .is_some_and(|through| position <= through),
+        };
+        let mut said = String::new();
+        if index == 0 {
+            tracker(session.tracker.begin());
+        }
+        if skip {
+            // AckItem::Stored: counted as acknowledged unseen.
+            let ticket = tracker(session.tracker.publish());
+            tracker(session.tracker.ack(ticket));
+            said = match self.rules {
+                Rules::Current | Rules::Candidate(_) => format!(
+                    "skips {row} at {} (vouched for by the stream's message at its place)",
+                    at(position)
+                ),
+                _ => format!(
+                    "skips {row} at {} (at or before the skip-through position)",
+                    at(position)
+                ),
+            };
+        } else {
+            let at_doubts_end = self.rules.fixes().settle_at_doubts_end && session.doubted;
+            if self.rules.compares() && (session.doubt.covers(position) || at_doubts_end) {
+                if self.rules.fixes().settle_at_doubts_end {
+                    session.doubted = session.doubt.covers(position);
+                }
+                // P15: alone, once every earlier answer is in.
+                if !session.in_flight.is_empty() || !session.answers.is_empty() {
+                    return false;
+                }
+                let settled = session
+                    .doubt
+                    .settle(session.start, session.fence, session.stored);
+                session.doubt = settled.doubt;
+                if let Some(sequence) = settled.fence {
+                    session.fence = sequence;
+                    session.chain = None;
+                }
+                let _ = write!(said, "settles (doubt {:?}), ", session.doubt);
+            }
+            if session.in_flight.len() + session.answers.len() >= self.window {
+                return false;
+            }
+            let ticket = tracker(session.tracker.publish());
+            let publish = Publish {
+                row,
+                position,
+                expect_sequence: session.fence,
+                expect_last: if self.id_chain { session.chain } else { None },
+            };
+            session.fence += 1;
+            session.chain = Some(row.id);
+            session.in_flight.push_back(Sent { publish, ticket });
+            let _ = write!(
+                said,
+                "publishes {row} at {} expecting last seq {}{}",
+                at(position),
+                publish.expect_sequence,
+                publish
+                    .expect_last
+                    .map_or_else(String::new, |id| format!(" and last msg id of id {id}"))
+            );
+        }
+        if last_of_txn {
+            tracker(session.tracker.commit(end));
+            session.next_txn += 1;
+            session.next_event = 0;
+        } else {
+            session.next_event += 1;
+        }
+        if let Some(log) = log {
+            let _ = write!(log, "relay: {said}");
+        }
+        state.relay.session = Some(session);
+        true
+    }
+
+    /// The acker handles the oldest answer (`acknowledge`): stored or a duplicate of the
+    /// same row (P8) counts (P1); a duplicate of another row halts (P8, Halt); a refusal
+    /// ends the session (P3), `landed` of its in-flight publishes reaching the server.
+    pub fn ack(&self, state: &mut State, landed: usize, log: &mut Option<String>) -> bool {
+        let Some(session) = state.relay.session.as_mut() else {
+            return false;
+        };
+        let Some((sent, answer)) = session.answers.pop_front() else {
+            return false;
+        };
+        let row = sent.publish.row;
+        let counts = match answer {
+            Answer::Stored(sequence) => {
+                session.stored = Some(sequence);
+                Ok(())
+            }
+            Answer::Duplicate(sequence) => p8(&state.stream, sequence, row),
+            Answer::WrongLastSequence | Answer::WrongLastMsgId => Err(None),
+        };
+        match counts {
+            Ok(()) => {
+                if landed != 0 {
+                    return false;
+                }
+                tracker(session.tracker.ack(sent.ticket));
+                if !self.rules.compares() {
+                    let newest = (sent.publish.position, row);
+                    state.relay.memory = Some(match state.relay.memory {
+                        Some(known) if known.0 > newest.0 => known,
+                        _ => newest,
+                    });
+                }
+                if let Some(log) = log {
+                    let _ = write!(log, "relay: acker takes {row}'s answer ({answer}): counts");
+                }
+            }
+            Err(halt) => {
+                if landed > session.in_flight.len() {
+                    return false;
+                }
+                if let Some(log) = log {
+                    let _ = write!(
+                        log,
+                        "relay: acker takes {row}'s answer ({answer}): the session ends{}",
+                        match halt {
+                            Some(halt) => format!(", the relay HALTS ({halt:?})"),
+                            None => String::new(),
+                        }
+                    );
+                }
+                state.relay.halted = halt;
+                end_session(state, landed, log);
+            }
+        }
+        true
+    }
+
+    /// The status update: the tracker's watermark goes to the slot (I1).
+    pub fn confirm(&self, state: &mut State, log: &mut Option<String>) -> bool {
+        let Some(session) = &state.relay.session else {
+            return false;
+        };
+        let watermark = session.tracker.watermark();
+        if watermark <= state.pg.confirmed {
+            return false;
+        }
+        state.pg.confirmed = watermark;
+        if let Some(log) = log {
+            let _ = write!(log, "relay: confirms {watermark} to the slot");
+        }
+        true
+    }
+}
+
+/// The server answers the session's oldest in-flight publish.
+pub fn process(state: &mut State, log: &mut Option<String>) -> bool {
+    let Some(session) = state.relay.session.as_mut() else {
+        return false;
+    };
+    let Some(sent) = session.in_flight.pop_front() else {
+        return false;
+    };
+    let answer = state.stream.answer(&sent.publish);
+    session.answers.push_back((sent, answer));
+    if let Some(log) = log {
+        let _ = write!(log, "nats: publish of {} -> {answer}", sent.publish.row);
+    }
+    true
+}
+
+/// The session ends (R2): the first `landed` in-flight publishes reach the server (their
+/// answers unread), the rest never do.
+pub fn end_session(state: &mut State, landed: usize, log: &mut Option<String>) {
+    let Some(session) = state.relay.session.take() else {
+        return;
+    };
+    for sent in session.in_flight.iter().take(landed) {
+        let answer = state.stream.answer(&sent.publish);
+        if let Some(log) = log {
+            let _ = write!(
+                log,
+                "; its in-flight publish of {} lands: {answer}",
+                sent.publish.row
+            );
+        }
+    }
+}
+
+/// `sink::vouch::Vouching::holds`, over the model's stream: whether the stream holds `event`
+/// at its place in the run (S4, RV1, RV2), the comparison's state advanced.
+fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &Lineage) -> bool {
+    let Some(through) = session.compare else {
+        return false;
+    };
+    if session.vouching == Vouching::Off {
+        return false;
+    }
+    if event.position > through || session.vouching == Vouching::Ended {
+        session.vouching = Vouching::Ended;
+        return false;
+    }
+    let last_sequence = session.start;
+    if session.vouching == Vouching::Unlocated {
+        // `locate`: walk back from the tail.
+        let mut walk = Walk::from_tail(last_sequence, event.position);
+        let mut sequence = last_sequence;
+        while sequence > 0 {
+            if !walk.step(sequence, &stream.mark(sequence), lineage) {
+                break;
+            }
+            sequence -= 1;
+        }
+        session.vouching = Vouching::Reading(walk.start());
+    }
+    let Vouching::Reading(next) = session.vouching else {
+        return false;
+    };
+    let judged = if next <= last_sequence {
+        session.vouching = Vouching::Reading(next + 1);
+        match stream.mark(next) {
+            Ok(mark) => vouch(&mark, event, lineage),
+            Err(why) => Err(why),
+        }
+    } else {
+        Err("the run ended".to_owned())
+    };
+    match judged {
+        Ok(()) => {
+            if event.position == through {
+                session.vouching = Vouching::Ended;
+            }
+            true
+        }
+        Err(_) => {
+            session.vouching = Vouching::Ended;
+            false
+        }
+    }
+}
+
+/// P8 (`Duplicates::other_event`, not callable: a private method): the original at
+/// `sequence` must be `row`'s event by `Claim::is_row`. `Err(Some(halt))` when it is not.
+fn p8(stream: &Stream, sequence: u64, row: Row) -> Result<(), Option<Halt>> {
+    let Some(original) = stream.at(sequence) else {
+        // Gone from the stream: nothing to check (cannot happen: W4).
+        return Ok(());
+    };
+    let mark: Mark = mark_of(original);
+    if mark
+        .claim
+        .is_row(&EventId::Int(row.id), row.created_at_ms())
+    {
+        return Ok(());
+    }
+    if mark.claim.is_anonymous() {
+        return Err(Some(Halt::ForeignDuplicate));
+    }
+    Err(Some(Halt::ReusedId {
+        row,
+        original: original.row,
+    }))
+}
+
+/// Old S4's check of the tail's row (`relay::process::stored::check_tail`): the row with the
+/// mark's `Outbox-Id` exists and yields its `Nats-Msg-Id` and ordering key.
+fn tail_row_checks_out(pg: &Pg, mark: &Mark, position: Position) -> bool {
+    let Some(EventId::Int(id)) = mark.claim.id else {
+        return false;
+    };
+    pg.table
+        .iter()
+        .find(|row| row.id == id)
+        .is_some_and(|row| mark.claim.check(&event(*row, position)).is_ok())
+}
+
+/// The tracker's protocol is kept by construction (begin, publish, commit, ack in order):
+/// misuse is a bug in the model, and panics.
+#[allow(clippy::unwrap_used)]
+fn tracker<T>(result: Result<T, sink::TrackerError>) -> T {
+    result.unwrap()
+}
