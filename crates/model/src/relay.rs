@@ -189,7 +189,7 @@ impl Context {
                 {
                     session.compare = tail.last_position();
                 }
-                session.doubt = Doubt::at_start(resume.fence, session.compare);
+                session.doubt = Doubt::at_start(resume.fence, session.compare, None);
                 if session.compare.is_some() {
                     session.vouching = Vouching::Unlocated;
                 }

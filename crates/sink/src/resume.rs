@@ -23,17 +23,20 @@
 //!   server's store).
 //! - S3 Strict mode's fence starts at the stream's last sequence whatever the tail says:
 //!   fencing never depends on trusting a position.
-//! - S4 A replayed event is skipped only when the stream holds it at its place ([`vouch`]):
-//!   the session's replayed events at or before the tail's position ([`Resume::compare_through`])
-//!   are compared, in order, with the stream's run of messages that ends at the tail and
-//!   starts after the last message, walking back from the tail, that is not of this history
-//!   at or after the first replayed event's position, or not in commit order ([`walks_past`]).
-//!   Each must carry the event's position, a source of its history (S1, S5), its
-//!   `Outbox-Id`, `Nats-Msg-Id` (the event's, or its dead-letter record's) and ordering key.
-//!   The first that does not (a database restored from a backup and written past the old
+//! - S4 A replayed event is skipped only when the stream holds it ([`vouch`]): the session's
+//!   replayed events at or before the tail's position ([`Resume::compare_through`]) are
+//!   sought, in order, in the stream's run of messages that ends at the tail and starts after
+//!   the last message, walking back from the tail, that is not of this history at or after
+//!   the first replayed event's position ([`walks_past`]). Each search goes on from where the
+//!   last one ended and passes over messages that are not the event ([`seek`]: a lost
+//!   history's messages after a restore, at positions the new history reuses). The message
+//!   must carry the event's position, a source of its history (S1, S5), its `Outbox-Id`,
+//!   `Nats-Msg-Id` (the event's, or its dead-letter record's) and ordering key. The first
+//!   event the run does not hold (a database restored from a backup and written past the old
 //!   tail reuses ids, LSNs, source and timeline; another writer's message; a message deleted
 //!   from the stream) ends the comparison for the session: nothing after it is skipped, so
-//!   nothing is skipped that the replay did not vouch for. The table is read for nothing.
+//!   nothing is skipped that the replay did not vouch for, and no event is skipped after one
+//!   the stream lacks. The table is read for nothing.
 //! - S5 After a fail-over or a point-in-time restore (a new timeline), a stored position from
 //!   an ancestor timeline counts as the session's own history (S1) only below the switch
 //!   point where the current timeline's history ([`Lineage::history`], the server's
@@ -489,7 +492,6 @@ pub fn vouch(mark: &Mark, event: &OutboxEvent, lineage: &Lineage) -> Result<(), 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Walk {
     first: Position,
-    later: Option<Position>,
     start: u64,
 }
 
@@ -499,7 +501,6 @@ impl Walk {
     pub fn from_tail(last_sequence: u64, first: Position) -> Walk {
         Walk {
             first,
-            later: None,
             start: last_sequence + 1,
         }
     }
@@ -507,10 +508,9 @@ impl Walk {
     /// Takes `mark`, the message at `sequence` (the one before the last taken): `false` when
     /// the walk stops there ([`walks_past`]), the run starting after it.
     pub fn step(&mut self, sequence: u64, mark: &Result<Mark, String>, lineage: &Lineage) -> bool {
-        if !walks_past(mark, self.first, self.later, lineage) {
+        if !walks_past(mark, self.first, lineage) {
             return false;
         }
-        self.later = mark.as_ref().ok().and_then(|mark| mark.position);
         self.start = sequence;
         true
     }
@@ -605,16 +605,11 @@ fn place(position: Position) -> String {
 }
 
 /// S4: whether the walk back from the tail goes on past `mark` (read at a sequence, or why
-/// not), the message before `later` (the position of the message after it, none for the
-/// tail): a message of `lineage` at or after `first`, the first replayed event's position,
-/// and not after `later` (the run is in commit order). The run starts after the first message
-/// the walk does not go past.
-pub fn walks_past(
-    mark: &Result<Mark, String>,
-    first: Position,
-    later: Option<Position>,
-    lineage: &Lineage,
-) -> bool {
+/// not): a message of `lineage` at or after `first`, the first replayed event's position. The
+/// run starts after the first message the walk does not go past. A lost history's messages
+/// (after a restore, at positions the new history reuses) are of the run too: the search
+/// passes over them ([`seek`]).
+pub fn walks_past(mark: &Result<Mark, String>, first: Position, lineage: &Lineage) -> bool {
     let Ok(Mark {
         position: Some(position),
         source,
@@ -623,9 +618,15 @@ pub fn walks_past(
     else {
         return false;
     };
-    *position >= first
-        && later.is_none_or(|later| *position < later)
-        && lineage.owns(source.as_deref(), *position).is_ok()
+    *position >= first && lineage.owns(source.as_deref(), *position).is_ok()
+}
+
+/// S4: the search of the run for replayed `event`, one message at a time from where the
+/// search for the event before it ended: `Ok` when `mark` is the event ([`vouch`]), and the
+/// search moves past it; `Err` (what differs) when it is not, and the search passes over it
+/// to the run's next message. An event the run's end finds unmatched ends the comparison.
+pub fn seek(mark: &Mark, event: &OutboxEvent, lineage: &Lineage) -> Result<(), String> {
+    vouch(mark, event, lineage)
 }
 
 #[cfg(test)]
@@ -998,37 +999,34 @@ mod tests {
     }
 
     /// S4: the walk back from the tail goes past messages of this history at or after the
-    /// first replayed event, in commit order, and stops at anything else.
+    /// first replayed event, and stops at anything else.
     #[test]
     fn the_walk_back_stops_at_the_first_message_outside_the_run() {
         let ours_only = lineage(SOURCE, vec![]);
         let first = at(500, 0);
-        let walks = |mark: Result<Mark, String>, later: Option<Position>| {
-            walks_past(&mark, first, later, &ours_only)
-        };
-        assert!(walks(Ok(mark(SOURCE, at(500, 0))), None));
-        assert!(walks(Ok(mark(SOURCE, at(600, 1))), Some(at(700, 0))));
+        let walks = |mark: Result<Mark, String>| walks_past(&mark, first, &ours_only);
+        assert!(walks(Ok(mark(SOURCE, at(500, 0)))));
+        assert!(walks(Ok(mark(SOURCE, at(600, 1)))));
+        // A lost history's message at a later position: of the run, passed over by the search.
+        assert!(walks(Ok(mark(SOURCE, at(900, 0)))));
         // Before the first replayed event: confirmed before the session.
-        assert!(!walks(Ok(mark(SOURCE, at(499, 9))), Some(at(700, 0))));
-        // Not in commit order: a lost history's message before the new history's run.
-        assert!(!walks(Ok(mark(SOURCE, at(900, 0))), Some(at(700, 0))));
-        assert!(!walks(Ok(mark(SOURCE, at(700, 0))), Some(at(700, 0))));
+        assert!(!walks(Ok(mark(SOURCE, at(499, 9)))));
         // Another source, no position, a message that cannot be read.
-        assert!(!walks(Ok(mark("7301/2/app/slot", at(600, 0))), None));
-        assert!(!walks(Ok(Mark::default()), None));
-        assert!(!walks(Err("no message found".into()), None));
+        assert!(!walks(Ok(mark("7301/2/app/slot", at(600, 0)))));
+        assert!(!walks(Ok(Mark::default())));
+        assert!(!walks(Err("no message found".into())));
     }
 
-    /// S4: the run is what the walk went past, newest first, in commit order.
+    /// S4: the run is what the walk went past, newest first.
     #[test]
     fn a_walk_finds_the_run_after_the_first_message_outside_it() {
         let ours_only = lineage(SOURCE, vec![]);
         // Sequences 1..=6: confirmed before the session (1, 2), then a lost history's
-        // message (3, past the new run's positions), then the new run (4..=6).
+        // message (3, at a position the new history reuses), then the new history (4..=6).
         let stream = [
             (1, Ok(mark(SOURCE, at(100, 0)))),
             (2, Ok(mark(SOURCE, at(200, 0)))),
-            (3, Ok(mark(SOURCE, at(900, 0)))),
+            (3, Ok(mark(SOURCE, at(300, 0)))),
             (4, Ok(mark(SOURCE, at(300, 0)))),
             (5, Ok(mark(SOURCE, at(300, 1)))),
             (6, Ok(mark(SOURCE, at(400, 0)))),
@@ -1042,10 +1040,33 @@ mod tests {
             }
             walk.start()
         };
-        assert_eq!(walk_from(at(300, 0)), 4);
+        assert_eq!(walk_from(at(300, 0)), 3);
         assert_eq!(walk_from(at(400, 0)), 6);
         assert_eq!(walk_from(at(500, 0)), 7, "past the tail: an empty run");
         assert_eq!(Walk::from_tail(0, at(1, 0)).start(), 1);
+    }
+
+    /// S4: the search passes over a lost history's message at a reused position and finds
+    /// the event after it.
+    #[test]
+    fn the_search_passes_over_what_is_not_the_event() {
+        let ours_only = lineage(SOURCE, vec![]);
+        let new = event_at(
+            12,
+            "order-1",
+            "order.created",
+            1_700_000_099_000,
+            at(300, 0),
+        );
+        let lost = event_at(
+            12,
+            "order-9",
+            "order.created",
+            1_700_000_000_000,
+            at(300, 0),
+        );
+        assert!(seek(&written(&lost, SOURCE), &new, &ours_only).is_err());
+        assert_eq!(seek(&written(&new, SOURCE), &new, &ours_only), Ok(()));
     }
 
     /// S6: what may be in the stream is published alone, and a duplicate leaves the fence at

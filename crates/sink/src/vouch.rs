@@ -2,15 +2,16 @@
 //! replayed events at or before the tail's position are compared with, read from JetStream.
 //!
 //! # Invariants
-//! - RV1 An event is vouched for only by the message at its place in the run
-//!   ([`crate::resume::vouch`]); the run is found by walking back from the tail
+//! - RV1 An event is vouched for only by a message of the run that is it
+//!   ([`crate::resume::seek`], [`crate::resume::vouch`]), sought from where the search for the
+//!   event before it ended; the run is found by walking back from the tail
 //!   ([`crate::resume::walks_past`]) once the first replayed event is known, and read forward
-//!   in order. Reads go [`READ_AHEAD`] messages at a time, so memory is bounded whatever the
+//!   in order, once. Reads go [`READ_AHEAD`] messages at a time, so memory is bounded whatever the
 //!   run's length.
-//! - RV2 The first event the run does not vouch for (another message at its place, a message
-//!   that cannot be read, the run's end) ends the comparison for the session, logged once
-//!   with what differed: nothing after it is skipped (S4). A read that fails is never taken
-//!   for a message that vouches.
+//! - RV2 The first event the run does not hold (the run's end reached without it, or a
+//!   message that cannot be read) ends the comparison for the session, logged once with what
+//!   differed: nothing after it is skipped (S4). A read that fails is never taken for a
+//!   message that vouches.
 
 use std::collections::VecDeque;
 
@@ -19,7 +20,7 @@ use futures::future::join_all;
 use outbox::{OutboxEvent, Position};
 use tracing::{info, warn};
 
-use crate::resume::{vouch, Lineage, Mark, Walk};
+use crate::resume::{seek, Lineage, Mark, Walk};
 
 /// Messages read at once, walking back or reading the run forward.
 pub const READ_AHEAD: u64 = 64;
@@ -91,24 +92,43 @@ impl Vouching {
                 }
             }
         }
-        let judged = match self.next().await {
-            Some((sequence, Ok(mark))) => vouch(&mark, event, &self.compare.lineage).map_err(|why| {
-                let id = mark
-                    .claim
-                    .id
-                    .as_ref()
-                    .map_or_else(|| "none".to_owned(), ToString::to_string);
-                format!("the message at stream sequence {sequence} (outbox id {id}) is not it: {why}")
-            }),
-            Some((sequence, Err(why))) => Err(format!(
-                "its message at stream sequence {sequence} cannot be read: {why}"
-            )),
-            None => Err(format!(
-                "the stream's run of replayed events ended at its last sequence {} before it",
-                self.compare.last_sequence
-            )),
+        // S4: passes over what is not the event; the run's end, unmatched, ends it.
+        let mut first_miss: Option<String> = None;
+        let found = loop {
+            match self.next().await {
+                Some((sequence, Ok(mark))) => match seek(&mark, event, &self.compare.lineage) {
+                    Ok(()) => break Ok(()),
+                    Err(why) => {
+                        first_miss.get_or_insert_with(|| {
+                            let id = mark
+                                .claim
+                                .id
+                                .as_ref()
+                                .map_or_else(|| "none".to_owned(), ToString::to_string);
+                            format!(
+                                "the message at stream sequence {sequence} (outbox id {id}) is not it: {why}"
+                            )
+                        });
+                    }
+                },
+                // A read that fails is never taken for a message that vouches (RV2).
+                Some((sequence, Err(why))) => {
+                    break Err(format!(
+                        "its message at stream sequence {sequence} cannot be read: {why}"
+                    ))
+                }
+                None => {
+                    break Err(format!(
+                        "the stream's run of replayed events, to its last sequence {}, does not hold it{}",
+                        self.compare.last_sequence,
+                        first_miss
+                            .as_deref()
+                            .map_or_else(String::new, |miss| format!("; {miss}"))
+                    ))
+                }
+            }
         };
-        match judged {
+        match found {
             Ok(()) => {
                 self.vouched += 1;
                 if event.position == self.compare.through {
