@@ -75,8 +75,8 @@ impl Vouching {
         matches!(self.state, State::Ended)
     }
 
-    /// Whether the stream holds `event` at its place in the run (S4): `true` means it is
-    /// stored and is skipped. `false` for an event past the tail's position, and from the
+    /// Whether the stream's run holds `event` (S4), sought from where the search for the event
+    /// before it ended: `true` means it is stored and is skipped. `false` for an event past the tail's position, and from the
     /// first event the run does not vouch for on (RV2).
     pub(crate) async fn holds(&mut self, event: &OutboxEvent) -> bool {
         if event.position > self.compare.through || matches!(self.state, State::Ended) {
@@ -92,42 +92,7 @@ impl Vouching {
                 }
             }
         }
-        // S4: passes over what is not the event; the run's end, unmatched, ends it.
-        let mut first_miss: Option<String> = None;
-        let found = loop {
-            match self.next().await {
-                Some((sequence, Ok(mark))) => match seek(&mark, event, &self.compare.lineage) {
-                    Ok(()) => break Ok(()),
-                    Err(why) => {
-                        first_miss.get_or_insert_with(|| {
-                            let id = mark
-                                .claim
-                                .id
-                                .as_ref()
-                                .map_or_else(|| "none".to_owned(), ToString::to_string);
-                            format!(
-                                "the message at stream sequence {sequence} (outbox id {id}) is not it: {why}"
-                            )
-                        });
-                    }
-                },
-                // A read that fails is never taken for a message that vouches (RV2).
-                Some((sequence, Err(why))) => {
-                    break Err(format!(
-                        "its message at stream sequence {sequence} cannot be read: {why}"
-                    ))
-                }
-                None => {
-                    break Err(format!(
-                        "the stream's run of replayed events, to its last sequence {}, does not hold it{}",
-                        self.compare.last_sequence,
-                        first_miss
-                            .as_deref()
-                            .map_or_else(String::new, |miss| format!("; {miss}"))
-                    ))
-                }
-            }
-        };
+        let found = self.search(event).await;
         match found {
             Ok(()) => {
                 self.vouched += 1;
@@ -143,8 +108,48 @@ impl Vouching {
         }
     }
 
+    /// S4: seeks `event` in the run from where the last search ended, passing over messages
+    /// that are not it; `Err` says why the run does not hold it (RV2).
+    async fn search(&mut self, event: &OutboxEvent) -> Result<(), String> {
+        let mut first_miss: Option<String> = None;
+        loop {
+            match self.next().await {
+                Some((sequence, Ok(mark))) => match seek(&mark, event, &self.compare.lineage) {
+                    Ok(()) => return Ok(()),
+                    Err(why) => {
+                        first_miss.get_or_insert_with(|| {
+                            let id = mark
+                                .claim
+                                .id
+                                .as_ref()
+                                .map_or_else(|| "none".to_owned(), ToString::to_string);
+                            format!(
+                                "the message at stream sequence {sequence} (outbox id {id}) is not it: {why}"
+                            )
+                        });
+                    }
+                },
+                // A read that fails is never taken for a message that vouches (RV2).
+                Some((sequence, Err(why))) => {
+                    return Err(format!(
+                        "its message at stream sequence {sequence} cannot be read: {why}"
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "the stream's run of replayed events, to its last sequence {}, does not hold it{}",
+                        self.compare.last_sequence,
+                        first_miss
+                            .as_deref()
+                            .map_or_else(String::new, |miss| format!("; {miss}"))
+                    ))
+                }
+            }
+        }
+    }
+
     /// Walks back from the tail to the run's first message: the one after the first message
-    /// not of this history at or after `first`, or not in commit order (RV1).
+    /// not of this history at or after `first` (RV1).
     async fn locate(&self, first: Position) -> Result<State, String> {
         let handle = self
             .jetstream
