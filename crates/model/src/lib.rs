@@ -76,50 +76,35 @@ pub mod relay;
 pub mod world;
 
 pub use check::{
-    check, check_safety, check_with, known_restore_duplicate, Counterexample, Options, Report,
-    Violation,
+    check, check_safety, check_with, finding_f1, Counterexample, Options, Report, Violation,
 };
 pub use model::{Action, Bounds, Model, State};
 
 /// Which rules decide what a session skips and how the fence moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rules {
-    /// main's rules as of issue 37: `sink::resume` S1–S6, P15.
+    /// main's rules: `sink::resume` S1–S6 (a tail beyond the WAL end still compared
+    /// through; each replayed event sought in the run, `seek`; the walk back without the
+    /// commit-order stop), P15 with the first publish after one in doubt settled too, and
+    /// the process's memory of what a failed session published (`Doubt`'s
+    /// `failed_through`).
     Current,
+    /// The rules the model was first written against (issue 37's rules, before the fixes of
+    /// findings F1 and F2): a tail beyond the WAL end compares nothing, the run is aligned
+    /// with the replay message by message after a walk back that stops at a message out of
+    /// commit order, P15 settles only before an event in doubt, and no memory of a failed
+    /// session. The checker must find F1 and F2 on them.
+    BeforeFixes,
     /// The rules of 739aa4d: the tail's row checked against the table (old S4), the
     /// process's memory of what was acknowledged (old S2), the fence always advancing.
     OldTableCheck,
     /// [`Rules::OldTableCheck`] without the row check.
     NoRowCheckOld,
-    /// Candidate fixes of the findings, not main's rules: [`Rules::Current`] with these.
-    Candidate(Fixes),
-}
-
-/// Candidate fixes of the findings of the model checker against main's rules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Fixes {
-    /// F1 ([`check::known_restore_duplicate`]): a tail of the session's source whose
-    /// position lies at or beyond the WAL end (`Distrust::BeyondWalEnd`, a restored
-    /// database) is still compared through (S4 compares each replayed event's identity, so
-    /// a lost history's message vouches for nothing of the new one).
-    pub compare_beyond_wal_end: bool,
-    /// F2 (a session loop after a restore): the first event past the doubt, after an event
-    /// published in doubt, is published as one in doubt is: after every earlier answer, the
-    /// fence set to the stream's last sequence (`Doubt::settle`).
-    pub settle_at_doubts_end: bool,
 }
 
 impl Rules {
     /// Whether these rules compare replayed events with the stream (S4) and fence by S6.
     pub fn compares(self) -> bool {
-        matches!(self, Rules::Current | Rules::Candidate(_))
-    }
-
-    /// The candidate fixes these rules apply.
-    pub fn fixes(self) -> Fixes {
-        match self {
-            Rules::Candidate(fixes) => fixes,
-            _ => Fixes::default(),
-        }
+        matches!(self, Rules::Current | Rules::BeforeFixes)
     }
 }

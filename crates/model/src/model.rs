@@ -398,6 +398,7 @@ impl Model {
                 say(log, || "relay: CRASH".to_owned());
                 end_session(&mut next, landed.into(), log);
                 next.relay.memory = None;
+                next.relay.failed_through = None;
                 next.left.crashes -= 1;
                 true
             }
