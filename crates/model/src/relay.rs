@@ -1,7 +1,8 @@
 //! The relay inside the model: its process memory, its session, and each of its steps.
 //! Every decision is the relay's own code, called as the relay calls it:
 //! [`sink::resume::plan`] (what the tail is trusted for), [`sink::resume::Walk`] and
-//! [`sink::resume::vouch`] (what a session skips), [`sink::resume::Doubt`] (the fence after
+//! [`sink::resume::seek`] (what a session skips; [`sink::resume::vouch`] for the rules
+//! before), [`sink::resume::Doubt`] (the fence after
 //! duplicates), [`sink::AckTracker`] (what may be confirmed),
 //! [`sink::resume::Claim::is_row`] (P8's check of a duplicate's original). What this module
 //! writes itself is the glue the relay keeps in async I/O code: the order of those calls
@@ -9,14 +10,18 @@
 //! acker's `acknowledge`), mirrored line by line and named where it is.
 //!
 //! # Invariants
-//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and keeps
-//!   nothing of an earlier session ([`Rules::Current`], S2). [`Rules::OldTableCheck`] and
+//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and skips
+//!   nothing on an earlier session's word (S2). In [`Rules::Current`] the process remembers
+//!   the newest event a session that ended with an error published (`failed_through`), which
+//!   only widens the next sessions' doubt (S6); a crash loses it, a Postgres restore keeps
+//!   it (and records nothing: the session's sink is aborted). [`Rules::OldTableCheck`] and
 //!   [`Rules::NoRowCheckOld`] keep old S2's memory of what the process saw acknowledged,
 //!   lost when the process crashes.
 //! - R2 A session ends (its in-flight publishes landing or not) on a refusal, a P8 halt, a
 //!   crash or a Postgres restore; a halt stops the relay for good (`PoisonPolicy::Halt`).
-//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] an event in
-//!   doubt waits for every earlier answer (P15).
+//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] and
+//!   [`Rules::BeforeFixes`] an event in doubt waits for every earlier answer (P15), and in
+//!   [`Rules::Current`] so does the first publish after one in doubt.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
