@@ -41,9 +41,16 @@
 //! 37 (commit 739aa4d): skip through the tail's position once its row checks out against the
 //! table (old S4), or through what the process saw acknowledged (old S2), and a fence that
 //! predicts one more sequence per publish, duplicate or not. [`Rules::NoRowCheckOld`] is the
-//! old rules without S4's row check. The checker must fail on the three earlier rule sets
-//! with the counterexamples each is known for (mutation tests of the checker itself:
-//! `tests/check.rs`), and pass on the current rules.
+//! old rules without S4's row check. [`Rules::Without`] is the current rules without one
+//! of F1's two fixes ([`Fix`]). The checker must fail on each of these earlier or weakened
+//! rule sets with the counterexample each is known for (mutation tests of the checker
+//! itself: `tests/check.rs`), and pass on the current rules.
+//!
+//! Two parts of the current rules are reached but not needed within the bounds: with F2's
+//! walk gone (the seek), the current rules without the settle after a publish in doubt
+//! still pass at the CI bounds and in F2's world, and no session of the current rules ends
+//! with an error but a P8 halt (after which no session starts), so `failed_through` is set
+//! but never read. Neither is a mutation the checker can tell.
 //!
 //! # Findings, fixed on main
 //! - F1 ([`finding_f1`]): after a restore and a window expiry, an event of the current
@@ -112,6 +119,9 @@ pub enum Rules {
     /// commit order, P15 settles only before an event in doubt, and no memory of a failed
     /// session. The checker must find F1 and F2 on them.
     BeforeFixes,
+    /// [`Rules::Current`] without one fix of finding F1 (a mutation: the checker must find
+    /// F1 on each).
+    Without(Fix),
     /// The rules of 739aa4d: the tail's row checked against the table (old S4), the
     /// process's memory of what was acknowledged (old S2), the fence always advancing.
     OldTableCheck,
@@ -119,9 +129,37 @@ pub enum Rules {
     NoRowCheckOld,
 }
 
+/// A fix of finding F1 on main, for [`Rules::Without`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fix {
+    /// d2a8769: a tail at or beyond the WAL end is still compared through (before, `plan`
+    /// gave no position to compare through).
+    CompareBeyondWalEnd,
+    /// 30dd6ee: each replayed event is sought in the run after a walk back without the
+    /// commit-order stop (before, the run was aligned with the replay message by message).
+    Seek,
+}
+
 impl Rules {
     /// Whether these rules compare replayed events with the stream (S4) and fence by S6.
     pub fn compares(self) -> bool {
-        matches!(self, Rules::Current | Rules::BeforeFixes)
+        matches!(
+            self,
+            Rules::Current | Rules::BeforeFixes | Rules::Without(_)
+        )
+    }
+
+    /// Whether these rules are main's rules, but for at most one fix of F1.
+    pub fn current(self) -> bool {
+        matches!(self, Rules::Current | Rules::Without(_))
+    }
+
+    /// Whether these rules have `fix` (the rules that compare).
+    pub fn has(self, fix: Fix) -> bool {
+        match self {
+            Rules::Current => true,
+            Rules::Without(without) => without != fix,
+            _ => false,
+        }
     }
 }

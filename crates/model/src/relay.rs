@@ -32,7 +32,7 @@ use sink::{AckTracker, Ticket};
 
 use crate::model::State;
 use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, SOURCE};
-use crate::Rules;
+use crate::{Fix, Rules};
 
 /// Where a session's comparison of replayed events with the stream is (`sink::vouch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -196,29 +196,26 @@ impl Context {
             last_framed: None,
         };
         match self.rules {
-            Rules::Current => {
+            rules if rules.compares() => {
                 session.compare = resume.compare_through;
-                session.doubt =
-                    Doubt::at_start(resume.fence, session.compare, state.relay.failed_through);
-                if session.compare.is_some() {
-                    session.vouching = Vouching::Unlocated;
-                }
-            }
-            Rules::BeforeFixes => {
-                // Before d2a8769, `plan` gave no position to compare through for a tail at
-                // or beyond the WAL end; and `Doubt::at_start` had no memory of the process.
-                session.compare = resume.compare_through.filter(|_| {
-                    !resume
+                if !rules.has(Fix::CompareBeyondWalEnd)
+                    && resume
                         .distrust
                         .iter()
                         .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
-                });
-                session.doubt = Doubt::at_start(resume.fence, session.compare, None);
+                {
+                    // Before d2a8769, `plan` gave no position to compare through for a tail
+                    // at or beyond the WAL end.
+                    session.compare = None;
+                }
+                // Before 109424d, `Doubt::at_start` had no memory of the process.
+                let failed_through = state.relay.failed_through.filter(|_| rules.current());
+                session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
                 if session.compare.is_some() {
                     session.vouching = Vouching::Unlocated;
                 }
             }
-            Rules::OldTableCheck | Rules::NoRowCheckOld => {
+            _ => {
                 session.skip_through = self.old_skip_through(state, &tail, &resume, wal_end);
             }
         }
@@ -229,7 +226,7 @@ impl Context {
                 state.pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
             match self.rules {
-                Rules::Current | Rules::BeforeFixes => {
+                rules if rules.compares() => {
                     let _ = write!(
                         log,
                         "compare through {}, doubt {:?}",
@@ -299,13 +296,13 @@ impl Context {
         let end = txn.end;
         let mut session = current.clone();
         let skip = match self.rules {
-            Rules::Current => holds(
+            rules if rules.has(Fix::Seek) => holds(
                 &mut session,
                 &event(row, position),
                 &state.stream,
                 &self.lineage,
             ),
-            Rules::BeforeFixes => holds_aligned(
+            rules if rules.compares() => holds_aligned(
                 &mut session,
                 &event(row, position),
                 &state.stream,
@@ -324,7 +321,7 @@ impl Context {
             let ticket = tracker(session.tracker.publish());
             tracker(session.tracker.ack(ticket));
             said = match self.rules {
-                Rules::Current | Rules::BeforeFixes => format!(
+                rules if rules.compares() => format!(
                     "skips {row} at {} (vouched for by the stream's message at its place)",
                     at(position)
                 ),
@@ -338,9 +335,9 @@ impl Context {
             // rules) the first publish after one in doubt too, so that its fence counts only
             // what the stream stored.
             let settles = match self.rules {
-                Rules::Current => session.settling || session.doubt.covers(position),
+                rules if rules.current() => session.settling || session.doubt.covers(position),
                 Rules::BeforeFixes => session.doubt.covers(position),
-                Rules::OldTableCheck | Rules::NoRowCheckOld => false,
+                _ => false,
             };
             if settles {
                 // `settle`: every earlier answer is in.
@@ -357,7 +354,7 @@ impl Context {
                 }
                 let _ = write!(said, "settles (doubt {:?}), ", session.doubt);
             }
-            if self.rules == Rules::Current {
+            if self.rules.current() {
                 session.settling = session.doubt.covers(position);
             }
             if session.in_flight.len() + session.answers.len() >= self.window {
@@ -372,7 +369,7 @@ impl Context {
             };
             session.fence += 1;
             session.chain = Some(row.id);
-            if self.rules == Rules::Current {
+            if self.rules.current() {
                 // `frame`.
                 session.last_framed = Some(position);
             }
@@ -455,7 +452,7 @@ impl Context {
                 state.relay.halted = halt;
                 // `sink::publisher::publish`: the session ended with an error, so what it
                 // published may be in the stream without its answer (`fail_through`).
-                if self.rules == Rules::Current {
+                if self.rules.current() {
                     if let Some(position) = last_framed {
                         let failed = &mut state.relay.failed_through;
                         *failed = Some(failed.map_or(position, |known| known.max(position)));

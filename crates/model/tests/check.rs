@@ -5,7 +5,7 @@
 //! `OUTBOX_MODEL_DEEP=1` checks the current rules at larger bounds.
 
 use outbox_model::{
-    check, check_safety, finding_f1, Action, Bounds, Model, Report, Rules, Violation,
+    check, check_safety, finding_f1, Action, Bounds, Fix, Model, Report, Rules, Violation,
 };
 
 fn run(rules: Rules, bounds: Bounds) -> Report {
@@ -95,6 +95,59 @@ fn the_rules_before_the_fixes_store_an_event_twice_after_a_restore_finding_f1() 
 #[test]
 fn the_current_rules_store_once_after_a_restore_and_the_window() {
     passes(&run(Rules::Current, f1_bounds()));
+}
+
+/// F1's first cause alone (a mutation: main's rules without d2a8769): a tail beyond the
+/// restored WAL end gives nothing to compare through, and the replay is stored again after
+/// the window.
+#[test]
+fn without_comparing_beyond_the_wal_end_the_checker_finds_f1() {
+    let report = check_safety(&Model::new(
+        Rules::Without(Fix::CompareBeyondWalEnd),
+        f1_bounds(),
+    ));
+    eprintln!("{report}");
+    let found = report
+        .counterexample
+        .expect("F1's first cause must be found");
+    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+    assert!(found.trace.contains("BeyondWalEnd"), "{found}");
+}
+
+/// F1's second cause's world: 3 transactions of 1 event, a crash, a backup and its restore,
+/// a window expiry.
+fn f1_walk_bounds() -> Bounds {
+    only(|b| {
+        b.transactions = 3;
+        b.crashes = 1;
+        b.restores = 1;
+        b.expiries = 1;
+    })
+}
+
+/// F1's second cause alone (a mutation: main's rules without 30dd6ee): after a restore
+/// written past the old tail and a crash, the walk back from the tail stops at the lost
+/// history's message at the tail's LSN, the aligned run misses the current history's earlier
+/// message, and it is stored again after the window, though the session compares through
+/// the tail.
+#[test]
+fn without_the_seek_the_checker_finds_f1() {
+    let report = check_safety(&Model::new(Rules::Without(Fix::Seek), f1_walk_bounds()));
+    eprintln!("{report}");
+    let found = report
+        .counterexample
+        .expect("F1's second cause must be found");
+    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+    let last_start = found
+        .trace
+        .lines()
+        .rfind(|line| line.contains("session starts"))
+        .unwrap_or_default();
+    assert!(
+        !last_start.contains("compare through -"),
+        "the session compares: {found}"
+    );
+    passes(&run(Rules::Current, f1_walk_bounds()));
 }
 
 /// Bounds with only the faults named.
