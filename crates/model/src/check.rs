@@ -203,8 +203,6 @@ pub struct Report {
     pub halted: usize,
     /// States the progress search visited.
     pub progress_states: usize,
-    /// States breaking an invariant as [`Options::known`] says, not explored further.
-    pub known: usize,
     /// How long it took.
     pub elapsed: Duration,
     /// The first invariant broken, if any.
@@ -218,9 +216,6 @@ impl fmt::Display for Report {
             "{} states, {} transitions, depth {}, {} halted (P8), progress searched {} states, {:.1?}",
             self.states, self.transitions, self.depth, self.halted, self.progress_states, self.elapsed
         )?;
-        if self.known > 0 {
-            write!(f, ", {} states break an invariant as known", self.known)?;
-        }
         if let Some(counterexample) = &self.counterexample {
             write!(f, "\n{counterexample}")?;
         }
@@ -242,13 +237,7 @@ pub fn check(model: &Model) -> Report {
 /// Explores every state of `model` for the safety invariants alone (C1, C2, C4): a
 /// counterexample to safety behind a shorter one to progress.
 pub fn check_safety(model: &Model) -> Report {
-    check_with(
-        model,
-        Options {
-            progress: false,
-            known: None,
-        },
-    )
+    check_with(model, Options { progress: false })
 }
 
 /// What [`check_with`] checks.
@@ -256,18 +245,11 @@ pub fn check_safety(model: &Model) -> Report {
 pub struct Options {
     /// C3, progress (on by default).
     pub progress: bool,
-    /// A known counterexample to safety: a state breaking an invariant as this says (given
-    /// the violation and the trace to it) is counted ([`Report::known`]) and not explored
-    /// further, and the search goes on, to find any other.
-    pub known: Option<fn(&Violation, &[Action]) -> bool>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options {
-            progress: true,
-            known: None,
-        }
+        Options { progress: true }
     }
 }
 
@@ -288,7 +270,6 @@ pub fn check_with(model: &Model, options: Options) -> Report {
         depth: 0,
         halted: 0,
         progress_states: 0,
-        known: 0,
         elapsed: Duration::ZERO,
         counterexample: None,
     };
@@ -298,13 +279,6 @@ pub fn check_with(model: &Model, options: Options) -> Report {
         let path = || path_to(&seen, fp);
         if let Some(violation) = safety(&state) {
             let actions = path();
-            if options
-                .known
-                .is_some_and(|known| known(&violation, &actions))
-            {
-                report.known += 1;
-                continue;
-            }
             let end = actions.len();
             report.counterexample = Some(narrate(model, violation, actions, end, None));
             break;
@@ -529,21 +503,26 @@ pub fn summary(state: &State) -> String {
     if let Some((position, row)) = state.relay.memory {
         let _ = write!(s, " | memory {row}@{}", at(position));
     }
+    if let Some(position) = state.relay.failed_through {
+        let _ = write!(s, " | failed through {}", at(position));
+    }
     s
 }
 
-/// Finding F1 (issue 37's model checker, against main's rules): after a Postgres restore,
-/// once the duplicate window has expired, an event of the current history that the stream
-/// holds is stored a second time. Two causes: the restored WAL end lies at or below the
-/// stream's tail (a lost history's message), so `sink::resume::plan` distrusts the tail (S1,
-/// `Distrust::BeyondWalEnd`) and the session compares nothing; or the walk back from the
-/// tail (S4, `walks_past`) stops at a lost history's message at the same position as a new
-/// one (not in commit order), so the run misses the current history's earlier messages.
-/// Either way the event is replayed in doubt (S6) and only the window recognises it.
-/// docs/guarantees.md ("After a restore", step 2) says replays may be stored twice after the
-/// window. Whether a counterexample is this one: an event stored twice, on a trace with a
-/// restore and a window expiry.
-pub fn known_restore_duplicate(violation: &Violation, actions: &[Action]) -> bool {
+/// Finding F1 (issue 37's model checker, against [`Rules::BeforeFixes`]; fixed on main):
+/// after a Postgres restore, once the duplicate window has expired, an event of the current
+/// history that the stream holds is stored a second time. Two causes: the restored WAL end
+/// lay at or below the stream's tail (a lost history's message), so `sink::resume::plan`
+/// gave no position to compare through (S1, `Distrust::BeyondWalEnd`; fixed in d2a8769); or
+/// the walk back from the tail stopped at a lost history's message at the same position as
+/// a new one (not in commit order), and the run, aligned message by message with the replay,
+/// missed the current history's messages (fixed in 30dd6ee: each event is sought in the
+/// run). Either way the event was replayed in doubt (S6) and only the window recognised it.
+/// Whether a counterexample is this one: an event stored twice, on a trace with a restore
+/// and a window expiry.
+///
+/// [`Rules::BeforeFixes`]: crate::Rules::BeforeFixes
+pub fn finding_f1(violation: &Violation, actions: &[Action]) -> bool {
     matches!(violation, Violation::I6Twice { .. })
         && actions.contains(&Action::Expire)
         && actions.iter().any(|a| matches!(a, Action::Restore(_)))

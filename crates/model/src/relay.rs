@@ -1,7 +1,8 @@
 //! The relay inside the model: its process memory, its session, and each of its steps.
 //! Every decision is the relay's own code, called as the relay calls it:
 //! [`sink::resume::plan`] (what the tail is trusted for), [`sink::resume::Walk`] and
-//! [`sink::resume::vouch`] (what a session skips), [`sink::resume::Doubt`] (the fence after
+//! [`sink::resume::seek`] (what a session skips; [`sink::resume::vouch`] for the rules
+//! before), [`sink::resume::Doubt`] (the fence after
 //! duplicates), [`sink::AckTracker`] (what may be confirmed),
 //! [`sink::resume::Claim::is_row`] (P8's check of a duplicate's original). What this module
 //! writes itself is the glue the relay keeps in async I/O code: the order of those calls
@@ -9,25 +10,29 @@
 //! acker's `acknowledge`), mirrored line by line and named where it is.
 //!
 //! # Invariants
-//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and keeps
-//!   nothing of an earlier session ([`Rules::Current`], S2). [`Rules::OldTableCheck`] and
+//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and skips
+//!   nothing on an earlier session's word (S2). In [`Rules::Current`] the process remembers
+//!   the newest event a session that ended with an error published (`failed_through`), which
+//!   only widens the next sessions' doubt (S6); a crash loses it, a Postgres restore keeps
+//!   it (and records nothing: the session's sink is aborted). [`Rules::OldTableCheck`] and
 //!   [`Rules::NoRowCheckOld`] keep old S2's memory of what the process saw acknowledged,
 //!   lost when the process crashes.
 //! - R2 A session ends (its in-flight publishes landing or not) on a refusal, a P8 halt, a
 //!   crash or a Postgres restore; a halt stops the relay for good (`PoisonPolicy::Halt`).
-//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] an event in
-//!   doubt waits for every earlier answer (P15).
+//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] and
+//!   [`Rules::BeforeFixes`] an event in doubt waits for every earlier answer (P15), and in
+//!   [`Rules::Current`] so does the first publish after one in doubt.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 
 use outbox::{EventId, Lsn, OutboxEvent, Position};
-use sink::resume::{plan, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
+use sink::resume::{plan, seek, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
 use sink::{AckTracker, Ticket};
 
 use crate::model::State;
 use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, SOURCE};
-use crate::Rules;
+use crate::{Fix, Rules};
 
 /// Where a session's comparison of replayed events with the stream is (`sink::vouch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,7 +41,7 @@ pub enum Vouching {
     Off,
     /// The run is found when the first event to compare arrives.
     Unlocated,
-    /// The run's next message is at this sequence.
+    /// The run's next message to read is at this sequence.
     Reading(u64),
     /// The comparison ended (RV2).
     Ended,
@@ -81,9 +86,12 @@ pub struct Session {
     /// The stream sequence of the session's newest publish stored as new (P15's
     /// `Answered`).
     pub stored: Option<u64>,
-    /// `Fixes::settle_at_doubts_end`: an event was published in doubt since the last
-    /// settle.
-    pub doubted: bool,
+    /// P15 ([`Rules::Current`]): the newest publish was in doubt, so the next one settles
+    /// first (the publisher's `settling`).
+    pub settling: bool,
+    /// P15 ([`Rules::Current`]): the newest event the session published (the publisher's
+    /// `last_framed`).
+    pub last_framed: Option<Position>,
 }
 
 /// The relay process.
@@ -93,6 +101,11 @@ pub struct Relay {
     pub session: Option<Session>,
     /// Old S2: the newest event this process saw acknowledged (lost on a crash).
     pub memory: Option<(Position, Row)>,
+    /// P15 ([`Rules::Current`], `SinkStats::failed_through`): the newest event a session of
+    /// this process that ended with an error (a refusal, a P8 halt) published; lost on a
+    /// crash, kept across a Postgres restore (the session's sink is then aborted, not
+    /// failed, so it records nothing).
+    pub failed_through: Option<Position>,
     /// The relay stopped for good (P8 under `PoisonPolicy::Halt`), and why.
     pub halted: Option<Halt>,
 }
@@ -179,22 +192,30 @@ impl Context {
             in_flight: VecDeque::new(),
             answers: VecDeque::new(),
             stored: None,
-            doubted: false,
+            settling: false,
+            last_framed: None,
         };
         match self.rules {
-            Rules::Current | Rules::Candidate(_) => {
+            rules if rules.compares() => {
                 session.compare = resume.compare_through;
-                if self.rules.fixes().compare_beyond_wal_end
-                    && matches!(resume.distrust[..], [Distrust::BeyondWalEnd { .. }])
+                if !rules.has(Fix::CompareBeyondWalEnd)
+                    && resume
+                        .distrust
+                        .iter()
+                        .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
                 {
-                    session.compare = tail.last_position();
+                    // Before d2a8769, `plan` gave no position to compare through for a tail
+                    // at or beyond the WAL end.
+                    session.compare = None;
                 }
-                session.doubt = Doubt::at_start(resume.fence, session.compare, None);
+                // Before 109424d, `Doubt::at_start` had no memory of the process.
+                let failed_through = state.relay.failed_through.filter(|_| rules.current());
+                session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
                 if session.compare.is_some() {
                     session.vouching = Vouching::Unlocated;
                 }
             }
-            Rules::OldTableCheck | Rules::NoRowCheckOld => {
+            _ => {
                 session.skip_through = self.old_skip_through(state, &tail, &resume, wal_end);
             }
         }
@@ -205,7 +226,7 @@ impl Context {
                 state.pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
             match self.rules {
-                Rules::Current | Rules::Candidate(_) => {
+                rules if rules.compares() => {
                     let _ = write!(
                         log,
                         "compare through {}, doubt {:?}",
@@ -275,13 +296,18 @@ impl Context {
         let end = txn.end;
         let mut session = current.clone();
         let skip = match self.rules {
-            rules if rules.compares() && session.vouching != Vouching::Off => holds(
+            rules if rules.has(Fix::Seek) => holds(
                 &mut session,
                 &event(row, position),
                 &state.stream,
                 &self.lineage,
             ),
-            rules if rules.compares() => false,
+            rules if rules.compares() => holds_aligned(
+                &mut session,
+                &event(row, position),
+                &state.stream,
+                &self.lineage,
+            ),
             _ => session
                 .skip_through
                 .is_some_and(|through| position <= through),
@@ -295,7 +321,7 @@ impl Context {
             let ticket = tracker(session.tracker.publish());
             tracker(session.tracker.ack(ticket));
             said = match self.rules {
-                Rules::Current | Rules::Candidate(_) => format!(
+                rules if rules.compares() => format!(
                     "skips {row} at {} (vouched for by the stream's message at its place)",
                     at(position)
                 ),
@@ -305,12 +331,16 @@ impl Context {
                 ),
             };
         } else {
-            let at_doubts_end = self.rules.fixes().settle_at_doubts_end && session.doubted;
-            if self.rules.compares() && (session.doubt.covers(position) || at_doubts_end) {
-                if self.rules.fixes().settle_at_doubts_end {
-                    session.doubted = session.doubt.covers(position);
-                }
-                // P15: alone, once every earlier answer is in.
+            // `publish_item`, P15: alone, once every earlier answer is in; and (current
+            // rules) the first publish after one in doubt too, so that its fence counts only
+            // what the stream stored.
+            let settles = match self.rules {
+                rules if rules.current() => session.settling || session.doubt.covers(position),
+                Rules::BeforeFixes => session.doubt.covers(position),
+                _ => false,
+            };
+            if settles {
+                // `settle`: every earlier answer is in.
                 if !session.in_flight.is_empty() || !session.answers.is_empty() {
                     return false;
                 }
@@ -324,6 +354,9 @@ impl Context {
                 }
                 let _ = write!(said, "settles (doubt {:?}), ", session.doubt);
             }
+            if self.rules.current() {
+                session.settling = session.doubt.covers(position);
+            }
             if session.in_flight.len() + session.answers.len() >= self.window {
                 return false;
             }
@@ -336,6 +369,10 @@ impl Context {
             };
             session.fence += 1;
             session.chain = Some(row.id);
+            if self.rules.current() {
+                // `frame`.
+                session.last_framed = Some(position);
+            }
             session.in_flight.push_back(Sent { publish, ticket });
             let _ = write!(
                 said,
@@ -401,6 +438,7 @@ impl Context {
                 if landed > session.in_flight.len() {
                     return false;
                 }
+                let last_framed = session.last_framed;
                 if let Some(log) = log {
                     let _ = write!(
                         log,
@@ -412,6 +450,14 @@ impl Context {
                     );
                 }
                 state.relay.halted = halt;
+                // `sink::publisher::publish`: the session ended with an error, so what it
+                // published may be in the stream without its answer (`fail_through`).
+                if self.rules.current() {
+                    if let Some(position) = last_framed {
+                        let failed = &mut state.relay.failed_through;
+                        *failed = Some(failed.map_or(position, |known| known.max(position)));
+                    }
+                }
                 end_session(state, landed, log);
             }
         }
@@ -470,7 +516,11 @@ pub fn end_session(state: &mut State, landed: usize, log: &mut Option<String>) {
 }
 
 /// `sink::vouch::Vouching::holds`, over the model's stream: whether the stream holds `event`
-/// at its place in the run (S4, RV1, RV2), the comparison's state advanced.
+/// in the run (S4, RV1, RV2), the comparison's state advanced. Line by line: past the
+/// tail's position or ended, nothing; the run located on the first event (`locate`, the
+/// walk back from the tail); then the run read on from where the last search ended, passing
+/// over messages that are not the event (`seek`), until one is (vouched for, the search
+/// goes on after it) or the run ends (the comparison ends: RV2).
 fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &Lineage) -> bool {
     let Some(through) = session.compare else {
         return false;
@@ -484,16 +534,95 @@ fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &
     }
     let last_sequence = session.start;
     if session.vouching == Vouching::Unlocated {
-        // `locate`: walk back from the tail.
-        let mut walk = Walk::from_tail(last_sequence, event.position);
-        let mut sequence = last_sequence;
-        while sequence > 0 {
-            if !walk.step(sequence, &stream.mark(sequence), lineage) {
-                break;
-            }
-            sequence -= 1;
+        session.vouching = Vouching::Reading(locate(
+            Walk::from_tail(last_sequence, event.position),
+            last_sequence,
+            stream,
+            |walk, sequence, mark| walk.step(sequence, mark, lineage),
+            Walk::start,
+        ));
+    }
+    let Vouching::Reading(mut next) = session.vouching else {
+        return false;
+    };
+    let found = loop {
+        // `next`: the run's next message, none past the tail.
+        if next > last_sequence {
+            break false;
         }
-        session.vouching = Vouching::Reading(walk.start());
+        let mark = stream.mark(next);
+        next += 1;
+        match mark {
+            // `seek`: the event, or passed over.
+            Ok(mark) => {
+                if seek(&mark, event, lineage).is_ok() {
+                    break true;
+                }
+            }
+            // A read that fails is never taken for a message that vouches (RV2).
+            Err(_) => break false,
+        }
+    };
+    session.vouching = Vouching::Reading(next);
+    if found {
+        if event.position == through {
+            session.vouching = Vouching::Ended;
+        }
+        true
+    } else {
+        session.vouching = Vouching::Ended;
+        false
+    }
+}
+
+/// `locate`: the walk back from the tail at `last_sequence`, one message at a time, until
+/// `step` says it stops; the run's first sequence, as `start` says.
+fn locate<W>(
+    mut walk: W,
+    last_sequence: u64,
+    stream: &Stream,
+    mut step: impl FnMut(&mut W, u64, &Result<Mark, String>) -> bool,
+    start: impl Fn(&W) -> u64,
+) -> u64 {
+    let mut sequence = last_sequence;
+    while sequence > 0 {
+        if !step(&mut walk, sequence, &stream.mark(sequence)) {
+            break;
+        }
+        sequence -= 1;
+    }
+    start(&walk)
+}
+
+/// [`Rules::BeforeFixes`]: `sink::vouch::Vouching::holds` as it was before 30dd6ee, over
+/// the model's stream: the run (found by [`OldWalk`]) is aligned with the replay, each event
+/// compared with the run's next message alone ([`vouch`]); the first that is not it ends
+/// the comparison.
+fn holds_aligned(
+    session: &mut Session,
+    event: &OutboxEvent,
+    stream: &Stream,
+    lineage: &Lineage,
+) -> bool {
+    let Some(through) = session.compare else {
+        return false;
+    };
+    if session.vouching == Vouching::Off {
+        return false;
+    }
+    if event.position > through || session.vouching == Vouching::Ended {
+        session.vouching = Vouching::Ended;
+        return false;
+    }
+    let last_sequence = session.start;
+    if session.vouching == Vouching::Unlocated {
+        session.vouching = Vouching::Reading(locate(
+            OldWalk::from_tail(last_sequence, event.position),
+            last_sequence,
+            stream,
+            |walk, sequence, mark| walk.step(sequence, mark, lineage),
+            |walk| walk.start,
+        ));
     }
     let Vouching::Reading(next) = session.vouching else {
         return false;
@@ -519,6 +648,56 @@ fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &
             false
         }
     }
+}
+
+/// [`Rules::BeforeFixes`]: `sink::resume::Walk` as it was before 30dd6ee (`git show
+/// 30dd6ee^:crates/sink/src/resume.rs`): the walk back also stops at a message not before
+/// the one after it (the run in commit order), so it stops at a lost history's message at
+/// a position the new history reuses.
+struct OldWalk {
+    first: Position,
+    later: Option<Position>,
+    start: u64,
+}
+
+impl OldWalk {
+    fn from_tail(last_sequence: u64, first: Position) -> OldWalk {
+        OldWalk {
+            first,
+            later: None,
+            start: last_sequence + 1,
+        }
+    }
+
+    fn step(&mut self, sequence: u64, mark: &Result<Mark, String>, lineage: &Lineage) -> bool {
+        if !old_walks_past(mark, self.first, self.later, lineage) {
+            return false;
+        }
+        self.later = mark.as_ref().ok().and_then(|mark| mark.position);
+        self.start = sequence;
+        true
+    }
+}
+
+/// `sink::resume::walks_past` before 30dd6ee: a message of `lineage` at or after `first`
+/// and before `later`.
+fn old_walks_past(
+    mark: &Result<Mark, String>,
+    first: Position,
+    later: Option<Position>,
+    lineage: &Lineage,
+) -> bool {
+    let Ok(Mark {
+        position: Some(position),
+        source,
+        ..
+    }) = mark
+    else {
+        return false;
+    };
+    *position >= first
+        && later.is_none_or(|later| *position < later)
+        && lineage.owns(source.as_deref(), *position).is_ok()
 }
 
 /// P8 (`Duplicates::other_event`, not callable: a private method): the original at

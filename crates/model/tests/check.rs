@@ -1,11 +1,11 @@
-//! The model checker on main's rules (it must pass) and on the old rules (it must fail,
-//! with the counterexample each old rule is known for: a mutation test of the checker).
+//! The model checker on main's rules (it must pass) and on earlier rules (it must fail, with
+//! the counterexample each is known for: mutation tests of the checker): the rules before
+//! the fixes of findings F1 and F2, and the rules before issue 37.
 //!
 //! `OUTBOX_MODEL_DEEP=1` checks the current rules at larger bounds.
 
 use outbox_model::{
-    check, check_safety, check_with, known_restore_duplicate, Action, Bounds, Fixes, Model,
-    Options, Report, Rules, Violation,
+    check, check_safety, finding_f1, Action, Bounds, Fix, Model, Report, Rules, Violation,
 };
 
 fn run(rules: Rules, bounds: Bounds) -> Report {
@@ -14,13 +14,23 @@ fn run(rules: Rules, bounds: Bounds) -> Report {
     report
 }
 
+fn passes(report: &Report) {
+    assert!(
+        report.counterexample.is_none(),
+        "{}",
+        report
+            .counterexample
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default()
+    );
+}
+
 /// The current rules keep I1, I5, I6, nothing rolled back, and progress in every state
 /// within the CI bounds (`Bounds::ci`: 3 transactions of up to 2 events or rolled back, a
 /// crash, a backup and its restore, a delete or TRUNCATE, a window expiry, 2 in flight, the
 /// id chain), or with `OUTBOX_MODEL_DEEP=1` within `Bounds::deep` (2 crashes) and
-/// `Bounds::deep_without_restore` (4 transactions, 2 crashes, no restore) — but for finding
-/// F1 (`known_restore_duplicate`), counted, printed and not explored past: see
-/// `f1_restore_past_the_tail_then_window_expiry_stores_an_event_twice`.
+/// `Bounds::deep_without_restore` (4 transactions, 2 crashes, no restore).
 #[test]
 fn the_current_rules_keep_every_invariant_and_always_progress() {
     let deep = std::env::var("OUTBOX_MODEL_DEEP").is_ok_and(|v| v == "1");
@@ -37,27 +47,13 @@ fn the_current_rules_keep_every_invariant_and_always_progress() {
     };
     let mut total = 0;
     for (mode, bounds) in runs {
-        let report = check_with(
-            &Model::new(Rules::Current, bounds),
-            Options {
-                progress: true,
-                known: Some(known_restore_duplicate),
-            },
-        );
+        let report = check(&Model::new(Rules::Current, bounds));
         eprintln!("Current at {bounds:?}:\n{report}");
         eprintln!(
-            "model checker ({mode} mode): {} states explored, {} transitions, {} states with the relay halted (P8), {} states of finding F1",
-            report.states, report.transitions, report.halted, report.known
+            "model checker ({mode} mode): {} states explored, {} transitions, {} states with the relay halted (P8), {:.1?}",
+            report.states, report.transitions, report.halted, report.elapsed
         );
-        assert!(
-            report.counterexample.is_none(),
-            "{}",
-            report
-                .counterexample
-                .as_ref()
-                .map(ToString::to_string)
-                .unwrap_or_default()
-        );
+        passes(&report);
         assert!(report.states >= 100_000, "too few states: {report}");
         // With a restore, the P8 halts (a restored id reused within the window) are
         // reached: the search went through restores written past the old tail.
@@ -73,48 +69,85 @@ fn the_current_rules_keep_every_invariant_and_always_progress() {
     }
 }
 
-/// F1 is still there (so CI's `known` excludes something real): the current rules store an
-/// event of the current history twice after a restore past the stream's tail and a window
-/// expiry. When this fails, F1 is fixed: drop `known` from the test above, un-ignore
-/// `f1_restore_past_the_tail_then_window_expiry_stores_an_event_twice`.
-#[test]
-fn finding_f1_is_still_found() {
-    let bounds = only(|b| {
+/// F1's world: 2 transactions of 1 event, a backup and its restore, a window expiry.
+fn f1_bounds() -> Bounds {
+    only(|b| {
         b.restores = 1;
         b.expiries = 1;
-    });
-    let report = check_safety(&Model::new(Rules::Current, bounds));
+    })
+}
+
+/// Finding F1 on the rules before its fixes (a mutation test of the checker): after a
+/// restore past the stream's tail and a window expiry, an event of the current history the
+/// stream holds is stored twice (the tail beyond the WAL end compared nothing).
+#[test]
+fn the_rules_before_the_fixes_store_an_event_twice_after_a_restore_finding_f1() {
+    let report = check_safety(&Model::new(Rules::BeforeFixes, f1_bounds()));
     eprintln!("{report}");
     let found = report
         .counterexample
-        .expect("F1 is fixed: see the test's doc");
-    assert!(
-        known_restore_duplicate(&found.violation, &found.actions),
-        "{found}"
-    );
+        .expect("the rules before the fixes must store an event twice");
+    assert!(finding_f1(&found.violation, &found.actions), "{found}");
     assert!(found.trace.contains("BeyondWalEnd"), "{found}");
 }
 
-/// Finding F1, as a test of what should hold: after a restore whose WAL end lies at or
-/// below the stream's tail and a window expiry, every event is still stored once. Fails on
-/// main's rules (it prints the trace); ignored until F1 is fixed.
+/// F1 is fixed: in F1's world, the current rules store every event once and progress.
 #[test]
-#[ignore = "finding F1: fails on main's rules (sink::resume S1 BeyondWalEnd turns S4 off)"]
-fn f1_restore_past_the_tail_then_window_expiry_stores_an_event_twice() {
-    let bounds = only(|b| {
+fn the_current_rules_store_once_after_a_restore_and_the_window() {
+    passes(&run(Rules::Current, f1_bounds()));
+}
+
+/// F1's first cause alone (a mutation: main's rules without d2a8769): a tail beyond the
+/// restored WAL end gives nothing to compare through, and the replay is stored again after
+/// the window.
+#[test]
+fn without_comparing_beyond_the_wal_end_the_checker_finds_f1() {
+    let report = check_safety(&Model::new(
+        Rules::Without(Fix::CompareBeyondWalEnd),
+        f1_bounds(),
+    ));
+    eprintln!("{report}");
+    let found = report
+        .counterexample
+        .expect("F1's first cause must be found");
+    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+    assert!(found.trace.contains("BeyondWalEnd"), "{found}");
+}
+
+/// F1's second cause's world: 3 transactions of 1 event, a crash, a backup and its restore,
+/// a window expiry.
+fn f1_walk_bounds() -> Bounds {
+    only(|b| {
+        b.transactions = 3;
+        b.crashes = 1;
         b.restores = 1;
         b.expiries = 1;
-    });
-    let report = run(Rules::Current, bounds);
+    })
+}
+
+/// F1's second cause alone (a mutation: main's rules without 30dd6ee): after a restore
+/// written past the old tail and a crash, the walk back from the tail stops at the lost
+/// history's message at the tail's LSN, the aligned run misses the current history's earlier
+/// message, and it is stored again after the window, though the session compares through
+/// the tail.
+#[test]
+fn without_the_seek_the_checker_finds_f1() {
+    let report = check_safety(&Model::new(Rules::Without(Fix::Seek), f1_walk_bounds()));
+    eprintln!("{report}");
+    let found = report
+        .counterexample
+        .expect("F1's second cause must be found");
+    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+    let last_start = found
+        .trace
+        .lines()
+        .rfind(|line| line.contains("session starts"))
+        .unwrap_or_default();
     assert!(
-        report.counterexample.is_none(),
-        "{}",
-        report
-            .counterexample
-            .as_ref()
-            .map(ToString::to_string)
-            .unwrap_or_default()
+        !last_start.contains("compare through -"),
+        "the session compares: {found}"
     );
+    passes(&run(Rules::Current, f1_walk_bounds()));
 }
 
 /// Bounds with only the faults named.
@@ -220,19 +253,17 @@ fn f2_bounds() -> Bounds {
     })
 }
 
-/// F2 is still there: on main's rules, after a restore written past the old tail and a
-/// crash, a session replays events the stream holds outside its run in doubt (S6), the
-/// last of them is answered as a duplicate, and the first event past the doubt carries a
-/// fence that counted it: refused, and the next session does the same (a loop). When this
-/// fails, F2 is fixed: un-ignore
-/// `f2_a_duplicate_at_the_end_of_the_doubt_leaves_the_fence_ahead_a_session_loop`.
+/// Finding F2 on the rules before its fixes (a mutation test of the checker): after a
+/// restore written past the old tail and a crash, a session replays events the stream holds
+/// outside its (aligned) run in doubt (S6), the last of them is answered as a duplicate, and
+/// the first event past the doubt carries a fence that counted it: refused, and the next
+/// session does the same (a loop).
 #[test]
-fn finding_f2_is_still_found() {
-    let report = check(&Model::new(Rules::Current, f2_bounds()));
-    eprintln!("{report}");
+fn the_rules_before_the_fixes_loop_after_a_restore_finding_f2() {
+    let report = run(Rules::BeforeFixes, f2_bounds());
     let found = report
         .counterexample
-        .expect("F2 is fixed: see the test's doc");
+        .expect("the rules before the fixes must loop");
     assert_eq!(found.violation, Violation::Loop, "{found}");
     assert!(
         found.actions[..found.fault_free_from]
@@ -241,45 +272,18 @@ fn finding_f2_is_still_found() {
         "{found}"
     );
     assert!(
+        !found.actions.contains(&Action::Expire),
+        "F2 needs no window expiry: {found}"
+    );
+    assert!(
         found.trace.contains("refused: wrong last sequence"),
         "{found}"
     );
 }
 
-/// Finding F2, as a test of what should hold: every fault-free run after a restore and a
-/// crash ends with every event stored and confirmed. Fails on main's rules (it prints the
-/// trace); ignored until F2 is fixed.
+/// F2 is fixed: in F2's world, every fault-free run after a restore and a crash ends with
+/// every event stored and confirmed, and nothing is stored twice.
 #[test]
-#[ignore = "finding F2: fails on main's rules (sink::resume S6 settles only before events in doubt)"]
-fn f2_a_duplicate_at_the_end_of_the_doubt_leaves_the_fence_ahead_a_session_loop() {
-    let report = run(Rules::Current, f2_bounds());
-    assert!(
-        report.counterexample.is_none(),
-        "{}",
-        report
-            .counterexample
-            .as_ref()
-            .map(ToString::to_string)
-            .unwrap_or_default()
-    );
-}
-
-/// The candidate fix of F2 (`Fixes::settle_at_doubts_end`: the first event past the doubt
-/// is settled as one in doubt is) removes the loop in F2's world.
-#[test]
-fn the_candidate_fix_of_f2_removes_the_loop() {
-    let fixed = Rules::Candidate(Fixes {
-        compare_beyond_wal_end: false,
-        settle_at_doubts_end: true,
-    });
-    let report = run(fixed, f2_bounds());
-    assert!(
-        report.counterexample.is_none(),
-        "{}",
-        report
-            .counterexample
-            .as_ref()
-            .map(ToString::to_string)
-            .unwrap_or_default()
-    );
+fn the_current_rules_progress_after_a_restore_and_a_crash() {
+    passes(&run(Rules::Current, f2_bounds()));
 }
