@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use crate::relay::{end_session, process, Context, Relay};
+use crate::relay::{Context, Relay};
 use crate::world::{Pg, Row, Stream, Txn};
 use crate::Rules;
 
@@ -294,13 +294,13 @@ impl Model {
         let relay = &self.context;
         let done = match action {
             Action::Start => {
-                relay.start(&mut next, log);
+                relay.start(&mut next.relay, &next.pg, &next.stream, log);
                 true
             }
-            Action::Take => relay.take(&mut next, log),
-            Action::Process => process(&mut next, log),
-            Action::Ack(landed) => relay.ack(&mut next, landed.into(), log),
-            Action::Confirm => relay.confirm(&mut next, log),
+            Action::Take => relay.take(&mut next.relay, &next.pg.wal, &next.stream, log),
+            Action::Process => next.relay.process(&mut next.stream, log),
+            Action::Ack(landed) => relay.ack(&mut next.relay, &mut next.stream, landed.into(), log),
+            Action::Confirm => relay.confirm(&next.relay, &mut next.pg, log),
             Action::Commit(n) => {
                 let pg = &mut next.pg;
                 let rows: Vec<Row> = (0..i64::from(n))
@@ -386,7 +386,7 @@ impl Model {
                 if !ends(&next, landed) {
                     return None;
                 }
-                end_session(&mut next, landed.into(), log);
+                next.relay.end_session(&mut next.stream, landed.into(), log);
                 next.pg = backup;
                 next.left.restores -= 1;
                 true
@@ -396,7 +396,7 @@ impl Model {
                     return None;
                 }
                 say(log, || "relay: CRASH".to_owned());
-                end_session(&mut next, landed.into(), log);
+                next.relay.end_session(&mut next.stream, landed.into(), log);
                 next.relay.memory = None;
                 next.relay.failed_through = None;
                 next.left.crashes -= 1;

@@ -9,6 +9,10 @@
 //! (`sink::vouch::Vouching::holds`, `sink::publisher`'s `publish_item` and `settle`, the
 //! acker's `acknowledge`), mirrored line by line and named where it is.
 //!
+//! Each step takes the parts of the world it reads and writes ([`Relay`], and
+//! [`crate::world`]'s [`Pg`] and [`Stream`]), not the model's whole state: [`crate::model`]
+//! holds the state and calls down into this module, never the other way.
+//!
 //! # Invariants
 //! - R1 A session starts from the slot's confirmed position with a fresh tracker, and skips
 //!   nothing on an earlier session's word (S2). In [`Rules::Current`] the process remembers
@@ -30,8 +34,7 @@ use outbox::{EventId, Lsn, OutboxEvent, Position};
 use sink::resume::{plan, seek, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
 use sink::{AckTracker, Ticket};
 
-use crate::model::State;
-use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, SOURCE};
+use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, Txn, SOURCE};
 use crate::{Fix, Rules};
 
 /// Where a session's comparison of replayed events with the stream is (`sink::vouch`).
@@ -110,6 +113,42 @@ pub struct Relay {
     pub halted: Option<Halt>,
 }
 
+impl Relay {
+    /// The server answers the session's oldest in-flight publish.
+    pub fn process(&mut self, stream: &mut Stream, log: &mut Option<String>) -> bool {
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
+        let Some(sent) = session.in_flight.pop_front() else {
+            return false;
+        };
+        let answer = stream.answer(&sent.publish);
+        session.answers.push_back((sent, answer));
+        if let Some(log) = log {
+            let _ = write!(log, "nats: publish of {} -> {answer}", sent.publish.row);
+        }
+        true
+    }
+
+    /// The session ends (R2): the first `landed` in-flight publishes reach the server (their
+    /// answers unread), the rest never do.
+    pub fn end_session(&mut self, stream: &mut Stream, landed: usize, log: &mut Option<String>) {
+        let Some(session) = self.session.take() else {
+            return;
+        };
+        for sent in session.in_flight.iter().take(landed) {
+            let answer = stream.answer(&sent.publish);
+            if let Some(log) = log {
+                let _ = write!(
+                    log,
+                    "; its in-flight publish of {} lands: {answer}",
+                    sent.publish.row
+                );
+            }
+        }
+    }
+}
+
 /// Why the relay halted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Halt {
@@ -154,16 +193,15 @@ impl Context {
 
     /// A session starts (`relay::process::pipeline`'s `prepare`): the slot's position, the
     /// WAL end, the stream's tail, the plan.
-    pub fn start(&self, state: &mut State, log: &mut Option<String>) {
+    pub fn start(&self, relay: &mut Relay, pg: &Pg, stream: &Stream, log: &mut Option<String>) {
         let tail = Tail {
-            last_sequence: state.stream.last_sequence(),
+            last_sequence: stream.last_sequence(),
             max_msg_size: None,
             duplicate_window: std::time::Duration::from_secs(120),
             replicas: 1,
-            last: (state.stream.last_sequence() > 0)
-                .then(|| state.stream.mark(state.stream.last_sequence())),
+            last: (stream.last_sequence() > 0).then(|| stream.mark(stream.last_sequence())),
         };
-        let wal_end = Lsn(state.pg.next_lsn);
+        let wal_end = Lsn(pg.next_lsn);
         let resume = plan(
             &tail,
             &sink::resume::Session {
@@ -181,14 +219,13 @@ impl Context {
             skip_through: None,
             compare: None,
             vouching: Vouching::Off,
-            next_txn: state
-                .pg
+            next_txn: pg
                 .wal
                 .iter()
-                .position(|txn| txn.end > state.pg.confirmed)
-                .unwrap_or(state.pg.wal.len()),
+                .position(|txn| txn.end > pg.confirmed)
+                .unwrap_or(pg.wal.len()),
             next_event: 0,
-            tracker: AckTracker::new(state.pg.confirmed),
+            tracker: AckTracker::new(pg.confirmed),
             in_flight: VecDeque::new(),
             answers: VecDeque::new(),
             stored: None,
@@ -209,21 +246,21 @@ impl Context {
                     session.compare = None;
                 }
                 // Before 109424d, `Doubt::at_start` had no memory of the process.
-                let failed_through = state.relay.failed_through.filter(|_| rules.current());
+                let failed_through = relay.failed_through.filter(|_| rules.current());
                 session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
                 if session.compare.is_some() {
                     session.vouching = Vouching::Unlocated;
                 }
             }
             _ => {
-                session.skip_through = self.old_skip_through(state, &tail, &resume, wal_end);
+                session.skip_through = self.old_skip_through(relay, pg, &tail, &resume, wal_end);
             }
         }
         if let Some(log) = log {
             let _ = write!(
                 log,
                 "relay: session starts from slot {} (WAL end {}), tail seq {}; plan: fence {}, ",
-                state.pg.confirmed, wal_end.0, tail.last_sequence, fence
+                pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
             match self.rules {
                 rules if rules.compares() => {
@@ -246,7 +283,7 @@ impl Context {
                 let _ = write!(log, " (distrust: {:?})", resume.distrust);
             }
         }
-        state.relay.session = Some(session);
+        relay.session = Some(session);
     }
 
     /// Old S4 and S2 (`git show 739aa4d:crates/sink/src/resume.rs`): skip through the
@@ -255,7 +292,8 @@ impl Context {
     /// table by id and `created_at`). [`Rules::NoRowCheckOld`] checks no row.
     fn old_skip_through(
         &self,
-        state: &State,
+        relay: &Relay,
+        pg: &Pg,
         tail: &Tail,
         resume: &sink::resume::Resume,
         wal_end: Lsn,
@@ -264,17 +302,14 @@ impl Context {
         let from_tail = resume.compare_through.filter(|&position| {
             !check_rows
                 || match &tail.last {
-                    Some(Ok(mark)) => tail_row_checks_out(&state.pg, mark, position),
+                    Some(Ok(mark)) => tail_row_checks_out(pg, mark, position),
                     _ => false,
                 }
         });
-        let acknowledged = state
-            .relay
+        let acknowledged = relay
             .memory
             .filter(|(position, _)| position.commit_lsn < wal_end)
-            .filter(|(_, row)| {
-                !check_rows || state.pg.table.iter().any(|r| r.id == row.id && r == row)
-            })
+            .filter(|(_, row)| !check_rows || pg.table.iter().any(|r| r.id == row.id && r == row))
             .map(|(position, _)| position);
         from_tail.max(acknowledged)
     }
@@ -282,11 +317,17 @@ impl Context {
     /// The publisher takes the replication stream's next event (`publish_item`): skipped
     /// when the stream holds it (P6), else published, alone after every earlier answer when
     /// in doubt (P15). `false` when there is none or it must wait (the window, P15).
-    pub fn take(&self, state: &mut State, log: &mut Option<String>) -> bool {
-        let Some(current) = &state.relay.session else {
+    pub fn take(
+        &self,
+        relay: &mut Relay,
+        wal: &[Txn],
+        stream: &Stream,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(current) = &relay.session else {
             return false;
         };
-        let Some(txn) = state.pg.wal.get(current.next_txn) else {
+        let Some(txn) = wal.get(current.next_txn) else {
             return false;
         };
         let index = current.next_event;
@@ -296,18 +337,12 @@ impl Context {
         let end = txn.end;
         let mut session = current.clone();
         let skip = match self.rules {
-            rules if rules.has(Fix::Seek) => holds(
-                &mut session,
-                &event(row, position),
-                &state.stream,
-                &self.lineage,
-            ),
-            rules if rules.compares() => holds_aligned(
-                &mut session,
-                &event(row, position),
-                &state.stream,
-                &self.lineage,
-            ),
+            rules if rules.has(Fix::Seek) => {
+                holds(&mut session, &event(row, position), stream, &self.lineage)
+            }
+            rules if rules.compares() => {
+                holds_aligned(&mut session, &event(row, position), stream, &self.lineage)
+            }
             _ => session
                 .skip_through
                 .is_some_and(|through| position <= through),
@@ -394,15 +429,21 @@ impl Context {
         if let Some(log) = log {
             let _ = write!(log, "relay: {said}");
         }
-        state.relay.session = Some(session);
+        relay.session = Some(session);
         true
     }
 
     /// The acker handles the oldest answer (`acknowledge`): stored or a duplicate of the
     /// same row (P8) counts (P1); a duplicate of another row halts (P8, Halt); a refusal
     /// ends the session (P3), `landed` of its in-flight publishes reaching the server.
-    pub fn ack(&self, state: &mut State, landed: usize, log: &mut Option<String>) -> bool {
-        let Some(session) = state.relay.session.as_mut() else {
+    pub fn ack(
+        &self,
+        relay: &mut Relay,
+        stream: &mut Stream,
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(session) = relay.session.as_mut() else {
             return false;
         };
         let Some((sent, answer)) = session.answers.pop_front() else {
@@ -414,7 +455,7 @@ impl Context {
                 session.stored = Some(sequence);
                 Ok(())
             }
-            Answer::Duplicate(sequence) => p8(&state.stream, sequence, row),
+            Answer::Duplicate(sequence) => p8(stream, sequence, row),
             Answer::WrongLastSequence | Answer::WrongLastMsgId => Err(None),
         };
         match counts {
@@ -425,7 +466,7 @@ impl Context {
                 tracker(session.tracker.ack(sent.ticket));
                 if !self.rules.compares() {
                     let newest = (sent.publish.position, row);
-                    state.relay.memory = Some(match state.relay.memory {
+                    relay.memory = Some(match relay.memory {
                         Some(known) if known.0 > newest.0 => known,
                         _ => newest,
                     });
@@ -449,69 +490,35 @@ impl Context {
                         }
                     );
                 }
-                state.relay.halted = halt;
+                relay.halted = halt;
                 // `sink::publisher::publish`: the session ended with an error, so what it
                 // published may be in the stream without its answer (`fail_through`).
                 if self.rules.current() {
                     if let Some(position) = last_framed {
-                        let failed = &mut state.relay.failed_through;
+                        let failed = &mut relay.failed_through;
                         *failed = Some(failed.map_or(position, |known| known.max(position)));
                     }
                 }
-                end_session(state, landed, log);
+                relay.end_session(stream, landed, log);
             }
         }
         true
     }
 
     /// The status update: the tracker's watermark goes to the slot (I1).
-    pub fn confirm(&self, state: &mut State, log: &mut Option<String>) -> bool {
-        let Some(session) = &state.relay.session else {
+    pub fn confirm(&self, relay: &Relay, pg: &mut Pg, log: &mut Option<String>) -> bool {
+        let Some(session) = &relay.session else {
             return false;
         };
         let watermark = session.tracker.watermark();
-        if watermark <= state.pg.confirmed {
+        if watermark <= pg.confirmed {
             return false;
         }
-        state.pg.confirmed = watermark;
+        pg.confirmed = watermark;
         if let Some(log) = log {
             let _ = write!(log, "relay: confirms {watermark} to the slot");
         }
         true
-    }
-}
-
-/// The server answers the session's oldest in-flight publish.
-pub fn process(state: &mut State, log: &mut Option<String>) -> bool {
-    let Some(session) = state.relay.session.as_mut() else {
-        return false;
-    };
-    let Some(sent) = session.in_flight.pop_front() else {
-        return false;
-    };
-    let answer = state.stream.answer(&sent.publish);
-    session.answers.push_back((sent, answer));
-    if let Some(log) = log {
-        let _ = write!(log, "nats: publish of {} -> {answer}", sent.publish.row);
-    }
-    true
-}
-
-/// The session ends (R2): the first `landed` in-flight publishes reach the server (their
-/// answers unread), the rest never do.
-pub fn end_session(state: &mut State, landed: usize, log: &mut Option<String>) {
-    let Some(session) = state.relay.session.take() else {
-        return;
-    };
-    for sent in session.in_flight.iter().take(landed) {
-        let answer = state.stream.answer(&sent.publish);
-        if let Some(log) = log {
-            let _ = write!(
-                log,
-                "; its in-flight publish of {} lands: {answer}",
-                sent.publish.row
-            );
-        }
     }
 }
 
