@@ -97,6 +97,61 @@ pub struct Session {
     pub last_framed: Option<Position>,
 }
 
+impl Session {
+    /// A session fenced at `fence` that replays from the slot's confirmed position with a
+    /// fresh tracker (R1), skipping and comparing nothing yet.
+    fn fresh(fence: u64, pg: &Pg) -> Session {
+        Session {
+            start: fence,
+            fence,
+            chain: None,
+            doubt: Doubt::None,
+            skip_through: None,
+            compare: None,
+            vouching: Vouching::Off,
+            next_txn: pg
+                .wal
+                .iter()
+                .position(|txn| txn.end > pg.confirmed)
+                .unwrap_or(pg.wal.len()),
+            next_event: 0,
+            tracker: AckTracker::new(pg.confirmed),
+            in_flight: VecDeque::new(),
+            answers: VecDeque::new(),
+            stored: None,
+            settling: false,
+            last_framed: None,
+        }
+    }
+
+    /// `settle`: with every earlier answer in (else `None`: the publish waits), the doubt is
+    /// settled and the fence moves to what the stream stored. What it did, in words.
+    fn settle(&mut self) -> Option<String> {
+        if !self.in_flight.is_empty() || !self.answers.is_empty() {
+            return None;
+        }
+        let settled = self.doubt.settle(self.start, self.fence, self.stored);
+        self.doubt = settled.doubt;
+        if let Some(sequence) = settled.fence {
+            self.fence = sequence;
+            self.chain = None;
+        }
+        Some(format!("settles (doubt {:?}), ", self.doubt))
+    }
+
+    /// Past the event just taken from `txn`: its transaction's commit goes to the tracker
+    /// after its last event.
+    fn advance(&mut self, txn: &Txn) {
+        if self.next_event + 1 == txn.rows.len() {
+            tracker(self.tracker.commit(txn.end));
+            self.next_txn += 1;
+            self.next_event = 0;
+        } else {
+            self.next_event += 1;
+        }
+    }
+}
+
 /// The relay process.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Relay {
@@ -194,13 +249,7 @@ impl Context {
     /// A session starts (`relay::process::pipeline`'s `prepare`): the slot's position, the
     /// WAL end, the stream's tail, the plan.
     pub fn start(&self, relay: &mut Relay, pg: &Pg, stream: &Stream, log: &mut Option<String>) {
-        let tail = Tail {
-            last_sequence: stream.last_sequence(),
-            max_msg_size: None,
-            duplicate_window: std::time::Duration::from_secs(120),
-            replicas: 1,
-            last: (stream.last_sequence() > 0).then(|| stream.mark(stream.last_sequence())),
-        };
+        let tail = tail_of(stream);
         let wal_end = Lsn(pg.next_lsn);
         let resume = plan(
             &tail,
@@ -211,47 +260,9 @@ impl Context {
             },
         );
         let fence = resume.fence.unwrap_or(0);
-        let mut session = Session {
-            start: fence,
-            fence,
-            chain: None,
-            doubt: Doubt::None,
-            skip_through: None,
-            compare: None,
-            vouching: Vouching::Off,
-            next_txn: pg
-                .wal
-                .iter()
-                .position(|txn| txn.end > pg.confirmed)
-                .unwrap_or(pg.wal.len()),
-            next_event: 0,
-            tracker: AckTracker::new(pg.confirmed),
-            in_flight: VecDeque::new(),
-            answers: VecDeque::new(),
-            stored: None,
-            settling: false,
-            last_framed: None,
-        };
+        let mut session = Session::fresh(fence, pg);
         match self.rules {
-            rules if rules.compares() => {
-                session.compare = resume.compare_through;
-                if !rules.has(Fix::CompareBeyondWalEnd)
-                    && resume
-                        .distrust
-                        .iter()
-                        .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
-                {
-                    // Before d2a8769, `plan` gave no position to compare through for a tail
-                    // at or beyond the WAL end.
-                    session.compare = None;
-                }
-                // Before 109424d, `Doubt::at_start` had no memory of the process.
-                let failed_through = relay.failed_through.filter(|_| rules.current());
-                session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
-                if session.compare.is_some() {
-                    session.vouching = Vouching::Unlocated;
-                }
-            }
+            rules if rules.compares() => self.compare_and_doubt(&mut session, relay, &resume),
             _ => {
                 session.skip_through = self.old_skip_through(relay, pg, &tail, &resume, wal_end);
             }
@@ -262,28 +273,61 @@ impl Context {
                 "relay: session starts from slot {} (WAL end {}), tail seq {}; plan: fence {}, ",
                 pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
-            match self.rules {
-                rules if rules.compares() => {
-                    let _ = write!(
-                        log,
-                        "compare through {}, doubt {:?}",
-                        session.compare.map_or_else(|| "-".to_owned(), at),
-                        session.doubt
-                    );
-                }
-                _ => {
-                    let _ = write!(
-                        log,
-                        "skip through {}",
-                        session.skip_through.map_or_else(|| "-".to_owned(), at)
-                    );
-                }
-            }
-            if !resume.distrust.is_empty() {
-                let _ = write!(log, " (distrust: {:?})", resume.distrust);
-            }
+            self.say_plan(log, &session, &resume);
         }
         relay.session = Some(session);
+    }
+
+    /// The rules that compare (S4, S6): what the session compares through and the doubt it
+    /// starts with, after `plan`'s `resume`, as the rules' fixes have it.
+    fn compare_and_doubt(
+        &self,
+        session: &mut Session,
+        relay: &Relay,
+        resume: &sink::resume::Resume,
+    ) {
+        let rules = self.rules;
+        session.compare = resume.compare_through;
+        if !rules.has(Fix::CompareBeyondWalEnd)
+            && resume
+                .distrust
+                .iter()
+                .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
+        {
+            // Before d2a8769, `plan` gave no position to compare through for a tail
+            // at or beyond the WAL end.
+            session.compare = None;
+        }
+        // Before 109424d, `Doubt::at_start` had no memory of the process.
+        let failed_through = relay.failed_through.filter(|_| rules.current());
+        session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
+        if session.compare.is_some() {
+            session.vouching = Vouching::Unlocated;
+        }
+    }
+
+    /// The plan a session starts with, in words.
+    fn say_plan(&self, log: &mut String, session: &Session, resume: &sink::resume::Resume) {
+        match self.rules {
+            rules if rules.compares() => {
+                let _ = write!(
+                    log,
+                    "compare through {}, doubt {:?}",
+                    session.compare.map_or_else(|| "-".to_owned(), at),
+                    session.doubt
+                );
+            }
+            _ => {
+                let _ = write!(
+                    log,
+                    "skip through {}",
+                    session.skip_through.map_or_else(|| "-".to_owned(), at)
+                );
+            }
+        }
+        if !resume.distrust.is_empty() {
+            let _ = write!(log, " (distrust: {:?})", resume.distrust);
+        }
     }
 
     /// Old S4 and S2 (`git show 739aa4d:crates/sink/src/resume.rs`): skip through the
@@ -333,104 +377,107 @@ impl Context {
         let index = current.next_event;
         let row = txn.rows[index];
         let position = txn.position(index);
-        let last_of_txn = index + 1 == txn.rows.len();
-        let end = txn.end;
         let mut session = current.clone();
-        let skip = match self.rules {
-            rules if rules.has(Fix::Seek) => {
-                holds(&mut session, &event(row, position), stream, &self.lineage)
-            }
-            rules if rules.compares() => {
-                holds_aligned(&mut session, &event(row, position), stream, &self.lineage)
-            }
-            _ => session
-                .skip_through
-                .is_some_and(|through| position <= through),
-        };
-        let mut said = String::new();
+        let skip = self.skips(&mut session, row, position, stream);
         if index == 0 {
             tracker(session.tracker.begin());
         }
-        if skip {
-            // AckItem::Stored: counted as acknowledged unseen.
-            let ticket = tracker(session.tracker.publish());
-            tracker(session.tracker.ack(ticket));
-            said = match self.rules {
-                rules if rules.compares() => format!(
-                    "skips {row} at {} (vouched for by the stream's message at its place)",
-                    at(position)
-                ),
-                _ => format!(
-                    "skips {row} at {} (at or before the skip-through position)",
-                    at(position)
-                ),
-            };
+        let said = if skip {
+            self.skip(&mut session, row, position)
         } else {
-            // `publish_item`, P15: alone, once every earlier answer is in; and (current
-            // rules) the first publish after one in doubt too, so that its fence counts only
-            // what the stream stored.
-            let settles = match self.rules {
-                rules if rules.current() => session.settling || session.doubt.covers(position),
-                Rules::BeforeFixes => session.doubt.covers(position),
-                _ => false,
-            };
-            if settles {
-                // `settle`: every earlier answer is in.
-                if !session.in_flight.is_empty() || !session.answers.is_empty() {
-                    return false;
-                }
-                let settled = session
-                    .doubt
-                    .settle(session.start, session.fence, session.stored);
-                session.doubt = settled.doubt;
-                if let Some(sequence) = settled.fence {
-                    session.fence = sequence;
-                    session.chain = None;
-                }
-                let _ = write!(said, "settles (doubt {:?}), ", session.doubt);
-            }
-            if self.rules.current() {
-                session.settling = session.doubt.covers(position);
-            }
-            if session.in_flight.len() + session.answers.len() >= self.window {
+            let Some(said) = self.publish(&mut session, row, position) else {
                 return false;
-            }
-            let ticket = tracker(session.tracker.publish());
-            let publish = Publish {
-                row,
-                position,
-                expect_sequence: session.fence,
-                expect_last: if self.id_chain { session.chain } else { None },
             };
-            session.fence += 1;
-            session.chain = Some(row.id);
-            if self.rules.current() {
-                // `frame`.
-                session.last_framed = Some(position);
-            }
-            session.in_flight.push_back(Sent { publish, ticket });
-            let _ = write!(
-                said,
-                "publishes {row} at {} expecting last seq {}{}",
-                at(position),
-                publish.expect_sequence,
-                publish
-                    .expect_last
-                    .map_or_else(String::new, |id| format!(" and last msg id of id {id}"))
-            );
-        }
-        if last_of_txn {
-            tracker(session.tracker.commit(end));
-            session.next_txn += 1;
-            session.next_event = 0;
-        } else {
-            session.next_event += 1;
-        }
+            said
+        };
+        session.advance(txn);
         if let Some(log) = log {
             let _ = write!(log, "relay: {said}");
         }
         relay.session = Some(session);
         true
+    }
+
+    /// Whether the session skips `row`'s event at `position`: the stream holds it (S4, by
+    /// the rules' comparison), or the old rules skip through it.
+    fn skips(&self, session: &mut Session, row: Row, position: Position, stream: &Stream) -> bool {
+        match self.rules {
+            rules if rules.has(Fix::Seek) => {
+                holds(session, &event(row, position), stream, &self.lineage)
+            }
+            rules if rules.compares() => {
+                holds_aligned(session, &event(row, position), stream, &self.lineage)
+            }
+            _ => session
+                .skip_through
+                .is_some_and(|through| position <= through),
+        }
+    }
+
+    /// A skip (`AckItem::Stored`): counted as acknowledged unseen. What it did, in words.
+    fn skip(&self, session: &mut Session, row: Row, position: Position) -> String {
+        let ticket = tracker(session.tracker.publish());
+        tracker(session.tracker.ack(ticket));
+        match self.rules {
+            rules if rules.compares() => format!(
+                "skips {row} at {} (vouched for by the stream's message at its place)",
+                at(position)
+            ),
+            _ => format!(
+                "skips {row} at {} (at or before the skip-through position)",
+                at(position)
+            ),
+        }
+    }
+
+    /// A publish (`publish_item`), settled first when P15 says so; what it did, in words, or
+    /// `None` when it must wait (for earlier answers, or the window).
+    fn publish(&self, session: &mut Session, row: Row, position: Position) -> Option<String> {
+        let mut said = String::new();
+        if self.settles(session, position) {
+            said = session.settle()?;
+        }
+        if self.rules.current() {
+            session.settling = session.doubt.covers(position);
+        }
+        if session.in_flight.len() + session.answers.len() >= self.window {
+            return None;
+        }
+        let ticket = tracker(session.tracker.publish());
+        let publish = Publish {
+            row,
+            position,
+            expect_sequence: session.fence,
+            expect_last: if self.id_chain { session.chain } else { None },
+        };
+        session.fence += 1;
+        session.chain = Some(row.id);
+        if self.rules.current() {
+            // `frame`.
+            session.last_framed = Some(position);
+        }
+        session.in_flight.push_back(Sent { publish, ticket });
+        let _ = write!(
+            said,
+            "publishes {row} at {} expecting last seq {}{}",
+            at(position),
+            publish.expect_sequence,
+            publish
+                .expect_last
+                .map_or_else(String::new, |id| format!(" and last msg id of id {id}"))
+        );
+        Some(said)
+    }
+
+    /// `publish_item`, P15: whether the publish at `position` goes alone, once every earlier
+    /// answer is in; and (current rules) the first publish after one in doubt too, so that
+    /// its fence counts only what the stream stored.
+    fn settles(&self, session: &Session, position: Position) -> bool {
+        match self.rules {
+            rules if rules.current() => session.settling || session.doubt.covers(position),
+            Rules::BeforeFixes => session.doubt.covers(position),
+            _ => false,
+        }
     }
 
     /// The acker handles the oldest answer (`acknowledge`): stored or a duplicate of the
@@ -519,6 +566,17 @@ impl Context {
             let _ = write!(log, "relay: confirms {watermark} to the slot");
         }
         true
+    }
+}
+
+/// The stream's tail as a session reads it when it starts (`sink::resume::Tail`).
+fn tail_of(stream: &Stream) -> Tail {
+    Tail {
+        last_sequence: stream.last_sequence(),
+        max_msg_size: None,
+        duplicate_window: std::time::Duration::from_secs(120),
+        replicas: 1,
+        last: (stream.last_sequence() > 0).then(|| stream.mark(stream.last_sequence())),
     }
 }
 
