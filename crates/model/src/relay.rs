@@ -496,59 +496,90 @@ impl Context {
         let Some((sent, answer)) = session.answers.pop_front() else {
             return false;
         };
-        let row = sent.publish.row;
         let counts = match answer {
             Answer::Stored(sequence) => {
                 session.stored = Some(sequence);
                 Ok(())
             }
-            Answer::Duplicate(sequence) => p8(stream, sequence, row),
+            Answer::Duplicate(sequence) => p8(stream, sequence, sent.publish.row),
             Answer::WrongLastSequence | Answer::WrongLastMsgId => Err(None),
         };
         match counts {
-            Ok(()) => {
-                if landed != 0 {
-                    return false;
+            Ok(()) => self.count(session, &mut relay.memory, (sent, answer), landed, log),
+            Err(halt) => self.end_on(relay, stream, (sent, answer), halt, landed, log),
+        }
+    }
+
+    /// An answer that counts (P1): the tracker acknowledges it, and the old rules remember
+    /// the newest event acknowledged (old S2). Not enabled with `landed` publishes: the
+    /// session goes on.
+    fn count(
+        &self,
+        session: &mut Session,
+        memory: &mut Option<(Position, Row)>,
+        (sent, answer): (Sent, Answer),
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        if landed != 0 {
+            return false;
+        }
+        let row = sent.publish.row;
+        tracker(session.tracker.ack(sent.ticket));
+        if !self.rules.compares() {
+            let newest = (sent.publish.position, row);
+            *memory = Some(match *memory {
+                Some(known) if known.0 > newest.0 => known,
+                _ => newest,
+            });
+        }
+        if let Some(log) = log {
+            let _ = write!(log, "relay: acker takes {row}'s answer ({answer}): counts");
+        }
+        true
+    }
+
+    /// An answer that ends the session with an error (a refusal, P3; or a P8 halt, `halt`),
+    /// `landed` of its in-flight publishes reaching the server (not enabled with more than
+    /// are in flight).
+    fn end_on(
+        &self,
+        relay: &mut Relay,
+        stream: &mut Stream,
+        (sent, answer): (Sent, Answer),
+        halt: Option<Halt>,
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(last_framed) = relay
+            .session
+            .as_ref()
+            .filter(|session| landed <= session.in_flight.len())
+            .map(|session| session.last_framed)
+        else {
+            return false;
+        };
+        if let Some(log) = log {
+            let _ = write!(
+                log,
+                "relay: acker takes {}'s answer ({answer}): the session ends{}",
+                sent.publish.row,
+                match halt {
+                    Some(halt) => format!(", the relay HALTS ({halt:?})"),
+                    None => String::new(),
                 }
-                tracker(session.tracker.ack(sent.ticket));
-                if !self.rules.compares() {
-                    let newest = (sent.publish.position, row);
-                    relay.memory = Some(match relay.memory {
-                        Some(known) if known.0 > newest.0 => known,
-                        _ => newest,
-                    });
-                }
-                if let Some(log) = log {
-                    let _ = write!(log, "relay: acker takes {row}'s answer ({answer}): counts");
-                }
-            }
-            Err(halt) => {
-                if landed > session.in_flight.len() {
-                    return false;
-                }
-                let last_framed = session.last_framed;
-                if let Some(log) = log {
-                    let _ = write!(
-                        log,
-                        "relay: acker takes {row}'s answer ({answer}): the session ends{}",
-                        match halt {
-                            Some(halt) => format!(", the relay HALTS ({halt:?})"),
-                            None => String::new(),
-                        }
-                    );
-                }
-                relay.halted = halt;
-                // `sink::publisher::publish`: the session ended with an error, so what it
-                // published may be in the stream without its answer (`fail_through`).
-                if self.rules.current() {
-                    if let Some(position) = last_framed {
-                        let failed = &mut relay.failed_through;
-                        *failed = Some(failed.map_or(position, |known| known.max(position)));
-                    }
-                }
-                relay.end_session(stream, landed, log);
+            );
+        }
+        relay.halted = halt;
+        // `sink::publisher::publish`: the session ended with an error, so what it
+        // published may be in the stream without its answer (`fail_through`).
+        if self.rules.current() {
+            if let Some(position) = last_framed {
+                let failed = &mut relay.failed_through;
+                *failed = Some(failed.map_or(position, |known| known.max(position)));
             }
         }
+        relay.end_session(stream, landed, log);
         true
     }
 
