@@ -209,6 +209,21 @@ pub struct Report {
     pub counterexample: Option<Counterexample>,
 }
 
+impl Report {
+    /// The report of a search that has seen the initial state alone.
+    fn empty() -> Report {
+        Report {
+            states: 1,
+            transitions: 0,
+            depth: 0,
+            halted: 0,
+            progress_states: 0,
+            elapsed: Duration::ZERO,
+            counterexample: None,
+        }
+    }
+}
+
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -259,22 +274,12 @@ pub fn check_with(model: &Model, options: Options) -> Report {
     let started = Instant::now();
     let init = model.init();
     let root = fingerprint(&init);
-    // C1: fingerprint -> (parent's fingerprint, action, depth).
-    let mut seen: HashMap<u64, (u64, Option<Action>, u32)> = HashMap::new();
+    let mut seen = Seen::new();
     seen.insert(root, (root, None, 0));
     let mut queue = VecDeque::from([(init, root)]);
     let mut progress = Progress::new(model);
-    let mut report = Report {
-        states: 1,
-        transitions: 0,
-        depth: 0,
-        halted: 0,
-        progress_states: 0,
-        elapsed: Duration::ZERO,
-        counterexample: None,
-    };
+    let mut report = Report::empty();
     let mut actions = Vec::new();
-    let mut none = None;
     while let Some((state, fp)) = queue.pop_front() {
         let path = || path_to(&seen, fp);
         if let Some(violation) = safety(&state) {
@@ -299,20 +304,15 @@ pub fn check_with(model: &Model, options: Options) -> Report {
             report.counterexample = Some(narrate(model, violation, actions, from, back_to));
             break;
         }
-        let depth = seen.get(&fp).map_or(0, |s| s.2);
-        model.actions(&state, true, &mut actions);
-        for &action in &actions {
-            let Some(next) = model.step(&state, action, &mut none) else {
-                continue;
-            };
-            report.transitions += 1;
-            let next_fp = fingerprint(&next);
-            if let std::collections::hash_map::Entry::Vacant(entry) = seen.entry(next_fp) {
-                entry.insert((fp, Some(action), depth + 1));
-                report.depth = report.depth.max(depth as usize + 1);
-                queue.push_back((next, next_fp));
-            }
-        }
+        expand(
+            model,
+            &state,
+            fp,
+            &mut seen,
+            &mut queue,
+            &mut report,
+            &mut actions,
+        );
     }
     report.states = seen.len();
     report.progress_states = progress.memo.len();
@@ -320,8 +320,38 @@ pub fn check_with(model: &Model, options: Options) -> Report {
     report
 }
 
+/// C1's table: fingerprint -> (parent's fingerprint, action, depth).
+type Seen = HashMap<u64, (u64, Option<Action>, u32)>;
+
+/// Every state one step from `state` (fingerprint `fp`) counted as a transition, and those
+/// not seen before recorded with their parent and queued (C1).
+fn expand(
+    model: &Model,
+    state: &State,
+    fp: u64,
+    seen: &mut Seen,
+    queue: &mut VecDeque<(State, u64)>,
+    report: &mut Report,
+    actions: &mut Vec<Action>,
+) {
+    let depth = seen.get(&fp).map_or(0, |s| s.2);
+    model.actions(state, true, actions);
+    for &action in actions.iter() {
+        let Some(next) = model.step(state, action, &mut None) else {
+            continue;
+        };
+        report.transitions += 1;
+        let next_fp = fingerprint(&next);
+        if let std::collections::hash_map::Entry::Vacant(entry) = seen.entry(next_fp) {
+            entry.insert((fp, Some(action), depth + 1));
+            report.depth = report.depth.max(depth as usize + 1);
+            queue.push_back((next, next_fp));
+        }
+    }
+}
+
 /// The actions from the initial state to the state `fp`.
-fn path_to(seen: &HashMap<u64, (u64, Option<Action>, u32)>, mut fp: u64) -> Vec<Action> {
+fn path_to(seen: &Seen, mut fp: u64) -> Vec<Action> {
     let mut actions = Vec::new();
     while let Some(&(parent, Some(action), _)) = seen.get(&fp) {
         actions.push(action);

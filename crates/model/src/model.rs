@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use crate::relay::{end_session, process, Context, Relay};
+use crate::relay::{Context, Relay};
 use crate::world::{Pg, Row, Stream, Txn};
 use crate::Rules;
 
@@ -294,127 +294,154 @@ impl Model {
         let relay = &self.context;
         let done = match action {
             Action::Start => {
-                relay.start(&mut next, log);
+                relay.start(&mut next.relay, &next.pg, &next.stream, log);
                 true
             }
-            Action::Take => relay.take(&mut next, log),
-            Action::Process => process(&mut next, log),
-            Action::Ack(landed) => relay.ack(&mut next, landed.into(), log),
-            Action::Confirm => relay.confirm(&mut next, log),
-            Action::Commit(n) => {
-                let pg = &mut next.pg;
-                let rows: Vec<Row> = (0..i64::from(n))
-                    .map(|i| Row {
-                        id: pg.next_id + i,
-                        created: next.clock,
-                    })
-                    .collect();
-                pg.wal.push(Txn {
-                    commit: pg.next_lsn,
-                    end: pg.next_lsn + 1,
-                    rows: rows.clone(),
-                });
-                pg.next_lsn += 2;
-                pg.next_id += i64::from(n);
-                pg.table.extend(rows.iter().copied());
-                next.clock += 1;
-                next.left.transactions -= 1;
-                say(log, || {
-                    let ids: Vec<String> = rows.iter().map(ToString::to_string).collect();
-                    format!(
-                        "postgres: commit at LSN {} (end {}): {}",
-                        next.pg.next_lsn - 2,
-                        next.pg.next_lsn - 1,
-                        ids.join(", ")
-                    )
-                });
-                true
-            }
-            Action::Rollback => {
-                let row = Row {
-                    id: next.pg.next_id,
-                    created: next.clock,
-                };
-                next.rolled_back.push(row);
-                next.pg.next_id += 1;
-                next.clock += 1;
-                next.left.transactions -= 1;
-                say(log, || {
-                    format!("postgres: a transaction inserting {row} rolls back")
-                });
-                true
-            }
-            Action::Delete(id) => {
-                next.pg.table.retain(|row| row.id != id);
-                next.left.deletes -= 1;
-                say(log, || {
-                    format!("others: DELETE row id {id} from the outbox table")
-                });
-                true
-            }
-            Action::Truncate => {
-                next.pg.table.clear();
-                next.left.deletes -= 1;
-                say(log, || "others: TRUNCATE the outbox table".to_owned());
-                true
-            }
-            Action::Expire => {
-                next.stream.window.clear();
-                next.left.expiries -= 1;
-                say(log, || "nats: the duplicate window expires".to_owned());
-                true
-            }
-            Action::Backup => {
-                next.backup = Some(next.pg.clone());
-                next.left.backups -= 1;
-                say(log, || {
-                    format!(
-                        "postgres: cold backup taken (WAL end {}, slot {})",
-                        next.pg.next_lsn, next.pg.confirmed
-                    )
-                });
-                true
-            }
-            Action::Restore(landed) => {
-                let backup = next.backup.take()?;
-                say(log, || {
-                    format!(
-                        "postgres: RESTORED from the cold backup (WAL end {} -> {}, slot {} -> {})",
-                        next.pg.next_lsn, backup.next_lsn, next.pg.confirmed, backup.confirmed
-                    )
-                });
-                if !ends(&next, landed) {
-                    return None;
-                }
-                end_session(&mut next, landed.into(), log);
-                next.pg = backup;
-                next.left.restores -= 1;
-                true
-            }
-            Action::Crash(landed) => {
-                if !ends(&next, landed) {
-                    return None;
-                }
-                say(log, || "relay: CRASH".to_owned());
-                end_session(&mut next, landed.into(), log);
-                next.relay.memory = None;
-                next.relay.failed_through = None;
-                next.left.crashes -= 1;
-                true
-            }
+            Action::Take => relay.take(&mut next.relay, &next.pg.wal, &next.stream, log),
+            Action::Process => next.relay.process(&mut next.stream, log),
+            Action::Ack(landed) => relay.ack(&mut next.relay, &mut next.stream, landed.into(), log),
+            Action::Confirm => relay.confirm(&next.relay, &mut next.pg, log),
+            Action::Commit(n) => next.commit(n, log),
+            Action::Rollback => next.roll_back(log),
+            Action::Delete(id) => next.delete(id, log),
+            Action::Truncate => next.truncate(log),
+            Action::Expire => next.expire(log),
+            Action::Backup => next.take_backup(log),
+            Action::Restore(landed) => next.restore(landed, log),
+            Action::Crash(landed) => next.crash(landed, log),
         };
         done.then_some(next)
     }
 }
 
-/// Whether `landed` publishes can land when the session ends.
-fn ends(state: &State, landed: u8) -> bool {
-    usize::from(landed)
-        <= state
-            .relay
-            .session
-            .as_ref()
-            .map_or(0, |s| s.in_flight.len())
+/// The environment's steps, one per kind of [`Action`]: each changes the state in place and
+/// says whether it was enabled (when not, [`Model::step`] drops the changed state).
+impl State {
+    /// A transaction of `n` events commits.
+    fn commit(&mut self, n: u8, log: &mut Option<String>) -> bool {
+        let pg = &mut self.pg;
+        let rows: Vec<Row> = (0..i64::from(n))
+            .map(|i| Row {
+                id: pg.next_id + i,
+                created: self.clock,
+            })
+            .collect();
+        pg.wal.push(Txn {
+            commit: pg.next_lsn,
+            end: pg.next_lsn + 1,
+            rows: rows.clone(),
+        });
+        pg.next_lsn += 2;
+        pg.next_id += i64::from(n);
+        pg.table.extend(rows.iter().copied());
+        self.clock += 1;
+        self.left.transactions -= 1;
+        say(log, || {
+            let ids: Vec<String> = rows.iter().map(ToString::to_string).collect();
+            format!(
+                "postgres: commit at LSN {} (end {}): {}",
+                self.pg.next_lsn - 2,
+                self.pg.next_lsn - 1,
+                ids.join(", ")
+            )
+        });
+        true
+    }
+
+    /// A transaction of one event rolls back: it takes an id and a clock tick.
+    fn roll_back(&mut self, log: &mut Option<String>) -> bool {
+        let row = Row {
+            id: self.pg.next_id,
+            created: self.clock,
+        };
+        self.rolled_back.push(row);
+        self.pg.next_id += 1;
+        self.clock += 1;
+        self.left.transactions -= 1;
+        say(log, || {
+            format!("postgres: a transaction inserting {row} rolls back")
+        });
+        true
+    }
+
+    /// Another client deletes the row with `id`.
+    fn delete(&mut self, id: i64, log: &mut Option<String>) -> bool {
+        self.pg.table.retain(|row| row.id != id);
+        self.left.deletes -= 1;
+        say(log, || {
+            format!("others: DELETE row id {id} from the outbox table")
+        });
+        true
+    }
+
+    /// Another client truncates the table.
+    fn truncate(&mut self, log: &mut Option<String>) -> bool {
+        self.pg.table.clear();
+        self.left.deletes -= 1;
+        say(log, || "others: TRUNCATE the outbox table".to_owned());
+        true
+    }
+
+    /// The duplicate window expires.
+    fn expire(&mut self, log: &mut Option<String>) -> bool {
+        self.stream.window.clear();
+        self.left.expiries -= 1;
+        say(log, || "nats: the duplicate window expires".to_owned());
+        true
+    }
+
+    /// A cold backup of Postgres is taken.
+    fn take_backup(&mut self, log: &mut Option<String>) -> bool {
+        self.backup = Some(self.pg.clone());
+        self.left.backups -= 1;
+        say(log, || {
+            format!(
+                "postgres: cold backup taken (WAL end {}, slot {})",
+                self.pg.next_lsn, self.pg.confirmed
+            )
+        });
+        true
+    }
+
+    /// Postgres is restored from the backup; the session ends, `landed` of its in-flight
+    /// publishes reaching the server. Not enabled without a backup or `landed` publishes.
+    fn restore(&mut self, landed: u8, log: &mut Option<String>) -> bool {
+        let Some(backup) = self.backup.take() else {
+            return false;
+        };
+        say(log, || {
+            format!(
+                "postgres: RESTORED from the cold backup (WAL end {} -> {}, slot {} -> {})",
+                self.pg.next_lsn, backup.next_lsn, self.pg.confirmed, backup.confirmed
+            )
+        });
+        if !self.ends(landed) {
+            return false;
+        }
+        self.relay.end_session(&mut self.stream, landed.into(), log);
+        self.pg = backup;
+        self.left.restores -= 1;
+        true
+    }
+
+    /// The relay crashes, `landed` of its in-flight publishes reaching the server; the
+    /// process's memory is lost.
+    fn crash(&mut self, landed: u8, log: &mut Option<String>) -> bool {
+        if !self.ends(landed) {
+            return false;
+        }
+        say(log, || "relay: CRASH".to_owned());
+        self.relay.end_session(&mut self.stream, landed.into(), log);
+        self.relay.memory = None;
+        self.relay.failed_through = None;
+        self.left.crashes -= 1;
+        true
+    }
+
+    /// Whether `landed` publishes can land when the session ends.
+    fn ends(&self, landed: u8) -> bool {
+        usize::from(landed) <= self.relay.session.as_ref().map_or(0, |s| s.in_flight.len())
+    }
 }
 
 fn say(log: &mut Option<String>, what: impl FnOnce() -> String) {

@@ -9,6 +9,10 @@
 //! (`sink::vouch::Vouching::holds`, `sink::publisher`'s `publish_item` and `settle`, the
 //! acker's `acknowledge`), mirrored line by line and named where it is.
 //!
+//! Each step takes the parts of the world it reads and writes ([`Relay`], and
+//! [`crate::world`]'s [`Pg`] and [`Stream`]), not the model's whole state: [`crate::model`]
+//! holds the state and calls down into this module, never the other way.
+//!
 //! # Invariants
 //! - R1 A session starts from the slot's confirmed position with a fresh tracker, and skips
 //!   nothing on an earlier session's word (S2). In [`Rules::Current`] the process remembers
@@ -30,8 +34,7 @@ use outbox::{EventId, Lsn, OutboxEvent, Position};
 use sink::resume::{plan, seek, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
 use sink::{AckTracker, Ticket};
 
-use crate::model::State;
-use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, SOURCE};
+use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, Txn, SOURCE};
 use crate::{Fix, Rules};
 
 /// Where a session's comparison of replayed events with the stream is (`sink::vouch`).
@@ -94,6 +97,61 @@ pub struct Session {
     pub last_framed: Option<Position>,
 }
 
+impl Session {
+    /// A session fenced at `fence` that replays from the slot's confirmed position with a
+    /// fresh tracker (R1), skipping and comparing nothing yet.
+    fn fresh(fence: u64, pg: &Pg) -> Session {
+        Session {
+            start: fence,
+            fence,
+            chain: None,
+            doubt: Doubt::None,
+            skip_through: None,
+            compare: None,
+            vouching: Vouching::Off,
+            next_txn: pg
+                .wal
+                .iter()
+                .position(|txn| txn.end > pg.confirmed)
+                .unwrap_or(pg.wal.len()),
+            next_event: 0,
+            tracker: AckTracker::new(pg.confirmed),
+            in_flight: VecDeque::new(),
+            answers: VecDeque::new(),
+            stored: None,
+            settling: false,
+            last_framed: None,
+        }
+    }
+
+    /// `settle`: with every earlier answer in (else `None`: the publish waits), the doubt is
+    /// settled and the fence moves to what the stream stored. What it did, in words.
+    fn settle(&mut self) -> Option<String> {
+        if !self.in_flight.is_empty() || !self.answers.is_empty() {
+            return None;
+        }
+        let settled = self.doubt.settle(self.start, self.fence, self.stored);
+        self.doubt = settled.doubt;
+        if let Some(sequence) = settled.fence {
+            self.fence = sequence;
+            self.chain = None;
+        }
+        Some(format!("settles (doubt {:?}), ", self.doubt))
+    }
+
+    /// Past the event just taken from `txn`: its transaction's commit goes to the tracker
+    /// after its last event.
+    fn advance(&mut self, txn: &Txn) {
+        if self.next_event + 1 == txn.rows.len() {
+            tracker(self.tracker.commit(txn.end));
+            self.next_txn += 1;
+            self.next_event = 0;
+        } else {
+            self.next_event += 1;
+        }
+    }
+}
+
 /// The relay process.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Relay {
@@ -108,6 +166,42 @@ pub struct Relay {
     pub failed_through: Option<Position>,
     /// The relay stopped for good (P8 under `PoisonPolicy::Halt`), and why.
     pub halted: Option<Halt>,
+}
+
+impl Relay {
+    /// The server answers the session's oldest in-flight publish.
+    pub fn process(&mut self, stream: &mut Stream, log: &mut Option<String>) -> bool {
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
+        let Some(sent) = session.in_flight.pop_front() else {
+            return false;
+        };
+        let answer = stream.answer(&sent.publish);
+        session.answers.push_back((sent, answer));
+        if let Some(log) = log {
+            let _ = write!(log, "nats: publish of {} -> {answer}", sent.publish.row);
+        }
+        true
+    }
+
+    /// The session ends (R2): the first `landed` in-flight publishes reach the server (their
+    /// answers unread), the rest never do.
+    pub fn end_session(&mut self, stream: &mut Stream, landed: usize, log: &mut Option<String>) {
+        let Some(session) = self.session.take() else {
+            return;
+        };
+        for sent in session.in_flight.iter().take(landed) {
+            let answer = stream.answer(&sent.publish);
+            if let Some(log) = log {
+                let _ = write!(
+                    log,
+                    "; its in-flight publish of {} lands: {answer}",
+                    sent.publish.row
+                );
+            }
+        }
+    }
 }
 
 /// Why the relay halted.
@@ -154,16 +248,9 @@ impl Context {
 
     /// A session starts (`relay::process::pipeline`'s `prepare`): the slot's position, the
     /// WAL end, the stream's tail, the plan.
-    pub fn start(&self, state: &mut State, log: &mut Option<String>) {
-        let tail = Tail {
-            last_sequence: state.stream.last_sequence(),
-            max_msg_size: None,
-            duplicate_window: std::time::Duration::from_secs(120),
-            replicas: 1,
-            last: (state.stream.last_sequence() > 0)
-                .then(|| state.stream.mark(state.stream.last_sequence())),
-        };
-        let wal_end = Lsn(state.pg.next_lsn);
+    pub fn start(&self, relay: &mut Relay, pg: &Pg, stream: &Stream, log: &mut Option<String>) {
+        let tail = tail_of(stream);
+        let wal_end = Lsn(pg.next_lsn);
         let resume = plan(
             &tail,
             &sink::resume::Session {
@@ -173,80 +260,74 @@ impl Context {
             },
         );
         let fence = resume.fence.unwrap_or(0);
-        let mut session = Session {
-            start: fence,
-            fence,
-            chain: None,
-            doubt: Doubt::None,
-            skip_through: None,
-            compare: None,
-            vouching: Vouching::Off,
-            next_txn: state
-                .pg
-                .wal
-                .iter()
-                .position(|txn| txn.end > state.pg.confirmed)
-                .unwrap_or(state.pg.wal.len()),
-            next_event: 0,
-            tracker: AckTracker::new(state.pg.confirmed),
-            in_flight: VecDeque::new(),
-            answers: VecDeque::new(),
-            stored: None,
-            settling: false,
-            last_framed: None,
-        };
+        let mut session = Session::fresh(fence, pg);
         match self.rules {
-            rules if rules.compares() => {
-                session.compare = resume.compare_through;
-                if !rules.has(Fix::CompareBeyondWalEnd)
-                    && resume
-                        .distrust
-                        .iter()
-                        .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
-                {
-                    // Before d2a8769, `plan` gave no position to compare through for a tail
-                    // at or beyond the WAL end.
-                    session.compare = None;
-                }
-                // Before 109424d, `Doubt::at_start` had no memory of the process.
-                let failed_through = state.relay.failed_through.filter(|_| rules.current());
-                session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
-                if session.compare.is_some() {
-                    session.vouching = Vouching::Unlocated;
-                }
-            }
+            rules if rules.compares() => self.compare_and_doubt(&mut session, relay, &resume),
             _ => {
-                session.skip_through = self.old_skip_through(state, &tail, &resume, wal_end);
+                session.skip_through = self.old_skip_through(relay, pg, &tail, &resume, wal_end);
             }
         }
         if let Some(log) = log {
             let _ = write!(
                 log,
                 "relay: session starts from slot {} (WAL end {}), tail seq {}; plan: fence {}, ",
-                state.pg.confirmed, wal_end.0, tail.last_sequence, fence
+                pg.confirmed, wal_end.0, tail.last_sequence, fence
             );
-            match self.rules {
-                rules if rules.compares() => {
-                    let _ = write!(
-                        log,
-                        "compare through {}, doubt {:?}",
-                        session.compare.map_or_else(|| "-".to_owned(), at),
-                        session.doubt
-                    );
-                }
-                _ => {
-                    let _ = write!(
-                        log,
-                        "skip through {}",
-                        session.skip_through.map_or_else(|| "-".to_owned(), at)
-                    );
-                }
+            self.say_plan(log, &session, &resume);
+        }
+        relay.session = Some(session);
+    }
+
+    /// The rules that compare (S4, S6): what the session compares through and the doubt it
+    /// starts with, after `plan`'s `resume`, as the rules' fixes have it.
+    fn compare_and_doubt(
+        &self,
+        session: &mut Session,
+        relay: &Relay,
+        resume: &sink::resume::Resume,
+    ) {
+        let rules = self.rules;
+        session.compare = resume.compare_through;
+        if !rules.has(Fix::CompareBeyondWalEnd)
+            && resume
+                .distrust
+                .iter()
+                .any(|why| matches!(why, Distrust::BeyondWalEnd { .. }))
+        {
+            // Before d2a8769, `plan` gave no position to compare through for a tail
+            // at or beyond the WAL end.
+            session.compare = None;
+        }
+        // Before 109424d, `Doubt::at_start` had no memory of the process.
+        let failed_through = relay.failed_through.filter(|_| rules.current());
+        session.doubt = Doubt::at_start(resume.fence, session.compare, failed_through);
+        if session.compare.is_some() {
+            session.vouching = Vouching::Unlocated;
+        }
+    }
+
+    /// The plan a session starts with, in words.
+    fn say_plan(&self, log: &mut String, session: &Session, resume: &sink::resume::Resume) {
+        match self.rules {
+            rules if rules.compares() => {
+                let _ = write!(
+                    log,
+                    "compare through {}, doubt {:?}",
+                    session.compare.map_or_else(|| "-".to_owned(), at),
+                    session.doubt
+                );
             }
-            if !resume.distrust.is_empty() {
-                let _ = write!(log, " (distrust: {:?})", resume.distrust);
+            _ => {
+                let _ = write!(
+                    log,
+                    "skip through {}",
+                    session.skip_through.map_or_else(|| "-".to_owned(), at)
+                );
             }
         }
-        state.relay.session = Some(session);
+        if !resume.distrust.is_empty() {
+            let _ = write!(log, " (distrust: {:?})", resume.distrust);
+        }
     }
 
     /// Old S4 and S2 (`git show 739aa4d:crates/sink/src/resume.rs`): skip through the
@@ -255,7 +336,8 @@ impl Context {
     /// table by id and `created_at`). [`Rules::NoRowCheckOld`] checks no row.
     fn old_skip_through(
         &self,
-        state: &State,
+        relay: &Relay,
+        pg: &Pg,
         tail: &Tail,
         resume: &sink::resume::Resume,
         wal_end: Lsn,
@@ -264,17 +346,14 @@ impl Context {
         let from_tail = resume.compare_through.filter(|&position| {
             !check_rows
                 || match &tail.last {
-                    Some(Ok(mark)) => tail_row_checks_out(&state.pg, mark, position),
+                    Some(Ok(mark)) => tail_row_checks_out(pg, mark, position),
                     _ => false,
                 }
         });
-        let acknowledged = state
-            .relay
+        let acknowledged = relay
             .memory
             .filter(|(position, _)| position.commit_lsn < wal_end)
-            .filter(|(_, row)| {
-                !check_rows || state.pg.table.iter().any(|r| r.id == row.id && r == row)
-            })
+            .filter(|(_, row)| !check_rows || pg.table.iter().any(|r| r.id == row.id && r == row))
             .map(|(position, _)| position);
         from_tail.max(acknowledged)
     }
@@ -282,198 +361,238 @@ impl Context {
     /// The publisher takes the replication stream's next event (`publish_item`): skipped
     /// when the stream holds it (P6), else published, alone after every earlier answer when
     /// in doubt (P15). `false` when there is none or it must wait (the window, P15).
-    pub fn take(&self, state: &mut State, log: &mut Option<String>) -> bool {
-        let Some(current) = &state.relay.session else {
+    pub fn take(
+        &self,
+        relay: &mut Relay,
+        wal: &[Txn],
+        stream: &Stream,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(current) = &relay.session else {
             return false;
         };
-        let Some(txn) = state.pg.wal.get(current.next_txn) else {
+        let Some(txn) = wal.get(current.next_txn) else {
             return false;
         };
         let index = current.next_event;
         let row = txn.rows[index];
         let position = txn.position(index);
-        let last_of_txn = index + 1 == txn.rows.len();
-        let end = txn.end;
         let mut session = current.clone();
-        let skip = match self.rules {
-            rules if rules.has(Fix::Seek) => holds(
-                &mut session,
-                &event(row, position),
-                &state.stream,
-                &self.lineage,
-            ),
-            rules if rules.compares() => holds_aligned(
-                &mut session,
-                &event(row, position),
-                &state.stream,
-                &self.lineage,
-            ),
-            _ => session
-                .skip_through
-                .is_some_and(|through| position <= through),
-        };
-        let mut said = String::new();
+        let skip = self.skips(&mut session, row, position, stream);
         if index == 0 {
             tracker(session.tracker.begin());
         }
-        if skip {
-            // AckItem::Stored: counted as acknowledged unseen.
-            let ticket = tracker(session.tracker.publish());
-            tracker(session.tracker.ack(ticket));
-            said = match self.rules {
-                rules if rules.compares() => format!(
-                    "skips {row} at {} (vouched for by the stream's message at its place)",
-                    at(position)
-                ),
-                _ => format!(
-                    "skips {row} at {} (at or before the skip-through position)",
-                    at(position)
-                ),
-            };
+        let said = if skip {
+            self.skip(&mut session, row, position)
         } else {
-            // `publish_item`, P15: alone, once every earlier answer is in; and (current
-            // rules) the first publish after one in doubt too, so that its fence counts only
-            // what the stream stored.
-            let settles = match self.rules {
-                rules if rules.current() => session.settling || session.doubt.covers(position),
-                Rules::BeforeFixes => session.doubt.covers(position),
-                _ => false,
-            };
-            if settles {
-                // `settle`: every earlier answer is in.
-                if !session.in_flight.is_empty() || !session.answers.is_empty() {
-                    return false;
-                }
-                let settled = session
-                    .doubt
-                    .settle(session.start, session.fence, session.stored);
-                session.doubt = settled.doubt;
-                if let Some(sequence) = settled.fence {
-                    session.fence = sequence;
-                    session.chain = None;
-                }
-                let _ = write!(said, "settles (doubt {:?}), ", session.doubt);
-            }
-            if self.rules.current() {
-                session.settling = session.doubt.covers(position);
-            }
-            if session.in_flight.len() + session.answers.len() >= self.window {
+            let Some(said) = self.publish(&mut session, row, position) else {
                 return false;
-            }
-            let ticket = tracker(session.tracker.publish());
-            let publish = Publish {
-                row,
-                position,
-                expect_sequence: session.fence,
-                expect_last: if self.id_chain { session.chain } else { None },
             };
-            session.fence += 1;
-            session.chain = Some(row.id);
-            if self.rules.current() {
-                // `frame`.
-                session.last_framed = Some(position);
-            }
-            session.in_flight.push_back(Sent { publish, ticket });
-            let _ = write!(
-                said,
-                "publishes {row} at {} expecting last seq {}{}",
-                at(position),
-                publish.expect_sequence,
-                publish
-                    .expect_last
-                    .map_or_else(String::new, |id| format!(" and last msg id of id {id}"))
-            );
-        }
-        if last_of_txn {
-            tracker(session.tracker.commit(end));
-            session.next_txn += 1;
-            session.next_event = 0;
-        } else {
-            session.next_event += 1;
-        }
+            said
+        };
+        session.advance(txn);
         if let Some(log) = log {
             let _ = write!(log, "relay: {said}");
         }
-        state.relay.session = Some(session);
+        relay.session = Some(session);
         true
+    }
+
+    /// Whether the session skips `row`'s event at `position`: the stream holds it (S4, by
+    /// the rules' comparison), or the old rules skip through it.
+    fn skips(&self, session: &mut Session, row: Row, position: Position, stream: &Stream) -> bool {
+        match self.rules {
+            rules if rules.has(Fix::Seek) => {
+                holds(session, &event(row, position), stream, &self.lineage)
+            }
+            rules if rules.compares() => {
+                holds_aligned(session, &event(row, position), stream, &self.lineage)
+            }
+            _ => session
+                .skip_through
+                .is_some_and(|through| position <= through),
+        }
+    }
+
+    /// A skip (`AckItem::Stored`): counted as acknowledged unseen. What it did, in words.
+    fn skip(&self, session: &mut Session, row: Row, position: Position) -> String {
+        let ticket = tracker(session.tracker.publish());
+        tracker(session.tracker.ack(ticket));
+        match self.rules {
+            rules if rules.compares() => format!(
+                "skips {row} at {} (vouched for by the stream's message at its place)",
+                at(position)
+            ),
+            _ => format!(
+                "skips {row} at {} (at or before the skip-through position)",
+                at(position)
+            ),
+        }
+    }
+
+    /// A publish (`publish_item`), settled first when P15 says so; what it did, in words, or
+    /// `None` when it must wait (for earlier answers, or the window).
+    fn publish(&self, session: &mut Session, row: Row, position: Position) -> Option<String> {
+        let mut said = String::new();
+        if self.settles(session, position) {
+            said = session.settle()?;
+        }
+        if self.rules.current() {
+            session.settling = session.doubt.covers(position);
+        }
+        if session.in_flight.len() + session.answers.len() >= self.window {
+            return None;
+        }
+        let ticket = tracker(session.tracker.publish());
+        let publish = Publish {
+            row,
+            position,
+            expect_sequence: session.fence,
+            expect_last: if self.id_chain { session.chain } else { None },
+        };
+        session.fence += 1;
+        session.chain = Some(row.id);
+        if self.rules.current() {
+            // `frame`.
+            session.last_framed = Some(position);
+        }
+        session.in_flight.push_back(Sent { publish, ticket });
+        let _ = write!(
+            said,
+            "publishes {row} at {} expecting last seq {}{}",
+            at(position),
+            publish.expect_sequence,
+            publish
+                .expect_last
+                .map_or_else(String::new, |id| format!(" and last msg id of id {id}"))
+        );
+        Some(said)
+    }
+
+    /// `publish_item`, P15: whether the publish at `position` goes alone, once every earlier
+    /// answer is in; and (current rules) the first publish after one in doubt too, so that
+    /// its fence counts only what the stream stored.
+    fn settles(&self, session: &Session, position: Position) -> bool {
+        match self.rules {
+            rules if rules.current() => session.settling || session.doubt.covers(position),
+            Rules::BeforeFixes => session.doubt.covers(position),
+            _ => false,
+        }
     }
 
     /// The acker handles the oldest answer (`acknowledge`): stored or a duplicate of the
     /// same row (P8) counts (P1); a duplicate of another row halts (P8, Halt); a refusal
     /// ends the session (P3), `landed` of its in-flight publishes reaching the server.
-    pub fn ack(&self, state: &mut State, landed: usize, log: &mut Option<String>) -> bool {
-        let Some(session) = state.relay.session.as_mut() else {
+    pub fn ack(
+        &self,
+        relay: &mut Relay,
+        stream: &mut Stream,
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(session) = relay.session.as_mut() else {
             return false;
         };
         let Some((sent, answer)) = session.answers.pop_front() else {
             return false;
         };
-        let row = sent.publish.row;
         let counts = match answer {
             Answer::Stored(sequence) => {
                 session.stored = Some(sequence);
                 Ok(())
             }
-            Answer::Duplicate(sequence) => p8(&state.stream, sequence, row),
+            Answer::Duplicate(sequence) => p8(stream, sequence, sent.publish.row),
             Answer::WrongLastSequence | Answer::WrongLastMsgId => Err(None),
         };
         match counts {
-            Ok(()) => {
-                if landed != 0 {
-                    return false;
-                }
-                tracker(session.tracker.ack(sent.ticket));
-                if !self.rules.compares() {
-                    let newest = (sent.publish.position, row);
-                    state.relay.memory = Some(match state.relay.memory {
-                        Some(known) if known.0 > newest.0 => known,
-                        _ => newest,
-                    });
-                }
-                if let Some(log) = log {
-                    let _ = write!(log, "relay: acker takes {row}'s answer ({answer}): counts");
-                }
-            }
-            Err(halt) => {
-                if landed > session.in_flight.len() {
-                    return false;
-                }
-                let last_framed = session.last_framed;
-                if let Some(log) = log {
-                    let _ = write!(
-                        log,
-                        "relay: acker takes {row}'s answer ({answer}): the session ends{}",
-                        match halt {
-                            Some(halt) => format!(", the relay HALTS ({halt:?})"),
-                            None => String::new(),
-                        }
-                    );
-                }
-                state.relay.halted = halt;
-                // `sink::publisher::publish`: the session ended with an error, so what it
-                // published may be in the stream without its answer (`fail_through`).
-                if self.rules.current() {
-                    if let Some(position) = last_framed {
-                        let failed = &mut state.relay.failed_through;
-                        *failed = Some(failed.map_or(position, |known| known.max(position)));
-                    }
-                }
-                end_session(state, landed, log);
-            }
+            Ok(()) => self.count(session, &mut relay.memory, (sent, answer), landed, log),
+            Err(halt) => self.end_on(relay, stream, (sent, answer), halt, landed, log),
+        }
+    }
+
+    /// An answer that counts (P1): the tracker acknowledges it, and the old rules remember
+    /// the newest event acknowledged (old S2). Not enabled with `landed` publishes: the
+    /// session goes on.
+    fn count(
+        &self,
+        session: &mut Session,
+        memory: &mut Option<(Position, Row)>,
+        (sent, answer): (Sent, Answer),
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        if landed != 0 {
+            return false;
+        }
+        let row = sent.publish.row;
+        tracker(session.tracker.ack(sent.ticket));
+        if !self.rules.compares() {
+            let newest = (sent.publish.position, row);
+            *memory = Some(match *memory {
+                Some(known) if known.0 > newest.0 => known,
+                _ => newest,
+            });
+        }
+        if let Some(log) = log {
+            let _ = write!(log, "relay: acker takes {row}'s answer ({answer}): counts");
         }
         true
     }
 
+    /// An answer that ends the session with an error (a refusal, P3; or a P8 halt, `halt`),
+    /// `landed` of its in-flight publishes reaching the server (not enabled with more than
+    /// are in flight).
+    fn end_on(
+        &self,
+        relay: &mut Relay,
+        stream: &mut Stream,
+        (sent, answer): (Sent, Answer),
+        halt: Option<Halt>,
+        landed: usize,
+        log: &mut Option<String>,
+    ) -> bool {
+        let Some(last_framed) = relay
+            .session
+            .as_ref()
+            .filter(|session| landed <= session.in_flight.len())
+            .map(|session| session.last_framed)
+        else {
+            return false;
+        };
+        if let Some(log) = log {
+            let _ = write!(
+                log,
+                "relay: acker takes {}'s answer ({answer}): the session ends{}",
+                sent.publish.row,
+                match halt {
+                    Some(halt) => format!(", the relay HALTS ({halt:?})"),
+                    None => String::new(),
+                }
+            );
+        }
+        relay.halted = halt;
+        // `sink::publisher::publish`: the session ended with an error, so what it
+        // published may be in the stream without its answer (`fail_through`).
+        if self.rules.current() {
+            if let Some(position) = last_framed {
+                let failed = &mut relay.failed_through;
+                *failed = Some(failed.map_or(position, |known| known.max(position)));
+            }
+        }
+        relay.end_session(stream, landed, log);
+        true
+    }
+
     /// The status update: the tracker's watermark goes to the slot (I1).
-    pub fn confirm(&self, state: &mut State, log: &mut Option<String>) -> bool {
-        let Some(session) = &state.relay.session else {
+    pub fn confirm(&self, relay: &Relay, pg: &mut Pg, log: &mut Option<String>) -> bool {
+        let Some(session) = &relay.session else {
             return false;
         };
         let watermark = session.tracker.watermark();
-        if watermark <= state.pg.confirmed {
+        if watermark <= pg.confirmed {
             return false;
         }
-        state.pg.confirmed = watermark;
+        pg.confirmed = watermark;
         if let Some(log) = log {
             let _ = write!(log, "relay: confirms {watermark} to the slot");
         }
@@ -481,37 +600,14 @@ impl Context {
     }
 }
 
-/// The server answers the session's oldest in-flight publish.
-pub fn process(state: &mut State, log: &mut Option<String>) -> bool {
-    let Some(session) = state.relay.session.as_mut() else {
-        return false;
-    };
-    let Some(sent) = session.in_flight.pop_front() else {
-        return false;
-    };
-    let answer = state.stream.answer(&sent.publish);
-    session.answers.push_back((sent, answer));
-    if let Some(log) = log {
-        let _ = write!(log, "nats: publish of {} -> {answer}", sent.publish.row);
-    }
-    true
-}
-
-/// The session ends (R2): the first `landed` in-flight publishes reach the server (their
-/// answers unread), the rest never do.
-pub fn end_session(state: &mut State, landed: usize, log: &mut Option<String>) {
-    let Some(session) = state.relay.session.take() else {
-        return;
-    };
-    for sent in session.in_flight.iter().take(landed) {
-        let answer = state.stream.answer(&sent.publish);
-        if let Some(log) = log {
-            let _ = write!(
-                log,
-                "; its in-flight publish of {} lands: {answer}",
-                sent.publish.row
-            );
-        }
+/// The stream's tail as a session reads it when it starts (`sink::resume::Tail`).
+fn tail_of(stream: &Stream) -> Tail {
+    Tail {
+        last_sequence: stream.last_sequence(),
+        max_msg_size: None,
+        duplicate_window: std::time::Duration::from_secs(120),
+        replicas: 1,
+        last: (stream.last_sequence() > 0).then(|| stream.mark(stream.last_sequence())),
     }
 }
 
