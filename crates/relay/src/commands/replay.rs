@@ -4,7 +4,7 @@
 //!
 //! How ([`run`]): the range's rows are read in id order (the id column's, `stored` V3)
 //! through one streaming query; each becomes its event through the builder streaming uses
-//! (`outbox` E4, through `crate::process::stored::RowReader`, for every mapping and id kind)
+//! (`outbox` E4, through `crate::postgres::rows::RowReader`, for every mapping and id kind)
 //! and its message through `sink::publish_message`, exactly as the relay builds them: same
 //! subject, keys, `Nats-Msg-Id` and headers. Rows of an event type the mapping's filter
 //! excludes are not published (the relay never published them), and are counted. The table does not know an event's commit position, so the
@@ -24,7 +24,7 @@
 //!   `sink::publish_message`.
 //! - R2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
 //!   is refused (exit 2) unless `--force`; with `--force`, replay holds the relay's lease
-//!   (`crate::process::lease`) for its whole run, and is refused while a relay holds it: a running
+//!   (`crate::postgres::lease`) for its whole run, and is refused while a relay holds it: a running
 //!   strict-mode relay must not publish while another writer does (its pipelined publishes
 //!   can line up with the fence again after the other writer's messages and be stored
 //!   behind a gap, which its next session then skips: tests/replay.rs reproduced that
@@ -128,7 +128,7 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         ..Report::default()
     };
     let Some(bounds) = &opened.bounds else {
-        return Err(crate::process::stored::no_rows_in_range(
+        return Err(crate::postgres::rows::no_rows_in_range(
             &config.table,
             "replay",
         ));
@@ -150,8 +150,8 @@ async fn take_lease(config: &Config) -> Result<Option<tokio_postgres::Client>> {
             .map_err(|e| {
                 RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}"))
             })?;
-        if !crate::process::lease::try_take(&lease, &config.slot).await? {
-            let holder = crate::process::lease::holder(&lease, &config.slot)
+        if !crate::postgres::lease::try_take(&lease, &config.slot).await? {
+            let holder = crate::postgres::lease::holder(&lease, &config.slot)
                 .await
                 .ok()
                 .flatten();

@@ -41,7 +41,8 @@ use serde::Serialize;
 use tokio_postgres::Client;
 
 use crate::config::{format_duration, format_size, opt, Config};
-use crate::process::bootstrap::{self, StreamSeverity};
+use crate::postgres::checks;
+use crate::stream::policy::{self, StreamSeverity};
 
 /// How long reading either side may take, connecting included: a probe must not hang.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -400,7 +401,7 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
     if slot.exists && publication.exists {
         let mut checking = config.clone();
         checking.create = false;
-        if let Err(e) = bootstrap::postgres(&client, &checking).await {
+        if let Err(e) = checks::postgres(&client, &checking).await {
             let level = if e.is_transient() {
                 Level::Unknown
             } else {
@@ -423,7 +424,7 @@ async fn read_parts(
 ) -> Result<(Slot, LeaseState, Publication), String> {
     let slot = read_slot(client, &config.slot).await?;
     let publication = read_publication(client, config).await?;
-    let holder = crate::process::lease::holder(client, &config.slot)
+    let holder = crate::postgres::lease::holder(client, &config.slot)
         .await
         .map_err(|e| e.to_string())?;
     let walsender = slot.state.as_ref().and_then(|s| s.active_pid);
@@ -669,7 +670,7 @@ async fn gather_nats(
         }
     };
     let mut findings = stream_findings(&info, config, max_payload);
-    match bootstrap::persistence_finding(&jetstream, &config.stream).await {
+    match policy::persistence_finding(&jetstream, &config.stream).await {
         Ok(finding) => findings.extend(finding.map(status_finding)),
         Err(e) => findings.push(Finding::new(Level::Unknown, e.to_string())),
     }
@@ -682,21 +683,21 @@ async fn gather_nats(
     (Some(stream), last_event, findings)
 }
 
-/// The stream's findings ([`bootstrap::check_stream`], B3) as status levels: refused or
+/// The stream's findings ([`policy::check_stream`], B3) as status levels: refused or
 /// full is broken.
 fn stream_findings(
     info: &jetstream::stream::Info,
     config: &Config,
     max_payload: usize,
 ) -> Vec<Finding> {
-    bootstrap::check_stream(info, config, max_payload)
+    policy::check_stream(info, config, max_payload)
         .into_iter()
         .map(status_finding)
         .collect()
 }
 
 /// A stream finding as a status level: refused or full is broken.
-fn status_finding(finding: bootstrap::StreamFinding) -> Finding {
+fn status_finding(finding: policy::StreamFinding) -> Finding {
     let level = match finding.severity {
         StreamSeverity::Refused | StreamSeverity::Full => Level::Broken,
         StreamSeverity::Warning => Level::Warning,

@@ -21,7 +21,7 @@
 //! 3. Postgres, at the same time as 2 (a task of its own): the rows in id order through one
 //!    streaming query (`query_raw`, never the whole result in memory). Each row's event is
 //!    built by the builder streaming uses (`outbox` E4, through
-//!    `crate::process::stored::RowReader`: the mapping's columns, keys, shard, subject
+//!    `crate::postgres::rows::RowReader`: the mapping's columns, keys, shard, subject
 //!    template and header columns, exactly as the relay builds them) and only its digest
 //!    kept, then compared with the stream's first copy. A row of an event type the mapping's
 //!    filter excludes is neither expected nor reported missing; the report counts them on
@@ -31,7 +31,7 @@
 //!
 //! Which rows are the relay's: every row, except those the slot's creation left out by
 //! design (with `--backfill pending`, the rows already `published` in the slot's snapshot),
-//! which [`crate::process::boundary`] recorded then. Those are neither expected nor checked; the
+//! which [`crate::postgres::boundary`] recorded then. Those are neither expected nor checked; the
 //! report says how many and which ids, on one line. A slot without a record (created before
 //! the boundary was recorded, with `--backfill none`, or by hand) has every row expected, as
 //! before, and the report says once why rows may then be reported missing.
@@ -83,7 +83,7 @@ use tokio_postgres::types::ToSql;
 use crate::config::Config;
 use crate::error::{RelayError, Result};
 // A row read back as the relay reads it: the process's (`stored`), and replay's through here.
-pub use crate::process::stored::{check_id_bound, RowReader};
+pub use crate::postgres::rows::{check_id_bound, RowReader};
 
 /// The exit status when verify found discrepancies (V5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
@@ -639,7 +639,7 @@ pub struct Report {
     /// The lowest and highest id left out.
     pub left_out_ids: Option<(i64, i64)>,
     /// The slot's boundary as read (`None`: not read, the range held no row).
-    pub boundary: Option<crate::process::boundary::Read>,
+    pub boundary: Option<crate::postgres::boundary::Read>,
     /// The slot's name, for the report.
     pub slot: String,
     /// Messages read from the stream.
@@ -726,7 +726,7 @@ impl Report {
             );
         }
         match &self.boundary {
-            Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
+            Some(crate::postgres::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
                 let ids = self
                     .left_out_ids
                     .map_or_else(String::new, |(lo, hi)| format!(" (ids {lo}..={hi})"));
@@ -737,7 +737,7 @@ impl Report {
                     self.left_out, self.slot, boundary.mode, boundary.consistent_point
                 );
             }
-            Some(crate::process::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
+            Some(crate::postgres::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
                 let _ = writeln!(
                     out,
                     "note: no boundary is recorded for slot {:?} ({why}), so every row is expected: \
@@ -868,7 +868,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     let client = replication::connect_sql(&config.database)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
-    let columns = crate::process::bootstrap::check_table(&client, config).await?;
+    let columns = crate::postgres::checks::check_table(&client, config).await?;
     let reader = Arc::new(RowReader::with_payload(config, columns));
     range.resolve(&client, reader.id_kind()).await?;
     let (condition, params) = range.condition(config, &reader);
@@ -1278,7 +1278,7 @@ struct TableSide {
 fn expect_row(
     row: &tokio_postgres::Row,
     reader: &RowReader,
-    left_out: &mut crate::process::boundary::RunCursor<'_>,
+    left_out: &mut crate::postgres::boundary::RunCursor<'_>,
 ) -> Option<(Expected, Option<String>)> {
     let id = reader.id_of(row)?;
     let in_range: bool = row.get(row.len() - 1);
@@ -1321,7 +1321,7 @@ async fn spawn_table_side(
     opened: &Opened,
     config: &Config,
     bounds: &Bounds,
-    runs: crate::process::boundary::Boundary,
+    runs: crate::postgres::boundary::Boundary,
     started: Instant,
 ) -> Result<impl std::future::Future<Output = Result<TableSide>>> {
     let reader = opened.reader.clone();
@@ -1611,10 +1611,12 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         });
     };
     // V6: what the slot's creation left out.
-    let boundary = crate::process::boundary::read(&opened.client, config).await;
+    let boundary = crate::postgres::boundary::read(&opened.client, config).await;
     let runs = match &boundary {
-        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
+        crate::postgres::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::postgres::boundary::Read::Absent(_) => {
+            crate::postgres::boundary::Boundary::default()
+        }
     };
     let mut report = Report {
         ids: Some((bounds.low.clone(), bounds.high.clone())),
@@ -1699,7 +1701,7 @@ mod tests {
         let config =
             crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
                 .unwrap();
-        let seed = crate::process::stored::test_reader(&config, outbox::event::oid::INT8);
+        let seed = crate::postgres::rows::test_reader(&config, outbox::event::oid::INT8);
         assert_eq!(Range::default().condition(&config, &seed).0, "true");
         let range = Range {
             from_id: Some("5".into()),
@@ -1719,12 +1721,12 @@ mod tests {
             "\"id\" >= $1::text::int8 AND \"id\" <= $2::text::int8 AND \"created_at\" >= $3::text::timestamptz AND \"entity_id\"::text = $4"
         );
         // Text ids compare by their bytes, uuids by value (stored V3).
-        let text = crate::process::stored::test_reader(&config, outbox::event::oid::TEXT);
+        let text = crate::postgres::rows::test_reader(&config, outbox::event::oid::TEXT);
         assert_eq!(
             range.condition(&config, &text).0,
             "\"id\" COLLATE \"C\" >= $1::text COLLATE \"C\" AND \"id\" COLLATE \"C\" <= $2::text COLLATE \"C\" AND \"created_at\" >= $3 AND \"entity_id\"::text = $4"
         );
-        let uuid = crate::process::stored::test_reader(&config, outbox::event::oid::UUID);
+        let uuid = crate::postgres::rows::test_reader(&config, outbox::event::oid::UUID);
         assert!(range
             .condition(&config, &uuid)
             .0

@@ -187,7 +187,7 @@ pub mod opt {
             "Publishes awaiting a JetStream ack at most");
         DUPLICATE_WINDOW = ("duplicate_window", "OUTBOX_RELAY_DUPLICATE_WINDOW", Some("2m"),
             "Duplicate window of a stream the relay creates (e.g. 120s, 2m, 1h)");
-        // The stream the relay creates (bootstrap::stream); an existing one is checked against
+        // The stream the relay creates (policy::stream); an existing one is checked against
         // the ones given explicitly.
         STREAM_REPLICAS = ("stream_replicas", "OUTBOX_RELAY_STREAM_REPLICAS", Some("1"),
             "Replicas of a stream the relay creates, 1 to 5 (more than 1 needs a JetStream cluster)");
@@ -218,14 +218,14 @@ pub mod opt {
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),
             "Slot lag (WAL the slot retains past its confirmed position) above which outbox-relay status reports lagging and /readyz answers stalled (e.g. 512MiB)");
         // Operations: heartbeats for a quiet outbox database (crate::process::heartbeat) and PG 17
-        // fail-over slots (crate::process::bootstrap::ensure_slot).
+        // fail-over slots (crate::postgres::checks::ensure_slot).
         HEARTBEAT_INTERVAL = ("heartbeat_interval", "OUTBOX_RELAY_HEARTBEAT_INTERVAL", Some("off"),
             "While streaming, write a tiny WAL message (pg_logical_emit_message) in the outbox database this often (e.g. 30s), or off: lets the slot advance when only other databases of the cluster write");
         FAILOVER_SLOT = ("failover_slot", "OUTBOX_RELAY_FAILOVER_SLOT", Some("false"),
             "Create the slot with failover = true (Postgres 17 or newer), so a standby with sync_replication_slots keeps it across a fail-over");
         LOG_FORMAT = ("log_format", "OUTBOX_RELAY_LOG_FORMAT", Some("text"),
             "Log format: text or json (filter with RUST_LOG)");
-        // Backfill (issue 11, crate::process::backfill): rows already in the table when the slot is
+        // Backfill (issue 11, crate::setup::backfill): rows already in the table when the slot is
         // created.
         BACKFILL = ("backfill", "OUTBOX_RELAY_BACKFILL", Some("pending"),
             "When the relay creates its slot, publish the rows already in the table, read in the slot's exported snapshot: pending (rows whose status is 'pending'; none if the table has no status column), all, or none");
@@ -723,7 +723,7 @@ pub struct Config {
     /// Whether each transaction is published as JetStream atomic batches (`sink::batch`).
     pub atomic_transactions: bool,
     /// Whether streamed events go out as fast-ingest batches where the server and the
-    /// stream allow it (`sink::batch` F1–F6, [`crate::process::atomic`] X3).
+    /// stream allow it (`sink::batch` F1–F6, [`crate::stream::atomic`] X3).
     pub fast_ingest: bool,
     /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,
@@ -1320,7 +1320,7 @@ fn aligned(rows: Vec<(String, String)>) -> impl Iterator<Item = String> {
     })
 }
 
-/// The settings of a stream the relay creates (`crate::process::bootstrap::stream`) besides its
+/// The settings of a stream the relay creates (`crate::stream::policy::stream`) besides its
 /// subjects and duplicate window; an existing stream is checked against the ones given
 /// explicitly.
 #[derive(Debug, Clone)]

@@ -81,7 +81,7 @@ impl Phase {
     }
 }
 
-/// How a session publishes streamed events (`crate::process::atomic` X1, X3), for
+/// How a session publishes streamed events (`crate::stream::atomic` X1, X3), for
 /// `outbox_relay_publish_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

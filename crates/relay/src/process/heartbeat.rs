@@ -18,7 +18,7 @@
 //!   the task is owned by the session and aborted with it (dropping [`Heartbeat`] aborts
 //!   it), so a relay without the lease writes none.
 //! - H2 A heartbeat that fails is logged and retried at the next interval; it never ends the
-//!   session (the lease probe, [`crate::process::lease`] L1, judges the connection).
+//!   session (the lease probe, [`crate::postgres::lease`] L1, judges the connection).
 //! - H3 A heartbeat carries no data: the prefix [`PREFIX`] and an empty content.
 
 use std::sync::Arc;

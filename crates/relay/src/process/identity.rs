@@ -15,7 +15,7 @@
 //!
 //! # Invariants
 //! - V1 Every session starts with a check ([`Watch::begin`], after the start-up checks of
-//!   [`crate::process::bootstrap`], before replication starts); its identity is the one the session
+//!   [`crate::postgres::checks`], before replication starts); its identity is the one the session
 //!   streams, and the first session's is the one the process streams: a later session that
 //!   finds another is refused like a change seen while streaming.
 //! - V2 Nothing is confirmed past what a check vouched for. A check is one simple query of
@@ -40,7 +40,7 @@
 //!   (rows the slot will never send, so the relay never streams them too); and
 //!   docs/operations.md for the conversion to a partitioned table.
 //!   A publication changed under the same table (inserts, coverage, via-root) is refused
-//!   by [`crate::process::bootstrap`]'s own check (B3, exit status 2, with its exact SQL) when it
+//!   by [`crate::postgres::checks`]'s own check (B3, exit status 2, with its exact SQL) when it
 //!   hides inserts now, like at a session start.
 //! - V4 A check that fails to run (connection, timeout) vouches for nothing new and is
 //!   retried at the next one; it never ends the session (like the monitor's poll, W1).
@@ -224,7 +224,7 @@ impl Watch {
             None => {
                 let sql = check_sql(
                     config,
-                    crate::process::bootstrap::server_version(client).await?,
+                    crate::postgres::checks::server_version(client).await?,
                 );
                 self.state().sql = Some(sql.clone());
                 sql
@@ -261,7 +261,7 @@ impl Watch {
     }
 
     /// The refusal of `change` to `now` (V3): a publication changed under the same table
-    /// is refused by [`crate::process::bootstrap`]'s check (B3: exit status 2, the exact SQL) when
+    /// is refused by [`crate::postgres::checks`]'s check (B3: exit status 2, the exact SQL) when
     /// it would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
     async fn refuse(
         &self,
@@ -271,7 +271,7 @@ impl Watch {
         now: &Identity,
     ) -> RelayError {
         if change.publication_only {
-            if let Err(error) = crate::process::bootstrap::publication(client, config).await {
+            if let Err(error) = crate::postgres::checks::publication(client, config).await {
                 if !error.is_transient() {
                     return error;
                 }

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! The first session of a process creates what is missing ([`init`]); a slot it creates is
-//! backfilled first ([`crate::process::backfill`], F1–F5) under the lease, before streaming starts.
+//! backfilled first ([`crate::setup::backfill`], F1–F5) under the lease, before streaming starts.
 //!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
@@ -40,7 +40,7 @@
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
 //!   sink task is aborted and awaited before the session returns, so nothing is published
-//!   after the loss is noticed ([`crate::process::lease`] L1). The sink task is aborted whenever
+//!   after the loss is noticed ([`crate::postgres::lease`] L1). The sink task is aborted whenever
 //!   its session ends, however it ends. Tested: `standby.rs`.
 //! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
 //!   to the deadline, and the final status carries the watermark only. A shutdown during a
@@ -69,10 +69,10 @@ use crate::config::Config;
 use crate::connect::{connect_nats, jetstream_context, max_message_bytes, sink_options, source};
 use crate::error::{RelayError, Result, Target};
 use crate::observe::metrics::{Event, Metrics, Phase};
-use crate::process::bootstrap;
+use crate::postgres::checks;
+use crate::postgres::lease::Lease;
 use crate::process::heartbeat;
 use crate::process::identity;
-use crate::process::lease::Lease;
 use crate::process::monitor;
 
 /// Items per batch handed from the reader to the sink at most.
@@ -203,77 +203,6 @@ impl Backoff {
     }
 }
 
-/// Checks and creates everything the relay needs (`outbox-relay init`, and the first
-/// session of `run`).
-///
-/// With `guard_history`, a missing slot is created only if the stream holds no relayed
-/// event: a stream with events but no slot means the slot was dropped or invalidated, and a
-/// new one would silently skip everything committed since. `outbox-relay init` (an
-/// operator's deliberate act) passes `false`.
-pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::SlotState> {
-    let client = replication::connect_sql(&config.database).await?;
-    let jetstream = jetstream_context(connect_nats(config).await?, config);
-    ensure(&client, &jetstream, config, guard_history).await
-}
-
-/// [`init`]'s checks and creations on connections the caller already has.
-async fn ensure(
-    client: &tokio_postgres::Client,
-    jetstream: &jetstream::Context,
-    config: &Config,
-    guard_history: bool,
-) -> Result<bootstrap::SlotState> {
-    // B1: a slot option the server cannot honour is refused before anything is created.
-    bootstrap::check_failover_support(client, config).await?;
-    // U5: the columns --mark-published sets, and the privilege to set them.
-    crate::process::mark::check(client, config).await?;
-    // X6: the privilege --retention-grace needs.
-    crate::process::retention::check(client, config).await?;
-    // Issue 11: a slot created with a backfill, or a backfill interrupted
-    // (crate::process::backfill).
-    let backfill = crate::process::backfill::needed(client, jetstream, config).await?;
-    if guard_history
-        && !backfill_interrupted(client, config, backfill).await?
-        && config.create
-        && !bootstrap::slot_exists(client, &config.slot).await?
-    {
-        if let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await {
-            if let Some(position) = tail.last_position() {
-                return Err(RelayError::permanent(anyhow::anyhow!(
-                    "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
-                     the slot was dropped or invalidated, so events committed since may be missing from the stream. \
-                     Create the slot deliberately with `outbox-relay init`, then reconcile the table and the stream",
-                    config.slot,
-                    config.stream,
-                    position.commit_lsn
-                )));
-            }
-        }
-    }
-    if backfill {
-        bootstrap::publication(client, config).await?;
-        bootstrap::stream(jetstream, config)
-            .await
-            .map_err(|e| e.at(Target::Nats))?;
-        crate::process::backfill::at_slot_creation(client, jetstream, config).await?;
-    }
-    let slot = bootstrap::postgres(client, config).await?;
-    bootstrap::stream(jetstream, config)
-        .await
-        .map_err(|e| e.at(Target::Nats))?;
-    Ok(slot)
-}
-
-/// An interrupted backfill's stream holds its rows while the slot is gone: that is no
-/// dropped slot, the backfill resumes (`crate::process::backfill` F3).
-async fn backfill_interrupted(
-    client: &tokio_postgres::Client,
-    config: &Config,
-    backfill: bool,
-) -> Result<bool> {
-    Ok(backfill && crate::process::backfill::interrupted(client, config).await?)
-}
-
 /// L1 with several hosts: the replication connection and the lease's control connection each
 /// took the first suitable host of the list; unless they reached the same server (the same
 /// postmaster start time), the lease would not guard the stream. A transient error: the next
@@ -345,7 +274,7 @@ async fn timeline_history(
 /// What a session set up before streaming.
 struct Prepared {
     jetstream: jetstream::Context,
-    slot: bootstrap::SlotState,
+    slot: checks::SlotState,
     stream: ReplicationStream,
     status_interval: Duration,
     tail: sink::resume::Tail,
@@ -450,7 +379,7 @@ async fn prepare(
     };
     let (tail, resume) = plan_resume(config, metrics, &jetstream, session).await?;
     let max_message_bytes = max_message_bytes(&tail, max_payload);
-    let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
+    let fast = crate::stream::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
         .await
         .map_err(|e| e.at(Target::Nats))?;
     let (stream, status_interval) = start_replication(connection, lease, config).await?;
@@ -478,21 +407,21 @@ async fn check_postgres(
     lease: &Lease,
     identity: &identity::Watch,
     jetstream: &jetstream::Context,
-) -> Result<bootstrap::SlotState> {
+) -> Result<checks::SlotState> {
     let slot = if *bootstrapped {
         // V1: the table the process streamed, checked first, so that a table created again
         // is named as such rather than as one the publication does not cover (B3).
         identity.begin(lease.client(), config).await?;
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
-        if !bootstrap::slot_exists(lease.client(), &config.slot).await? {
+        if !checks::slot_exists(lease.client(), &config.slot).await? {
             return Err(slot_left_behind(config));
         }
         let mut checking = config.clone();
         checking.create = false;
-        bootstrap::postgres(lease.client(), &checking).await?
+        checks::postgres(lease.client(), &checking).await?
     } else {
-        let slot = ensure(lease.client(), jetstream, config, true).await?;
+        let slot = crate::setup::ensure(lease.client(), jetstream, config, true).await?;
         // V1: the first session's identity, once the publication exists.
         identity.begin(lease.client(), config).await?;
         slot

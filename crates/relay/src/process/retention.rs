@@ -63,7 +63,6 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 use crate::config::{table_sql, Config, RetentionConfig};
-use crate::error::{RelayError, Result};
 use crate::observe::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
@@ -110,50 +109,6 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
     })
 }
 
-/// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
-/// missing table is left to [`crate::process::bootstrap`], which names it.
-pub async fn check(client: &Client, config: &Config) -> Result<()> {
-    if config.retention.is_none() {
-        return Ok(());
-    }
-    let table = table_sql(&config.table);
-    let (id, created_at) = (
-        config.mapping.column(Role::Id),
-        config.mapping.column(Role::CreatedAt),
-    );
-    let row = client
-        .query_one(
-            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'), \
-             pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT') \
-             AND pg_catalog.has_column_privilege($1::text::regclass, $3, 'SELECT'), \
-             pg_catalog.to_regclass($1) IS NULL",
-            &[&table, &id, &created_at],
-        )
-        .await
-        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
-    let (may_delete, may_read, missing): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
-    if missing || (may_delete && may_read) {
-        return Ok(());
-    }
-    let mut grants = Vec::new();
-    if !may_delete {
-        grants.push("DELETE".to_owned());
-    }
-    if !may_read {
-        grants.push(format!(
-            "SELECT ({}, {})",
-            replication::quote_identifier(id),
-            replication::quote_identifier(created_at)
-        ));
-    }
-    Err(RelayError::setup(anyhow::anyhow!(
-        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {}; \
-         grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
-        grants.join(" or "),
-        grants.join(", ")
-    )))
-}
-
 /// Old rows' ids as text, in id order (`$1`: the grace in seconds, `$2`: the batch), of the
 /// table only while its name is the OID `$4` (`$3`: the name; X7), on the mapped id and
 /// creation-time columns (X8).
@@ -169,7 +124,7 @@ fn select_sql(table: &str, config: &Config) -> String {
     )
 }
 
-/// `$1`: the ids, as text (`id_in`: [`crate::process::stored::id_in_text_array`]'s
+/// `$1`: the ids, as text (`id_in`: [`crate::postgres::rows::id_in_text_array`]'s
 /// condition); `$2`, `$3`: the table's name and the OID it must have (X7).
 fn delete_sql(table: &str, id_in: &str) -> String {
     format!(
@@ -293,7 +248,7 @@ impl Task {
         };
         let delete_sql = delete_sql(
             &self.table,
-            &crate::process::stored::id_in_text_array(client, &self.config).await?,
+            &crate::postgres::rows::id_in_text_array(client, &self.config).await?,
         );
         let mut deleted = 0;
         loop {

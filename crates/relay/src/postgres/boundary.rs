@@ -42,7 +42,7 @@
 //! - N4 The record follows the mapped id column. Only integer ids are recorded (runs and
 //!   the highest id): a table whose ids are uuids or text has nothing left out by design,
 //!   since `--backfill pending` is refused on it when it has a `status` column
-//!   (`crate::process::backfill`), and without one `pending` backfills nothing and records
+//!   (`crate::setup::backfill`), and without one `pending` backfills nothing and records
 //!   no runs.
 
 use pgoutput::Lsn;
@@ -120,7 +120,7 @@ pub fn table(config: &Config) -> String {
 pub async fn in_snapshot(
     reader: &Client,
     config: &Config,
-    rows: &crate::process::stored::RowReader,
+    rows: &crate::postgres::rows::RowReader,
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<Boundary, tokio_postgres::Error> {

@@ -32,7 +32,7 @@
 //!   indexes rise along the stream, and are unique within it, but a row's index depends on
 //!   the rows before it in that snapshot (another backfill may give it another; P8 never
 //!   compares positions). Keys, subject and headers are those of a streamed event: one
-//!   builder (`outbox` E4, through [`crate::process::stored::RowReader`]), then `sink`'s
+//!   builder (`outbox` E4, through [`crate::postgres::rows::RowReader`]), then `sink`'s
 //!   message builder. Rows of an event type the mapping's filter excludes are read and not
 //!   published, as streaming never publishes them.
 //! - F3 Crash safety: a marker (a physical slot `{slot}_backfill` that reserves no WAL) is
@@ -53,7 +53,7 @@
 //!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
 //! - F7 The rows the mode leaves out (with `pending`, those already `published` in the
 //!   snapshot) are recorded, with the mode and the consistent point, before the first row is
-//!   backfilled ([`crate::process::boundary`]), so that `outbox-relay verify` expects exactly
+//!   backfilled ([`crate::postgres::boundary`]), so that `outbox-relay verify` expects exactly
 //!   the rows on the relay's side of the slot.
 
 use std::collections::HashSet;
@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::StreamExt;
-use outbox::{headers, EventId, IdKind, Item, OutboxEvent, Position, Role};
+use outbox::{headers, EventId, IdKind, Item, Position};
 use pgoutput::Lsn;
 use replication::{quote_literal, ReplicationConnection};
 use sink::SinkStats;
@@ -72,101 +72,14 @@ use tokio_util::task::AbortOnDropHandle;
 use tracing::{info, warn};
 
 use crate::config::backfill::Mode;
-use crate::config::{table_sql, Config};
-use crate::error::{RelayError, Result, Target};
-use crate::process::bootstrap;
-use crate::process::stored::{check_id_bound, RowReader};
+use crate::config::Config;
+use crate::error::{RelayError, Result};
+use crate::postgres::checks;
+use crate::postgres::range::{sql_error, Cursor, Filter};
+use crate::postgres::rows::RowReader;
 
-/// Rows fetched from the cursor at a time.
-pub const FETCH_ROWS: usize = 1000;
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// The cursor's name.
-const CURSOR: &str = "outbox_relay_backfill";
-
-/// A time bound as SQL: a duration ago (`6h`, as `replay` and `verify` take it) or a
-/// timestamp Postgres reads.
-fn time_sql(text: &str) -> String {
-    match crate::config::parse_duration(text) {
-        Ok(ago) => format!(
-            "now() - {}::interval",
-            quote_literal(&format!("{} milliseconds", ago.as_millis()))
-        ),
-        Err(_) => format!("{}::timestamptz", quote_literal(text)),
-    }
-}
-
-/// Which rows to read.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Filter {
-    /// Only rows whose `status` is `'pending'`.
-    pub pending_only: bool,
-    /// `id >= from_id`, as text (compared as the id column's type, `stored` V3).
-    pub from_id: Option<String>,
-    /// `id <= to_id`.
-    pub to_id: Option<String>,
-    /// `created_at >= since` (a timestamp Postgres parses, e.g. RFC 3339, or a duration ago).
-    pub since: Option<String>,
-    /// `created_at < until`.
-    pub until: Option<String>,
-}
-
-impl Filter {
-    /// The `WHERE` clause (empty for every row) on the mapped id and creation-time columns
-    /// (`status` keeps its name).
-    fn where_sql(&self, config: &Config, reader: &RowReader) -> String {
-        let mut conditions = Vec::new();
-        if self.pending_only {
-            conditions.push("status = 'pending'".to_owned());
-        }
-        let id = reader.id_ordered();
-        if let Some(from) = &self.from_id {
-            conditions.push(format!("{id} >= {}", reader.id_literal(from)));
-        }
-        if let Some(to) = &self.to_id {
-            conditions.push(format!("{id} <= {}", reader.id_literal(to)));
-        }
-        let created_at = replication::quote_identifier(config.mapping.column(Role::CreatedAt));
-        if let Some(since) = &self.since {
-            conditions.push(format!("{created_at} >= {}", time_sql(since)));
-        }
-        if let Some(until) = &self.until {
-            conditions.push(format!("{created_at} < {}", time_sql(until)));
-        }
-        if conditions.is_empty() {
-            String::new()
-        } else {
-            format!(" WHERE {}", conditions.join(" AND "))
-        }
-    }
-}
-
-/// F2: a backfilled row's position, before every streamed event: by its id for an integer
-/// id, else by `ordinal`, its place in the backfill's id order.
-pub fn position_of(id: &EventId, ordinal: u32) -> Result<Position> {
-    match id {
-        EventId::Int(id) => position(*id),
-        EventId::Text(_) => Ok(Position {
-            commit_lsn: Lsn::ZERO,
-            index: ordinal,
-        }),
-    }
-}
-
-/// F2: an integer id's backfilled position, before every streamed event.
-pub fn position(id: i64) -> Result<Position> {
-    u32::try_from(id)
-        .map(|index| Position {
-            commit_lsn: Lsn::ZERO,
-            index,
-        })
-        .map_err(|_| {
-            RelayError::permanent(anyhow::anyhow!(
-                "outbox row id={id} cannot be backfilled: backfilled rows are positioned by their id, up to {}; start with --backfill none and load older rows with `outbox-relay backfill` into a shared stream",
-                u32::MAX
-            ))
-        })
-}
 
 /// F3: the marker of a backfill in progress.
 fn marker_name(slot: &str) -> String {
@@ -176,35 +89,9 @@ fn marker_name(slot: &str) -> String {
     format!("{}{SUFFIX}", &slot[..keep])
 }
 
-fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
-    // 22021: a row holds bytes that are not UTF-8 (a SQL_ASCII database); every retry reads
-    // the same row.
-    let not_utf8 =
-        error.code() == Some(&tokio_postgres::error::SqlState::CHARACTER_NOT_IN_REPERTOIRE);
-    let transient = !not_utf8
-        && error
-            .code()
-            .is_none_or(|code| replication::sqlstate_is_transient(code.code()));
-    let mut text = match error.as_db_error() {
-        Some(db) => format!("{what}: {} (SQLSTATE {})", db.message(), db.code().code()),
-        None => format!("{what}: {error}"),
-    };
-    if not_utf8 {
-        text.push_str(
-            ": a row of the range holds text that is not valid UTF-8 (a SQL_ASCII database stores any bytes), \
-             which the relay never publishes; repair or delete that row, or leave it out of the range",
-        );
-    }
-    if transient {
-        RelayError::transient(anyhow::anyhow!(text))
-    } else {
-        RelayError::permanent(anyhow::anyhow!(text))
-    }
-}
-
 /// Whether an earlier backfill at slot creation was interrupted (F3).
 pub async fn interrupted(client: &Client, config: &Config) -> Result<bool> {
-    bootstrap::slot_exists(client, &marker_name(&config.slot)).await
+    checks::slot_exists(client, &marker_name(&config.slot)).await
 }
 
 /// Whether the relay should backfill before it streams: an interrupted backfill, or a slot
@@ -220,7 +107,7 @@ pub async fn needed(
     }
     if !config.create
         || config.backfill == Mode::None
-        || bootstrap::slot_exists(client, &config.slot).await?
+        || checks::slot_exists(client, &config.slot).await?
     {
         return Ok(false);
     }
@@ -279,7 +166,7 @@ pub async fn at_slot_creation(
 ) -> Result<()> {
     let marker = marker_name(&config.slot);
     let resumed = interrupted(client, config).await?;
-    let columns = bootstrap::check_table(client, config).await?;
+    let columns = checks::check_table(client, config).await?;
     let mode = effective_mode(client, config, columns.id_kind()).await?;
     if mode == Mode::None {
         if resumed {
@@ -302,8 +189,8 @@ pub async fn at_slot_creation(
         "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
     let reader = read_in_snapshot(config, &exported.snapshot).await?;
     // F7: what the slot's creation leaves out, recorded for verify before anything is
-    // backfilled (crate::process::boundary N2).
-    let boundary = crate::process::boundary::in_snapshot(
+    // backfilled (crate::postgres::boundary N2).
+    let boundary = crate::postgres::boundary::in_snapshot(
         &reader,
         config,
         &row_reader,
@@ -312,7 +199,7 @@ pub async fn at_slot_creation(
     )
     .await
     .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
-    crate::process::boundary::record(client, config, &boundary).await;
+    crate::postgres::boundary::record(client, config, &boundary).await;
     let filter = Filter {
         pending_only: mode == Mode::Pending,
         ..Filter::default()
@@ -348,7 +235,7 @@ async fn mark_start(client: &Client, config: &Config, marker: &str, resumed: boo
         )));
     }
     if resumed {
-        if bootstrap::slot_exists(client, &config.slot).await? {
+        if checks::slot_exists(client, &config.slot).await? {
             // Nothing was streamed from it: streaming starts after the marker is dropped.
             drop_slot(client, &config.slot).await?;
         }
@@ -551,283 +438,13 @@ async fn stored_backfill_ids(
     }
 }
 
-/// The selected rows in id order, [`FETCH_ROWS`] at a time, as events (F2, F4). Runs in the
-/// caller's open transaction.
-struct Cursor<'a> {
-    client: &'a Client,
-    reader: RowReader,
-    /// The last ordinal given (F2: uuid and text ids).
-    ordinal: u32,
-    /// How many rows the filter selects.
-    total: u64,
-}
-
-impl<'a> Cursor<'a> {
-    async fn open(
-        client: &'a Client,
-        config: &'a Config,
-        reader: RowReader,
-        filter: &Filter,
-    ) -> Result<Cursor<'a>> {
-        let from = format!(
-            "{}{}",
-            table_sql(&config.table),
-            filter.where_sql(config, &reader)
-        );
-        // The replication session's rendering of timestamps (outbox::timestamp) and bytea.
-        client
-            .batch_execute(
-                "SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; SET LOCAL bytea_output = 'hex'",
-            )
-            .await
-            .map_err(|e| sql_error("cannot prepare the backfill's session", e))?;
-        let total: i64 = client
-            .query_one(&format!("SELECT count(*) FROM {from}"), &[])
-            .await
-            .map_err(|e| sql_error("cannot count the rows to backfill", e))?
-            .get(0);
-        client
-            .batch_execute(&format!(
-                "DECLARE {CURSOR} NO SCROLL CURSOR FOR SELECT {} FROM {from} ORDER BY {}",
-                reader.select(),
-                reader.order_by()
-            ))
-            .await
-            .map_err(|e| sql_error("cannot read the outbox table", e))?;
-        info!(table = %config.table, rows = total, "backfilling rows in id order");
-        Ok(Cursor {
-            client,
-            reader,
-            ordinal: 0,
-            total: u64::try_from(total).unwrap_or(0),
-        })
-    }
-
-    async fn next(&mut self) -> Result<Option<Vec<OutboxEvent>>> {
-        let rows = self
-            .client
-            .query(&format!("FETCH {FETCH_ROWS} FROM {CURSOR}"), &[])
-            .await
-            .map_err(|e| sql_error("cannot read the outbox table", e))?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        let mut events = Vec::with_capacity(rows.len());
-        for row in rows {
-            let Some(id) = self.reader.id_of(&row) else {
-                return Err(RelayError::permanent(anyhow::anyhow!(
-                    "an outbox row's id cannot be read as the id column's type"
-                )));
-            };
-            self.ordinal = self.ordinal.checked_add(1).ok_or_else(|| {
-                RelayError::permanent(anyhow::anyhow!(
-                    "more than {} rows to backfill: positions are exhausted",
-                    u32::MAX
-                ))
-            })?;
-            let position = position_of(&id, self.ordinal)?;
-            match self.reader.event(&row, position) {
-                Ok(Some(event)) => events.push(event),
-                // Excluded by the event-type filter: never published (F2).
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(RelayError::permanent(anyhow::anyhow!(
-                        "{e}, so no event can be derived from it: fill it in, or backfill a range without it"
-                    )))
-                }
-            }
-        }
-        Ok(Some(events))
-    }
-}
-
-/// Awaits one publish's ack and counts it.
-async fn settle(ack: jetstream::context::PublishAckFuture, report: &mut RangeReport) -> Result<()> {
-    let ack = ack.await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "a backfill publish was not acknowledged: {e}"
-        ))
-    })?;
-    if ack.duplicate {
-        report.duplicates += 1;
-    } else {
-        report.published += 1;
-    }
-    Ok(())
-}
-
-/// What `outbox-relay backfill` did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RangeReport {
-    /// Rows read.
-    pub read: u64,
-    /// Stored as new messages.
-    pub published: u64,
-    /// Dropped by JetStream as duplicates (the stream held the id within its window).
-    pub duplicates: u64,
-}
-
-/// `outbox-relay backfill`: publishes the rows of the current table in `filter`'s range,
-/// with the same keys as streamed events, on an existing slot and stream. Refused into a
-/// strict stream unless `force`.
-pub async fn range(config: &Config, filter: &Filter, force: bool) -> Result<RangeReport> {
-    if !config.shared_stream && !force {
-        return Err(RelayError::setup(anyhow::anyhow!(
-            "stream {} is in strict mode, where the relay is its only writer and the stream is in commit order: a backfill appends old rows after newer events (and a row the stream holds beyond the duplicate window would be stored twice). Run it with --shared-stream true if the stream is shared, or add --force to append anyway",
-            config.stream
-        )));
-    }
-    let client = replication::connect_sql(&config.database).await?;
-    if !bootstrap::slot_exists(&client, &config.slot).await? {
-        return Err(RelayError::setup(anyhow::anyhow!(
-            "replication slot {:?} does not exist: `outbox-relay backfill` loads a range beside a running relay; to publish the rows already in the table when the slot is created, start the relay (or `outbox-relay init`) with --backfill",
-            config.slot
-        )));
-    }
-    let jetstream =
-        crate::connect::jetstream_context(crate::connect::connect_nats(config).await?, config);
-    bootstrap::stream(&jetstream, config)
-        .await
-        .map_err(|e| e.at(Target::Nats))?;
-    client
-        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .await
-        .map_err(|e| sql_error("cannot read the outbox table", e))?;
-    let columns = bootstrap::check_table(&client, config).await?;
-    let reader = RowReader::with_payload(config, columns);
-    for (flag, bound) in [("--from-id", &filter.from_id), ("--to-id", &filter.to_id)] {
-        if let Some(text) = bound {
-            check_id_bound(&client, reader.id_kind(), flag, text).await?;
-        }
-    }
-    let cursor = Cursor::open(&client, config, reader, filter).await?;
-    if cursor.total == 0 {
-        let _ = client.batch_execute("COMMIT").await;
-        return Err(crate::process::stored::no_rows_in_range(
-            &config.table,
-            "backfill",
-        ));
-    }
-    let report = publish_range(&jetstream, config, cursor).await?;
-    let _ = client.batch_execute("COMMIT").await;
-    Ok(report)
-}
-
-/// Publishes the cursor's rows directly (at most `max_in_flight` acks awaited at once),
-/// counting what JetStream stored and what it dropped as duplicates.
-async fn publish_range(
-    jetstream: &jetstream::Context,
-    config: &Config,
-    mut cursor: Cursor<'_>,
-) -> Result<RangeReport> {
-    let mut report = RangeReport::default();
-    let mut acks = std::collections::VecDeque::new();
-    let mut last_log = Instant::now();
-    while let Some(events) = cursor.next().await? {
-        report.read += events.len() as u64;
-        for event in events {
-            if acks.len() >= config.max_in_flight {
-                if let Some(ack) = acks.pop_front() {
-                    settle(ack, &mut report).await?;
-                }
-            }
-            let message = sink::publish_message(&event);
-            let ack = jetstream
-                .send_publish(event.subject.clone(), message)
-                .await
-                .map_err(|e| {
-                    RelayError::transient(anyhow::anyhow!(
-                        "cannot publish outbox row id={}: {e}",
-                        event.id
-                    ))
-                })?;
-            acks.push_back(ack);
-        }
-        if last_log.elapsed() >= PROGRESS_EVERY {
-            last_log = Instant::now();
-            info!(
-                read = report.read,
-                total = cursor.total,
-                "backfill progress"
-            );
-        }
-    }
-    while let Some(ack) = acks.pop_front() {
-        settle(ack, &mut report).await?;
-    }
-    Ok(report)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn backfilled_rows_precede_streamed_events_in_id_order() {
-        let first = position(1).ok();
-        let later = position(2).ok();
-        assert!(first < later);
-        let streamed = Position {
-            commit_lsn: Lsn(0x0100_0000),
-            index: 0,
-        };
-        assert!(position(i64::from(u32::MAX)).ok() < Some(streamed));
-        assert!(position(i64::from(u32::MAX) + 1).is_err());
-        assert!(position(-1).is_err());
-    }
-
-    #[test]
     fn the_marker_fits_a_slot_name() {
         assert_eq!(marker_name("outbox_relay"), "outbox_relay_backfill");
         assert_eq!(marker_name(&"s".repeat(63)).len(), 63);
-    }
-
-    #[test]
-    fn filters_select_pending_rows_and_ranges() {
-        let config =
-            crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
-                .unwrap();
-        let seed = crate::process::stored::test_reader(&config, outbox::event::oid::INT8);
-        assert_eq!(Filter::default().where_sql(&config, &seed), "");
-        let filter = Filter {
-            pending_only: true,
-            from_id: Some("3".into()),
-            to_id: Some("9".into()),
-            since: Some("2026-01-01T00:00:00Z".into()),
-            until: Some("x'y".into()),
-        };
-        assert_eq!(
-            filter.where_sql(&config, &seed),
-            " WHERE status = 'pending' AND \"id\" >= '3'::int8 AND \"id\" <= '9'::int8 AND \"created_at\" >= '2026-01-01T00:00:00Z'::timestamptz AND \"created_at\" < 'x''y'::timestamptz"
-        );
-        // Text ids compare by their bytes (stored V3).
-        let text = crate::process::stored::test_reader(&config, outbox::event::oid::TEXT);
-        let filter = Filter {
-            from_id: Some("evt'1".into()),
-            ..Filter::default()
-        };
-        assert_eq!(
-            filter.where_sql(&config, &text),
-            " WHERE \"id\" COLLATE \"C\" >= ('evt''1'::text COLLATE \"C\")"
-        );
-        // A duration ago, as replay and verify take it.
-        let filter = Filter {
-            since: Some("1h30m".into()),
-            ..Filter::default()
-        };
-        assert_eq!(
-            filter.where_sql(&config, &seed),
-            " WHERE \"created_at\" >= now() - '5400000 milliseconds'::interval"
-        );
-    }
-
-    #[test]
-    fn non_integer_ids_are_positioned_by_their_ordinal() {
-        let id = EventId::Text("b".into());
-        assert_eq!(position_of(&id, 7).ok().map(|p| p.index), Some(7));
-        assert_eq!(
-            position_of(&EventId::Int(5), 7).ok().map(|p| p.index),
-            Some(5)
-        );
     }
 }
