@@ -222,13 +222,21 @@ async fn publish_rows(
         .client
         .query_raw(&sql, opened.params.iter().map(Param::sql))
         .await
-        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}")))?;
+        .map_err(|e| {
+            RelayError::permanent(anyhow::anyhow!(
+                "cannot read the outbox table: {}",
+                crate::postgres::error::describe(&e)
+            ))
+        })?;
     futures::pin_mut!(rows);
     let mut in_flight = VecDeque::new();
     let window = config.max_in_flight.max(1);
     while let Some(row) = rows.next().await {
         let row = row.map_err(|e| {
-            RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}"))
+            RelayError::permanent(anyhow::anyhow!(
+                "cannot read the outbox table: {}",
+                crate::postgres::error::describe(&e)
+            ))
         })?;
         let Some((id, event)) = event_of(reader, &row, positions, report) else {
             continue;

@@ -42,6 +42,7 @@ use tokio_postgres::Client;
 
 use crate::config::{format_duration, format_size, opt, Config};
 use crate::postgres::checks;
+use crate::postgres::error::describe;
 use crate::stream::policy::{self, StreamSeverity};
 
 /// How long reading either side may take, connecting included: a probe must not hang.
@@ -455,14 +456,7 @@ async fn read_parts(
 }
 
 fn sql_error(what: &str) -> impl Fn(tokio_postgres::Error) -> String + '_ {
-    move |e| match e.as_db_error() {
-        Some(db) => format!(
-            "cannot read {what}: {} (SQLSTATE {})",
-            db.message(),
-            db.code().code()
-        ),
-        None => format!("cannot read {what}: {e}"),
-    }
+    move |e| format!("cannot read {what}: {}", describe(&e))
 }
 
 /// The slot's row as JSON (columns differ between Postgres versions) and the server's WAL

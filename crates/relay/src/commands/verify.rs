@@ -181,8 +181,7 @@ impl Range {
                 return Err(RelayError::setup(anyhow::anyhow!(
                     "{flag} {text:?} is neither a timestamp nor a duration ({}): give e.g. \
                      2026-01-31T12:00:00Z or 6h",
-                    e.as_db_error()
-                        .map_or_else(|| e.to_string(), |db| db.message().to_owned())
+                    crate::postgres::error::describe(&e)
                 )));
             }
         }
@@ -834,9 +833,7 @@ pub fn shown_id(id: &EventId) -> Cow<'_, str> {
 
 fn read_error(what: &str) -> impl Fn(tokio_postgres::Error) -> RelayError + '_ {
     move |e| {
-        let text = e
-            .as_db_error()
-            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+        let text = crate::postgres::error::describe(&e);
         RelayError::permanent(anyhow::anyhow!("{what}: {text}"))
     }
 }

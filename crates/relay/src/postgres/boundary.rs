@@ -292,8 +292,7 @@ pub async fn read(client: &Client, config: &Config) -> Read {
 }
 
 fn text(e: &tokio_postgres::Error) -> String {
-    e.as_db_error()
-        .map_or_else(|| e.to_string(), |db| db.message().to_owned())
+    crate::postgres::error::describe(e)
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ use tracing::{info, warn};
 
 use crate::config::{table_sql, Config, TableName};
 use crate::error::{RelayError, Result};
+use crate::postgres::error::{describe, is_transient};
 use outbox::KnownRelations;
 
 /// What start-up learned about the slot and the publication.
@@ -55,18 +56,7 @@ fn setup(message: String) -> RelayError {
 }
 
 fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
-    let transient = match error.code() {
-        Some(code) => replication::sqlstate_is_transient(code.code()),
-        None => true,
-    };
-    let db = error.as_db_error().map(|db| {
-        let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
-        if let Some(hint) = db.hint() {
-            text.push_str(&format!("; hint: {hint}"));
-        }
-        text
-    });
-    let mut message = format!("{what}: {}", db.unwrap_or_else(|| error.to_string()));
+    let mut message = format!("{what}: {}", describe(&error));
     if let Some(fix) = error
         .code()
         .and_then(|code| privilege_fix(what, code.code()))
@@ -74,7 +64,7 @@ fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError {
         message.push_str("; ");
         message.push_str(fix);
     }
-    if transient {
+    if is_transient(&error) {
         RelayError::transient(anyhow::anyhow!(message))
     } else {
         permanent(message)

@@ -16,6 +16,7 @@
 
 pub mod boundary;
 pub mod checks;
+pub mod error;
 pub mod lease;
 pub mod privileges;
 pub mod range;

@@ -9,6 +9,7 @@ use tokio_postgres::Client;
 
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result};
+use crate::postgres::error::describe;
 
 /// What U5 requires of a column: its name, the types it may have, and how to add it.
 const COLUMNS: [(&str, &str, &str); 3] = [
@@ -56,7 +57,8 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
         .await
         .map_err(|e| {
             RelayError::transient(anyhow::anyhow!(
-                "cannot read the outbox table's columns: {e}"
+                "cannot read the outbox table's columns: {}",
+                describe(&e)
             ))
         })?
         .get(0);
@@ -65,7 +67,8 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
     }
     let rows = client.query(CHECK_SQL, &[&table]).await.map_err(|e| {
         RelayError::transient(anyhow::anyhow!(
-            "cannot read the outbox table's columns: {e}"
+            "cannot read the outbox table's columns: {}",
+            describe(&e)
         ))
     })?;
     let id_readable: bool = client
@@ -75,7 +78,10 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
         )
         .await
         .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges: {e}"))
+            RelayError::transient(anyhow::anyhow!(
+                "cannot read the relay's privileges: {}",
+                describe(&e)
+            ))
         })?
         .get(0);
     let columns: Vec<Column> = rows
@@ -177,7 +183,7 @@ pub async fn retention(client: &Client, config: &Config) -> Result<()> {
             &[&table, &id, &created_at],
         )
         .await
-        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
+        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {}", describe(&e))))?;
     let (may_delete, may_read, missing): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
     if missing || (may_delete && may_read) {
         return Ok(());

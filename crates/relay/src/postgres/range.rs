@@ -11,6 +11,7 @@ use tracing::info;
 
 use crate::config::{table_sql, Config};
 use crate::error::{RelayError, Result};
+use crate::postgres::error::{describe, is_transient};
 use crate::postgres::rows::RowReader;
 
 /// Rows fetched from the cursor at a time.
@@ -107,14 +108,8 @@ pub(crate) fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError 
     // the same row.
     let not_utf8 =
         error.code() == Some(&tokio_postgres::error::SqlState::CHARACTER_NOT_IN_REPERTOIRE);
-    let transient = !not_utf8
-        && error
-            .code()
-            .is_none_or(|code| replication::sqlstate_is_transient(code.code()));
-    let mut text = match error.as_db_error() {
-        Some(db) => format!("{what}: {} (SQLSTATE {})", db.message(), db.code().code()),
-        None => format!("{what}: {error}"),
-    };
+    let transient = !not_utf8 && is_transient(&error);
+    let mut text = format!("{what}: {}", describe(&error));
     if not_utf8 {
         text.push_str(
             ": a row of the range holds text that is not valid UTF-8 (a SQL_ASCII database stores any bytes), \

@@ -124,7 +124,10 @@ fn check_sql(config: &Config, version: i32) -> String {
 
 /// Runs a check: the WAL position read first, and the identity after it (V2).
 async fn check(client: &Client, sql: &str) -> std::result::Result<(Lsn, Identity), String> {
-    let messages = client.simple_query(sql).await.map_err(|e| e.to_string())?;
+    let messages = client
+        .simple_query(sql)
+        .await
+        .map_err(|e| crate::postgres::error::describe(&e))?;
     let mut rows = messages.iter().filter_map(|message| match message {
         SimpleQueryMessage::Row(row) => Some(row),
         _ => None,
