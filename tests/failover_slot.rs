@@ -55,7 +55,7 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
             "{needle:?} missing from:\n{stderr}"
         );
     }
-    // B1: nothing created.
+    // PG1: nothing created.
     let slots = pg.psql(
         &case.database,
         &format!(

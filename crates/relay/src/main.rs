@@ -348,7 +348,7 @@ fn status(
     ExitCode::from(status.exit_code)
 }
 
-/// `outbox-relay verify`: the report on stdout, its exit status (V5).
+/// `outbox-relay verify`: the report on stdout, its exit status (VER5).
 fn verify(
     runtime: &tokio::runtime::Runtime,
     config: &Config,

@@ -14,30 +14,30 @@
 //! ```
 //!
 //! # Invariants
-//! - C1 Every authentication and TLS mode of the relay's configuration works here as with
+//! - CN1 Every authentication and TLS mode of the relay's configuration works here as with
 //!   async-nats: user and password, token, nkey, user JWT (a `.creds` file), TLS with a CA
 //!   file or the system's roots, a client certificate, TLS upgraded after `INFO` (when the
 //!   URL says `tls://`, the options ask for it or the server requires it) or first
 //!   (`tls_first`). The `CONNECT` is async-nats's own [`async_nats::ConnectInfo`].
-//! - C2 A connection is used only once the server answered `CONNECT` and `PING` with
+//! - CN2 A connection is used only once the server answered `CONNECT` and `PING` with
 //!   `PONG`, and the session's one subscription (`SUB {inbox}.> 1`: fast-ingest batches
 //!   answer on subjects of several tokens, `crate::batch` F5) is written before any publish,
 //!   on the same ordered stream, so the server knows it before it answers.
-//! - C3 Nothing a session writes survives it: the connection is not re-established (no
+//! - CN3 Nothing a session writes survives it: the connection is not re-established (no
 //!   publish is ever re-sent by this module); when it fails, the acker learns why
 //!   ([`Answer::Closed`], or the writer's channel closing) and the session ends (P3), and
 //!   the next session opens a new connection and re-syncs from the stream (P5, P6). The
 //!   acker reads the connection while it awaits no answer too, so an idle session ends when
 //!   its connection closes, not at its next publish (`SinkError::Disconnected`).
-//! - C4 The server's `PING`s are answered, so an idle session stays connected; `-ERR` and
+//! - CN4 The server's `PING`s are answered, so an idle session stays connected; `-ERR` and
 //!   anything that is not the protocol close the connection and end the session with the
 //!   server's words, rather than a silent ack timeout. The connection sends a `PING` of its
 //!   own every [`Connector::ping_interval`]; when [`PINGS_UNANSWERED`] went unanswered, the
 //!   server is gone without a word (a half-open connection) and the session ends with that.
-//! - C5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
+//! - CN5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
 //!   in a channel of [`WRITE_QUEUE`] chunks; the read buffer holds at most one operation
 //!   beyond what was read (the server's answers are small; `max_payload` bounds them).
-//! - C6 Every `INFO` is applied, in the handshake and in the session: the one that follows
+//! - CN6 Every `INFO` is applied, in the handshake and in the session: the one that follows
 //!   `CONNECT` carries the account's own `max_payload` (config-file accounts, operator/JWT
 //!   accounts, hosted NATS), and the session's [`Connection::max_payload`] is the lowest
 //!   the server announced, so the publisher checks events against it (P7). An in-session
@@ -47,7 +47,7 @@
 //!   [`crate::error::SinkError::LameDuck`], not a failure; the next session dials that server last.
 //!   `connect_urls` join the candidates of later sessions ([`Learned`]), with the scheme
 //!   and, for an IP address, the TLS name of the configured servers.
-//! - C7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
+//! - CN7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
 //!   Violation for Publish to <subject>` leaves the connection open, drops that publish
 //!   only, and reaches the acker as [`Answer::Denied`] behind every answer read before it
 //!   (P11); any other `-ERR` closes the connection and ends the session with the server's
@@ -55,11 +55,11 @@
 //!   `Authentication Timeout`, expired or revoked user or account) and a server without
 //!   headers are permanent ([`crate::error::SinkError::Refused`]); in a session they end it (the
 //!   next handshake decides: a rotated `.creds` file is read again).
-//! - C8 The handshake reads on past the subscription's `PONG` only what arrived with it:
+//! - CN8 The handshake reads on past the subscription's `PONG` only what arrived with it:
 //!   those bytes (a `PING`, an `INFO`) are the reader's first, not an error. The server's
 //!   `PING`s are answered by the writer ahead of any queued publish. `CONNECT` says
 //!   `tls_required: true` whenever the connection is TLS.
-//! - C9 Servers are dialled in a random order per session unless [`Connector::randomize`] is
+//! - CN9 Servers are dialled in a random order per session unless [`Connector::randomize`] is
 //!   off (`--no-randomize`, the `nats` CLI's and async-nats's name), each address a name
 //!   resolves to with its own [`Connector::timeout`]; each failed address is logged with its
 //!   reason, and all of them are in the error when none connected.
@@ -84,10 +84,10 @@ use crate::wire::{self, Parsed, ServerOp};
 /// Chunks of frames the writer task may have queued (each is one batch of publishes).
 pub(crate) const WRITE_QUEUE: usize = 64;
 
-/// How often a connection `PING`s the server by default: async-nats's default (C4).
+/// How often a connection `PING`s the server by default: async-nats's default (CN4).
 pub const PING_INTERVAL: Duration = Duration::from_secs(60);
 
-/// `PING`s the connection may have sent unanswered; one more interval and it is closed (C4).
+/// `PING`s the connection may have sent unanswered; one more interval and it is closed (CN4).
 pub const PINGS_UNANSWERED: u32 = 2;
 
 /// The subscription id of the session's answers.
@@ -97,7 +97,7 @@ const SID: u64 = 1;
 /// cluster's URLs).
 const MAX_INFO_LINE: usize = 1 << 20;
 
-/// A credential the publishing connection presents (C1).
+/// A credential the publishing connection presents (CN1).
 #[derive(Clone)]
 pub enum Auth {
     /// No credential.
@@ -136,7 +136,7 @@ impl std::fmt::Debug for Auth {
 }
 
 /// What the publishing connections learned of the servers, kept from one session to the
-/// next (C6): the `connect_urls` the servers advertise, and the server that last announced
+/// next (CN6): the `connect_urls` the servers advertise, and the server that last announced
 /// lame-duck mode.
 #[derive(Debug, Default)]
 pub struct Learned {
@@ -146,7 +146,7 @@ pub struct Learned {
     lame_duck: Option<String>,
 }
 
-/// Where and how the sink opens its publishing connection (C1).
+/// Where and how the sink opens its publishing connection (CN1).
 #[derive(Debug, Clone)]
 pub struct Connector {
     /// Server URLs (`nats://host:port`, `tls://host:port` or `host[:port]`).
@@ -162,13 +162,13 @@ pub struct Connector {
     pub tls_first: bool,
     /// The connection's name in the server's monitoring.
     pub name: String,
-    /// How long connecting to one address, and the handshake after it, may take (C9).
+    /// How long connecting to one address, and the handshake after it, may take (CN9).
     pub timeout: Duration,
-    /// How often the connection `PING`s the server (C4).
+    /// How often the connection `PING`s the server (CN4).
     pub ping_interval: Duration,
-    /// Dial the servers in a random order per session (C9); `false`: in the order given.
+    /// Dial the servers in a random order per session (CN9); `false`: in the order given.
     pub randomize: bool,
-    /// What earlier connections learned (C6), shared by the connectors of one relay.
+    /// What earlier connections learned (CN6), shared by the connectors of one relay.
     pub learned: Arc<Mutex<Learned>>,
 }
 
@@ -190,8 +190,8 @@ impl Connector {
     }
 
     /// Opens a session's publishing connection: to the first server that accepts us,
-    /// subscribed to `{inbox}.>` (C2), `inbox` a fresh inbox of `client` (under its inbox
-    /// prefix). `window` is the session's window: the capacity of the answers' channel (C5).
+    /// subscribed to `{inbox}.>` (CN2), `inbox` a fresh inbox of `client` (under its inbox
+    /// prefix). `window` is the session's window: the capacity of the answers' channel (CN5).
     /// Opened before the session says it streams, so a session that streams can publish.
     pub async fn open(
         &self,
@@ -260,7 +260,7 @@ impl Connector {
         self.learned.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The servers this session dials, in order (C6, C9): the configured ones and those
+    /// The servers this session dials, in order (CN6, CN9): the configured ones and those
     /// the cluster advertised, shuffled unless [`Connector::randomize`] is off, the one in
     /// lame-duck mode last.
     fn candidates(&self) -> Result<Vec<Address>, String> {
@@ -341,7 +341,7 @@ impl Connector {
         let connect = self.connect_json(&info, tls)?;
         hello(&mut stream, &mut buffer, &mut info, &connect).await?;
         subscribe(&mut stream, &mut buffer, &mut info, reply_prefix).await?;
-        // C8: whatever came with the PONG is the reader's.
+        // CN8: whatever came with the PONG is the reader's.
         Ok((stream, info, buffer))
     }
 
@@ -412,7 +412,7 @@ impl Connector {
 }
 
 /// Resolves `host` and connects to each of its addresses in turn, each with its own
-/// `timeout` (C9); an address that failed is logged with why, before the next is tried.
+/// `timeout` (CN9); an address that failed is logged with why, before the next is tried.
 async fn dial(host: &str, port: u16, timeout: Duration) -> Result<TcpStream, String> {
     let addresses: Vec<SocketAddr> =
         match tokio::time::timeout(timeout, tokio::net::lookup_host((host, port))).await {
@@ -448,7 +448,7 @@ async fn dial_addresses(
     })
 }
 
-/// What the session keeps of the server's `INFO`s (C6).
+/// What the session keeps of the server's `INFO`s (CN6).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Info {
     pub(crate) max_payload: usize,
@@ -478,7 +478,7 @@ impl Info {
         Ok(info)
     }
 
-    /// Applies a later `INFO` (C6): what it says replaces what an earlier one said, except
+    /// Applies a later `INFO` (CN6): what it says replaces what an earlier one said, except
     /// that `max_payload` only goes down (an account's limit under the server's); `ldm` is
     /// what the latest says.
     fn update(&mut self, json: &[u8]) -> Result<(), String> {
@@ -512,7 +512,7 @@ struct Address {
     host: String,
     port: u16,
     tls: bool,
-    /// The name TLS verifies, when not `host` (an advertised IP address, C6).
+    /// The name TLS verifies, when not `host` (an advertised IP address, CN6).
     tls_name: Option<String>,
 }
 
@@ -591,7 +591,7 @@ fn redact(server: &str) -> String {
 }
 
 /// The system's trusted roots, for a server that needs TLS when the options name no CA
-/// (C1), as async-nats takes them; an error when none could be loaded, naming why (the
+/// (CN1), as async-nats takes them; an error when none could be loaded, naming why (the
 /// loader's errors), and a warning for the certificates that could not be read when
 /// others could.
 pub fn system_roots() -> Result<rustls::RootCertStore, String> {
@@ -620,7 +620,7 @@ pub fn system_roots() -> Result<rustls::RootCertStore, String> {
     Ok(roots)
 }
 
-/// A TLS configuration with the system's roots (C1).
+/// A TLS configuration with the system's roots (CN1).
 fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
     let roots = system_roots()?;
     let config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -661,7 +661,7 @@ async fn first_info(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Info, 
     Ok(info)
 }
 
-/// `CONNECT` (its JSON, `connect`) and a `PING`: C2, the `PONG` or the server's refusal; C6,
+/// `CONNECT` (its JSON, `connect`) and a `PING`: CN2, the `PONG` or the server's refusal; CN6,
 /// an `INFO` after `CONNECT` is applied to `info`.
 async fn hello(
     stream: &mut Stream,
@@ -686,7 +686,7 @@ async fn hello(
     }
 }
 
-/// C2: the subscription to `{reply_prefix}>`, confirmed by the next `PONG`: a server that
+/// CN2: the subscription to `{reply_prefix}>`, confirmed by the next `PONG`: a server that
 /// forbids it says so first (a permissions violation leaves the connection open).
 async fn subscribe(
     stream: &mut Stream,
@@ -716,7 +716,7 @@ enum Failure {
     /// It refused the session's subscription (a permission): every server of the account
     /// will, so none is tried after it.
     Subscription(String),
-    /// It refused us for good (C7): none is tried after it.
+    /// It refused us for good (CN7): none is tried after it.
     Refused(crate::Refusal, String),
     /// Anything else: the next server is tried.
     Other(String),
@@ -734,7 +734,7 @@ impl From<&str> for Failure {
     }
 }
 
-/// What an `-ERR` means (C7), as nats-server sends it and nats.go reads it.
+/// What an `-ERR` means (CN7), as nats-server sends it and nats.go reads it.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum ServerError<'a> {
     /// `Permissions Violation for Publish to "<subject>"`: that publish is dropped, the
@@ -747,7 +747,7 @@ pub(crate) enum ServerError<'a> {
     Closing,
 }
 
-/// Reads an `-ERR`'s text (C7).
+/// Reads an `-ERR`'s text (CN7).
 pub(crate) fn classify(text: &str) -> ServerError<'_> {
     const DENIED: &str = "permissions violation for publish to ";
     if let Some(prefix) = text.get(..DENIED.len()) {
@@ -772,7 +772,7 @@ pub(crate) fn classify(text: &str) -> ServerError<'_> {
 }
 
 /// Reads until the server's `PONG` (`Ok(Ok)`) or its `-ERR` (`Ok(Err)`, its words),
-/// applying every `INFO` on the way to `info` (C6).
+/// applying every `INFO` on the way to `info` (CN6).
 async fn pong(
     stream: &mut Stream,
     buffer: &mut BytesMut,
@@ -837,17 +837,17 @@ async fn read_op<T>(
 /// What the reader task hands the acker.
 #[derive(Debug)]
 pub(crate) enum Answer {
-    /// The answer to the session's publish number `sequence`, read (K1–K3).
+    /// The answer to the session's publish number `sequence`, read (AK1–AK3).
     Ack {
         sequence: u64,
         ack: Result<Acked, PublishError>,
     },
     /// The server dropped a publish to `subject`, which the user may not publish to, and
-    /// said so in `why` (C7, P11).
+    /// said so in `why` (CN7, P11).
     Denied { subject: String, why: String },
-    /// The server went into lame-duck mode (C6).
+    /// The server went into lame-duck mode (CN6).
     LameDuck,
-    /// The connection is gone: why (C3, C4).
+    /// The connection is gone: why (CN3, CN4).
     Closed(String),
 }
 
@@ -878,7 +878,7 @@ impl From<PubAck<'_>> for Acked {
 struct Opened {
     stream: Stream,
     info: Info,
-    /// What arrived after the subscription's `PONG` (C8).
+    /// What arrived after the subscription's `PONG` (CN8).
     leftover: BytesMut,
     /// `host:port`.
     server: String,
@@ -891,9 +891,9 @@ struct Opened {
 pub struct Connection {
     pub(crate) frames: mpsc::Sender<Bytes>,
     pub(crate) answers: mpsc::Receiver<Answer>,
-    /// The lowest `max_payload` the server announced (C6); 0: none.
+    /// The lowest `max_payload` the server announced (CN6); 0: none.
     pub(crate) max_payload: usize,
-    /// Set when the server announced lame-duck mode (C6).
+    /// Set when the server announced lame-duck mode (CN6).
     pub(crate) lame_duck: Arc<AtomicBool>,
     /// `host:port` of the server.
     pub(crate) server: String,
@@ -909,7 +909,7 @@ impl Connection {
         &self.server
     }
 
-    /// The lowest `max_payload` the server announced to this connection (C6); 0 when it
+    /// The lowest `max_payload` the server announced to this connection (CN6); 0 when it
     /// announced none.
     pub fn max_payload(&self) -> usize {
         self.max_payload
@@ -972,7 +972,7 @@ impl Connection {
     }
 }
 
-/// The `PONG`s the writer owes the server (C8): they go out ahead of queued publishes.
+/// The `PONG`s the writer owes the server (CN8): they go out ahead of queued publishes.
 #[derive(Debug, Default)]
 struct Pongs {
     owed: AtomicU32,
@@ -980,9 +980,9 @@ struct Pongs {
 }
 
 /// The writer task: writes each queued chunk, and whatever else is queued behind it, then
-/// flushes (TLS buffers records); `PONG`s first (C8); `PING`s every `ping.0`, counting in
+/// flushes (TLS buffers records); `PONG`s first (CN8); `PING`s every `ping.0`, counting in
 /// `ping.1` the ones the reader has not seen answered, and closes the connection when too
-/// many were not (C4).
+/// many were not (CN4).
 async fn write_frames(
     mut write: tokio::io::WriteHalf<Stream>,
     mut frames: mpsc::Receiver<Bytes>,
@@ -1032,7 +1032,7 @@ async fn write_frames(
 /// What the reader task holds.
 struct Reader {
     read: tokio::io::ReadHalf<Stream>,
-    /// Starts with what the handshake read past its last `PONG` (C8).
+    /// Starts with what the handshake read past its last `PONG` (CN8).
     buffer: BytesMut,
     answers: mpsc::Sender<Answer>,
     reply_prefix: String,
@@ -1045,8 +1045,8 @@ struct Reader {
 }
 
 /// The reader task: has `PING`s answered, hands every answer on the session's subscription
-/// to the acker, read and owned, applies in-session `INFO`s (C6), and ends with
-/// [`Answer::Closed`] (C3, C4, C7).
+/// to the acker, read and owned, applies in-session `INFO`s (CN6), and ends with
+/// [`Answer::Closed`] (CN3, CN4, CN7).
 async fn read_answers(mut reader: Reader) {
     let max_payload = if reader.info.max_payload == 0 {
         MAX_INFO_LINE
@@ -1072,7 +1072,7 @@ async fn read_answers(mut reader: Reader) {
 enum Buffered {
     /// Every whole operation is taken: read more.
     Read,
-    /// The connection is to be closed, for this reason (C3, C4, C7).
+    /// The connection is to be closed, for this reason (CN3, CN4, CN7).
     Closed(String),
     /// The acker is gone: the session ended.
     AckerGone,
@@ -1105,7 +1105,7 @@ impl Reader {
 
     /// What one operation read means: `Ok(Some)` an answer for the acker, `Ok(None)` nothing
     /// for it (a `PING` to answer, a `PONG`, an `INFO` with nothing to tell), `Err` the
-    /// session's end (an `-ERR` other than a denied publish, C7).
+    /// session's end (an `-ERR` other than a denied publish, CN7).
     #[inline]
     fn on_reading(&mut self, reading: Reading) -> Result<Option<Answer>, String> {
         match reading {
@@ -1131,7 +1131,7 @@ impl Reader {
         }
     }
 
-    /// Applies an in-session `INFO` (C6): `Ok(Some)` for the acker, `Err` ends the session.
+    /// Applies an in-session `INFO` (CN6): `Ok(Some)` for the acker, `Err` ends the session.
     fn apply(&mut self, json: &[u8]) -> Result<Option<Answer>, String> {
         let before = self.info.max_payload;
         let was_lame = self.info.ldm;
@@ -1165,7 +1165,7 @@ impl Reader {
 enum Reading {
     Answer(Answer),
     Ping,
-    /// The answer to one of our `PING`s (C4).
+    /// The answer to one of our `PING`s (CN4).
     Pong,
     Info(Vec<u8>),
     Error(String),
@@ -1400,7 +1400,7 @@ mod tests {
 
     const INFO_LINE: &str = "INFO {\"server_id\":\"S\",\"version\":\"2.12.8\",\"proto\":1,\"headers\":true,\"max_payload\":1048576} \r\n";
 
-    /// C6, C8: the account's INFO after CONNECT is applied; a PING in the same read as the
+    /// CN6, CN8: the account's INFO after CONNECT is applied; a PING in the same read as the
     /// subscription's PONG is the reader's (answered), not a failed handshake; CONNECT names
     /// the publishing connection and says no TLS for a plain one.
     #[tokio::test]
@@ -1456,7 +1456,7 @@ mod tests {
         assert!(error.to_string().contains(words), "{error}");
     }
 
-    /// C7: a server without headers, and a refused credential, are permanent.
+    /// CN7: a server without headers, and a refused credential, are permanent.
     #[tokio::test]
     async fn no_headers_and_a_refused_credential_are_permanent() {
         let no_headers =
@@ -1481,7 +1481,7 @@ mod tests {
         .await;
     }
 
-    /// C6, C7: in a session, a denied publish reaches the acker and the connection stays
+    /// CN6, CN7: in a session, a denied publish reaches the acker and the connection stays
     /// open; lame-duck mode is flagged and remembered; connect_urls join the candidates.
     #[tokio::test]
     async fn in_session_infos_and_denials() {
@@ -1541,7 +1541,7 @@ mod tests {
         );
     }
 
-    /// C9: a host's addresses are dialled one by one, each with its own timeout: one that
+    /// CN9: a host's addresses are dialled one by one, each with its own timeout: one that
     /// swallows the connection does not keep the next from being tried.
     #[tokio::test]
     async fn every_address_is_dialled_with_its_own_timeout() {

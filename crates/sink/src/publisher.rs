@@ -81,10 +81,10 @@
 //!   ignored, and when none came [`SinkOptions::ack_timeout`] after the acker started
 //!   waiting for it, the publish timed out (one deadline, for the oldest publish only). The
 //!   connection's answers wait in a channel of the window's size and a little more (P2);
-//!   when the connection fails, the publishes still awaited fail with its reason (C3),
+//!   when the connection fails, the publishes still awaited fail with its reason (CN3),
 //!   which P1 and P3 make safe.
 //! - P11 A publish the server denies (`Permissions Violation for Publish to <subject>`,
-//!   [`crate::conn`] C7: the server drops it and keeps the connection) is never taken for
+//!   [`crate::conn`] CN7: the server drops it and keeps the connection) is never taken for
 //!   slow: the acker honours every answer read before it, and when the oldest
 //!   unacknowledged publish is to a denied subject and no answer for it was read, it is the
 //!   denied one (permissions go by subject). Under [`PoisonPolicy::Halt`] the run ends with
@@ -95,7 +95,7 @@
 //!   (P7), and if the record's own subject is denied, the run halts. In strict mode the
 //!   fence refuses every publish after the denied one, so the record lands in its place; in
 //!   shared mode the events published behind it in the same window are stored before it.
-//! - P12 [`crate::conn`]'s C6: the session checks events against the lowest `max_payload`
+//! - P12 [`crate::conn`]'s CN6: the session checks events against the lowest `max_payload`
 //!   the server announced (the account's), and when the server goes into lame-duck mode
 //!   the publisher takes no further input, what it published is acknowledged, and [`run`]
 //!   ends with [`SinkError::LameDuck`]. The flag is read once per input batch.
@@ -472,7 +472,7 @@ where
     let (window, window_size) = stats.open_window(options.max_in_flight);
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(window_size);
     let start = *watermark.borrow();
-    // P10, C2: the session's own connection, subscribed to `{inbox}.>` before any publish.
+    // P10, CN2: the session's own connection, subscribed to `{inbox}.>` before any publish.
     let Connection {
         frames,
         answers,
@@ -1331,7 +1331,7 @@ struct Acks {
     /// The newest publish whose answer the acker awaited (0: none yet); answers read while
     /// it awaits none are for publishes after it.
     awaited: u64,
-    /// Why the connection closed, once it did (C3).
+    /// Why the connection closed, once it did (CN3).
     closed: Option<String>,
     /// Subjects the server denied a publish to in this session, with its words (P11).
     denied: Vec<(String, String)>,
@@ -1421,7 +1421,7 @@ impl Acks {
     }
 
     /// What the connection said (`None`: it is gone), kept for the session (a denied
-    /// subject, P11; lame-duck mode, P12; why it closed, C3), or, for an ack, the publish
+    /// subject, P11; lame-duck mode, P12; why it closed, CN3), or, for an ack, the publish
     /// it answers and the ack.
     #[inline]
     fn note(&mut self, answer: Option<Answer>) -> Option<(u64, Result<Acked, PublishError>)> {
@@ -1469,7 +1469,7 @@ impl Acks {
     }
 
     /// Reads the connection while the acker awaits no answer, keeping what comes early for
-    /// the publishes after [`Acks::awaited`], until the connection closes (C3) or the server
+    /// the publishes after [`Acks::awaited`], until the connection closes (CN3) or the server
     /// goes into lame-duck mode (P12; nothing is in flight): returns the session's end.
     /// Cancel-safe: an answer is kept as soon as it is read.
     async fn closed(&mut self) -> SinkError {
@@ -1748,7 +1748,7 @@ impl<P: Ord + Copy + std::fmt::Debug> Acker<'_, P> {
                         Some(item) => item,
                         None => break,
                     },
-                    // C3: a connection that closes while the session is idle ends it now.
+                    // CN3: a connection that closes while the session is idle ends it now.
                     end = self.acks.closed() => return Err(end),
                 },
             };

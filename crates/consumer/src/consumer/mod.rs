@@ -1,6 +1,6 @@
 //! The shard workers: one durable pull consumer, one Postgres connection and one task per
 //! shard. See the crate docs for the invariants C1–C8 they keep, and [`park`] for what
-//! happens to an event whose handler keeps failing (P1–P4).
+//! happens to an event whose handler keeps failing (PK1–PK4).
 
 mod park;
 
@@ -381,14 +381,14 @@ struct Worker<A> {
     /// The event whose handler failed last and is to be tried again, and how often it
     /// failed (the retry delay doubles; at `max_attempts` its policy decides).
     failing: Option<Failing>,
-    /// The entities of this shard with parked events (P2, P3).
+    /// The entities of this shard with parked events (PK2, PK3).
     parked: HashSet<String>,
-    /// When the shard reads the parked table next (P3).
+    /// When the shard reads the parked table next (PK3).
     next_poll: tokio::time::Instant,
     /// Whether `parked` was read through the current connection: no batch is handled
-    /// before it was (P3).
+    /// before it was (PK3).
     parked_loaded: bool,
-    /// Whether the parked table has `outbox_id_text`, for uuid and text ids (P1).
+    /// Whether the parked table has `outbox_id_text`, for uuid and text ids (PK1).
     parked_text_ids: bool,
 }
 
@@ -445,7 +445,7 @@ enum End {
 struct Done {
     /// Their handler ran.
     handled: Vec<usize>,
-    /// Parked behind an earlier event of their entity (P2).
+    /// Parked behind an earlier event of their entity (PK2).
     parked: Vec<usize>,
 }
 
@@ -586,7 +586,7 @@ impl<A: Apply> Worker<A> {
 
     /// Waits until the shard holds a message it may handle (`true`), or is to finish:
     /// stopped, or the pull subscription ended (`false`). Reads the parked table when due
-    /// meanwhile (P3).
+    /// meanwhile (PK3).
     async fn wait_ready(&mut self, messages: &mut Option<pull::Stream>) -> Result<bool, Error> {
         enum Next {
             Stop,
@@ -625,7 +625,7 @@ impl<A: Apply> Worker<A> {
         Ok(true)
     }
 
-    /// Connects to Postgres if needed and reads the parked table when due (P3). Returns the
+    /// Connects to Postgres if needed and reads the parked table when due (PK3). Returns the
     /// Postgres error that keeps the batch from being handled now.
     async fn before_batch(&mut self) -> Result<Option<tokio_postgres::Error>, Error> {
         match self.connect_postgres().await {
@@ -864,7 +864,7 @@ impl<A: Apply> Worker<A> {
 
     /// The handler failed on `event` (`message`; what came after it is held again): it is
     /// released for a retry after a growing delay, and after `max_attempts` failures
-    /// parked (P1) or the consumer stops, as `on_failure` says.
+    /// parked (PK1) or the consumer stops, as `on_failure` says.
     async fn handler_failed(
         &mut self,
         message: jetstream::Message,
@@ -1060,7 +1060,7 @@ impl<A: Apply> Worker<A> {
     }
 
     /// One transaction over `slice`: its dedupe keys in one statement, the events of parked
-    /// entities parked (P2), the handler for the other new ones in stream order, commit
+    /// entities parked (PK2), the handler for the other new ones in stream order, commit
     /// (C1–C3).
     async fn transact(&mut self, slice: &[Event]) -> Result<Tx, tokio_postgres::Error> {
         let Some(connection) = self.client.as_mut() else {
@@ -1224,7 +1224,7 @@ impl<A: Apply> Worker<A> {
             .map_err(|error| classify_prepare(table, error))?;
         if self.parks() {
             self.check_parked_table(&client).await?;
-            // P3: a new connection reads the parked entities before its first batch.
+            // PK3: a new connection reads the parked entities before its first batch.
             self.parked_loaded = false;
         }
         self.client = Some(Connection {

@@ -4,7 +4,7 @@
 //! streamed: its copy is dropped by JetStream's `Nats-Msg-Id` de-duplication within the
 //! duplicate window, and published again after it. Into a strict stream it is refused
 //! without `--force` (it would append old rows after newer events). The rows are read as at
-//! slot creation (`crate::postgres::range`, `crate::setup::backfill` F2).
+//! slot creation (`crate::postgres::range`, `crate::setup::backfill` BF2).
 
 use std::time::{Duration, Instant};
 

@@ -21,14 +21,14 @@
 //! an operator; invalid configuration), so the health codes are 3 and 4.
 //!
 //! # Invariants
-//! - S1 Read-only: status creates, changes and locks nothing. The start-up checks run with
+//! - STA1 Read-only: status creates, changes and locks nothing. The start-up checks run with
 //!   `create` off, and only on objects that exist; the lease holder is read from
 //!   `pg_locks`, never found by trying the lock.
-//! - S2 The exit status is the worst finding: broken > unknown > lagging > healthy; warnings
+//! - STA2 The exit status is the worst finding: broken > unknown > lagging > healthy; warnings
 //!   leave it at healthy.
-//! - S3 Nothing secret is printed: the Postgres target without its password, NATS servers
+//! - STA3 Nothing secret is printed: the Postgres target without its password, NATS servers
 //!   without credentials, and the whole output through the log scrubber (in `main`).
-//! - S4 [`render`], the JSON and [`assess`] depend on the [`Status`] alone: times and ages are
+//! - STA4 [`render`], the JSON and [`assess`] depend on the [`Status`] alone: times and ages are
 //!   taken while gathering, so tests pin the output on fixed values.
 
 use std::fmt::Write as _;
@@ -48,7 +48,7 @@ use crate::stream::policy::{self, StreamSeverity};
 /// How long reading either side may take, connecting included: a probe must not hang.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How bad a finding is; the order is the exit status's precedence (S2).
+/// How bad a finding is; the order is the exit status's precedence (STA2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Level {
@@ -118,7 +118,7 @@ impl Finding {
 /// Everything `outbox-relay status` reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
-    /// The verdict, from the findings (S2).
+    /// The verdict, from the findings (STA2).
     pub health: Health,
     /// The exit status of the verdict.
     pub exit_code: u8,
@@ -397,7 +397,7 @@ async fn gather_postgres(config: &Config) -> PostgresPart {
         Err(e) => return (None, None, None, unknown(e)),
     };
     let mut findings = Vec::new();
-    // The start-up checks, read-only (S1), on objects that exist (missing ones are findings
+    // The start-up checks, read-only (STA1), on objects that exist (missing ones are findings
     // of their own, with a fix that fits `status`).
     if slot.exists && publication.exists {
         let mut checking = config.clone();
@@ -677,7 +677,7 @@ async fn gather_nats(
     (Some(stream), last_event, findings)
 }
 
-/// The stream's findings ([`policy::check_stream`], B3) as status levels: refused or
+/// The stream's findings ([`policy::check_stream`], ST1) as status levels: refused or
 /// full is broken.
 fn stream_findings(
     info: &jetstream::stream::Info,
@@ -977,7 +977,7 @@ fn serialize_id<S: serde::Serializer>(
     }
 }
 
-/// The table for people (S4: a function of `status` alone).
+/// The table for people (STA4: a function of `status` alone).
 pub fn render(status: &Status) -> String {
     let mut out = String::new();
     let headline = match status.health {

@@ -7,7 +7,7 @@
 //!    `--until`, `--entity`, on the columns the mapping names), read once before anything
 //!    else. Rows committed after that are not expected. Id bounds compare as the id column's
 //!    type: integers and uuids by value, text ids by their bytes (`COLLATE "C"`, whatever
-//!    the column's collation), the order `outbox::EventId` sorts them in (`stored` V3).
+//!    the column's collation), the order `outbox::EventId` sorts them in (`stored` ROW2).
 //! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
 //!    large batches), read to the end, on a thread of its own with its own connection and a
 //!    single-threaded runtime (no thread wake-up per message; the table's side runs beside
@@ -37,30 +37,30 @@
 //! before, and the report says once why rows may then be reported missing.
 //!
 //! # Invariants
-//! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
+//! - VER1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
 //!   and is deleted by the server when idle; it publishes, changes and locks nothing.
-//! - V2 Keys are never re-derived: the expected message is the one builder's (`outbox` E4);
+//! - VER2 Keys are never re-derived: the expected message is the one builder's (`outbox` E4);
 //!   the stream's header values are decoded with `outbox::encoding::decode` when the message
 //!   says `Outbox-Encoding: percent` before they are compared: the row's values, every
 //!   header a column gave (any header not `Nats-*` or `Outbox-*`), and for uuid and text
 //!   ids (`Outbox-Id-Kind`) `Outbox-Id` and `Outbox-Ordering-Key` too. The headers columns
 //!   gave are compared as a set (a digest independent of their order).
-//! - V3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
+//! - VER3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
 //!   dead-lettered, not missing, and is not a discrepancy (the operator chose
 //!   `--on-poison dead-letter`).
-//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`, integer
+//! - VER4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`, integer
 //!   ids), or by the ids present when the ids are sparse or not integers (a map keyed by
 //!   the id: for a uuid or text id its text plus about 80 bytes), plus one `Expected` per
 //!   row (40 bytes, and a uuid or text id's text), never by payloads: payloads are compared
 //!   through a digest.
-//! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
+//! - VER5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
-//! - V6 Exactly the relay's rows are expected: a row is left out only when the slot's
-//!   recorded boundary names its id (`boundary` N1), never by a guess from its status or id;
+//! - VER6 Exactly the relay's rows are expected: a row is left out only when the slot's
+//!   recorded boundary names its id (`boundary` BD1), never by a guess from its status or id;
 //!   every other row in range is checked. The real problems come first in the report, each
 //!   by outbox id, then what is informational (dead-lettered rows, the left-out rows'
 //!   count and id range, one line), then the summary.
-//! - V7 Outbox tables are emptied by design (Debezium's remove-after-insert, a poller's
+//! - VER7 Outbox tables are emptied by design (Debezium's remove-after-insert, a poller's
 //!   clean-up, retention, TRUNCATE, dropped partitions): over the whole table, an event
 //!   message of this database's relay (its `Outbox-Source` names this database and slot) whose
 //!   row is gone is counted on one line, "rows deleted after relaying", never a discrepancy;
@@ -85,7 +85,7 @@ use crate::error::{RelayError, Result};
 // A row read back as the relay reads it: the process's (`stored`), and replay's through here.
 pub use crate::postgres::rows::{check_id_bound, RowReader};
 
-/// The exit status when verify found discrepancies (V5).
+/// The exit status when verify found discrepancies (VER5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
 
 /// How long the stream may stay silent before verify gives up reading it.
@@ -96,7 +96,7 @@ const BATCH: usize = 20_000;
 
 /// What to check: the rows whose id and creation time fall in these bounds (all inclusive
 /// but `until`). Ids are compared as the id column's type: integers and uuids by value,
-/// text ids by their bytes (`COLLATE "C"`, `stored` V3).
+/// text ids by their bytes (`COLLATE "C"`, `stored` ROW2).
 #[derive(Debug, Clone, Default)]
 pub struct Range {
     /// Lowest id, as text (an integer, a uuid or any text, as the id column holds).
@@ -218,7 +218,7 @@ fn cast_times(condition: &str, params: &[Param]) -> String {
     out
 }
 
-/// What verify keeps per outbox id (V4).
+/// What verify keeps per outbox id (VER4).
 #[derive(Debug, Clone, Copy, Default)]
 struct Entry {
     /// Stream sequence of the first event message.
@@ -249,7 +249,7 @@ impl Expected {
     const PUBLISHABLE: u8 = 1;
     /// The relay cannot publish the row.
     const UNPUBLISHABLE: u8 = 2;
-    /// Left out by design when the slot was created (V6): not checked.
+    /// Left out by design when the slot was created (VER6): not checked.
     const LEFT_OUT: u8 = 3;
     /// Of an event type the mapping's filter excludes: never published, not checked.
     const EXCLUDED: u8 = 4;
@@ -272,7 +272,7 @@ const OURS: u8 = 4;
 /// The lowest and highest id of a range and its row count.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bounds {
-    /// The lowest id (in the id column's order, `stored` V3).
+    /// The lowest id (in the id column's order, `stored` ROW2).
     pub low: EventId,
     /// The highest id.
     pub high: EventId,
@@ -281,14 +281,14 @@ pub struct Bounds {
 }
 
 impl Bounds {
-    /// Whether `id` lies within the bounds (`EventId`'s order is the column's, `stored` V3).
+    /// Whether `id` lies within the bounds (`EventId`'s order is the column's, `stored` ROW2).
     pub fn contains(&self, id: &EventId) -> bool {
         self.low <= *id && *id <= self.high
     }
 }
 
 /// Entries by id: dense over the id span of integer ids, or a map when the ids are sparse
-/// or not integers (V4).
+/// or not integers (VER4).
 enum Index {
     Dense { low: i64, entries: Vec<Entry> },
     Sparse(HashMap<EventId, Entry>),
@@ -382,7 +382,7 @@ impl Fields {
         }
     }
 
-    /// The stream's values, percent-decoded when the message says so (V2); `None` for a
+    /// The stream's values, percent-decoded when the message says so (VER2); `None` for a
     /// value that does not decode.
     fn of_message(subject: &str, headers: &HeaderMap) -> Fields {
         let seen = Seen::of(headers);
@@ -468,7 +468,7 @@ fn event_digest(event: &OutboxEvent) -> u64 {
     )
 }
 
-/// A header value as the row had it: percent-decoded when the message is `encoded` (V2).
+/// A header value as the row had it: percent-decoded when the message is `encoded` (VER2).
 fn row_value<'a>(headers: &'a HeaderMap, name: &str, encoded: bool) -> Cow<'a, str> {
     let v = headers.get(name).map_or("", |v| v.as_str());
     if encoded {
@@ -496,7 +496,7 @@ struct Seen<'a> {
     tx_index: &'a str,
     /// `Outbox-Source`: the WAL history the position belongs to.
     source: &'a str,
-    /// `Outbox-Encoding: percent`: the row's values are percent-encoded (V2).
+    /// `Outbox-Encoding: percent`: the row's values are percent-encoded (VER2).
     encoded: bool,
     /// `Outbox-Id-Kind`: a uuid or text id (its `Outbox-Id` and ordering key are encoded
     /// with the rest).
@@ -560,7 +560,7 @@ impl<'a> Seen<'a> {
         headers_digest(decoded.iter().map(|(n, v)| (*n, &**v)))
     }
 
-    /// A value as the row had it: percent-decoded when the message is encoded (V2).
+    /// A value as the row had it: percent-decoded when the message is encoded (VER2).
     fn row_value(&self, v: &'a str) -> Cow<'a, str> {
         if self.encoded {
             Cow::Owned(encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>")))
@@ -605,7 +605,7 @@ fn entity_hash(entity_id: &str) -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     /// `missing`, `duplicated`, `mismatched`, `out of order`, `unexpected`, `unpublishable`
-    /// or `dead-lettered` (not a discrepancy, V3).
+    /// or `dead-lettered` (not a discrepancy, VER3).
     pub kind: &'static str,
     /// The outbox id.
     pub id: EventId,
@@ -613,7 +613,7 @@ pub struct Problem {
     pub detail: String,
 }
 
-/// The order problems are reported in (V6): discrepancies first, `dead-lettered` last.
+/// The order problems are reported in (VER6): discrepancies first, `dead-lettered` last.
 const KINDS: [&str; 7] = [
     "missing",
     "duplicated",
@@ -633,7 +633,7 @@ fn rank(kind: &str) -> usize {
 pub struct Report {
     /// Rows checked.
     pub rows: u64,
-    /// Rows in range left out by design when the slot was created (V6).
+    /// Rows in range left out by design when the slot was created (VER6).
     pub left_out: u64,
     /// The lowest and highest id left out.
     pub left_out_ids: Option<(i64, i64)>,
@@ -649,7 +649,7 @@ pub struct Report {
     /// checked.
     pub excluded: u64,
     /// Event messages of this database's relay whose rows are gone, between the lowest and
-    /// highest id in the table (V7).
+    /// highest id in the table (VER7).
     pub deleted: u64,
     /// The lowest and highest of those ids.
     pub deleted_ids: Option<(EventId, EventId)>,
@@ -668,7 +668,7 @@ impl Report {
         self.problems.iter().filter(|p| p.kind == kind).count()
     }
 
-    /// 0 consistent, [`DISCREPANCIES_EXIT`] otherwise (V5).
+    /// 0 consistent, [`DISCREPANCIES_EXIT`] otherwise (VER5).
     pub fn exit_code(&self) -> u8 {
         if self.problems.iter().any(|p| p.kind != "dead-lettered") {
             DISCREPANCIES_EXIT
@@ -678,7 +678,7 @@ impl Report {
     }
 
     /// The problems (at most `max_listed` per kind, discrepancies first), what was left
-    /// out and why, and the summary line (V6).
+    /// out and why, and the summary line (VER6).
     pub fn render(&self, max_listed: usize) -> String {
         let mut out = String::new();
         self.render_problems(&mut out, max_listed);
@@ -713,7 +713,7 @@ impl Report {
         }
     }
 
-    /// What the slot's creation left out (V6), or why every row is expected; the rows the
+    /// What the slot's creation left out (VER6), or why every row is expected; the rows the
     /// event-type filter excludes.
     fn render_left_out(&self, out: &mut String) {
         if self.excluded > 0 {
@@ -750,7 +750,7 @@ impl Report {
         }
     }
 
-    /// V7: the messages whose rows were deleted after relaying, one line.
+    /// VER7: the messages whose rows were deleted after relaying, one line.
     fn render_deleted(&self, out: &mut String) {
         if self.deleted + self.deleted_outside == 0 {
             return;
@@ -775,7 +775,7 @@ impl Report {
         );
     }
 
-    /// The summary line: the verdict (V5) and each kind's count.
+    /// The summary line: the verdict (VER5) and each kind's count.
     fn render_summary(&self, out: &mut String) {
         let seconds = self.elapsed.as_secs_f64();
         let rate = if seconds > 0.0 {
@@ -890,7 +890,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     })
 }
 
-/// V7: the end of the `Outbox-Source` of every message a relay streaming this database's
+/// VER7: the end of the `Outbox-Source` of every message a relay streaming this database's
 /// slot writes (`/{database}/{slot}`, `outbox::source_id`), whatever the cluster or timeline.
 async fn our_source_suffix(client: &tokio_postgres::Client, config: &Config) -> Result<String> {
     let row = client
@@ -903,7 +903,7 @@ async fn our_source_suffix(client: &tokio_postgres::Client, config: &Config) -> 
 }
 
 /// The lowest and highest id of the rows `condition` selects, and their count: one query;
-/// the ids as text, in the id column's order (`stored` V3).
+/// the ids as text, in the id column's order (`stored` ROW2).
 async fn read_bounds(
     client: &tokio_postgres::Client,
     config: &Config,
@@ -994,7 +994,7 @@ pub(crate) async fn scan_stream(
     Ok(read)
 }
 
-/// The ephemeral pull consumer [`scan_stream`] reads through (V1: it acknowledges nothing
+/// The ephemeral pull consumer [`scan_stream`] reads through (VER1: it acknowledges nothing
 /// and the server deletes it when idle).
 async fn scan_consumer(
     stream: &jetstream::stream::Stream,
@@ -1030,7 +1030,7 @@ struct StreamSide {
     out_of_order: Vec<(EventId, String)>,
     /// The ids and sequences of second and later copies.
     duplicates: Vec<(EventId, u64)>,
-    /// Event messages of ours whose ids lie outside the bounds (V7).
+    /// Event messages of ours whose ids lie outside the bounds (VER7).
     ours_outside: u64,
 }
 
@@ -1117,7 +1117,7 @@ impl OrderCheck {
 }
 
 /// Step 2's fold: each message of the stream into the [`Index`] (ids in `low..=high` only),
-/// the copies and the order. A dead-letter record counts apart from the event (V3).
+/// the copies and the order. A dead-letter record counts apart from the event (VER3).
 struct Tally {
     bounds: Bounds,
     dead_letter_subject: String,
@@ -1127,7 +1127,7 @@ struct Tally {
     duplicates: Vec<(EventId, u64)>,
     /// [`our_source_suffix`].
     ours: String,
-    /// Event messages of ours whose ids lie outside the bounds (V7).
+    /// Event messages of ours whose ids lie outside the bounds (VER7).
     ours_outside: u64,
 }
 
@@ -1268,7 +1268,7 @@ struct TableSide {
 
 /// What row `row` (of the reader's select list and the range's condition, its last column)
 /// must be on the stream: not checked when out of range, left out by the slot's creation
-/// (V6) or of an event type the filter excludes, else its event's digest (V2: the one
+/// (VER6) or of an event type the filter excludes, else its event's digest (VER2: the one
 /// builder's, `outbox` E4), or why it is unpublishable. Rows come in id order, as
 /// `left_out` wants them (integer ids only: a boundary records runs of integers). `None`
 /// for a row whose id cannot be read.
@@ -1368,7 +1368,7 @@ async fn spawn_table_side(
     })
 }
 
-/// The judge of one checked row's entry: what is wrong with it, if anything (V3: a
+/// The judge of one checked row's entry: what is wrong with it, if anything (VER3: a
 /// dead-letter record in its place is reported as dead-lettered, not missing).
 fn judge_entry(row: &Expected, entry: Entry, why: impl FnOnce() -> String) -> Option<Problem> {
     let problem = |kind, detail| {
@@ -1411,7 +1411,7 @@ fn judge_entry(row: &Expected, entry: Entry, why: impl FnOnce() -> String) -> Op
 }
 
 /// The rows against the stream: marks each row's entry ([`ROW`], [`IN_RANGE`]), counts the
-/// rows checked and left out (V6) into `report`, and returns the problems found and the
+/// rows checked and left out (VER6) into `report`, and returns the problems found and the
 /// ids (with sequences) whose first copy's digest differs from the row's.
 fn judge_rows(
     table: TableSide,
@@ -1501,7 +1501,7 @@ fn judge_stream(
     if whole_table {
         index.for_each(|id, entry| {
             if entry.flags & (ROW | OURS) == OURS && entry.count > 0 {
-                // V7: deleted after relaying.
+                // VER7: deleted after relaying.
                 report.deleted += 1;
                 report.deleted_ids = Some(match report.deleted_ids.take() {
                     Some((low, high)) => (low.min(id.clone()), high.max(id)),
@@ -1582,12 +1582,12 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let opened = open(config, &mut range).await?;
     let ours = our_source_suffix(&opened.client, config).await?;
     let whole_table = range.since.is_none() && range.until.is_none();
-    // V7: messages outside the table's id bounds count as deleted only when the range is the
+    // VER7: messages outside the table's id bounds count as deleted only when the range is the
     // whole table.
     let unrestricted =
         whole_table && range.from_id.is_none() && range.to_id.is_none() && range.entity.is_none();
     let Some(bounds) = opened.bounds.clone() else {
-        // V7: an emptied table; what the stream holds of ours was deleted after relaying.
+        // VER7: an emptied table; what the stream holds of ours was deleted after relaying.
         let mut deleted = 0;
         if unrestricted {
             scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
@@ -1607,7 +1607,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
             ..Report::default()
         });
     };
-    // V6: what the slot's creation left out.
+    // VER6: what the slot's creation left out.
     let boundary = crate::postgres::boundary::read(&opened.client, config).await;
     let runs = match &boundary {
         crate::postgres::boundary::Read::Recorded(boundary) => boundary.clone(),
@@ -1717,7 +1717,7 @@ mod tests {
             cast_times(&condition, &params),
             "\"id\" >= $1::text::int8 AND \"id\" <= $2::text::int8 AND \"created_at\" >= $3::text::timestamptz AND \"entity_id\"::text = $4"
         );
-        // Text ids compare by their bytes, uuids by value (stored V3).
+        // Text ids compare by their bytes, uuids by value (stored ROW2).
         let text = crate::postgres::rows::test_reader(&config, outbox::event::oid::TEXT);
         assert_eq!(
             range.condition(&config, &text).0,

@@ -20,20 +20,20 @@
 //! it came from, secrets as `<redacted>`.
 //!
 //! # Invariants
-//! - C1 Secrets (the Postgres password, NATS credentials in the URL, with or without a
+//! - CFG1 Secrets (the Postgres password, NATS credentials in the URL, with or without a
 //!   scheme, any option whose key names a password, token or secret) never appear in
 //!   `Debug`, `Display` or error output of a config, raw or validated, nor in
 //!   [`effective`]; errors about the TOML file give the line and column, never the line.
 //!   [`Config::secrets`] lists them for the log scrubber (`crate::observe::logging`), the last line
 //!   of defence for text the relay does not format itself.
-//! - C2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
+//! - CFG2 An unknown file key or `OUTBOX_RELAY_*` variable is an error, not ignored: a typo
 //!   must not silently fall back to a default.
-//! - C3 `NATS_URL` is never split inside a credential: a list where a ',' may have split
+//! - CFG3 `NATS_URL` is never split inside a credential: a list where a ',' may have split
 //!   one (an entry without its own scheme and with user information, right after an entry
 //!   without: `nats://relay:2024,Spring!@h`) is refused with the advice to percent-encode
 //!   (`%2C`), and redacted whole; `ws://` and `wss://` URLs, which the relay cannot speak,
 //!   are refused too (exit 2 at start, both).
-//! - C4 What is allowed but risky is said once at start, one line each, never quoting a
+//! - CFG4 What is allowed but risky is said once at start, one line each, never quoting a
 //!   secret ([`Config::warnings`]): secrets on the command line, secret files group or
 //!   others can read (libpq's rule), secrets too weak for the log scrubber, credentials
 //!   that would travel without verified TLS.
@@ -91,7 +91,7 @@ impl OptionSpec {
         self.default == Some("false")
     }
 
-    /// Whether its value is (or may hold) a secret, never to be shown (C1).
+    /// Whether its value is (or may hold) a secret, never to be shown (CFG1).
     pub fn is_secret(&self) -> bool {
         key_is_secret(self.key)
     }
@@ -274,7 +274,7 @@ pub const NATS_CLI_ENV: [(&str, &OptionSpec); 7] = [
 ];
 
 /// Raw option values by file key, each with its origin; and the environment libpq reads
-/// (`PG*`, `HOME`, `USER`), for the Postgres connection. Its `Debug` redacts secrets (C1).
+/// (`PG*`, `HOME`, `USER`), for the Postgres connection. Its `Debug` redacts secrets (CFG1).
 #[derive(Default, Clone)]
 pub struct RawConfig {
     values: BTreeMap<&'static str, (String, Origin)>,
@@ -467,10 +467,10 @@ impl RawConfig {
     }
 }
 
-/// Environment variables we read that are not options (so C2 does not reject them).
+/// Environment variables we read that are not options (so CFG2 does not reject them).
 const KNOWN_EXTRA_ENV: &[&str] = &["OUTBOX_RELAY_CONFIG"];
 
-/// Options whose value is, or may contain, a secret (C1). Any option whose key names a
+/// Options whose value is, or may contain, a secret (CFG1). Any option whose key names a
 /// password, token or secret is one too.
 const SECRET_KEYS: &[&str] = &["database_url", "nats_url"];
 
@@ -508,7 +508,7 @@ fn shown_value(key: &str, value: &str) -> String {
 }
 
 /// A TOML syntax error, located by line and column but without the offending line, which
-/// may hold a password (C1).
+/// may hold a password (CFG1).
 fn toml_error(path: &Path, text: &str, error: &toml::de::Error) -> ConfigError {
     let location = match error.span() {
         Some(span) => {
@@ -723,7 +723,7 @@ pub struct Config {
     /// Whether each transaction is published as JetStream atomic batches (`sink::batch`).
     pub atomic_transactions: bool,
     /// Whether streamed events go out as fast-ingest batches where the server and the
-    /// stream allow it (`sink::batch` F1–F6, [`crate::stream::atomic`] X3).
+    /// stream allow it (`sink::batch` F1–F6, [`crate::stream::atomic`] AT3).
     pub fast_ingest: bool,
     /// Deleting old confirmed rows ([`crate::process::retention`]); `None`: never.
     pub retention: Option<RetentionConfig>,
@@ -1251,7 +1251,7 @@ impl fmt::Display for Origin {
 
 /// The effective configuration, for `outbox-relay config`: every option as a TOML line with
 /// where it came from, then the Postgres connection parameter by parameter; secrets as
-/// `<redacted>` (C1).
+/// `<redacted>` (CFG1).
 pub fn effective(raw: &RawConfig, config: &Config) -> String {
     let mut lines = vec![
         "# outbox-relay: the effective configuration, and where each value came from".to_owned(),

@@ -24,7 +24,7 @@
 //! INSERT, UPDATE` on it; without that it warns once, naming the grant, and goes on.
 //!
 //! # Invariants
-//! - N1 Exact: a run `lo..=hi` is recorded only when every id in it is a row of the snapshot
+//! - BD1 Exact: a run `lo..=hi` is recorded only when every id in it is a row of the snapshot
 //!   that the mode left out (the runs of consecutive ids among them). Ids are unique, so no
 //!   row committed after the snapshot can fall in a run: verify leaves out exactly the
 //!   recorded rows and expects every other, and a message missing for a backfilled or a
@@ -32,14 +32,14 @@
 //!   that are consecutive take one run; each gap in them (a rolled-back insert's id, a
 //!   pending row between two published ones) starts another. A million runs take 16 MB,
 //!   read once by verify.
-//! - N2 Recorded before the first row is backfilled, committed on its own, and replaced when an
+//! - BD2 Recorded before the first row is backfilled, committed on its own, and replaced when an
 //!   interrupted backfill creates the slot again (the new snapshot's facts). The record
 //!   serves the audit, not the relay: failing to write it is a warning (once per slot
 //!   creation, with the fix), never a reason to stop.
-//! - N3 No record (a slot created before this version, with `--backfill none`, by hand, or
+//! - BD3 No record (a slot created before this version, with `--backfill none`, by hand, or
 //!   over a stream that already held events) is not an error: verify then expects every row,
 //!   as before, and says once why rows may be reported missing ([`Read`]).
-//! - N4 The record follows the mapped id column. Only integer ids are recorded (runs and
+//! - BD4 The record follows the mapped id column. Only integer ids are recorded (runs and
 //!   the highest id): a table whose ids are uuids or text has nothing left out by design,
 //!   since `--backfill pending` is refused on it when it has a `status` column
 //!   (`crate::setup::backfill`), and without one `pending` backfills nothing and records
@@ -67,7 +67,7 @@ pub struct Boundary {
     pub snapshot_max_id: Option<i64>,
     /// Rows in the snapshot.
     pub snapshot_rows: i64,
-    /// The left-out rows: runs `lo..=hi` of consecutive ids, ascending (N1).
+    /// The left-out rows: runs `lo..=hi` of consecutive ids, ascending (BD1).
     pub runs: Vec<(i64, i64)>,
 }
 
@@ -115,8 +115,8 @@ pub fn table(config: &Config) -> String {
     )
 }
 
-/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (N1), on the
-/// mapped id column (`rows`): the highest id and the runs for integer ids only (N4).
+/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (BD1), on the
+/// mapped id column (`rows`): the highest id and the runs for integer ids only (BD4).
 pub async fn in_snapshot(
     reader: &Client,
     config: &Config,
@@ -169,7 +169,7 @@ pub async fn in_snapshot(
 }
 
 /// Records `boundary` for the slot, creating the table when it is missing and the relay may
-/// create things (N2). Never fails: what went wrong is a warning naming the fix.
+/// create things (BD2). Never fails: what went wrong is a warning naming the fix.
 pub async fn record(client: &Client, config: &Config, boundary: &Boundary) {
     match try_record(client, config, boundary).await {
         Ok(()) => info!(slot = %config.slot, mode = %boundary.mode,
@@ -246,7 +246,7 @@ fn create_sql(table: &str) -> String {
     )
 }
 
-/// What verify finds of the slot's boundary (N3).
+/// What verify finds of the slot's boundary (BD3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Read {
     /// Recorded when the slot was created.
@@ -255,7 +255,7 @@ pub enum Read {
     Absent(String),
 }
 
-/// The slot's recorded boundary, or why there is none (N3). Read-only.
+/// The slot's recorded boundary, or why there is none (BD3). Read-only.
 pub async fn read(client: &Client, config: &Config) -> Read {
     let table = table(config);
     let row = client

@@ -3,7 +3,7 @@
 //!
 //! Checked at every session start: `wal_level = logical`; the outbox table exists with the
 //! columns the relay reads in usable types; the publication publishes every insert into the
-//! table, whoever created it (B3); the slot is a pgoutput slot of this database.
+//! table, whoever created it (PG3); the slot is a pgoutput slot of this database.
 //! Created when missing, unless `--no-create`: the publication (`FOR TABLE … WITH (publish =
 //! 'insert', publish_via_partition_root = true)`) and the slot.
 //!
@@ -12,11 +12,11 @@
 //! slot without it is a warning that gives the fix.
 //!
 //! # Invariants
-//! - B1 Nothing is created when a check fails: a wrong setup is reported, not patched over.
-//! - B2 Every failure is permanent and its message names the setting, object or column and
+//! - PG1 Nothing is created when a check fails: a wrong setup is reported, not patched over.
+//! - PG2 Every failure is permanent and its message names the setting, object or column and
 //!   how to fix it; connection failures stay transient. A failed check is a setup error
 //!   (exit status 2); an error Postgres returns is permanent or transient by its SQLSTATE.
-//! - B3 A publication that would hide an outbox insert from the relay is refused, naming
+//! - PG3 A publication that would hide an outbox insert from the relay is refused, naming
 //!   the publication, each problem and the exact SQL that fixes it: one that does not
 //!   publish inserts, does not cover the table (or covers only some of its partitions),
 //!   publishes a partitioned table's inserts under its partitions' names (no
@@ -50,7 +50,7 @@ fn permanent(message: String) -> RelayError {
     RelayError::permanent(anyhow::anyhow!(message))
 }
 
-/// A check failed (B2): exit status 2.
+/// A check failed (PG2): exit status 2.
 fn setup(message: String) -> RelayError {
     RelayError::setup(anyhow::anyhow!(message))
 }
@@ -700,7 +700,7 @@ impl Findings {
 /// The first `server_version_num` with fail-over slots (`--failover-slot`).
 const FAILOVER_VERSION: i32 = 170_000;
 
-/// `--failover-slot` on a server older than 17 is refused before anything is created (B1),
+/// `--failover-slot` on a server older than 17 is refused before anything is created (PG1),
 /// whoever creates the slot (this module, or a backfill's replication connection).
 pub async fn check_failover_support(client: &Client, config: &Config) -> Result<()> {
     failover_supported(config, server_version(client).await?)

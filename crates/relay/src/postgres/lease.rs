@@ -8,11 +8,11 @@
 //! closes its sockets) and within the keepalive settings below when its host vanishes.
 //!
 //! # Invariants
-//! - L1 A relay streams only while it holds the lease: the session is abandoned the moment
+//! - LS1 A relay streams only while it holds the lease: the session is abandoned the moment
 //!   the lease connection closes or stops answering, before anything else is published.
 //!   (Strict mode fences the stream even against a relay that lost its lease unknowingly:
 //!   its next publish carries a stale expected sequence and is refused.)
-//! - L2 The holder may end a walsender that still holds the slot (a dead relay's
+//! - LS2 The holder may end a walsender that still holds the slot (a dead relay's
 //!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
 
 use std::sync::Arc;
@@ -132,7 +132,7 @@ impl Lease {
         Arc::clone(&self.client)
     }
 
-    /// Completes when the lease is lost (L1): the session closed or stopped answering.
+    /// Completes when the lease is lost (LS1): the session closed or stopped answering.
     pub async fn lost(&self) {
         loop {
             tokio::time::sleep(PROBE).await;
@@ -153,7 +153,7 @@ impl Lease {
         }
     }
 
-    /// Ends the walsender that still holds `slot`, if any (L2). Returns its pid.
+    /// Ends the walsender that still holds `slot`, if any (LS2). Returns its pid.
     pub async fn end_lingering_walsender(&self, slot: &str) -> Result<Option<i32>> {
         let row = self
             .client

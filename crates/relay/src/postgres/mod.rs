@@ -2,13 +2,13 @@
 //! there and what the relay reads and records there.
 //!
 //! - [`checks`]: `wal_level`, the outbox table's columns, the publication's facts (created
-//!   when missing and allowed) and the slot, checked before every session (B1–B3).
+//!   when missing and allowed) and the slot, checked before every session (PG1–PG3).
 //! - [`privileges`]: what `--mark-published` and `--retention-grace` need of the table and
 //!   the role.
-//! - [`rows`]: reading outbox rows as the relay reads them (V2, V3); [`range`]: the rows of a
+//! - [`rows`]: reading outbox rows as the relay reads them (ROW1, ROW2); [`range`]: the rows of a
 //!   range in id order, as a backfill reads them.
-//! - [`boundary`]: the rows a slot's creation left out by design (N1–N3).
-//! - [`lease`]: the advisory lock that lets one relay stream a slot (L1, L2).
+//! - [`boundary`]: the rows a slot's creation left out by design (BD1–BD3).
+//! - [`lease`]: the advisory lock that lets one relay stream a slot (LS1, LS2).
 //! - [`error`]: one rendering of an error Postgres returns.
 //!
 //! May use: `config`, `error`, `observe`. Never uses `connect`'s NATS side, `stream`,

@@ -1,7 +1,7 @@
 //! What `--mark-published` and `--retention-grace` need of the outbox table and the
 //! relay's role, checked before the first session (`crate::setup::ensure`): the marking's
 //! columns and privileges (`crate::process::mark` U5) and retention's privilege to delete
-//! (`crate::process::retention` X6). A missing table is left to [`crate::postgres::checks`],
+//! (`crate::process::retention` RET6). A missing table is left to [`crate::postgres::checks`],
 //! which names it.
 
 use outbox::Role;
@@ -163,7 +163,7 @@ fn judge_columns(table: &str, columns: &[Column], id: (&str, bool)) -> Vec<Strin
     problems
 }
 
-/// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
+/// RET6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
 /// missing table is left to [`crate::postgres::checks`], which names it.
 pub async fn retention(client: &Client, config: &Config) -> Result<()> {
     if config.retention.is_none() {

@@ -1,7 +1,7 @@
 //! The rows of the outbox table in a range, in id order, as the events the relay would
 //! publish for them: what a backfill reads, at slot creation (`crate::setup::backfill`) and on
 //! an existing slot (`crate::commands::backfill`). The invariants are the backfill's
-//! (`crate::setup::backfill` F2, F4).
+//! (`crate::setup::backfill` BF2, BF4).
 
 use outbox::{EventId, OutboxEvent, Position, Role};
 use pgoutput::Lsn;
@@ -36,7 +36,7 @@ fn time_sql(text: &str) -> String {
 pub struct Filter {
     /// Only rows whose `status` is `'pending'`.
     pub pending_only: bool,
-    /// `id >= from_id`, as text (compared as the id column's type, `stored` V3).
+    /// `id >= from_id`, as text (compared as the id column's type, `stored` ROW2).
     pub from_id: Option<String>,
     /// `id <= to_id`.
     pub to_id: Option<String>,
@@ -76,7 +76,7 @@ impl Filter {
     }
 }
 
-/// F2: a backfilled row's position, before every streamed event: by its id for an integer
+/// BF2: a backfilled row's position, before every streamed event: by its id for an integer
 /// id, else by `ordinal`, its place in the backfill's id order.
 pub fn position_of(id: &EventId, ordinal: u32) -> Result<Position> {
     match id {
@@ -88,7 +88,7 @@ pub fn position_of(id: &EventId, ordinal: u32) -> Result<Position> {
     }
 }
 
-/// F2: an integer id's backfilled position, before every streamed event.
+/// BF2: an integer id's backfilled position, before every streamed event.
 pub fn position(id: i64) -> Result<Position> {
     u32::try_from(id)
         .map(|index| Position {
@@ -123,12 +123,12 @@ pub(crate) fn sql_error(what: &str, error: tokio_postgres::Error) -> RelayError 
     }
 }
 
-/// The selected rows in id order, [`FETCH_ROWS`] at a time, as events (F2, F4). Runs in the
+/// The selected rows in id order, [`FETCH_ROWS`] at a time, as events (BF2, BF4). Runs in the
 /// caller's open transaction.
 pub struct Cursor<'a> {
     client: &'a Client,
     reader: RowReader,
-    /// The last ordinal given (F2: uuid and text ids).
+    /// The last ordinal given (BF2: uuid and text ids).
     pub ordinal: u32,
     /// How many rows the filter selects.
     pub total: u64,
@@ -209,7 +209,7 @@ impl<'a> Cursor<'a> {
             let position = position_of(&id, self.ordinal)?;
             match self.reader.event(&row, position) {
                 Ok(Some(event)) => events.push(event),
-                // Excluded by the event-type filter: never published (F2).
+                // Excluded by the event-type filter: never published (BF2).
                 Ok(None) => {}
                 Err(e) => {
                     return Err(RelayError::permanent(anyhow::anyhow!(
@@ -258,7 +258,7 @@ mod tests {
             filter.where_sql(&config, &seed),
             " WHERE status = 'pending' AND \"id\" >= '3'::int8 AND \"id\" <= '9'::int8 AND \"created_at\" >= '2026-01-01T00:00:00Z'::timestamptz AND \"created_at\" < 'x''y'::timestamptz"
         );
-        // Text ids compare by their bytes (stored V3).
+        // Text ids compare by their bytes (stored ROW2).
         let text = crate::postgres::rows::test_reader(&config, outbox::event::oid::TEXT);
         let filter = Filter {
             from_id: Some("evt'1".into()),

@@ -1,6 +1,6 @@
 //! The streaming process: `outbox-relay run`. [`pipeline`] runs a session as a list of
 //! steps (lease, connections, setup, resume plan, reader and sink) and restarts it on
-//! failure; [`identity`] watches the table's identity (V1–V5) and [`monitor`] polls the slot
+//! failure; [`identity`] watches the table's identity (TI1–TI5) and [`monitor`] polls the slot
 //! and logs backlog progress; [`heartbeat`] writes the optional WAL heartbeats; [`mark`] sets
 //! acknowledged rows `published` and [`retention`] deletes old confirmed rows.
 //!

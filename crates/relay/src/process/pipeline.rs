@@ -9,7 +9,7 @@
 //! ```
 //!
 //! The first session of a process creates what is missing ([`init`]); a slot it creates is
-//! backfilled first ([`crate::setup::backfill`], F1–F5) under the lease, before streaming starts.
+//! backfilled first ([`crate::setup::backfill`], BF1–BF5) under the lease, before streaming starts.
 //!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
@@ -18,7 +18,7 @@
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
 //!   (with `--mark-published`, the lower of that and the position through which every
 //!   acknowledged row is marked published: [`crate::process::mark`] U2), capped by the LSN the
-//!   table's identity checks vouched for ([`crate::process::identity`] V2; a drain waits for them
+//!   table's identity checks vouched for ([`crate::process::identity`] TI2; a drain waits for them
 //!   to vouch for its watermark, up to the drain deadline). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
@@ -40,7 +40,7 @@
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
 //!   sink task is aborted and awaited before the session returns, so nothing is published
-//!   after the loss is noticed ([`crate::postgres::lease`] L1). The sink task is aborted whenever
+//!   after the loss is noticed ([`crate::postgres::lease`] LS1). The sink task is aborted whenever
 //!   its session ends, however it ends. Tested: `standby.rs`.
 //! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
 //!   to the deadline, and the final status carries the watermark only. A shutdown during a
@@ -118,7 +118,7 @@ async fn sessions(
     metrics: &Arc<Metrics>,
 ) -> Result<()> {
     let mut progress = monitor::Progress::default();
-    // V1: the identity the process streams, kept across its sessions.
+    // TI1: the identity the process streams, kept across its sessions.
     let identity = identity::Watch::default();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut bootstrapped = false;
@@ -203,7 +203,7 @@ impl Backoff {
     }
 }
 
-/// L1 with several hosts: the replication connection and the lease's control connection each
+/// LS1 with several hosts: the replication connection and the lease's control connection each
 /// took the first suitable host of the list; unless they reached the same server (the same
 /// postmaster start time), the lease would not guard the stream. A transient error: the next
 /// session connects again.
@@ -283,9 +283,9 @@ struct Prepared {
     /// The session's history (`sink::resume` S1, S5).
     lineage: sink::resume::Lineage,
     max_message_bytes: usize,
-    /// `--fast-ingest`'s batch limit, when this session publishes fast batches (X3).
+    /// `--fast-ingest`'s batch limit, when this session publishes fast batches (AT3).
     fast: Option<usize>,
-    /// The sink's publishing connection, opened with the files read for this session (N4).
+    /// The sink's publishing connection, opened with the files read for this session (NATS4).
     publishing: sink::Connection,
 }
 
@@ -300,11 +300,11 @@ async fn holding(
     identity: &identity::Watch,
 ) -> SessionEnd {
     metrics.set_phase(Phase::SettingUp);
-    // M2: one sample before the session, however soon it fails.
+    // MET2: one sample before the session, however soon it fails.
     monitor::sample(lease.client(), &config.slot, metrics, progress).await;
     let end = tokio::select! {
         end = session(config, shutdown, bootstrapped, metrics, lease, identity) => end,
-        // V3: the table's identity changed: the session ends, nothing more is confirmed.
+        // TI3: the table's identity changed: the session ends, nothing more is confirmed.
         refusal = monitor::watch(lease.client(), config, identity, metrics, progress) => SessionEnd::Failed(refusal),
     };
     metrics.session_ended();
@@ -360,7 +360,7 @@ async fn prepare(
     // async-nats's waits for its reply in vain.
     let publishing = crate::connect::nats::open_publishing(&connector, &jetstream, config).await?;
     let slot = check_postgres(config, bootstrapped, lease, identity, &jetstream).await?;
-    // V2: the reader's cap starts at the slot's position.
+    // TI2: the reader's cap starts at the slot's position.
     identity.resume_from(slot.confirmed_flush_lsn);
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
@@ -399,7 +399,7 @@ async fn prepare(
 }
 
 /// The checks, on the lease's control connection: the first session sets everything up
-/// ([`ensure`]); later ones check that nothing changed under them (V1, B3), creating
+/// ([`ensure`]); later ones check that nothing changed under them (TI1, PG3), creating
 /// nothing. Returns the slot's state.
 async fn check_postgres(
     config: &Config,
@@ -409,8 +409,8 @@ async fn check_postgres(
     jetstream: &jetstream::Context,
 ) -> Result<checks::SlotState> {
     let slot = if *bootstrapped {
-        // V1: the table the process streamed, checked first, so that a table created again
-        // is named as such rather than as one the publication does not cover (B3).
+        // TI1: the table the process streamed, checked first, so that a table created again
+        // is named as such rather than as one the publication does not cover (PG3).
         identity.begin(lease.client(), config).await?;
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
@@ -422,7 +422,7 @@ async fn check_postgres(
         checks::postgres(lease.client(), &checking).await?
     } else {
         let slot = crate::setup::ensure(lease.client(), jetstream, config, true).await?;
-        // V1: the first session's identity, once the publication exists.
+        // TI1: the first session's identity, once the publication exists.
         identity.begin(lease.client(), config).await?;
         slot
     };
@@ -453,7 +453,7 @@ async fn plan_resume(
     Ok((tail, resume))
 }
 
-/// Starts replication from the slot (on the lease's server, L2), with the walsender's
+/// Starts replication from the slot (on the lease's server, LS2), with the walsender's
 /// timeout as the idle timeout; returns the stream and the status interval.
 async fn start_replication(
     mut connection: ReplicationConnection,
@@ -474,7 +474,7 @@ async fn start_replication(
         Ok(stream) => stream,
         Err(error) if error.sqlstate() == Some("55006") => {
             // "replication slot is active for PID …": we hold the lease, so that walsender
-            // belongs to a relay that no longer does (L2).
+            // belongs to a relay that no longer does (LS2).
             lease.end_lingering_walsender(&config.slot).await?;
             return Err(error.into());
         }
@@ -512,10 +512,10 @@ async fn stream_events(
         "streaming outbox events"
     );
     let (reader, sink) = start(config, metrics, prepared, identity.vouched());
-    // H1: the session's heartbeat task, aborted when the session ends (dropped here).
+    // HB1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
-    // X2: retention deletes only while this session streams under the lease.
-    // X7: only from the table this session streams.
+    // RET2: retention deletes only while this session streams under the lease.
+    // RET7: only from the table this session streams.
     let _retention = identity
         .table_oid()
         .and_then(|table_oid| crate::process::retention::start(config, metrics.clone(), table_oid));
@@ -552,11 +552,11 @@ fn start(
         prepared.tail.replicas,
     );
     // --atomic-transactions: streamed transactions only (a backfill publishes per message),
-    // checked against the server and the stream by bootstrap (X1).
+    // checked against the server and the stream by bootstrap (AT1).
     options.atomic = config
         .atomic_transactions
         .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
-    // --fast-ingest, where the server and the stream allow it (X3).
+    // --fast-ingest, where the server and the stream allow it (AT3).
     options.fast = prepared.fast;
     // P6: replayed events at or before the tail's position are compared with the stream.
     options.compare = prepared
@@ -679,7 +679,7 @@ struct Reader {
     /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
     marking: Option<crate::process::mark::Marking>,
     /// The LSN the table's identity checks vouched for: nothing past it is confirmed
-    /// ([`crate::process::identity`] V2).
+    /// ([`crate::process::identity`] TI2).
     vouched: watch::Receiver<Lsn>,
     stream: ReplicationStream,
     framer: Framer,
@@ -728,7 +728,7 @@ impl Reader {
                 _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
                 // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
                 changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
-                // PRIORITY 2b: a cap moved (U2, V2: confirmation waits for them).
+                // PRIORITY 2b: a cap moved (U2, TI2: confirmation waits for them).
                 changed = cap_changed(&mut self.marking, &mut self.vouched) => Step::Cap { running: changed.is_ok() },
                 // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
                 () = &mut timer => Step::Tick,
@@ -861,7 +861,7 @@ impl Reader {
 
     /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
     /// position to confirm is the watermark (I1) capped by the LSN the identity checks
-    /// vouched for (V2) and, with `--mark-published`, by the marked position (U2).
+    /// vouched for (TI2) and, with `--mark-published`, by the marked position (U2).
     fn on_watermark(&mut self, watermark: Lsn) {
         let vouched = *self.vouched.borrow_and_update();
         let flush = match &mut self.marking {
@@ -899,7 +899,7 @@ impl Reader {
     }
 
     /// Drained: gives the identity checks (every [`identity::CHECK_DRAINING`] meanwhile)
-    /// until the drain deadline to vouch for the watermark (V2); what they did not vouch
+    /// until the drain deadline to vouch for the watermark (TI2); what they did not vouch
     /// for is not confirmed, and the next session replays it (stored already: skipped or
     /// de-duplicated).
     async fn settle_vouched(&mut self, watermark: Lsn) {

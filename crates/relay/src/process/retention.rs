@@ -28,27 +28,27 @@
 //! those were never relayed, and retention deletes them like the others.
 //!
 //! # Invariants
-//! - X1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
+//! - RET1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
 //!   below the slot's confirmed position are deleted.
-//! - X2 Only while streaming: the task belongs to the session (like the heartbeat, H1) and
+//! - RET2 Only while streaming: the task belongs to the session (like the heartbeat, HB1) and
 //!   is aborted with it, so a standby or a relay that lost its lease deletes nothing.
-//! - X3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
+//! - RET3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
 //!   key; a partitioned table's root routes them to its partitions.
-//! - X4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//! - RET4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Delete messages anyway.
-//! - X6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
+//! - RET6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
 //!   the id and creation-time columns, or the relay refuses to start (exit 2) naming the
 //!   `GRANT`.
-//! - X5 A failing round is logged (once per failing spell) and retried at the next
+//! - RET5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
-//! - X7 Only the table the session streams ([`crate::process::identity`] V5): the snapshot's select
+//! - RET7 Only the table the session streams ([`crate::process::identity`] TI5): the snapshot's select
 //!   and every DELETE require `to_regclass('schema.table')` to be the OID the session's
 //!   identity check found (the DELETE resolves and locks the table before that condition
 //!   is evaluated, so a table renamed into its place meanwhile has nothing deleted), and
 //!   the slot's confirmed position that step 2 waits for is never past what an identity
-//!   check vouched for (V2): a row of a table created or swapped in since is never deleted.
+//!   check vouched for (TI2): a row of a table created or swapped in since is never deleted.
 //!   A round that finds another table deletes nothing and says so.
-//! - X8 The mapping decides the id and creation-time columns (the grace counts from the
+//! - RET8 The mapping decides the id and creation-time columns (the grace counts from the
 //!   mapped creation time); ids of any kind go to the DELETE as text, cast to the id
 //!   column's type read from the catalog each round, so the primary key's index serves it.
 
@@ -70,7 +70,7 @@ use crate::observe::metrics::Metrics;
 pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
 /// How long a round waits at least (step 2), however short the interval: past everything
 /// between a WAL position and its confirmation. The identity check vouches for the LSN its
-/// previous check read ([`crate::process::identity`] V2: up to two checks, one a second), the
+/// previous check read ([`crate::process::identity`] TI2: up to two checks, one a second), the
 /// relay reports progress at most once a second (twice, for a report just missed), and the
 /// marker's round and an ack come on top. A floor of 3 s, which left out the identity check,
 /// let a round miss the confirmation under load every time while other databases wrote
@@ -84,7 +84,7 @@ pub fn confirm_wait(interval: Duration) -> Duration {
 /// How often a round reads the slot while it waits.
 const CONFIRM_POLL: Duration = Duration::from_millis(100);
 
-/// The running retention task; dropping it stops the task (X2).
+/// The running retention task; dropping it stops the task (RET2).
 #[derive(Debug)]
 pub struct Retention {
     _task: AbortOnDropHandle<()>,
@@ -110,8 +110,8 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
 }
 
 /// Old rows' ids as text, in id order (`$1`: the grace in seconds, `$2`: the batch), of the
-/// table only while its name is the OID `$4` (`$3`: the name; X7), on the mapped id and
-/// creation-time columns (X8).
+/// table only while its name is the OID `$4` (`$3`: the name; RET7), on the mapped id and
+/// creation-time columns (RET8).
 fn select_sql(table: &str, config: &Config) -> String {
     let column = |role| replication::quote_identifier(config.mapping.column(role));
     let (id, created_at) = (column(Role::Id), column(Role::CreatedAt));
@@ -125,7 +125,7 @@ fn select_sql(table: &str, config: &Config) -> String {
 }
 
 /// `$1`: the ids, as text (`id_in`: [`crate::postgres::rows::id_in_text_array`]'s
-/// condition); `$2`, `$3`: the table's name and the OID it must have (X7).
+/// condition); `$2`, `$3`: the table's name and the OID it must have (RET7).
 fn delete_sql(table: &str, id_in: &str) -> String {
     format!(
         "DELETE FROM {table} WHERE {id_in} \
@@ -133,17 +133,17 @@ fn delete_sql(table: &str, id_in: &str) -> String {
     )
 }
 
-/// Whether the table's name is still the OID the session streams (X7).
+/// Whether the table's name is still the OID the session streams (RET7).
 const SAME_TABLE_SQL: &str = "SELECT pg_catalog.to_regclass($1::text) = $2::int8::oid";
 
 struct Task {
     database: ConnInfo,
     slot: String,
-    /// The table's name, in SQL, and the OID the session streams under it (X7).
+    /// The table's name, in SQL, and the OID the session streams under it (RET7).
     table: String,
     table_oid: u32,
     select_sql: String,
-    /// For the DELETE's id condition, read each round (X8).
+    /// For the DELETE's id condition, read each round (RET8).
     config: Config,
     settings: RetentionConfig,
     metrics: Arc<Metrics>,
@@ -160,7 +160,7 @@ enum Round {
         wal: Lsn,
         confirmed: Option<Lsn>,
     },
-    /// The table's name is another table than the one the session streams (X7).
+    /// The table's name is another table than the one the session streams (RET7).
     OtherTable { deleted: u64 },
 }
 
@@ -240,7 +240,7 @@ impl Task {
         })
     }
 
-    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (X1, X3).
+    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (RET1, RET3).
     async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
         let client = match client {
             Some(client) if !client.is_closed() => client,
@@ -270,7 +270,7 @@ impl Task {
                     confirmed,
                 });
             }
-            // Step 3, in the same snapshot, of the table the session streams only (X7).
+            // Step 3, in the same snapshot, of the table the session streams only (RET7).
             let oid = i64::from(self.table_oid);
             let same: Option<bool> = transaction
                 .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
@@ -294,7 +294,7 @@ impl Task {
             if ids.is_empty() {
                 return Ok(Round::Done { deleted });
             }
-            // Step 4 (X7: nothing if the name is another table's by now).
+            // Step 4 (RET7: nothing if the name is another table's by now).
             let rows = client
                 .execute(&delete_sql, &[&ids, &self.table, &oid])
                 .await?;

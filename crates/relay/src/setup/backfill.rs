@@ -18,40 +18,40 @@
 //! old rows after newer events).
 //!
 //! # Invariants
-//! - F1 No row is missed and none is published twice at the boundary: the snapshot is
+//! - BF1 No row is missed and none is published twice at the boundary: the snapshot is
 //!   exactly what committed before the slot's consistent point, and the slot streams
 //!   exactly what committed after it. Streaming starts only after every backfilled row was
 //!   acknowledged.
-//! - F2 A backfilled row's position is commit LSN `0/0`, so it precedes every streamed event
+//! - BF2 A backfilled row's position is commit LSN `0/0`, so it precedes every streamed event
 //!   (whose commit LSN is at or after the consistent point), and backfilled rows follow each
-//!   other in id order (the id column's, `stored` V3). The index is, for integer ids, the
+//!   other in id order (the id column's, `stored` ROW2). The index is, for integer ids, the
 //!   outbox id: the same row always gets the same position. Ids above `u32::MAX` are
 //!   refused, naming the fix. For uuid and text ids it is the row's ordinal in the
 //!   backfill's id order (1, 2, …), counted after the highest index of the backfilled rows
-//!   a strict stream already holds when an interrupted backfill starts again (F3): so
+//!   a strict stream already holds when an interrupted backfill starts again (BF3): so
 //!   indexes rise along the stream, and are unique within it, but a row's index depends on
 //!   the rows before it in that snapshot (another backfill may give it another; P8 never
 //!   compares positions). Keys, subject and headers are those of a streamed event: one
 //!   builder (`outbox` E4, through [`crate::postgres::rows::RowReader`]), then `sink`'s
 //!   message builder. Rows of an event type the mapping's filter excludes are read and not
 //!   published, as streaming never publishes them.
-//! - F3 Crash safety: a marker (a physical slot `{slot}_backfill` that reserves no WAL) is
+//! - BF3 Crash safety: a marker (a physical slot `{slot}_backfill` that reserves no WAL) is
 //!   created before the slot and dropped only after every backfilled row was acknowledged.
 //!   A start that finds the marker knows the backfill was interrupted: it drops the slot
 //!   (nothing was streamed from it yet), creates it again with a new snapshot and backfills
 //!   again. In strict mode the rows the stream already holds (its messages at commit LSN
 //!   `0/0`) are skipped, so nothing is published twice and the fence holds; in shared mode
 //!   `Nats-Msg-Id` de-duplication drops them within the duplicate window.
-//! - F4 Memory is bounded: the cursor fetches [`FETCH_ROWS`] rows at a time into the sink's
+//! - BF4 Memory is bounded: the cursor fetches [`FETCH_ROWS`] rows at a time into the sink's
 //!   bounded channel and window; only the set of stored ids of an interrupted strict
 //!   backfill grows with the table.
-//! - F5 The exporting replication connection stays open and idle until the backfill is
+//! - BF5 The exporting replication connection stays open and idle until the backfill is
 //!   done; the snapshot's transaction is read-only.
-//! - F6 A slot created over a stream whose last message is a relayed event (one with an
+//! - BF6 A slot created over a stream whose last message is a relayed event (one with an
 //!   outbox position: the slot was dropped and is created again, `outbox-relay init`) gets
 //!   no backfill: the table's rows are presumably in the stream, and a strict stream would
 //!   refuse them as reused ids. The log says so and names `outbox-relay backfill`.
-//! - F7 The rows the mode leaves out (with `pending`, those already `published` in the
+//! - BF7 The rows the mode leaves out (with `pending`, those already `published` in the
 //!   snapshot) are recorded, with the mode and the consistent point, before the first row is
 //!   backfilled ([`crate::postgres::boundary`]), so that `outbox-relay verify` expects exactly
 //!   the rows on the relay's side of the slot.
@@ -81,7 +81,7 @@ use crate::postgres::rows::RowReader;
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 
-/// F3: the marker of a backfill in progress.
+/// BF3: the marker of a backfill in progress.
 fn marker_name(slot: &str) -> String {
     const SUFFIX: &str = "_backfill";
     // Slot names are ASCII (config), at most 63 bytes.
@@ -89,14 +89,14 @@ fn marker_name(slot: &str) -> String {
     format!("{}{SUFFIX}", &slot[..keep])
 }
 
-/// Whether an earlier backfill at slot creation was interrupted (F3).
+/// Whether an earlier backfill at slot creation was interrupted (BF3).
 pub async fn interrupted(client: &Client, config: &Config) -> Result<bool> {
     checks::slot_exists(client, &marker_name(&config.slot)).await
 }
 
 /// Whether the relay should backfill before it streams: an interrupted backfill, or a slot
 /// about to be created with a backfill mode other than `none` over a stream that holds no
-/// relayed event yet (F6).
+/// relayed event yet (BF6).
 pub async fn needed(
     client: &Client,
     jetstream: &jetstream::Context,
@@ -125,7 +125,7 @@ pub async fn needed(
 
 /// The mode that applies to this table: `pending` on a table without `status` is `none`;
 /// `pending` on a table with `status` and ids that are not integers is refused (the rows
-/// it leaves out cannot be recorded for verify, `boundary` N1 records integer runs).
+/// it leaves out cannot be recorded for verify, `boundary` BD1 records integer runs).
 async fn effective_mode(client: &Client, config: &Config, kind: IdKind) -> Result<Mode> {
     if config.backfill != Mode::Pending {
         return Ok(config.backfill);
@@ -157,7 +157,7 @@ async fn effective_mode(client: &Client, config: &Config, kind: IdKind) -> Resul
 }
 
 /// Creates the slot with an exported snapshot and publishes the rows the mode selects, in
-/// that snapshot, before anything is streamed (F1–F5). Called when [`needed`]; the
+/// that snapshot, before anything is streamed (BF1–BF5). Called when [`needed`]; the
 /// publication and the stream must exist.
 pub async fn at_slot_creation(
     client: &Client,
@@ -178,7 +178,7 @@ pub async fn at_slot_creation(
     let row_reader = RowReader::with_payload(config, columns);
     mark_start(client, config, &marker, resumed).await?;
 
-    // F5: the exporting connection stays open and idle until the backfill is done.
+    // BF5: the exporting connection stays open and idle until the backfill is done.
     let mut replication = ReplicationConnection::connect(&config.database).await?;
     let system = replication.identify_system().await?;
     let source = crate::connect::source(&system, config);
@@ -188,8 +188,8 @@ pub async fn at_slot_creation(
     info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
         "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
     let reader = read_in_snapshot(config, &exported.snapshot).await?;
-    // F7: what the slot's creation leaves out, recorded for verify before anything is
-    // backfilled (crate::postgres::boundary N2).
+    // BF7: what the slot's creation leaves out, recorded for verify before anything is
+    // backfilled (crate::postgres::boundary BD2).
     let boundary = crate::postgres::boundary::in_snapshot(
         &reader,
         config,
@@ -289,7 +289,7 @@ async fn publish_snapshot(
     } else {
         (HashSet::new(), 0)
     };
-    // F2: ordinals of uuid and text ids rise after the indexes the stream holds.
+    // BF2: ordinals of uuid and text ids rise after the indexes the stream holds.
     cursor.ordinal = highest;
     let max_payload = jetstream.client().server_info().max_payload;
     let options = crate::connect::sink_options(
@@ -388,8 +388,8 @@ async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
     Ok(())
 }
 
-/// F3: the outbox ids of the backfilled messages (commit LSN `0/0`) a strict stream holds,
-/// and their highest index (F2), read with a headers-only ordered consumer.
+/// BF3: the outbox ids of the backfilled messages (commit LSN `0/0`) a strict stream holds,
+/// and their highest index (BF2), read with a headers-only ordered consumer.
 async fn stored_backfill_ids(
     jetstream: &jetstream::Context,
     stream: &str,

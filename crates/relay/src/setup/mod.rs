@@ -30,11 +30,11 @@ pub async fn ensure(
     config: &Config,
     guard_history: bool,
 ) -> Result<SlotState> {
-    // B1: a slot option the server cannot honour is refused before anything is created.
+    // PG1: a slot option the server cannot honour is refused before anything is created.
     checks::check_failover_support(client, config).await?;
     // U5: the columns --mark-published sets, and the privilege to set them.
     crate::postgres::privileges::marking(client, config).await?;
-    // X6: the privilege --retention-grace needs.
+    // RET6: the privilege --retention-grace needs.
     crate::postgres::privileges::retention(client, config).await?;
     // Issue 11: a slot created with a backfill, or a backfill interrupted
     // (crate::setup::backfill).
@@ -72,7 +72,7 @@ pub async fn ensure(
 }
 
 /// An interrupted backfill's stream holds its rows while the slot is gone: that is no
-/// dropped slot, the backfill resumes (`crate::setup::backfill` F3).
+/// dropped slot, the backfill resumes (`crate::setup::backfill` BF3).
 async fn backfill_interrupted(
     client: &tokio_postgres::Client,
     config: &Config,

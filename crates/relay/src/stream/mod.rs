@@ -5,7 +5,7 @@
 //!   mapping's record in its description, and what its settings (subjects, storage,
 //!   persistence, retention, limits) mean for the events, said at every start.
 //! - [`atomic`]: whether the server and the stream take atomic and fast-ingest batches
-//!   (`--atomic-transactions`, `--fast-ingest`, X1–X3).
+//!   (`--atomic-transactions`, `--fast-ingest`, AT1–AT3).
 //!
 //! May use: `config`, `error`, `observe`. Never uses `postgres`, `setup`, `process` or
 //! `commands`: they stand on it.

@@ -4,16 +4,11 @@
 //!
 //! Created when missing, unless `--no-create`, with the configured duplicate window and
 //! `stream_*` settings: replicas, storage, `max_age`, `max_bytes`, `max_msg_size`, discard
-//! policy. B1 and B2 (`crate::postgres::checks`) hold here too: nothing is created when a
+//! policy. PG1 and PG2 (`crate::postgres::checks`) hold here too: nothing is created when a
 //! check fails, and every failure names what to fix.
 //!
 //! # Invariants
-//! - B5 A stream holds the events of one table mapping: a relay with a mapped table records
-//!   the mapping's fingerprint in the description of a stream it creates (or of an empty
-//!   one without a record, the only change it makes to an existing stream), and a stream
-//!   recording another mapping, or holding events without a record while this run maps a
-//!   table, is refused naming both ([`check_stream`]).
-//! - B4 The stream is never changed once it exists (but for B5's record on an empty stream); what its settings mean for the events is
+//! - ST1 The stream is never changed once it exists (but for ST2's record on an empty stream); what its settings mean for the events is
 //!   said at every start ([`check_stream`]): subjects that do not cover `{prefix}.>` stop the
 //!   relay; memory storage, a stream that acknowledges before it writes (`persist_mode:
 //!   async`, nats-server 2.12+: [`check_stream_persistence`]), a retention that deletes
@@ -22,6 +17,11 @@
 //!   `discard: new` limit (full: every publish fails), a `max_msg_size` above the server's
 //!   `max_payload`, and settings that differ from the options given for them are warnings
 //!   that say why.
+//! - ST2 A stream holds the events of one table mapping: a relay with a mapped table records
+//!   the mapping's fingerprint in the description of a stream it creates (or of an empty
+//!   one without a record, the only change it makes to an existing stream), and a stream
+//!   recording another mapping, or holding events without a record while this run maps a
+//!   table, is refused naming both ([`check_stream`]).
 
 use std::time::Duration;
 
@@ -36,13 +36,13 @@ fn permanent(message: String) -> RelayError {
     RelayError::permanent(anyhow::anyhow!(message))
 }
 
-/// A check failed (B2): exit status 2.
+/// A check failed (PG2): exit status 2.
 fn setup(message: String) -> RelayError {
     RelayError::setup(anyhow::anyhow!(message))
 }
 
 /// Checks the stream, or creates it when missing (and allowed) with the configured settings
-/// (`config.stream_settings`), then warns about what its settings mean for the events (B3).
+/// (`config.stream_settings`), then warns about what its settings mean for the events (ST1).
 pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<()> {
     let ours = format!("{}.>", config.subject_prefix);
     let mut created = false;
@@ -98,7 +98,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     if config.atomic_transactions {
         crate::stream::atomic::check(jetstream, config, created).await?;
     }
-    // X3: --fast-ingest's stream setting on a stream just created.
+    // AT3: --fast-ingest's stream setting on a stream just created.
     crate::stream::atomic::allow_fast(jetstream, config, created).await?;
     let max_payload = jetstream.client().server_info().max_payload;
     let mut findings = check_stream(&info, config, max_payload);
@@ -114,7 +114,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     Ok(())
 }
 
-/// An empty stream without a mapping record gets this run's (B5), so that a later run under
+/// An empty stream without a mapping record gets this run's (ST2), so that a later run under
 /// another mapping is refused.
 async fn record_mapping(
     jetstream: &jetstream::Context,
@@ -163,7 +163,7 @@ pub fn stream_config(config: &Config) -> StreamConfig {
 
 /// What a stream's description says when a relay with a mapped table created it: the
 /// mapping's fingerprint (`outbox` MAP3), so that a later run under another mapping is
-/// refused (B5).
+/// refused (ST2).
 const MAPPING_RECORD: &str = "outbox-relay mapping: ";
 
 /// The description that records `config`'s mapping; `None` for the seed's (the streams of
@@ -182,7 +182,7 @@ fn recorded_mapping(stream: &StreamConfig) -> &str {
         .unwrap_or("")
 }
 
-/// B5: a stream holds the events of one mapping. One created under another (or, holding
+/// ST2: a stream holds the events of one mapping. One created under another (or, holding
 /// events, under the seed's while this run maps a table) is refused, naming both.
 fn check_stream_mapping(
     name: &str,
@@ -277,7 +277,7 @@ pub struct StreamFinding {
     pub message: String,
 }
 
-/// Checks a stream against what the relay needs and the options given for it (B3): its
+/// Checks a stream against what the relay needs and the options given for it (ST1): its
 /// subjects cover `{prefix}.>`; file storage; the duplicate window; the settings given
 /// explicitly; `max_msg_size` against the server's `max_payload`; a retention that can
 /// delete events no consumer has read; a `discard: new` limit, and whether it is reached.
@@ -382,7 +382,7 @@ fn check_stream_settings(
 /// The first nats-server with a stream setting `persist_mode` (2.12).
 const PERSIST_MODE_FIRST_VERSION: (u64, u64) = (2, 12);
 
-/// B4: what the stream's `persist_mode` means for the events, read through the API's JSON
+/// ST1: what the stream's `persist_mode` means for the events, read through the API's JSON
 /// (async-nats's typed configuration has no such field) on a server that has the setting.
 pub async fn persistence_finding(
     jetstream: &jetstream::Context,
@@ -396,7 +396,7 @@ pub async fn persistence_finding(
     Ok(check_stream_persistence(name, &settings))
 }
 
-/// B4: a stream that acknowledges a publish before writing it (`persist_mode: async`) loses
+/// ST1: a stream that acknowledges a publish before writing it (`persist_mode: async`) loses
 /// the events of nats-server's last moments when it is killed or crashes, after the relay
 /// confirmed them (an LSN is confirmed on the ack) and Postgres released their WAL: a
 /// warning, like memory storage. `settings` is the stream's configuration as JSON.
