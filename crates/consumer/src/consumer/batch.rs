@@ -202,29 +202,7 @@ impl<A: Apply> Worker<A> {
             return Ok(None);
         }
         match self.config.on_failure {
-            OnFailure::Park => match self.park_failed(event, attempts, &error).await {
-                Ok(parked) => {
-                    if parked {
-                        warn!(shard = self.shard, outbox_id = %event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
-                    } else {
-                        debug!(
-                            shard = self.shard,
-                            outbox_id = %event.id,
-                            "processed meanwhile by another consumer; acknowledging"
-                        );
-                    }
-                    self.ack(message, event).await;
-                    self.failing = None;
-                    self.metrics.failing_attempts(self.shard, 0);
-                    Ok(None)
-                }
-                Err(postgres) => {
-                    // Tried again (alone) after the backoff: the handler first.
-                    self.put_back(vec![message], std::slice::from_ref(event));
-                    self.retry_alone = Some(sequence);
-                    Ok(Some(postgres))
-                }
-            },
+            OnFailure::Park => Ok(self.park(message, event, attempts, &error).await),
             OnFailure::Stop => {
                 self.put_back(vec![message], std::slice::from_ref(event));
                 self.finish(messages).await?;
@@ -237,6 +215,42 @@ impl<A: Apply> Worker<A> {
                     error,
                 }
                 .into())
+            }
+        }
+    }
+
+    /// PK1: parks an event that failed `max_attempts` times (or acknowledges it when another
+    /// consumer processed it meanwhile); a Postgres error puts it back, to be tried again
+    /// alone after the backoff.
+    async fn park(
+        &mut self,
+        message: jetstream::Message,
+        event: &Event,
+        attempts: u32,
+        error: &str,
+    ) -> Option<tokio_postgres::Error> {
+        let sequence = event.stream_sequence;
+        match self.park_failed(event, attempts, error).await {
+            Ok(parked) => {
+                if parked {
+                    warn!(shard = self.shard, outbox_id = %event.id, stream_sequence = sequence, entity_id = %event.entity_id, attempts, %error, "handler failed max_attempts times; parked (see docs/consumers.md to re-drive), and its entity's later events are parked behind it");
+                } else {
+                    debug!(
+                        shard = self.shard,
+                        outbox_id = %event.id,
+                        "processed meanwhile by another consumer; acknowledging"
+                    );
+                }
+                self.ack(message, event).await;
+                self.failing = None;
+                self.metrics.failing_attempts(self.shard, 0);
+                None
+            }
+            Err(postgres) => {
+                // Tried again (alone) after the backoff: the handler first.
+                self.put_back(vec![message], std::slice::from_ref(event));
+                self.retry_alone = Some(sequence);
+                Some(postgres)
             }
         }
     }

@@ -34,13 +34,7 @@ impl Config {
         let metrics = MetricsConfig::from_raw(raw)?;
         let mark_published = raw.parse(&MARK_PUBLISHED, parse_bool)?;
         let atomic_transactions = raw.parse(&ATOMIC_TRANSACTIONS, parse_bool)?;
-        if atomic_transactions && shared_stream {
-            return Err(ConfigError(format!(
-                "{} needs strict mode: a shared stream's other writers publish the same message ids, and JetStream refuses a whole atomic batch holding one; unset {}",
-                ATOMIC_TRANSACTIONS.flag(),
-                SHARED_STREAM.flag()
-            )));
-        }
+        atomic_needs_strict(atomic_transactions, shared_stream)?;
         let fast_ingest = raw.parse(&FAST_INGEST, parse_bool)?;
         let retention = retention_from(raw)?;
         Ok(Config {
@@ -78,6 +72,19 @@ impl Config {
             warnings,
         })
     }
+}
+
+/// `--atomic-transactions` needs strict mode: a shared stream's other writers publish the same
+/// message ids, and JetStream refuses a whole atomic batch holding one.
+fn atomic_needs_strict(atomic_transactions: bool, shared_stream: bool) -> Result<(), ConfigError> {
+    if atomic_transactions && shared_stream {
+        return Err(ConfigError(format!(
+            "{} needs strict mode: a shared stream's other writers publish the same message ids, and JetStream refuses a whole atomic batch holding one; unset {}",
+            opt::ATOMIC_TRANSACTIONS.flag(),
+            opt::SHARED_STREAM.flag()
+        )));
+    }
+    Ok(())
 }
 
 /// The Postgres connection: `DATABASE_URL` (over the PG* variables), or the PG* variables

@@ -240,6 +240,34 @@ impl Task {
         })
     }
 
+    /// Step 3: the ids of old confirmed rows, at most a batch, read in `transaction`'s
+    /// snapshot; `None` when the table's name is another table's (`oid`: the streamed one's).
+    async fn old_ids(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        oid: i64,
+    ) -> anyhow::Result<Option<Vec<String>>> {
+        let same: Option<bool> = transaction
+            .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
+            .await?
+            .get(0);
+        if same != Some(true) {
+            return Ok(None);
+        }
+        let grace = self.settings.grace.as_secs_f64();
+        Ok(Some(
+            transaction
+                .query(
+                    &self.select_sql,
+                    &[&grace, &self.settings.batch, &self.table, &oid],
+                )
+                .await?
+                .iter()
+                .map(|row| row.get(0))
+                .collect(),
+        ))
+    }
+
     /// Deletes old confirmed rows, a batch at a time, until a batch is not full (RET1, RET3).
     async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
         let client = match client {
@@ -272,24 +300,10 @@ impl Task {
             }
             // Step 3, in the same snapshot, of the table the session streams only (RET7).
             let oid = i64::from(self.table_oid);
-            let same: Option<bool> = transaction
-                .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
-                .await?
-                .get(0);
-            if same != Some(true) {
+            let Some(ids) = self.old_ids(&transaction, oid).await? else {
                 transaction.commit().await?;
                 return Ok(Round::OtherTable { deleted });
-            }
-            let grace = self.settings.grace.as_secs_f64();
-            let ids: Vec<String> = transaction
-                .query(
-                    &self.select_sql,
-                    &[&grace, &self.settings.batch, &self.table, &oid],
-                )
-                .await?
-                .iter()
-                .map(|row| row.get(0))
-                .collect();
+            };
             transaction.commit().await?;
             if ids.is_empty() {
                 return Ok(Round::Done { deleted });

@@ -190,16 +190,8 @@ pub async fn at_slot_creation(
     let reader = read_in_snapshot(config, &exported.snapshot).await?;
     // BF7: what the slot's creation leaves out, recorded for verify before anything is
     // backfilled (crate::postgres::boundary BD2).
-    let boundary = crate::postgres::boundary::in_snapshot(
-        &reader,
-        config,
-        &row_reader,
-        mode,
-        exported.consistent_point,
-    )
-    .await
-    .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
-    crate::postgres::boundary::record(client, config, &boundary).await;
+    let consistent_point = exported.consistent_point;
+    record_boundary(client, &reader, config, &row_reader, mode, consistent_point).await?;
     let filter = Filter {
         pending_only: mode == Mode::Pending,
         ..Filter::default()
@@ -222,6 +214,24 @@ pub async fn at_slot_creation(
         elapsed = ?started.elapsed(),
         "backfill done; streaming from the slot's consistent point"
     );
+    Ok(())
+}
+
+/// BF7: reads in the slot's snapshot (`reader`) which rows `mode` leaves out, and records
+/// them with the slot's consistent point (crate::postgres::boundary BD2).
+async fn record_boundary(
+    client: &Client,
+    reader: &Client,
+    config: &Config,
+    row_reader: &RowReader,
+    mode: Mode,
+    consistent_point: Lsn,
+) -> Result<()> {
+    let boundary =
+        crate::postgres::boundary::in_snapshot(reader, config, row_reader, mode, consistent_point)
+            .await
+            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    crate::postgres::boundary::record(client, config, &boundary).await;
     Ok(())
 }
 

@@ -60,32 +60,8 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
                 jetstream::context::GetStreamErrorKind::JetStream(_)
             ) =>
         {
-            if !config.create {
-                return Err(setup(format!(
-                    "stream {} does not exist and --no-create forbids creating it ({error})",
-                    config.stream
-                )));
-            }
-            let settings = &config.stream_settings;
-            let stream = jetstream
-                .create_stream(stream_config(config))
-                .await
-                .map_err(|e| create_error(config, &ours, e))?;
-            info!(
-                stream = %config.stream,
-                subjects = %ours,
-                duplicate_window = %format_duration(config.duplicate_window),
-                replicas = settings.replicas,
-                storage = ?settings.storage,
-                max_age = %settings.max_age.map_or("unlimited".into(), format_duration),
-                max_bytes = %settings.max_bytes.map_or("unlimited".into(), format_size),
-                max_msg_size = %settings.max_msg_size.map_or("unlimited".into(), format_size),
-                discard = ?settings.discard,
-                "created stream"
-            );
-            let info = stream.cached_info().clone();
             created = true;
-            info
+            create(jetstream, config, &ours, &error).await?
         }
         Err(error) => {
             return Err(RelayError::transient(anyhow::anyhow!(
@@ -103,11 +79,51 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     let max_payload = jetstream.client().server_info().max_payload;
     let mut findings = check_stream(&info, config, max_payload);
     findings.extend(persistence_finding(jetstream, &config.stream).await?);
+    say(findings, &config.stream)
+}
+
+/// Creates the missing stream (`error`: the lookup's) with the configured settings, unless
+/// `--no-create` forbids it (PG1).
+async fn create(
+    jetstream: &jetstream::Context,
+    config: &Config,
+    ours: &str,
+    error: &jetstream::context::GetStreamError,
+) -> Result<jetstream::stream::Info> {
+    if !config.create {
+        return Err(setup(format!(
+            "stream {} does not exist and --no-create forbids creating it ({error})",
+            config.stream
+        )));
+    }
+    let settings = &config.stream_settings;
+    let stream = jetstream
+        .create_stream(stream_config(config))
+        .await
+        .map_err(|e| create_error(config, ours, e))?;
+    info!(
+        stream = %config.stream,
+        subjects = %ours,
+        duplicate_window = %format_duration(config.duplicate_window),
+        replicas = settings.replicas,
+        storage = ?settings.storage,
+        max_age = %settings.max_age.map_or("unlimited".into(), format_duration),
+        max_bytes = %settings.max_bytes.map_or("unlimited".into(), format_size),
+        max_msg_size = %settings.max_msg_size.map_or("unlimited".into(), format_size),
+        discard = ?settings.discard,
+        "created stream"
+    );
+    Ok(stream.cached_info().clone())
+}
+
+/// Says what the stream's settings mean for the events (ST1): a refusal stops the relay,
+/// the rest are warnings.
+fn say(findings: Vec<StreamFinding>, stream: &str) -> Result<()> {
     for finding in findings {
         match finding.severity {
             StreamSeverity::Refused => return Err(setup(finding.message)),
             StreamSeverity::Full | StreamSeverity::Warning => {
-                warn!(stream = %config.stream, "{}", finding.message);
+                warn!(stream = %stream, "{}", finding.message);
             }
         }
     }

@@ -485,19 +485,12 @@ where
     let (window, window_size) = stats.open_window(options.max_in_flight);
     let (ack_tx, ack_rx) = mpsc::channel::<AckItem<P>>(window_size);
     let start = *watermark.borrow();
-    // P10, CN2: the session's own connection, subscribed to `{inbox}.>` before any publish.
-    let Connection {
-        frames,
-        answers,
-        max_payload,
-        lame_duck,
-        server,
-        reply_prefix,
-        tasks: _tasks,
-    } = connection;
-    let fast = fast_limit(&options, &stats);
-    let limits = session_limits(options.limits, max_payload, &reply_prefix, fast.is_some());
-    let acks = Acks::new(answers, &options, server.clone());
+    // P10, CN2: the session's own connection, subscribed to `{inbox}.>` before any publish;
+    // its tasks live as long as this function.
+    let (lame_duck, server, _tasks) = (connection.lame_duck, connection.server, connection.tasks);
+    let (fast, reply_prefix) = (fast_limit(&options, &stats), connection.reply_prefix);
+    let limits = session_limits(options.limits, connection.max_payload, &reply_prefix, fast);
+    let acks = Acks::new(connection.answers, &options, server.clone());
     let answered = Arc::new(Answered::default());
     // Aborted with `run`: a dropped sink leaves no task behind (the caller's L1).
     let mut acker = AbortOnDropHandle::new(tokio::spawn(acker(
@@ -509,12 +502,9 @@ where
         answered.clone(),
         Duplicates::of(&jetstream, &options),
     )));
+    let frames = connection.frames;
     let mut publisher = Publisher::new(&options, limits, frames, reply_prefix, &stats, fast);
-    publisher.vouching = options
-        .compare
-        .clone()
-        .filter(|_| options.fence.is_some())
-        .map(|compare| crate::vouch::Vouching::new(compare, jetstream.clone()));
+    publisher.vouching = vouching(&options, &jetstream);
     publisher.answered = answered;
     let publishing = publisher.publish_input(&mut input, &ack_tx, &window, &lame_duck);
     let published = tokio::select! {
@@ -531,15 +521,32 @@ where
         }
         Err(ended) => ended,
     };
-    // F4: the next sessions publish what this one batched one message at a time.
-    if let (Err(_), Some(position)) = (&result, last_fast) {
-        stats.pause_fast_through(position);
-    }
-    // P15: what this session published may be in the stream without its answer.
-    if let (Err(_), Some(position)) = (&result, last_framed) {
-        stats.fail_through(position);
+    if result.is_err() {
+        stats.session_failed(last_fast, last_framed);
     }
     result
+}
+
+/// The replay's comparison with the stream (`crate::vouch`), in strict mode when asked.
+fn vouching(options: &SinkOptions, jetstream: &Context) -> Option<crate::vouch::Vouching> {
+    options
+        .compare
+        .clone()
+        .filter(|_| options.fence.is_some())
+        .map(|compare| crate::vouch::Vouching::new(compare, jetstream.clone()))
+}
+
+impl SinkStats {
+    /// A session failed: the next sessions publish what it batched one message at a time
+    /// (F4), and what it published may be in the stream without its answer (P15).
+    fn session_failed(&self, last_fast: Option<Position>, last_framed: Option<Position>) {
+        if let Some(position) = last_fast {
+            self.pause_fast_through(position);
+        }
+        if let Some(position) = last_framed {
+            self.fail_through(position);
+        }
+    }
 }
 
 impl SinkStats {
@@ -557,20 +564,20 @@ impl SinkStats {
 /// The session's limits: `limits` with the account's `max_payload` when the server
 /// announced one (P12), and the control line's budget less what a reply subject longer
 /// than the budget's takes (P7: a custom inbox prefix; the session's longest reply subject
-/// is `{reply_prefix}{u64::MAX}`, or a fast batch's when `fast`, F5).
+/// is `{reply_prefix}{u64::MAX}`, or a fast batch's when `fast` gives a batch limit, F5).
 fn session_limits(
     mut limits: Limits,
     max_payload: usize,
     reply_prefix: &str,
-    fast: bool,
+    fast: Option<usize>,
 ) -> Limits {
     if max_payload > 0 {
         limits.max_message_bytes = limits.max_message_bytes.min(max_payload);
     }
     let numbered = u64::MAX.to_string().len();
     let longest = match fast {
-        true => numbered.max(batch::FastReply::max_len(batch::token(reply_prefix).len())),
-        false => numbered,
+        Some(_) => numbered.max(batch::FastReply::max_len(batch::token(reply_prefix).len())),
+        None => numbered,
     };
     let reply_len = reply_prefix.len() + longest;
     limits.max_control_line = limits

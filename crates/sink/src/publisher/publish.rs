@@ -461,17 +461,7 @@ impl<'s, P> Publisher<'s, P> {
         batch: Option<Batch>,
         tx_end: bool,
     ) -> Result<AckItem<P>, SinkError> {
-        // P14: a fast batch's place goes into the reply subject, not the headers.
-        let (batch, fast) = match (&self.fast, batch) {
-            (Some(_), Some(batch)) => (None, Some((batch.sequence, batch.commit))),
-            (_, batch) => (batch, None),
-        };
-        let replied = batch.as_ref().is_none_or(|batch| batch.commit);
-        if let Some(fence) = self.fence.as_mut() {
-            fence.batch = batch;
-            fence.tx_end = tx_end;
-            fence.fast = fast.map(|(sequence, _)| sequence);
-        }
+        let (fast, replied) = self.place(batch, tx_end);
         let (id, position, created_at_ms) = (event.id.clone(), event.position, event.created_at_ms);
         self.last_framed = Some(position);
         if self.commit_lsn.0 != Some(position.commit_lsn) {
@@ -510,15 +500,49 @@ impl<'s, P> Publisher<'s, P> {
                 commit,
             ));
         }
+        Ok(self.frame_plain(event, subject, &payload, dead_letter, permit, replied))
+    }
+
+    /// Where [`Publisher::frame`]'s event goes: a fast batch's place (its sequence in the
+    /// batch and whether it commits the batch, P14: in the reply subject, not the headers),
+    /// and whether it is answered (all but an atomic batch's messages before its commit,
+    /// B3); the fence's headers are set for it.
+    #[inline]
+    fn place(&mut self, batch: Option<Batch>, tx_end: bool) -> (Option<(u64, bool)>, bool) {
+        let (batch, fast) = match (&self.fast, batch) {
+            (Some(_), Some(batch)) => (None, Some((batch.sequence, batch.commit))),
+            (_, batch) => (batch, None),
+        };
+        let replied = batch.as_ref().is_none_or(|batch| batch.commit);
+        if let Some(fence) = self.fence.as_mut() {
+            fence.batch = batch;
+            fence.tx_end = tx_end;
+            fence.fast = fast.map(|(sequence, _)| sequence);
+        }
+        (fast, replied)
+    }
+
+    /// [`Publisher::frame`]'s end for a message outside a fast batch: staged without a reply
+    /// subject inside an atomic batch, else the session's next numbered publish (P10).
+    #[inline]
+    fn frame_plain(
+        &mut self,
+        event: Acknowledged,
+        subject: String,
+        payload: &[u8],
+        dead_letter: bool,
+        permit: OwnedSemaphorePermit,
+        replied: bool,
+    ) -> AckItem<P> {
         if !replied {
             self.out
-                .push(&event.id, &subject, None, &self.block, &payload);
-            return Ok(AckItem::Staged {
+                .push(&event.id, &subject, None, &self.block, payload);
+            return AckItem::Staged {
                 event,
                 dead_letter,
                 subject,
                 permit,
-            });
+            };
         }
         self.sequence += 1;
         let sequence = self.sequence;
@@ -527,16 +551,16 @@ impl<'s, P> Publisher<'s, P> {
             &subject,
             Some((&self.reply_prefix, sequence)),
             &self.block,
-            &payload,
+            payload,
         );
-        Ok(AckItem::Publish {
+        AckItem::Publish {
             event,
             dead_letter,
             sequence,
             fast: None,
             subject,
             _permit: permit,
-        })
+        }
     }
 
     /// [`Publisher::frame`]'s end for a message of a fast batch (F1–F6): its reply subject

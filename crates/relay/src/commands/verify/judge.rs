@@ -95,6 +95,35 @@ pub(super) fn judge_rows(
     (problems, mismatched)
 }
 
+/// The ids in the range the stream holds more than once, each with every sequence.
+fn duplicated(index: &Index, duplicates: Vec<(EventId, u64)>) -> Vec<Problem> {
+    let mut duplicated: HashMap<EventId, Vec<u64>> = HashMap::new();
+    for (id, seq) in duplicates {
+        if index.peek(&id).flags & IN_RANGE != 0 {
+            duplicated.entry(id).or_default().push(seq);
+        }
+    }
+    duplicated
+        .into_iter()
+        .map(|(id, seqs)| {
+            let entry = index.peek(&id);
+            Problem {
+                kind: "duplicated",
+                id,
+                detail: format!(
+                    "{} messages on the stream: sequences {}",
+                    entry.count,
+                    std::iter::once(entry.seq)
+                        .chain(seqs)
+                        .map(|s| s.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
+        })
+        .collect()
+}
+
 /// Duplicates, order and ids on the stream without a row, for the rows in range; ids
 /// without a row only when the whole table was read (`whole_table`).
 pub(super) fn judge_stream(
@@ -106,28 +135,7 @@ pub(super) fn judge_stream(
     problems: &mut Vec<Problem>,
 ) {
     let in_range = |id: &EventId| index.peek(id).flags & IN_RANGE != 0;
-    let mut duplicated: HashMap<EventId, Vec<u64>> = HashMap::new();
-    for (id, seq) in duplicates {
-        if in_range(&id) {
-            duplicated.entry(id).or_default().push(seq);
-        }
-    }
-    for (id, seqs) in duplicated {
-        let entry = index.peek(&id);
-        problems.push(Problem {
-            kind: "duplicated",
-            id,
-            detail: format!(
-                "{} messages on the stream: sequences {}",
-                entry.count,
-                std::iter::once(entry.seq)
-                    .chain(seqs)
-                    .map(|s| s.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        });
-    }
+    problems.extend(duplicated(index, duplicates));
     for (id, detail) in out_of_order {
         if in_range(&id) {
             problems.push(Problem {

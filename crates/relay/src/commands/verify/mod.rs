@@ -741,6 +741,23 @@ async fn read_bounds(
     })
 }
 
+/// How many messages of ours (relayed events of this database and slot, `ours`: the end of
+/// their `Outbox-Source`) the stream holds outside its dead-letter subjects (VER7).
+async fn count_ours(opened: &Opened, config: &Config, ours: &str) -> Result<u64> {
+    let mut count = 0;
+    scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
+        let of_ours = message.headers.as_ref().is_some_and(|headers| {
+            let seen = Seen::of(headers);
+            seen.id().is_some() && seen.source.ends_with(ours)
+        });
+        if of_ours && !message.subject.as_str().ends_with(".dlq") {
+            count += 1;
+        }
+    })
+    .await?;
+    Ok(count)
+}
+
 /// Reconciles the rows in `range` with the stream (see the module docs).
 pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let started = Instant::now();
@@ -753,19 +770,11 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
         whole_table && range.from_id.is_none() && range.to_id.is_none() && range.entity.is_none();
     let Some(bounds) = opened.bounds.clone() else {
         // VER7: an emptied table; what the stream holds of ours was deleted after relaying.
-        let mut deleted = 0;
-        if unrestricted {
-            scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
-                let ours = message.headers.as_ref().is_some_and(|headers| {
-                    let seen = Seen::of(headers);
-                    seen.id().is_some() && seen.source.ends_with(&ours)
-                });
-                if ours && !message.subject.as_str().ends_with(".dlq") {
-                    deleted += 1;
-                }
-            })
-            .await?;
-        }
+        let deleted = if unrestricted {
+            count_ours(&opened, config, &ours).await?
+        } else {
+            0
+        };
         return Ok(Report {
             deleted_outside: deleted,
             elapsed: started.elapsed(),
@@ -776,9 +785,7 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let boundary = crate::postgres::boundary::read(&opened.client, config).await;
     let runs = match &boundary {
         crate::postgres::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::postgres::boundary::Read::Absent(_) => {
-            crate::postgres::boundary::Boundary::default()
-        }
+        crate::postgres::boundary::Read::Absent(_) => Default::default(),
     };
     let mut report = Report {
         ids: Some((bounds.low.clone(), bounds.high.clone())),
@@ -790,22 +797,17 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let stream_side = spawn_stream_side(config, bounds.clone(), ours, started)?;
     let table_side = spawn_table_side(&opened, config, &bounds, runs, started).await?;
     let (read, table_read) = tokio::join!(stream_side, table_side);
-    let StreamSide {
-        read,
-        mut index,
-        out_of_order,
-        duplicates,
-        ours_outside,
-    } = read?;
-    report.messages = read;
+    let side = read?;
+    let mut index = side.index;
+    report.messages = side.read;
     if unrestricted {
-        report.deleted_outside = ours_outside;
+        report.deleted_outside = side.ours_outside;
     }
     let (mut problems, mismatched) = judge_rows(table_read?, &mut index, &mut report);
     judge_stream(
         &index,
-        duplicates,
-        out_of_order,
+        side.duplicates,
+        side.out_of_order,
         whole_table,
         &mut report,
         &mut problems,

@@ -540,20 +540,14 @@ async fn stream_events(
 /// The session's sink task.
 type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
 
-/// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
-fn start(
-    config: &Config,
-    metrics: &Arc<Metrics>,
-    prepared: Prepared,
-    vouched: watch::Receiver<Lsn>,
-) -> (Reader, SinkTask) {
-    let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
-    let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
+/// The session's sink options: the configured ones, the resume plan's fence and comparison,
+/// the session's largest message and source, atomic and fast-ingest batches.
+fn session_options(config: &Config, prepared: &Prepared) -> sink::SinkOptions {
     let mut options = sink_options(
         config,
         prepared.resume.fence,
         prepared.max_message_bytes,
-        prepared.source,
+        prepared.source.clone(),
         prepared.tail.replicas,
     );
     // --atomic-transactions: streamed transactions only (a backfill publishes per message),
@@ -571,8 +565,21 @@ fn start(
             stream: config.stream.clone(),
             through,
             last_sequence: prepared.tail.last_sequence,
-            lineage: prepared.lineage,
+            lineage: prepared.lineage.clone(),
         });
+    options
+}
+
+/// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
+fn start(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    prepared: Prepared,
+    vouched: watch::Receiver<Lsn>,
+) -> (Reader, SinkTask) {
+    let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
+    let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
+    let options = session_options(config, &prepared);
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,
