@@ -65,13 +65,61 @@ pub use options::*;
 pub use parse::*;
 pub use raw::*;
 
-/// `schema.table` as SQL: both parts quoted.
-pub fn table_sql(table: &TableName) -> String {
-    format!(
-        "{}.{}",
-        replication::quote_identifier(&table.schema),
-        replication::quote_identifier(&table.name)
-    )
+/// A table's name with its SQL form, `"schema"."name"` (both parts quoted once, here): the
+/// outbox table as validated, and the relations the errors name. Reads as its
+/// [`TableName`] (`Deref`), displays as `schema.name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Table {
+    name: TableName,
+    sql: String,
+}
+
+impl Table {
+    /// The name, and its SQL form.
+    pub fn new(name: TableName) -> Table {
+        let sql = format!(
+            "{}.{}",
+            replication::quote_identifier(&name.schema),
+            replication::quote_identifier(&name.name)
+        );
+        Table { name, sql }
+    }
+
+    /// `"schema"."name"`, for SQL text.
+    pub fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    /// The name as the framer and the logs take it.
+    pub fn name(&self) -> &TableName {
+        &self.name
+    }
+}
+
+impl From<TableName> for Table {
+    fn from(name: TableName) -> Table {
+        Table::new(name)
+    }
+}
+
+impl std::ops::Deref for Table {
+    type Target = TableName;
+
+    fn deref(&self) -> &TableName {
+        &self.name
+    }
+}
+
+impl PartialEq<TableName> for Table {
+    fn eq(&self, other: &TableName) -> bool {
+        self.name == *other
+    }
+}
+
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.name.fmt(f)
+    }
 }
 
 /// How to log.
@@ -209,8 +257,8 @@ pub struct Config {
     pub nats_url: NatsUrl,
     /// How to connect to them: the servers without credentials, the credential, TLS.
     pub nats: crate::config::nats::NatsOptions,
-    /// The outbox table.
-    pub table: TableName,
+    /// The outbox table, with its SQL form.
+    pub table: Table,
     /// Which of its columns the relay reads, and how events are shaped from them.
     pub mapping: outbox::Mapping,
     /// The replication slot.

@@ -97,15 +97,15 @@ pub(super) fn parse_log_format(v: &str) -> Result<LogFormat, String> {
 }
 
 /// `schema.table`, `public` when no schema is given.
-pub(super) fn parse_table_name(v: &str) -> Result<TableName, String> {
+pub(super) fn parse_table_name(v: &str) -> Result<Table, String> {
     let (schema, name) = v.split_once('.').unwrap_or(("public", v));
     if schema.is_empty() || name.is_empty() {
         return Err("expected schema.table, e.g. public.outbox_events".into());
     }
-    Ok(TableName {
+    Ok(Table::new(TableName {
         schema: schema.to_owned(),
         name: name.to_owned(),
-    })
+    }))
 }
 
 /// A replication slot's name, as Postgres accepts it.

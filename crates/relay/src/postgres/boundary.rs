@@ -51,7 +51,7 @@ use tokio_postgres::Client;
 use tracing::{info, warn};
 
 use crate::config::backfill::Mode;
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 
 /// The record's table name, in the outbox table's schema.
 pub const TABLE: &str = "outbox_relay_boundary";
@@ -124,7 +124,7 @@ pub async fn in_snapshot(
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<Boundary, tokio_postgres::Error> {
-    let from = table_sql(&config.table);
+    let from = config.table.sql();
     let integer = rows.id_kind() == outbox::IdKind::Integer;
     let id = rows.id_column();
     let max_id = if integer {
@@ -216,7 +216,7 @@ async fn try_record(client: &Client, config: &Config, boundary: &Boundary) -> Re
             ),
             &[
                 &config.slot,
-                &table_sql(&config.table),
+                &config.table.sql(),
                 &boundary.mode,
                 &boundary.consistent_point.to_string(),
                 &boundary.snapshot_max_id,

@@ -32,7 +32,7 @@ use replication::{quote_identifier, quote_literal};
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
-use crate::config::{table_sql, Config, TableName};
+use crate::config::{Config, Table, TableName};
 use crate::error::{RelayError, Result};
 use crate::postgres::error::{describe, is_transient};
 use outbox::KnownRelations;
@@ -167,11 +167,7 @@ pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColum
 
 /// The publication the relay creates: the table's inserts, partitions published as the
 /// table (Postgres 13+; before that a partitioned table cannot be published at all).
-fn create_publication_sql(
-    publication: &str,
-    table: &TableName,
-    via_root_supported: bool,
-) -> String {
+fn create_publication_sql(publication: &str, table: &Table, via_root_supported: bool) -> String {
     let options = if via_root_supported {
         "publish = 'insert', publish_via_partition_root = true"
     } else {
@@ -180,7 +176,7 @@ fn create_publication_sql(
     format!(
         "CREATE PUBLICATION {} FOR TABLE {} WITH ({options})",
         quote_identifier(publication),
-        table_sql(table)
+        table.sql()
     )
 }
 
@@ -509,14 +505,14 @@ struct Findings {
 impl PublicationFacts {
     /// Why the publication would hide an outbox insert from the relay, with the exact fix;
     /// `None` when it hides none (whatever else it publishes).
-    pub fn refusal(&self, publication: &str, table: &TableName, read: &[&str]) -> Option<String> {
+    pub fn refusal(&self, publication: &str, table: &Table, read: &[&str]) -> Option<String> {
         let alter = format!("ALTER PUBLICATION {}", quote_identifier(publication));
-        let table_sql = table_sql(table);
+        let table_sql = table.sql();
         let mut found = Findings::default();
         self.check_inserts(&alter, &mut found);
-        self.check_listed(table, &alter, &table_sql, &mut found);
+        self.check_listed(table, &alter, table_sql, &mut found);
         self.check_partition_root(table, &alter, &mut found);
-        self.check_filter_and_columns(table, read, &alter, &table_sql, &mut found);
+        self.check_filter_and_columns(table, read, &alter, table_sql, &mut found);
         self.check_ancestor(table, &mut found);
         if found.problems.is_empty() {
             return None;
@@ -836,13 +832,13 @@ fn judge_slot(config: &Config, row: &tokio_postgres::Row, current_db: &str) -> R
 #[cfg(test)]
 mod tests {
     use super::{create_publication_sql, PublicationFacts};
-    use crate::config::TableName;
+    use crate::config::{Table, TableName};
 
-    fn outbox() -> TableName {
-        TableName {
+    fn outbox() -> Table {
+        Table::new(TableName {
             schema: "public".into(),
             name: "outbox_events".into(),
-        }
+        })
     }
 
     /// A publication `FOR TABLE public.outbox_events WITH (publish = 'insert')`.

@@ -7,7 +7,7 @@
 use outbox::Role;
 use tokio_postgres::Client;
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 use crate::postgres::error::describe;
 
@@ -51,7 +51,7 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
     if !config.mark_published {
         return Ok(());
     }
-    let table = table_sql(&config.table);
+    let table = config.table.sql();
     let exists: bool = client
         .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&table])
         .await
@@ -95,7 +95,7 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
         })
         .collect();
     let id = config.mapping.column(Role::Id);
-    let problems = judge_columns(&table, &columns, (id, id_readable));
+    let problems = judge_columns(table, &columns, (id, id_readable));
     if problems.is_empty() {
         return Ok(());
     }
@@ -169,7 +169,7 @@ pub async fn retention(client: &Client, config: &Config) -> Result<()> {
     if config.retention.is_none() {
         return Ok(());
     }
-    let table = table_sql(&config.table);
+    let table = config.table.sql();
     let (id, created_at) = (
         config.mapping.column(Role::Id),
         config.mapping.column(Role::CreatedAt),

@@ -9,7 +9,7 @@ use replication::quote_literal;
 use tokio_postgres::Client;
 use tracing::info;
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 use crate::postgres::error::{describe, is_transient};
 use crate::postgres::rows::RowReader;
@@ -152,7 +152,7 @@ impl<'a> Cursor<'a> {
     ) -> Result<Cursor<'a>> {
         let from = format!(
             "{}{}",
-            table_sql(&config.table),
+            config.table.sql(),
             filter.where_sql(config, &reader)
         );
         // The replication session's rendering of timestamps (outbox::timestamp) and bytea.

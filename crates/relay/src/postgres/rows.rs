@@ -15,7 +15,7 @@ use bytes::Bytes;
 use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, Position};
 use tokio_postgres::Client;
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 
 /// The refusal of a tool that publishes rows (`replay`, `backfill`) when the range holds
@@ -193,7 +193,7 @@ pub async fn id_in_text_array(client: &Client, config: &Config) -> anyhow::Resul
         .query_opt(
             "SELECT pg_catalog.format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a \
               WHERE a.attrelid = $1::text::regclass AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
-            &[&table_sql(&config.table), &id],
+            &[&config.table.sql(), &id],
         )
         .await?
         .ok_or_else(|| anyhow::anyhow!("table {} has no column {id}", config.table))?;

@@ -54,7 +54,7 @@ use replication::quote_literal;
 use tokio::sync::watch;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 
 /// How often the identity is checked while streaming (TI2: the slot's confirmation trails
@@ -97,7 +97,7 @@ impl Identity {
 
 /// The session's check (TI2): the WAL position, then the identity.
 fn check_sql(config: &Config, version: i32) -> String {
-    let table = quote_literal(&table_sql(&config.table));
+    let table = quote_literal(config.table.sql());
     let publication = quote_literal(&config.publication);
     let via_root = if version >= 130_000 {
         "p.pubviaroot"
@@ -449,7 +449,7 @@ fn refusal(config: &Config, change: &Change, now: &Identity, confirmed: Lsn) -> 
 /// transaction that holds inserts back and reads the last id the publication hid.
 fn publication_fix(config: &Config, now: &Identity) -> String {
     let publication = replication::quote_identifier(&config.publication);
-    let table = table_sql(&config.table);
+    let table = config.table.sql();
     let mut sql = Vec::new();
     let mut first = String::new();
     if now.publication_oid.is_none() {

@@ -46,7 +46,7 @@ use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use crate::config::{table_sql, Config, TableName};
+use crate::config::{Config, Table};
 use crate::observe::metrics::Metrics;
 
 /// Ids per UPDATE at most.
@@ -164,11 +164,11 @@ impl Marking {
 
 /// The marking UPDATE (U3, U6): `id_in` is [`crate::postgres::rows::id_in_text_array`]'s
 /// condition, whose `$1` is a `text[]` of ids.
-pub fn update_sql(table: &TableName, id_in: &str) -> String {
+pub fn update_sql(table: &Table, id_in: &str) -> String {
     format!(
         "UPDATE {} SET status = 'published', published_at = pg_catalog.now(), attempts = attempts + 1 \
           WHERE {id_in} AND status IS DISTINCT FROM 'published'",
-        table_sql(table)
+        table.sql()
     )
 }
 
@@ -257,10 +257,11 @@ mod tests {
     #[test]
     fn update_is_idempotent_and_takes_a_text_array_cast_to_the_id_type() {
         let sql = update_sql(
-            &TableName {
+            &crate::config::TableName {
                 schema: "public".into(),
                 name: "outbox_events".into(),
-            },
+            }
+            .into(),
             "\"id\" = ANY($1::text[]::bigint[])",
         );
         assert!(

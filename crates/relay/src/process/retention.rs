@@ -62,7 +62,7 @@ use tokio_postgres::{Client, IsolationLevel};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use crate::config::{table_sql, Config, RetentionConfig};
+use crate::config::{Config, RetentionConfig};
 use crate::observe::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
@@ -97,9 +97,9 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
     let task = Task {
         database: config.database.clone(),
         slot: config.slot.clone(),
-        table: table_sql(&config.table),
+        table: config.table.sql().to_owned(),
         table_oid,
-        select_sql: select_sql(&table_sql(&config.table), config),
+        select_sql: select_sql(config.table.sql(), config),
         config: config.clone(),
         settings,
         metrics,

@@ -590,7 +590,7 @@ fn start(
         metrics.sink().clone(),
     )));
     let framer = Framer::new(
-        config.table.clone(),
+        config.table.name().clone(),
         config.subject_prefix.clone(),
         config.partitions,
     )
