@@ -1,4 +1,4 @@
-//! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `bootstrap::ensure_slot`):
+//! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `relay::postgres::checks::ensure_slot`):
 //! on Postgres 15 (the default test server, or Debian's `postgresql-15` when the suite runs on
 //! a newer one) `outbox-relay init` refuses, says why and what to set up, and creates nothing;
 //! on Postgres 17 or newer (`testkit::bin_dir_at_least`: the PostgreSQL 18 `.ci/run` installs

@@ -76,7 +76,7 @@ pub(crate) fn supports(version: &str, first: (u64, u64)) -> bool {
     }
 }
 
-/// AT1, AT2: checks the server and `config.stream` (`created` by this bootstrap or not), and
+/// AT1, AT2: checks the server and `config.stream` (`created` by this setup or not), and
 /// sets `allow_atomic` on a stream it created.
 pub(crate) async fn check(
     jetstream: &jetstream::Context,

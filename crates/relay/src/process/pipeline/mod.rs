@@ -551,7 +551,7 @@ fn session_options(config: &Config, prepared: &Prepared) -> sink::SinkOptions {
         prepared.tail.replicas,
     );
     // --atomic-transactions: streamed transactions only (a backfill publishes per message),
-    // checked against the server and the stream by bootstrap (AT1).
+    // checked against the server and the stream by setup (`crate::stream::policy::stream`, AT1).
     options.atomic = config
         .atomic_transactions
         .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
