@@ -51,7 +51,7 @@ use tokio_postgres::Client;
 use tracing::{info, warn};
 
 use crate::config::backfill::Mode;
-use crate::config::Config;
+use crate::config::{Config, Table, TableName};
 
 /// The record's table name, in the outbox table's schema.
 pub const TABLE: &str = "outbox_relay_boundary";
@@ -107,10 +107,10 @@ impl RunCursor<'_> {
 }
 
 /// The record's table, schema-qualified and quoted.
-pub fn table(config: &Config) -> String {
+pub fn table(outbox: &TableName) -> String {
     format!(
         "{}.{}",
-        quote_identifier(&config.table.schema),
+        quote_identifier(&outbox.schema),
         quote_identifier(TABLE)
     )
 }
@@ -119,12 +119,12 @@ pub fn table(config: &Config) -> String {
 /// mapped id column (`rows`): the highest id and the runs for integer ids only (BD4).
 pub async fn in_snapshot(
     reader: &Client,
-    config: &Config,
+    table: &Table,
     rows: &crate::postgres::rows::RowReader,
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<Boundary, tokio_postgres::Error> {
-    let from = config.table.sql();
+    let from = table.sql();
     let integer = rows.id_kind() == outbox::IdKind::Integer;
     let id = rows.id_column();
     let max_id = if integer {
@@ -175,16 +175,16 @@ pub async fn record(client: &Client, config: &Config, boundary: &Boundary) {
         Ok(()) => info!(slot = %config.slot, mode = %boundary.mode,
             consistent_point = %boundary.consistent_point,
             left_out = boundary.left_out_rows(), runs = boundary.runs.len(),
-            "recorded the slot's boundary for `outbox-relay verify` in {}", table(config)),
+            "recorded the slot's boundary for `outbox-relay verify` in {}", table(&config.table)),
         Err(why) => warn!(slot = %config.slot,
             "cannot record the slot's boundary in {} ({why}): `outbox-relay verify` will report the {} rows left out by --backfill {} as missing. \
              Create it with sql/boundary.sql and GRANT SELECT, INSERT, UPDATE ON it to the relay's role before the slot is created",
-            table(config), boundary.left_out_rows(), boundary.mode),
+            table(&config.table), boundary.left_out_rows(), boundary.mode),
     }
 }
 
 async fn try_record(client: &Client, config: &Config, boundary: &Boundary) -> Result<(), String> {
-    let table = table(config);
+    let table = table(&config.table);
     let exists: bool = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
         .await
@@ -257,7 +257,7 @@ pub enum Read {
 
 /// The slot's recorded boundary, or why there is none (BD3). Read-only.
 pub async fn read(client: &Client, config: &Config) -> Read {
-    let table = table(config);
+    let table = table(&config.table);
     let row = client
         .query_opt(
             &format!(

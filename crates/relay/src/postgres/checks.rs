@@ -206,7 +206,7 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
     let pg15 = version >= PG15;
     let (publication_oid, mut facts) = read_or_create_publication(client, config, version).await?;
     let (table_oid, is_partition) =
-        read_table_facts(client, config, publication_oid, pg15, &mut facts).await?;
+        read_table_facts(client, &config.table, publication_oid, pg15, &mut facts).await?;
     let mut known = KnownRelations {
         publication: config.publication.clone(),
         ..KnownRelations::default()
@@ -231,7 +231,7 @@ async fn ensure_publication(client: &Client, config: &Config) -> Result<KnownRel
     if let Some(refusal) = facts.refusal(&config.publication, &config.table, &read) {
         return Err(setup(refusal));
     }
-    known.others = read_other_tables(client, config, table_oid, &known).await?;
+    known.others = read_other_tables(client, &config.publication, table_oid, &known).await?;
     if facts.all_tables {
         info!(publication = %config.publication, "the publication publishes all tables: the walsender decodes every table's changes for the relay, which costs decoding work; the relay relays only the outbox table's inserts");
     } else if !known.others.is_empty() {
@@ -307,7 +307,7 @@ async fn read_or_create_publication(
 /// list) into `facts`; returns the table's oid and whether it is itself a partition.
 async fn read_table_facts(
     client: &Client,
-    config: &Config,
+    table: &Table,
     publication_oid: u32,
     pg15: bool,
     facts: &mut PublicationFacts,
@@ -339,14 +339,14 @@ async fn read_table_facts(
     let table = client
         .query_opt(
             &table_query,
-            &[&publication_oid, &config.table.schema, &config.table.name],
+            &[&publication_oid, &table.schema, &table.name],
         )
         .await
         .map_err(|e| sql_error("cannot read the publication's tables", e))?
         .ok_or_else(|| {
             RelayError::transient(anyhow::anyhow!(
                 "table {} vanished while the relay checked it",
-                config.table
+                table
             ))
         })?;
     facts.partitioned = table.get(1);
@@ -429,7 +429,7 @@ async fn read_published_ancestor(
 /// inserts (D2, D6), but the walsender decodes their changes all the same.
 async fn read_other_tables(
     client: &Client,
-    config: &Config,
+    publication: &str,
     table_oid: u32,
     known: &KnownRelations,
 ) -> Result<std::collections::HashSet<u32>> {
@@ -442,7 +442,7 @@ async fn read_other_tables(
                   WHERE pt.pubname = $1 \
                  UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN pub ON i.inhparent = pub.oid) \
              SELECT oid FROM pub",
-            &[&config.publication],
+            &[&publication],
         )
         .await
         .map_err(|e| sql_error("cannot read the publication's tables", e))?;
@@ -699,11 +699,11 @@ const FAILOVER_VERSION: i32 = 170_000;
 /// `--failover-slot` on a server older than 17 is refused before anything is created (PG1),
 /// whoever creates the slot (this module, or a backfill's replication connection).
 pub async fn check_failover_support(client: &Client, config: &Config) -> Result<()> {
-    failover_supported(config, server_version(client).await?)
+    failover_supported(config.failover_slot, server_version(client).await?)
 }
 
-fn failover_supported(config: &Config, version: i32) -> Result<()> {
-    if config.failover_slot && version < FAILOVER_VERSION {
+fn failover_supported(failover_slot: bool, version: i32) -> Result<()> {
+    if failover_slot && version < FAILOVER_VERSION {
         return Err(setup(format!(
             "--failover-slot needs Postgres 17 or newer, and this server is {}.{}: fail-over \
              slots (synchronized to a standby) came with 17. Upgrade, then set \
@@ -719,7 +719,7 @@ fn failover_supported(config: &Config, version: i32) -> Result<()> {
 
 async fn ensure_slot(client: &Client, config: &Config) -> Result<Lsn> {
     let version = server_version(client).await?;
-    failover_supported(config, version)?;
+    failover_supported(config.failover_slot, version)?;
     let row = read_or_create_slot(client, config, version).await?;
     let current_db: String = client
         .query_one("SELECT current_database()::text", &[])

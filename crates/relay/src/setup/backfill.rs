@@ -227,10 +227,15 @@ async fn record_boundary(
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<()> {
-    let boundary =
-        crate::postgres::boundary::in_snapshot(reader, config, row_reader, mode, consistent_point)
-            .await
-            .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
+    let boundary = crate::postgres::boundary::in_snapshot(
+        reader,
+        &config.table,
+        row_reader,
+        mode,
+        consistent_point,
+    )
+    .await
+    .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
     crate::postgres::boundary::record(client, config, &boundary).await;
     Ok(())
 }

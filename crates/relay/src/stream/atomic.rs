@@ -80,20 +80,20 @@ pub(crate) fn supports(version: &str, first: (u64, u64)) -> bool {
 /// sets `allow_atomic` on a stream it created.
 pub(crate) async fn check(
     jetstream: &jetstream::Context,
-    config: &Config,
+    stream: &str,
     created: bool,
 ) -> Result<()> {
     let version = jetstream.client().server_info().version;
-    let settings = stream_config(jetstream, &config.stream).await?;
+    let settings = stream_config(jetstream, stream).await?;
     match judge(
         &version,
         allowed(&settings, "allow_atomic"),
         created,
-        &config.stream,
+        stream,
     ) {
         Verdict::Ready => Ok(()),
         Verdict::Refused(why) => Err(RelayError::setup(anyhow::anyhow!(why))),
-        Verdict::Allow => allow(jetstream, &config.stream, settings, "allow_atomic").await,
+        Verdict::Allow => allow(jetstream, stream, settings, "allow_atomic").await,
     }
 }
 

@@ -72,7 +72,7 @@ pub async fn stream(jetstream: &jetstream::Context, config: &Config) -> Result<(
     };
     let info = record_mapping(jetstream, config, info).await?;
     if config.atomic_transactions {
-        crate::stream::atomic::check(jetstream, config, created).await?;
+        crate::stream::atomic::check(jetstream, &config.stream, created).await?;
     }
     // AT3: --fast-ingest's stream setting on a stream just created.
     crate::stream::atomic::allow_fast(jetstream, config, created).await?;
@@ -100,7 +100,7 @@ async fn create(
     let stream = jetstream
         .create_stream(stream_config(config))
         .await
-        .map_err(|e| create_error(config, ours, e))?;
+        .map_err(|e| create_error(&config.stream, ours, e))?;
     info!(
         stream = %config.stream,
         subjects = %ours,
@@ -234,12 +234,12 @@ fn check_stream_mapping(
 /// the option; a cluster without a leader or quorum, a lost connection or a concurrent
 /// creation are transient (the next session looks again).
 fn create_error(
-    config: &Config,
+    stream: &str,
     ours: &str,
     error: jetstream::context::CreateStreamError,
 ) -> RelayError {
     use async_nats::jetstream::ErrorCode;
-    let message = format!("cannot create stream {}: {error}", config.stream);
+    let message = format!("cannot create stream {}: {error}", stream);
     let jetstream::context::CreateStreamErrorKind::JetStream(refusal) = error.kind() else {
         return RelayError::transient(anyhow::anyhow!(message));
     };
@@ -305,7 +305,7 @@ pub fn check_stream(
     let name = &config.stream;
     let stream = &info.config;
     let mut findings = Vec::new();
-    check_stream_subjects(name, stream, config, &mut findings);
+    check_stream_subjects(name, stream, &config.subject_prefix, &mut findings);
     check_stream_mapping(name, info, config, &mut findings);
     check_stream_settings(name, stream, config, max_payload, &mut findings);
     check_stream_retention(name, stream, &mut findings);
@@ -317,11 +317,11 @@ pub fn check_stream(
 fn check_stream_subjects(
     name: &str,
     stream: &StreamConfig,
-    config: &Config,
+    subject_prefix: &str,
     findings: &mut Vec<StreamFinding>,
 ) {
     let mut say = |severity, message: String| findings.push(StreamFinding { severity, message });
-    let ours = format!("{}.>", config.subject_prefix);
+    let ours = format!("{}.>", subject_prefix);
     if !stream
         .subjects
         .iter()
