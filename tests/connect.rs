@@ -175,7 +175,7 @@ async fn secrets_never_reach_any_output() {
     let output = relay.output();
     assert_no_secret("the debug log", &output);
     // async-nats logs its server URL at debug level: the relay hands it the URL without the
-    // user information (relay::nats N1), so there is nothing to scrub there.
+    // user information (relay::config::nats NATS1), so there is nothing to scrub there.
     assert!(
         output.contains("password: None"),
         "async-nats logged its server URL without the credentials:\n{output}"

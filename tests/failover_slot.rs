@@ -1,4 +1,4 @@
-//! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `bootstrap::ensure_slot`):
+//! End-to-end tests of `--failover-slot` (PG 17 fail-over slots, `relay::postgres::checks::ensure_slot`):
 //! on Postgres 15 (the default test server, or Debian's `postgresql-15` when the suite runs on
 //! a newer one) `outbox-relay init` refuses, says why and what to set up, and creates nothing;
 //! on Postgres 17 or newer (`testkit::pg_at_least`: the PostgreSQL 18 `tests/setup` installs
@@ -60,7 +60,7 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
             "{needle:?} missing from:\n{stderr}"
         );
     }
-    // B1: nothing created.
+    // PG1: nothing created.
     let slots = pg.psql(
         &case.database,
         &format!(

@@ -1,5 +1,5 @@
 //! `--fast-ingest` (issue 23), on by default: the relay chooses fast-ingest batches by itself,
-//! from the server's version and the stream's settings, per session (`process::atomic` X3).
+//! from the server's version and the stream's settings, per session (`stream::atomic` AT3).
 //!
 //! - [`chosen_on_a_current_server_for_the_stream_it_creates`]: on a current nats-server the
 //!   relay creates its stream with `allow_batched` and publishes fast-ingest batches

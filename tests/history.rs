@@ -311,7 +311,7 @@ async fn tail_below_the_switch_point_of_a_promotion_is_used_to_skip() {
 }
 
 /// A database restored from a cold backup that holds events the relay published but the slot
-/// had not confirmed (the model checker's finding F1, `crates/model`): the stream's tail, of the
+/// had not confirmed (the model checker's finding MF1, `crates/model`): the stream's tail, of the
 /// lost history, lies beyond the restored server's WAL end. The restored history replays those
 /// events unchanged; they are compared with the stream and skipped (`sink::resume` S1, S4), so
 /// nothing is stored twice although the duplicate window passed long ago, and the new

@@ -1,6 +1,6 @@
 //! Issue 18 case 3: the outbox table dropped and created again, or swapped by rename (the
 //! usual way to make it partitioned), under a running relay or while it was stopped, against
-//! a real Postgres 15 and nats-server (`relay::identity` V1–V5).
+//! a real Postgres 15 and nats-server (`relay::process::identity` TI1–TI5).
 //!
 //! The publication names the old table's OID, so the new table's inserts are never decoded.
 //! The relay notices on its identity check, stops with one error naming both OIDs and the
@@ -454,7 +454,7 @@ async fn the_documented_conversion_to_a_partitioned_table_loses_nothing() {
 }
 
 /// The table dropped from the publication under a running relay: refused within seconds by
-/// the start-up check's own message (exit status 2, B3), nothing confirmed past the first
+/// the start-up check's own message (exit status 2, PG3), nothing confirmed past the first
 /// hidden insert, and the fix it gives leaves every row in the stream once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_dropped_from_the_publication_under_a_running_relay_is_refused_at_once() {

@@ -580,7 +580,7 @@ async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
     .await;
 }
 
-/// The relay's publishing connection (sink C7, P11) reports what the server refuses in its
+/// The relay's publishing connection (sink CN7, P11) reports what the server refuses in its
 /// own words instead of waiting for acks that never come, and loses nothing: a user who may
 /// not publish to the prefix makes the relay halt (the default poison policy) naming the
 /// first event, its subject and `Permissions Violation for Publish`, and nothing is stored;

@@ -1,4 +1,4 @@
-//! The publishing connection (sink C6, C7, P11, P12) against real nats-servers configured
+//! The publishing connection (sink CN6, CN7, P11, P12) against real nats-servers configured
 //! the way users run them: an account whose `max_payload` is below the server's (the INFO
 //! after CONNECT says so), a user who may not publish one event type's subject, a
 //! cluster node put into lame-duck mode during a load run, and a hostname whose first
@@ -522,7 +522,7 @@ fn with_hosts_file(hosts: &Path) -> Vec<String> {
 
 /// Issue 20, case 4: a NATS hostname whose first address silently drops connection attempts
 /// (a dual-stack host with broken IPv6) is dialled at its next address, each with its own
-/// timeout (sink C9): both of the relay's connections reach the server, the publishing one
+/// timeout (sink CN9): both of the relay's connections reach the server, the publishing one
 /// logs which address failed and why, and every event is stored once, in commit order, with
 /// no failed session. (With one timeout for all of a host's addresses, the publishing
 /// connection spent it on the first and every session failed.)

@@ -472,7 +472,7 @@ async fn an_existing_stream_in_memory_with_a_short_max_age_is_warned_about_and_l
     assert_eq!(warnings.len(), 4, "{warnings:?}");
 }
 
-/// B4 on a current nats-server (2.12+): an operator's stream that acknowledges a publish
+/// ST1 on a current nats-server (2.12+): an operator's stream that acknowledges a publish
 /// before writing it (`persist_mode: async`) is warned about at start and in `status`, and
 /// left as it is; a stream the relay creates there gets no such warning.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -304,7 +304,7 @@ async fn a_text_id_bytea_table_with_a_template_and_header_columns_arrives_once_i
     );
 }
 
-/// A stream records the mapping it was made under (B5): a run under another is refused
+/// A stream records the mapping it was made under (ST2): a run under another is refused
 /// naming both, and a table without the preset's columns is named with the fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_named() {

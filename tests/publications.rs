@@ -156,7 +156,7 @@ async fn slot_exists(case: &Case, sql: &tokio_postgres::Client) -> bool {
     .is_some()
 }
 
-/// B1: a refused start created no slot and no stream, so it confirmed and published nothing.
+/// PG1: a refused start created no slot and no stream, so it confirmed and published nothing.
 async fn assert_nothing_created(case: &Case, sql: &tokio_postgres::Client) {
     assert!(!slot_exists(case, sql).await, "a slot was created");
     let js = case.jetstream().await;
@@ -604,8 +604,8 @@ async fn a_publication_changed_under_a_relay_is_refused_at_its_next_session_star
     for (i, (change, problem)) in changes.iter().enumerate() {
         let (message, before) = if i == 0 {
             // A new session of the same process: end its walsender (and wait for it to go).
-            // The running session's identity watch (relay::identity V3) may see the change
-            // first and refuse it with the same check: either way, exit status 2 and B3's
+            // The running session's identity watch (relay::process::identity TI3) may see the change
+            // first and refuse it with the same check: either way, exit status 2 and PG3's
             // message.
             sql.batch_execute(change).await.unwrap();
             sql.execute(

@@ -499,7 +499,7 @@ async fn strict_mode_converges_when_the_tail_carries_no_position() {
     eprintln!("no_position: {stored} stored before the kill; {committed} rows stored once each after the restart");
 }
 
-/// L2: a walsender still holding the slot (here `pg_recvlogical`, standing in for a dead
+/// LS2: a walsender still holding the slot (here `pg_recvlogical`, standing in for a dead
 /// relay's connection Postgres has not noticed yet) is ended by the relay holding the lease,
 /// which then streams.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

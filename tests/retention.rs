@@ -129,7 +129,7 @@ async fn mark_published_marks_each_relayed_row_once_and_nothing_feeds_back() {
     );
 }
 
-/// U5, X6: without the columns, or without UPDATE on them (or, for retention, DELETE), the
+/// U5, RET6: without the columns, or without UPDATE on them (or, for retention, DELETE), the
 /// relay refuses to start (exit 2) naming what is missing and the fix.
 #[test]
 fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privilege() {
@@ -188,7 +188,7 @@ fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privi
     assert_eq!(slots, "0", "the refusal comes before the slot is created");
 }
 
-/// X1: with JetStream's acks held back (a black-holed proxy), rows past the grace period
+/// RET1: with JetStream's acks held back (a black-holed proxy), rows past the grace period
 /// whose events are not acknowledged survive every retention round; rows acknowledged
 /// before are deleted; once the acks flow the held rows are stored and then deleted too; the
 /// stream holds every event exactly once.

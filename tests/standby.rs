@@ -303,7 +303,7 @@ async fn the_standby_takes_over_from_a_killed_relay_within_10s_and_the_stream_st
     drop(relays);
 }
 
-/// L1, issue 7 case 6: the moment a relay learns that its lease is gone it publishes nothing
+/// LS1, issue 7 case 6: the moment a relay learns that its lease is gone it publishes nothing
 /// more. Its sink task once outlived the session and went on publishing its buffered backlog
 /// after another relay (here: the test) had taken the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -488,7 +488,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
     );
 }
 
-/// N2: a relay whose role may not create the boundary's table (Postgres 15 grants no CREATE
+/// BD2: a relay whose role may not create the boundary's table (Postgres 15 grants no CREATE
 /// on `public` to other roles) warns once at the slot's creation, naming the fix, and relays
 /// all the same; verify then expects every row, as before, and says why once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -621,7 +621,7 @@ async fn verify_compares_positions_within_one_wal_history_only() {
 
 /// Issue 36: outbox tables are emptied by design. Rows deleted after relaying (inside the
 /// table's id range, below it, and then every row) are one line, "rows deleted after
-/// relaying", never `unexpected` and never a failing exit (`verify` V7); `replay` and
+/// relaying", never `unexpected` and never a failing exit (`verify` VER7); `replay` and
 /// `backfill` of a range whose rows are gone are refused naming why (exit 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_emptied_table_is_one_line_and_no_discrepancy() {

@@ -105,7 +105,7 @@
 //! - C9 An event whose handler failed `max_attempts` times (counted by its shard worker
 //!   since it started) is decided by [`OnFailure`]: parked (the default; recorded with its
 //!   dedupe key in the parked table, acknowledged, and the later events of its entity
-//!   parked behind it, unhandled, until an operator re-drives or discards them: P1–P4 in
+//!   parked behind it, unhandled, until an operator re-drives or discards them: PK1–PK4 in
 //!   the shard workers' docs), or the consumer stops with [`Error::Handler`] naming it,
 //!   unacknowledged. Nothing is skipped silently.
 //! - C10 Every event a handler handles runs inside a `tracing` span naming it

@@ -2,13 +2,13 @@
 //! and its readiness ([`Metrics::readiness`]). docs/consumers.md lists every metric.
 //!
 //! # Invariants
-//! - M1 Counters only grow and count what [`crate::Stats`] counts, per shard where the label
+//! - CM1 Counters only grow and count what [`crate::Stats`] counts, per shard where the label
 //!   says so; `outbox_consumer_pending` is JetStream's `num_pending` as the shard's last
 //!   delivered message reported it (messages of the shard not yet delivered to it).
-//! - M2 Ready means every shard this process consumes has a running session (its durable
+//! - CM2 Ready means every shard this process consumes has a running session (its durable
 //!   consumer exists and it pulls, with a Postgres connection when it started): a shard
 //!   waiting on Postgres or NATS is named in the answer.
-//! - M3 Nothing served carries a payload or a secret: labels are shard numbers and fixed
+//! - CM3 Nothing served carries a payload or a secret: labels are shard numbers and fixed
 //!   kinds.
 
 use std::sync::atomic::AtomicI64;
@@ -252,7 +252,7 @@ impl Metrics {
         text
     }
 
-    /// `Ok` when every shard of `shards` has a running session (M2), else the reason.
+    /// `Ok` when every shard of `shards` has a running session (CM2), else the reason.
     pub fn readiness(&self, shards: &[u64]) -> Result<(), String> {
         let down: Vec<String> = shards
             .iter()

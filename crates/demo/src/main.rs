@@ -27,31 +27,63 @@ const SCHEMA: &str = include_str!("../../../sql/schema.sql");
 async fn main() -> anyhow::Result<()> {
     let keep = std::env::args().any(|a| a == "--keep");
     let relay_bin = built_relay(None, env!("CARGO_PKG_NAME")).map_err(anyhow::Error::msg)?;
+    let (pg, nats) = start_servers().await?;
+    let database_url = pg.url("postgres");
+    let relay = start_relay(&relay_bin, &database_url, &nats).await?;
+    let mut messages = follow_stream(&nats).await?;
+    let sql = sql_connect(&database_url).await?;
+    let written = write_samples(&sql).await?;
+    print_messages(&mut messages, written).await?;
+    if keep {
+        println!("== running until Ctrl-C; write rows to outbox_events at {database_url}");
+        tokio::signal::ctrl_c().await?;
+    }
+    stop(relay, &sql).await?;
+    drop(pg);
+    drop(nats);
+    Ok(())
+}
 
+/// A throwaway Postgres 15 with the seed's schema and a nats-server with JetStream.
+async fn start_servers() -> anyhow::Result<(Postgres, Nats)> {
     println!("== starting a throwaway Postgres 15 (wal_level=logical) and nats-server -js");
     let (pg, nats) = tokio::task::spawn_blocking(|| (Postgres::start(), Nats::start())).await?;
     pg.psql("postgres", SCHEMA);
-    let database_url = pg.url("postgres");
-    println!("   DATABASE_URL={database_url}\n   NATS_URL={}", nats.url());
+    println!(
+        "   DATABASE_URL={}\n   NATS_URL={}",
+        pg.url("postgres"),
+        nats.url()
+    );
+    Ok((pg, nats))
+}
 
+/// `outbox-relay run` on both servers as an operator runs it, once it streams.
+async fn start_relay(
+    relay_bin: &std::path::Path,
+    database_url: &str,
+    nats: &Nats,
+) -> anyhow::Result<Process> {
     println!("== running {} run (slot outbox_relay, stream OUTBOX, subjects outbox.{{shard}}.{{event_type}})", relay_bin.display());
     let log_filter = std::env::var("RUST_LOG")
         .unwrap_or_else(|_| "info,async_nats=warn,tokio_postgres=warn".to_owned());
     let metrics_addr = format!("127.0.0.1:{}", testkit::free_port());
     let env = [
-        ("DATABASE_URL", database_url.clone()),
+        ("DATABASE_URL", database_url.to_owned()),
         ("NATS_URL", nats.url()),
         ("OUTBOX_RELAY_METRICS_ADDR", metrics_addr.clone()),
         ("RUST_LOG", log_filter),
     ];
     println!("   metrics: http://{metrics_addr}/metrics, health: /healthz, /readyz");
-    let relay = Process::spawn_echoing("relay", relay_command(&relay_bin, &[], "run", env));
-    let relay = tokio::task::spawn_blocking(move || {
+    let relay = Process::spawn_echoing("relay", relay_command(relay_bin, &[], "run", env));
+    Ok(tokio::task::spawn_blocking(move || {
         relay.wait_for_output(STREAMING, Duration::from_secs(60));
         relay
     })
-    .await?;
+    .await?)
+}
 
+/// Every message of the stream `OUTBOX`, from its first.
+async fn follow_stream(nats: &Nats) -> anyhow::Result<jetstream::consumer::pull::Stream> {
     let js = jetstream::new(async_nats::connect(nats.url()).await?);
     let stream = js.get_stream("OUTBOX").await?;
     let consumer = stream
@@ -60,10 +92,13 @@ async fn main() -> anyhow::Result<()> {
             ..Default::default()
         })
         .await?;
-    let mut messages = consumer.messages().await?;
+    Ok(consumer.messages().await?)
+}
 
+/// Writes the sample events as the seed's `seed.py` does, and one transaction rolled back;
+/// returns how many were committed.
+async fn write_samples(sql: &tokio_postgres::Client) -> anyhow::Result<usize> {
     println!("== writing sample events the way the seed's seed.py does (placeholder keys)");
-    let sql = sql_connect(&database_url).await?;
     let insert = "insert into outbox_events(entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
                   values ($1, $2, $3, 'placeholder', '0000000000000:00000000000000000000', $4::text::jsonb)";
     // Entities on different shards (shard_for_key(12, ·): order:A-1 → 0, order:C-3 → 6,
@@ -109,9 +144,16 @@ async fn main() -> anyhow::Result<()> {
         "   committed {} events and rolled one back (it must not appear)",
         samples.len()
     );
+    Ok(samples.len())
+}
 
+/// Prints the next `count` messages with their subject and keys.
+async fn print_messages(
+    messages: &mut jetstream::consumer::pull::Stream,
+    count: usize,
+) -> anyhow::Result<()> {
     println!("== messages in JetStream:");
-    for _ in 0..samples.len() {
+    for _ in 0..count {
         let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
             .await
             .context("no message within 30 s")?
@@ -138,11 +180,12 @@ async fn main() -> anyhow::Result<()> {
             subject = message.subject,
         );
     }
+    Ok(())
+}
 
-    if keep {
-        println!("== running until Ctrl-C; write rows to outbox_events at {database_url}");
-        tokio::signal::ctrl_c().await?;
-    }
+/// Stops the relay as an operator does (SIGTERM: drain, confirm, exit) and shows what the
+/// slot confirmed.
+async fn stop(relay: Process, sql: &tokio_postgres::Client) -> anyhow::Result<()> {
     println!("== stopping the relay (SIGTERM: drain, confirm, exit)");
     let status = tokio::task::spawn_blocking(move || {
         let mut relay = relay;
@@ -155,7 +198,5 @@ async fn main() -> anyhow::Result<()> {
         .await?
         .get(0);
     println!("== done: the slot confirmed {confirmed}; servers and data are removed on exit");
-    drop(pg);
-    drop(nats);
     Ok(())
 }

@@ -2,20 +2,20 @@
 //! against the invariants, and from each, every fault-free continuation checked to end.
 //!
 //! # Invariants
-//! - C1 Every reachable state is visited once: a state's 64-bit fingerprint (SipHash with
+//! - MC1 Every reachable state is visited once: a state's 64-bit fingerprint (SipHash with
 //!   fixed keys, so runs repeat) goes into a table with its parent's and the action that
 //!   reached it (parent pointers). A collision would hide a state; at 10⁷ states its
 //!   chance is below 10⁻⁵, as in TLC's and stateright's fingerprinting.
-//! - C2 The safety invariants ([`Violation`]) hold in every visited state; the first state
+//! - MC2 The safety invariants ([`Violation`]) hold in every visited state; the first state
 //!   that breaks one ends the search, and its trace is the shortest (breadth first).
-//! - C3 Progress: from every visited state, every run of relay steps alone (no fault, no
+//! - MC3 Progress: from every visited state, every run of relay steps alone (no fault, no
 //!   commit) reaches a goal state (every committed event stored and confirmed, or a halt
 //!   the relay names, P8) — no cycle, no dead end. Checked by a depth-first search of the
 //!   fault-free steps with a memo of states known good; a state met again on the search's
 //!   own path is a cycle (a session loop). The search stops at a state that breaks a safety
-//!   invariant: that state is reachable, and C2 reports it.
-//! - C4 A counterexample is printed as a numbered trace, replayed from the initial state
-//!   (M1), each step with what the relay decided and the state after it.
+//!   invariant: that state is reachable, and MC2 reports it.
+//! - MC4 A counterexample is printed as a numbered trace, replayed from the initial state
+//!   (MM1), each step with what the relay decided and the state after it.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -98,7 +98,7 @@ impl fmt::Display for Violation {
     }
 }
 
-/// The safety invariants (C2) of `state`: the first broken, if any.
+/// The safety invariants (MC2) of `state`: the first broken, if any.
 pub fn safety(state: &State) -> Option<Violation> {
     let committed: Vec<(Row, outbox::Position, u64)> = state.pg.events().collect();
     let count = |row: Row| {
@@ -158,7 +158,7 @@ pub fn safety(state: &State) -> Option<Violation> {
     None
 }
 
-/// The goal of progress (C3): every committed event stored and confirmed, or the relay
+/// The goal of progress (MC3): every committed event stored and confirmed, or the relay
 /// halted naming why (P8).
 pub fn goal(state: &State) -> bool {
     state.relay.halted.is_some()
@@ -179,7 +179,7 @@ pub struct Counterexample {
     pub fault_free_from: usize,
     /// For a loop: the step after which the run came back to the state it had.
     pub back_to: Option<usize>,
-    /// The numbered trace, in words (C4).
+    /// The numbered trace, in words (MC4).
     pub trace: String,
 }
 
@@ -244,12 +244,12 @@ fn fingerprint(state: &State) -> u64 {
     hasher.finish()
 }
 
-/// Explores every state of `model` (C1–C4).
+/// Explores every state of `model` (MC1–MC4).
 pub fn check(model: &Model) -> Report {
     check_with(model, Options::default())
 }
 
-/// Explores every state of `model` for the safety invariants alone (C1, C2, C4): a
+/// Explores every state of `model` for the safety invariants alone (MC1, MC2, MC4): a
 /// counterexample to safety behind a shorter one to progress.
 pub fn check_safety(model: &Model) -> Report {
     check_with(model, Options { progress: false })
@@ -258,7 +258,7 @@ pub fn check_safety(model: &Model) -> Report {
 /// What [`check_with`] checks.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
-    /// C3, progress (on by default).
+    /// MC3, progress (on by default).
     pub progress: bool,
 }
 
@@ -268,7 +268,7 @@ impl Default for Options {
     }
 }
 
-/// Explores every state of `model` as `options` say (C1–C4).
+/// Explores every state of `model` as `options` say (MC1–MC4).
 pub fn check_with(model: &Model, options: Options) -> Report {
     let check_progress = options.progress;
     let started = Instant::now();
@@ -320,11 +320,11 @@ pub fn check_with(model: &Model, options: Options) -> Report {
     report
 }
 
-/// C1's table: fingerprint -> (parent's fingerprint, action, depth).
+/// MC1's table: fingerprint -> (parent's fingerprint, action, depth).
 type Seen = HashMap<u64, (u64, Option<Action>, u32)>;
 
 /// Every state one step from `state` (fingerprint `fp`) counted as a transition, and those
-/// not seen before recorded with their parent and queued (C1).
+/// not seen before recorded with their parent and queued (MC1).
 fn expand(
     model: &Model,
     state: &State,
@@ -361,7 +361,7 @@ fn path_to(seen: &Seen, mut fp: u64) -> Vec<Action> {
     actions
 }
 
-/// C3's search: a memo of states whose every fault-free run reaches the goal.
+/// MC3's search: a memo of states whose every fault-free run reaches the goal.
 struct Progress<'m> {
     model: &'m Model,
     memo: HashSet<u64>,
@@ -381,7 +381,7 @@ impl<'m> Progress<'m> {
         }
     }
 
-    /// Whether every fault-free run from `state` reaches the goal (C3).
+    /// Whether every fault-free run from `state` reaches the goal (MC3).
     fn good(&mut self, state: &State, fp: u64) -> Result<(), Failure> {
         let mut path = Vec::new();
         let mut on_path = vec![fp];
@@ -417,7 +417,7 @@ impl<'m> Progress<'m> {
             let next_fp = fingerprint(&next);
             path.push(action);
             if let Some(at) = on_path.iter().position(|&f| f == next_fp) {
-                // A state on the search's own path: a cycle (C3).
+                // A state on the search's own path: a cycle (MC3).
                 let back_to = at.checked_sub(1);
                 return Err((Violation::Loop, path.clone(), back_to));
             }
@@ -435,7 +435,7 @@ impl<'m> Progress<'m> {
     }
 }
 
-/// Replays `actions` from the initial state into a numbered trace (C4).
+/// Replays `actions` from the initial state into a numbered trace (MC4).
 fn narrate(
     model: &Model,
     violation: Violation,
@@ -539,7 +539,7 @@ pub fn summary(state: &State) -> String {
     s
 }
 
-/// Finding F1 (issue 37's model checker, against [`Rules::BeforeFixes`]; fixed on main):
+/// Finding MF1 (issue 37's model checker, against [`Rules::BeforeFixes`]; fixed on main):
 /// after a Postgres restore, once the duplicate window has expired, an event of the current
 /// history that the stream holds is stored a second time. Two causes: the restored WAL end
 /// lay at or below the stream's tail (a lost history's message), so `sink::resume::plan`
@@ -552,7 +552,7 @@ pub fn summary(state: &State) -> String {
 /// and a window expiry.
 ///
 /// [`Rules::BeforeFixes`]: crate::Rules::BeforeFixes
-pub fn finding_f1(violation: &Violation, actions: &[Action]) -> bool {
+pub fn finding_mf1(violation: &Violation, actions: &[Action]) -> bool {
     matches!(violation, Violation::I6Twice { .. })
         && actions.contains(&Action::Expire)
         && actions.iter().any(|a| matches!(a, Action::Restore(_)))

@@ -26,7 +26,7 @@
 //! replayed with the relay's own words for each decision, and no dependency tree for a
 //! test (stateright brings an HTTP explorer, crossbeam, dashmap, parking_lot, serde). The
 //! explorer is 200 lines: a table of visited fingerprints with parent pointers, a queue,
-//! and a memoised depth-first search for progress ([`mod@check`] C1–C4).
+//! and a memoised depth-first search for progress ([`mod@check`] MC1–MC4).
 //!
 //! # Rules
 //! [`Rules::Current`] are main's rules (resume by seeking each replayed event in the stream's
@@ -42,25 +42,25 @@
 //! table (old S4), or through what the process saw acknowledged (old S2), and a fence that
 //! predicts one more sequence per publish, duplicate or not. [`Rules::NoRowCheckOld`] is the
 //! old rules without S4's row check. [`Rules::Without`] is the current rules without one
-//! of F1's two fixes ([`Fix`]). The checker must fail on each of these earlier or weakened
+//! of MF1's two fixes ([`Fix`]). The checker must fail on each of these earlier or weakened
 //! rule sets with the counterexample each is known for (mutation tests of the checker
 //! itself: `tests/check.rs`), and pass on the current rules.
 //!
-//! Two parts of the current rules are reached but not needed within the bounds: with F2's
+//! Two parts of the current rules are reached but not needed within the bounds: with MF2's
 //! walk gone (the seek), the current rules without the settle after a publish in doubt
-//! still pass at the CI bounds and in F2's world, and no session of the current rules ends
+//! still pass at the CI bounds and in MF2's world, and no session of the current rules ends
 //! with an error but a P8 halt (after which no session starts), so `failed_through` is set
 //! but never read. Neither is a mutation the checker can tell.
 //!
 //! # Findings, fixed on main
-//! - F1 ([`finding_f1`]): after a restore and a window expiry, an event of the current
+//! - MF1 ([`finding_mf1`]): after a restore and a window expiry, an event of the current
 //!   history the stream holds is stored twice. Two causes: a restored WAL end at or below the
 //!   stream's tail made `plan` compare nothing (`Distrust::BeyondWalEnd`; fixed in d2a8769:
 //!   such a tail is reported and still compared through), and the walk back stopped at a lost
 //!   history's message at a position the new history reuses, the aligned run then missing
 //!   the current history's messages (fixed in 30dd6ee: the walk has no commit-order stop and
 //!   each event is sought in the run, passing over what is not it).
-//! - F2: after a restore written past the old tail and a crash, a session loop (4
+//! - MF2: after a restore written past the old tail and a crash, a session loop (4
 //!   transactions): the last event in doubt is answered as a duplicate and the first event
 //!   past the doubt carries a fence that counted it (fixed in 109424d: the first publish after
 //!   one in doubt settles too).
@@ -89,10 +89,10 @@
 //! of the outbox id alone.
 //!
 //! # Invariants
-//! - W1–W4 ([`world`]): what the environment is and how the stream answers.
-//! - M1–M2 ([`model`]): steps are functions; faults are bounded, the relay's steps not.
-//! - R1–R3 ([`relay`]): what a session keeps, how it ends, the window and P15.
-//! - C1–C4 ([`mod@check`]): every state once; safety in each; progress from each; traces.
+//! - MW1–MW4 ([`world`]): what the environment is and how the stream answers.
+//! - MM1–MM2 ([`model`]): steps are functions; faults are bounded, the relay's steps not.
+//! - MR1–MR3 ([`relay`]): what a session keeps, how it ends, the window and P15.
+//! - MC1–MC4 ([`mod@check`]): every state once; safety in each; progress from each; traces.
 
 pub mod check;
 pub mod model;
@@ -100,7 +100,7 @@ pub mod relay;
 pub mod world;
 
 pub use check::{
-    check, check_safety, check_with, finding_f1, Counterexample, Options, Report, Violation,
+    check, check_safety, check_with, finding_mf1, Counterexample, Options, Report, Violation,
 };
 pub use model::{Action, Bounds, Model, State};
 
@@ -114,13 +114,13 @@ pub enum Rules {
     /// `failed_through`).
     Current,
     /// The rules the model was first written against (issue 37's rules, before the fixes of
-    /// findings F1 and F2): a tail beyond the WAL end compares nothing, the run is aligned
+    /// findings MF1 and MF2): a tail beyond the WAL end compares nothing, the run is aligned
     /// with the replay message by message after a walk back that stops at a message out of
     /// commit order, P15 settles only before an event in doubt, and no memory of a failed
-    /// session. The checker must find F1 and F2 on them.
+    /// session. The checker must find MF1 and MF2 on them.
     BeforeFixes,
-    /// [`Rules::Current`] without one fix of finding F1 (a mutation: the checker must find
-    /// F1 on each).
+    /// [`Rules::Current`] without one fix of finding MF1 (a mutation: the checker must find
+    /// MF1 on each).
     Without(Fix),
     /// The rules of 739aa4d: the tail's row checked against the table (old S4), the
     /// process's memory of what was acknowledged (old S2), the fence always advancing.
@@ -129,7 +129,7 @@ pub enum Rules {
     NoRowCheckOld,
 }
 
-/// A fix of finding F1 on main, for [`Rules::Without`].
+/// A fix of finding MF1 on main, for [`Rules::Without`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fix {
     /// d2a8769: a tail at or beyond the WAL end is still compared through (before, `plan`
@@ -149,7 +149,7 @@ impl Rules {
         )
     }
 
-    /// Whether these rules are main's rules, but for at most one fix of F1.
+    /// Whether these rules are main's rules, but for at most one fix of MF1.
     pub fn current(self) -> bool {
         matches!(self, Rules::Current | Rules::Without(_))
     }

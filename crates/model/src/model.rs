@@ -3,9 +3,9 @@
 //! crash of the relay) and the relay's ([`crate::relay`]).
 //!
 //! # Invariants
-//! - M1 [`Model::step`] is a function of the state and the action: a trace replays to the
+//! - MM1 [`Model::step`] is a function of the state and the action: a trace replays to the
 //!   same states, which is how counterexamples are printed.
-//! - M2 Faults are bounded by [`Bounds`] and counted down in the state ([`Left`]); the
+//! - MM2 Faults are bounded by [`Bounds`] and counted down in the state ([`Left`]); the
 //!   relay's own steps ([`Action::is_relay`]) are never bounded: a state space is finite
 //!   because every fault-free run of the relay ends (or the checker says it does not).
 
@@ -68,7 +68,7 @@ impl Bounds {
     }
 
     /// `OUTBOX_MODEL_DEEP=1`'s second run: 4 transactions and 2 crashes, no restore (4
-    /// transactions with a restore are checked only in F2's smaller world, `tests/check.rs`).
+    /// transactions with a restore are checked only in MF2's smaller world, `tests/check.rs`).
     pub fn deep_without_restore() -> Bounds {
         Bounds {
             transactions: 4,
@@ -94,7 +94,7 @@ impl Bounds {
     }
 }
 
-/// Faults and transactions still allowed (M2).
+/// Faults and transactions still allowed (MM2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Left {
     /// Transactions.

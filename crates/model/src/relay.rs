@@ -14,16 +14,16 @@
 //! holds the state and calls down into this module, never the other way.
 //!
 //! # Invariants
-//! - R1 A session starts from the slot's confirmed position with a fresh tracker, and skips
+//! - MR1 A session starts from the slot's confirmed position with a fresh tracker, and skips
 //!   nothing on an earlier session's word (S2). In [`Rules::Current`] the process remembers
 //!   the newest event a session that ended with an error published (`failed_through`), which
 //!   only widens the next sessions' doubt (S6); a crash loses it, a Postgres restore keeps
 //!   it (and records nothing: the session's sink is aborted). [`Rules::OldTableCheck`] and
 //!   [`Rules::NoRowCheckOld`] keep old S2's memory of what the process saw acknowledged,
 //!   lost when the process crashes.
-//! - R2 A session ends (its in-flight publishes landing or not) on a refusal, a P8 halt, a
+//! - MR2 A session ends (its in-flight publishes landing or not) on a refusal, a P8 halt, a
 //!   crash or a Postgres restore; a halt stops the relay for good (`PoisonPolicy::Halt`).
-//! - R3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] and
+//! - MR3 At most `window` publishes are unanswered (P2); in [`Rules::Current`] and
 //!   [`Rules::BeforeFixes`] an event in doubt waits for every earlier answer (P15), and in
 //!   [`Rules::Current`] so does the first publish after one in doubt.
 
@@ -99,7 +99,7 @@ pub struct Session {
 
 impl Session {
     /// A session fenced at `fence` that replays from the slot's confirmed position with a
-    /// fresh tracker (R1), skipping and comparing nothing yet.
+    /// fresh tracker (MR1), skipping and comparing nothing yet.
     fn fresh(fence: u64, pg: &Pg) -> Session {
         Session {
             start: fence,
@@ -185,7 +185,7 @@ impl Relay {
         true
     }
 
-    /// The session ends (R2): the first `landed` in-flight publishes reach the server (their
+    /// The session ends (MR2): the first `landed` in-flight publishes reach the server (their
     /// answers unread), the rest never do.
     pub fn end_session(&mut self, stream: &mut Stream, landed: usize, log: &mut Option<String>) {
         let Some(session) = self.session.take() else {
@@ -800,7 +800,7 @@ fn old_walks_past(
 /// `sequence` must be `row`'s event by `Claim::is_row`. `Err(Some(halt))` when it is not.
 fn p8(stream: &Stream, sequence: u64, row: Row) -> Result<(), Option<Halt>> {
     let Some(original) = stream.at(sequence) else {
-        // Gone from the stream: nothing to check (cannot happen: W4).
+        // Gone from the stream: nothing to check (cannot happen: MW4).
         return Ok(());
     };
     let mark: Mark = mark_of(original);

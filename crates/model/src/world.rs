@@ -3,18 +3,18 @@
 //! decision of the relay is taken by the relay's own code ([`crate::relay`]).
 //!
 //! # Invariants
-//! - W1 The WAL holds committed transactions only, in commit order, each of 1–2 events at
+//! - MW1 The WAL holds committed transactions only, in commit order, each of 1–2 events at
 //!   increasing LSNs; a rolled-back transaction takes ids and a `created_at` tick, and never
 //!   reaches the WAL ([`crate::model::State::rolled_back`]).
-//! - W2 A row is identified by its outbox id and `created_at` ([`Row`]): the clock never
+//! - MW2 A row is identified by its outbox id and `created_at` ([`Row`]): the clock never
 //!   rewinds, so a row written after a restore (reused id, reused LSN) is another row, with
 //!   another ordering key, as the real `created_at` makes it.
-//! - W3 The stream answers a publish as nats-server does: a `Nats-Msg-Id` in the duplicate
+//! - MW3 The stream answers a publish as nats-server does: a `Nats-Msg-Id` in the duplicate
 //!   window is a duplicate (naming the original's sequence) whatever the fence says;
 //!   otherwise `Nats-Expected-Last-Msg-Id` and `Nats-Expected-Last-Sequence` must match the
 //!   stream's last message and sequence, or the publish is refused; otherwise it is stored
 //!   at the next sequence. A duplicate consumes no sequence.
-//! - W4 The stream is append-only (no purge, no limits): a message read back at a sequence
+//! - MW4 The stream is append-only (no purge, no limits): a message read back at a sequence
 //!   is what was stored there.
 
 use std::collections::BTreeMap;
@@ -30,7 +30,7 @@ pub const SOURCE: &str = "7301/1/app/slot";
 /// `created_at` of clock tick 0, in ms.
 pub const BASE_MS: i64 = 1_700_000_000_000;
 
-/// An outbox row: its id and the clock tick of its transaction (W2).
+/// An outbox row: its id and the clock tick of its transaction (MW2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Row {
     /// The outbox id (the table's sequence).
@@ -76,7 +76,7 @@ impl Txn {
 /// Postgres: the WAL, the table, the slot. A cold backup is a copy of it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pg {
-    /// Committed transactions, in commit order (W1).
+    /// Committed transactions, in commit order (MW1).
     pub wal: Vec<Txn>,
     /// The WAL end (`IDENTIFY_SYSTEM`'s position): the next commit's LSN.
     pub next_lsn: u64,
@@ -144,7 +144,7 @@ pub struct Publish {
     pub expect_last: Option<i64>,
 }
 
-/// JetStream's answer to a publish (W3).
+/// JetStream's answer to a publish (MW3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Answer {
     /// Stored at this sequence.
@@ -171,7 +171,7 @@ impl fmt::Display for Answer {
 /// The JetStream stream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Stream {
-    /// Its messages; sequence n is `messages[n - 1]` (W4).
+    /// Its messages; sequence n is `messages[n - 1]` (MW4).
     pub messages: Vec<Msg>,
     /// The duplicate window: message ids stored since the window last expired, and their
     /// sequences. `Nats-Msg-Id` is `order.created:order-{id}:{id}`, a function of the
@@ -199,7 +199,7 @@ impl Stream {
             .ok_or_else(|| "no message found".to_owned())
     }
 
-    /// nats-server's answer to `publish` (W3), applied to the stream.
+    /// nats-server's answer to `publish` (MW3), applied to the stream.
     pub fn answer(&mut self, publish: &Publish) -> Answer {
         if let Some(&original) = self.window.get(&publish.row.id) {
             return Answer::Duplicate(original);
@@ -275,7 +275,7 @@ mod tests {
         }
     }
 
-    /// W3: a duplicate is answered as such whatever the fence says, and consumes no
+    /// MW3: a duplicate is answered as such whatever the fence says, and consumes no
     /// sequence; a wrong fence is refused; otherwise stored.
     #[test]
     fn the_stream_answers_as_nats_server_does() {

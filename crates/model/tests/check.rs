@@ -1,11 +1,11 @@
 //! The model checker on main's rules (it must pass) and on earlier rules (it must fail, with
 //! the counterexample each is known for: mutation tests of the checker): the rules before
-//! the fixes of findings F1 and F2, and the rules before issue 37.
+//! the fixes of findings MF1 and MF2, and the rules before issue 37.
 //!
 //! `OUTBOX_MODEL_DEEP=1` checks the current rules at larger bounds.
 
 use outbox_model::{
-    check, check_safety, finding_f1, Action, Bounds, Fix, Model, Report, Rules, Violation,
+    check, check_safety, finding_mf1, Action, Bounds, Fix, Model, Report, Rules, Violation,
 };
 
 fn run(rules: Rules, bounds: Bounds) -> Report {
@@ -69,54 +69,54 @@ fn the_current_rules_keep_every_invariant_and_always_progress() {
     }
 }
 
-/// F1's world: 2 transactions of 1 event, a backup and its restore, a window expiry.
-fn f1_bounds() -> Bounds {
+/// MF1's world: 2 transactions of 1 event, a backup and its restore, a window expiry.
+fn mf1_bounds() -> Bounds {
     only(|b| {
         b.restores = 1;
         b.expiries = 1;
     })
 }
 
-/// Finding F1 on the rules before its fixes (a mutation test of the checker): after a
+/// Finding MF1 on the rules before its fixes (a mutation test of the checker): after a
 /// restore past the stream's tail and a window expiry, an event of the current history the
 /// stream holds is stored twice (the tail beyond the WAL end compared nothing).
 #[test]
-fn the_rules_before_the_fixes_store_an_event_twice_after_a_restore_finding_f1() {
-    let report = check_safety(&Model::new(Rules::BeforeFixes, f1_bounds()));
+fn the_rules_before_the_fixes_store_an_event_twice_after_a_restore_finding_mf1() {
+    let report = check_safety(&Model::new(Rules::BeforeFixes, mf1_bounds()));
     eprintln!("{report}");
     let found = report
         .counterexample
         .expect("the rules before the fixes must store an event twice");
-    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+    assert!(finding_mf1(&found.violation, &found.actions), "{found}");
     assert!(found.trace.contains("BeyondWalEnd"), "{found}");
 }
 
-/// F1 is fixed: in F1's world, the current rules store every event once and progress.
+/// MF1 is fixed: in MF1's world, the current rules store every event once and progress.
 #[test]
 fn the_current_rules_store_once_after_a_restore_and_the_window() {
-    passes(&run(Rules::Current, f1_bounds()));
+    passes(&run(Rules::Current, mf1_bounds()));
 }
 
-/// F1's first cause alone (a mutation: main's rules without d2a8769): a tail beyond the
+/// MF1's first cause alone (a mutation: main's rules without d2a8769): a tail beyond the
 /// restored WAL end gives nothing to compare through, and the replay is stored again after
 /// the window.
 #[test]
 fn without_comparing_beyond_the_wal_end_the_checker_finds_f1() {
     let report = check_safety(&Model::new(
         Rules::Without(Fix::CompareBeyondWalEnd),
-        f1_bounds(),
+        mf1_bounds(),
     ));
     eprintln!("{report}");
     let found = report
         .counterexample
-        .expect("F1's first cause must be found");
-    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+        .expect("MF1's first cause must be found");
+    assert!(finding_mf1(&found.violation, &found.actions), "{found}");
     assert!(found.trace.contains("BeyondWalEnd"), "{found}");
 }
 
-/// F1's second cause's world: 3 transactions of 1 event, a crash, a backup and its restore,
+/// MF1's second cause's world: 3 transactions of 1 event, a crash, a backup and its restore,
 /// a window expiry.
-fn f1_walk_bounds() -> Bounds {
+fn mf1_walk_bounds() -> Bounds {
     only(|b| {
         b.transactions = 3;
         b.crashes = 1;
@@ -125,19 +125,19 @@ fn f1_walk_bounds() -> Bounds {
     })
 }
 
-/// F1's second cause alone (a mutation: main's rules without 30dd6ee): after a restore
+/// MF1's second cause alone (a mutation: main's rules without 30dd6ee): after a restore
 /// written past the old tail and a crash, the walk back from the tail stops at the lost
 /// history's message at the tail's LSN, the aligned run misses the current history's earlier
 /// message, and it is stored again after the window, though the session compares through
 /// the tail.
 #[test]
 fn without_the_seek_the_checker_finds_f1() {
-    let report = check_safety(&Model::new(Rules::Without(Fix::Seek), f1_walk_bounds()));
+    let report = check_safety(&Model::new(Rules::Without(Fix::Seek), mf1_walk_bounds()));
     eprintln!("{report}");
     let found = report
         .counterexample
-        .expect("F1's second cause must be found");
-    assert!(finding_f1(&found.violation, &found.actions), "{found}");
+        .expect("MF1's second cause must be found");
+    assert!(finding_mf1(&found.violation, &found.actions), "{found}");
     let last_start = found
         .trace
         .lines()
@@ -147,7 +147,7 @@ fn without_the_seek_the_checker_finds_f1() {
         !last_start.contains("compare through -"),
         "the session compares: {found}"
     );
-    passes(&run(Rules::Current, f1_walk_bounds()));
+    passes(&run(Rules::Current, mf1_walk_bounds()));
 }
 
 /// Bounds with only the faults named.
@@ -241,9 +241,9 @@ fn the_old_rules_without_the_row_check_skip_after_a_restore() {
     assert!(run(Rules::Current, bounds).counterexample.is_none());
 }
 
-/// Finding F2's world: 4 transactions of up to 2 events (one rolled back, so the new rows
+/// Finding MF2's world: 4 transactions of up to 2 events (one rolled back, so the new rows
 /// after the restore do not reuse the lost history's ids), a crash, a backup and its restore.
-fn f2_bounds() -> Bounds {
+fn mf2_bounds() -> Bounds {
     only(|b| {
         b.transactions = 4;
         b.max_events = 2;
@@ -253,14 +253,14 @@ fn f2_bounds() -> Bounds {
     })
 }
 
-/// Finding F2 on the rules before its fixes (a mutation test of the checker): after a
+/// Finding MF2 on the rules before its fixes (a mutation test of the checker): after a
 /// restore written past the old tail and a crash, a session replays events the stream holds
 /// outside its (aligned) run in doubt (S6), the last of them is answered as a duplicate, and
 /// the first event past the doubt carries a fence that counted it: refused, and the next
 /// session does the same (a loop).
 #[test]
-fn the_rules_before_the_fixes_loop_after_a_restore_finding_f2() {
-    let report = run(Rules::BeforeFixes, f2_bounds());
+fn the_rules_before_the_fixes_loop_after_a_restore_finding_mf2() {
+    let report = run(Rules::BeforeFixes, mf2_bounds());
     let found = report
         .counterexample
         .expect("the rules before the fixes must loop");
@@ -273,7 +273,7 @@ fn the_rules_before_the_fixes_loop_after_a_restore_finding_f2() {
     );
     assert!(
         !found.actions.contains(&Action::Expire),
-        "F2 needs no window expiry: {found}"
+        "MF2 needs no window expiry: {found}"
     );
     assert!(
         found.trace.contains("refused: wrong last sequence"),
@@ -281,9 +281,9 @@ fn the_rules_before_the_fixes_loop_after_a_restore_finding_f2() {
     );
 }
 
-/// F2 is fixed: in F2's world, every fault-free run after a restore and a crash ends with
+/// MF2 is fixed: in MF2's world, every fault-free run after a restore and a crash ends with
 /// every event stored and confirmed, and nothing is stored twice.
 #[test]
 fn the_current_rules_progress_after_a_restore_and_a_crash() {
-    passes(&run(Rules::Current, f2_bounds()));
+    passes(&run(Rules::Current, mf2_bounds()));
 }

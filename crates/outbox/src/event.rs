@@ -717,7 +717,7 @@ impl EventBuilder {
     }
 }
 
-/// A creation time's exact milliseconds (T1): `timestamptz` text, or `timestamp` text read
+/// A creation time's exact milliseconds (TS1): `timestamptz` text, or `timestamp` text read
 /// as UTC.
 fn created_at_ms(kind: TimeKind, text: &[u8]) -> Result<i64, EventErrorKind> {
     let micros = match (kind, text) {

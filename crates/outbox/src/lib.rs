@@ -6,8 +6,8 @@
 //! # Invariants
 //! - K1–K3 ([`keys`]): keys and shard are byte-identical to the seed's `compute_keys` and
 //!   `shard_for_key`, for every vector in `shared/seed/key-vectors.json`.
-//! - T1–T2 ([`timestamp`]): `created_at` milliseconds are exact integers.
-//! - S1–S2 ([`subject`]): the subject token escaping is injective and NATS-safe.
+//! - TS1–TS2 ([`timestamp`]): `created_at` milliseconds are exact integers.
+//! - SUB1–SUB2 ([`subject`]): the subject token escaping is injective and NATS-safe.
 //! - SRC1–SRC2 ([`source`]): the `Outbox-Source` value names the WAL history (cluster,
 //!   timeline, database, slot) and is header-safe.
 //! - D1–D7 ([`framer`]): replication messages become events and transaction boundaries in

@@ -10,9 +10,9 @@
 //! - every other byte, including UTF-8 multi-byte sequences, is kept as is.
 //!
 //! # Invariants
-//! - S1 Injective: distinct event types give distinct tokens (`%` only ever appears as an
+//! - SUB1 Injective: distinct event types give distinct tokens (`%` only ever appears as an
 //!   escape, and a lone `%` only for the empty string), so [`unescape_token`] inverts it.
-//! - S2 A token is never empty and never contains `.`, `*`, `>` or whitespace.
+//! - SUB2 A token is never empty and never contains `.`, `*`, `>` or whitespace.
 
 use std::fmt::Write as _;
 

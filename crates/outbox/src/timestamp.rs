@@ -6,10 +6,10 @@
 //! accepted too, so the result does not depend on the session's time zone at all.
 //!
 //! # Invariants
-//! - T1 Integer arithmetic only: microseconds are exact, and milliseconds are their floor
+//! - TS1 Integer arithmetic only: microseconds are exact, and milliseconds are their floor
 //!   (`div_euclid`), also before 1970, where the seed's float expression would round
 //!   toward zero instead.
-//! - T2 Total: any input yields a value or a [`TimestampError`]; `infinity` is an error (no
+//! - TS2 Total: any input yields a value or a [`TimestampError`]; `infinity` is an error (no
 //!   key can be derived from it).
 
 /// Microseconds since 1970-01-01 00:00:00 UTC. `i128`, because Postgres' latest

@@ -11,11 +11,17 @@
 //! - [`observe`]: logging, metrics, health. Uses `config`, `error`.
 //! - [`connect`]: the NATS and Postgres connections a configuration describes, and what a
 //!   sink publishes with. Uses `config`, `error`.
-//! - [`process`]: the streaming process ([`run`]): sessions, lease, bootstrap checks,
-//!   backfill, the identity watch, monitor, heartbeats, marking, retention. Uses the rooms
-//!   above.
-//! - [`commands`]: what users run once (`status`, `verify`, `replay`), over the process's
-//!   pieces. Uses every other room; none uses it.
+//! - [`postgres`]: the Postgres server outside the replication stream: its checks
+//!   (`wal_level`, table, publication, slot), the rows the relay reads, the slot's boundary,
+//!   the lease, one rendering of its errors. Uses `config`, `error`, `observe`.
+//! - [`stream`]: the JetStream stream's settings and policy, atomic and fast-ingest support.
+//!   Uses `config`, `error`, `observe`.
+//! - [`setup`]: what must exist and hold on both servers before a slot is streamed, the
+//!   backfill at slot creation included. Uses the rooms above.
+//! - [`process`]: the streaming process ([`run`]): sessions, the identity watch, monitor,
+//!   heartbeats, marking, retention. Uses the rooms above.
+//! - [`commands`]: what users run once (`status`, `verify`, `replay`, `backfill`, `init`),
+//!   over the server rooms and `setup`. Never uses `process`; nothing uses it.
 //!
 //! The binary (`main.rs`) holds the command line and dispatches to `process` and
 //! `commands`. Framing replication messages into events is `outbox::framer`'s; the resume
@@ -30,7 +36,10 @@ pub mod config;
 pub mod connect;
 pub mod error;
 pub mod observe;
+pub mod postgres;
 pub mod process;
+pub mod setup;
+pub mod stream;
 
 pub use config::Config;
 pub use error::RelayError;

@@ -348,7 +348,7 @@ fn status(
     ExitCode::from(status.exit_code)
 }
 
-/// `outbox-relay verify`: the report on stdout, its exit status (V5).
+/// `outbox-relay verify`: the report on stdout, its exit status (VER5).
 fn verify(
     runtime: &tokio::runtime::Runtime,
     config: &Config,
@@ -415,7 +415,7 @@ fn process(
 ) -> ExitCode {
     let result = runtime.block_on(async move {
         match subcommand {
-            "init" => outbox_relay::process::pipeline::init(&config, false).await.map(|slot| {
+            "init" => outbox_relay::commands::init::run(&config).await.map(|slot| {
                 info!(confirmed_flush_lsn = %slot.confirmed_flush_lsn, "publication, slot and stream are ready");
             }),
             "backfill" => backfill(&config, sub_matches).await,
@@ -445,7 +445,7 @@ async fn backfill(
     config: &Config,
     sub_matches: &clap::ArgMatches,
 ) -> outbox_relay::error::Result<()> {
-    let filter = outbox_relay::process::backfill::Filter {
+    let filter = outbox_relay::commands::backfill::Filter {
         pending_only: false,
         from_id: sub_matches.get_one::<String>("from-id").cloned(),
         to_id: sub_matches.get_one::<String>("to-id").cloned(),
@@ -453,7 +453,7 @@ async fn backfill(
         until: sub_matches.get_one::<String>("until").cloned(),
     };
     let force = sub_matches.get_flag("force");
-    outbox_relay::process::backfill::range(config, &filter, force).await.map(|report| {
+    outbox_relay::commands::backfill::range(config, &filter, force).await.map(|report| {
         info!(read = report.read, published = report.published, duplicates = report.duplicates, "backfill done");
         println!(
             "backfill: {} rows read, {} published, {} dropped by JetStream as duplicates (already in the stream within its duplicate window)",

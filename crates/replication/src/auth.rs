@@ -5,12 +5,12 @@
 //! server's requests before tokio-postgres sees it.
 //!
 //! # Invariants
-//! - A1 A request the policy refuses is refused before anything is sent in reply: no
+//! - AU1 A request the policy refuses is refused before anything is sent in reply: no
 //!   password, hash or SCRAM message goes out for a method `require_auth` excludes, and with
 //!   `channel_binding=require` nothing goes out unless the connection is TLS with a
 //!   certificate that has a `tls-server-end-point` hash and the server offers
 //!   SCRAM-SHA-256-PLUS (so a cleartext, md5, plain SCRAM or passwordless downgrade fails).
-//! - A2 After SCRAM started, AuthenticationOk counts only once the server proved it knows
+//! - AU2 After SCRAM started, AuthenticationOk counts only once the server proved it knows
 //!   the password (SASLFinal verified): a server that skips the proof is refused.
 
 use std::io;
@@ -84,7 +84,7 @@ impl AuthCheck {
         })
     }
 
-    /// Checks one request of the server before the client answers it (A1, A2).
+    /// Checks one request of the server before the client answers it (AU1, AU2).
     pub(crate) fn on_request(&mut self, request: &Authentication) -> Result<(), Error> {
         match request {
             Authentication::Ok => {
@@ -193,7 +193,7 @@ fn method_description(method: AuthMethod) -> &'static str {
 }
 
 /// A stream that reads the server's authentication requests on their way to
-/// tokio-postgres and applies an [`AuthCheck`] to each (A1): a refused request never
+/// tokio-postgres and applies an [`AuthCheck`] to each (AU1): a refused request never
 /// reaches tokio-postgres, which fails with an I/O error; the refusal itself is left in the
 /// shared slot for the caller to report. After AuthenticationOk it only passes bytes on.
 pub(crate) struct AuthGuard<S> {
@@ -350,7 +350,7 @@ mod tests {
             .unwrap();
         ok.on_request(&Authentication::SaslContinue(Bytes::new()))
             .unwrap();
-        // A2: Ok without the server's proof is refused.
+        // AU2: Ok without the server's proof is refused.
         let error = ok.on_request(&Authentication::Ok).unwrap_err();
         assert!(error.to_string().contains("without proving"), "{error}");
         ok.on_request(&Authentication::SaslFinal(Bytes::new()))

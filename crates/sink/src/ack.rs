@@ -9,9 +9,9 @@
 //! proposal 4).
 //!
 //! # Invariants
-//! - K1 Total: any bytes give `Ok` or `Err`, never a panic; nesting is bounded
+//! - AK1 Total: any bytes give `Ok` or `Err`, never a panic; nesting is bounded
 //!   ([`MAX_DEPTH`]), so no input can exhaust the stack.
-//! - K2 It reads what async-nats 0.51 reads, as strictly: an `"error"` member (not `null`)
+//! - AK2 It reads what async-nats 0.51 reads, as strictly: an `"error"` member (not `null`)
 //!   makes the answer an error whatever else it holds (the untagged enum tries that variant
 //!   first); otherwise `"stream"` (a string) and `"seq"` (an integer in `u64`) are
 //!   required, `"duplicate"` is a boolean defaulting to `false`, and unknown members are
@@ -19,7 +19,7 @@
 //!   whitespace around it. A unit proptest checks the two readers agree. One liberty:
 //!   serde also reads a struct written as an array (`"error":[400,10071,"…"]`), which no
 //!   server sends; this reader refuses it, which fails the publish (P1: never confirmed).
-//! - K3 Errors are classified as async-nats 0.51's `PublishAckFuture` classifies them, so
+//! - AK3 Errors are classified as async-nats 0.51's `PublishAckFuture` classifies them, so
 //!   [`crate::SinkError`]'s `is_fence_refusal`, `poison_id` and `advice` see what they saw:
 //!   the 503 no-responders status is `StreamNotFound`; err_code 10071 `WrongLastSequence`,
 //!   10070 `WrongLastMessageId`, any other `Other`, each with async-nats's
@@ -89,7 +89,7 @@ impl fmt::Display for ParseError {
 
 impl std::error::Error for ParseError {}
 
-/// The answer to a publish, classified as async-nats classifies it (K3).
+/// The answer to a publish, classified as async-nats classifies it (AK3).
 pub fn read(message: &async_nats::Message) -> Result<PubAck<'_>, PublishError> {
     read_parts(message.status.map(|s| s.as_u16()), &message.payload)
 }
@@ -108,7 +108,7 @@ pub fn read_parts(status: Option<u16>, payload: &[u8]) -> Result<PubAck<'_>, Pub
 }
 
 impl ApiError {
-    /// The error async-nats's `PublishAckFuture` gives for this answer (K3).
+    /// The error async-nats's `PublishAckFuture` gives for this answer (AK3).
     pub fn into_publish_error(self) -> PublishError {
         let (code, err_code) = (self.code, self.err_code);
         let json = serde_json::json!({
@@ -136,7 +136,7 @@ impl ApiError {
     }
 }
 
-/// Reads a JetStream publish answer's JSON (K1, K2).
+/// Reads a JetStream publish answer's JSON (AK1, AK2).
 pub fn parse(input: &[u8]) -> Result<Reply<'_>, ParseError> {
     let mut parser = Parser { input, at: 0 };
     let mut stream = Field::Absent;
@@ -192,7 +192,7 @@ pub fn parse(input: &[u8]) -> Result<Reply<'_>, ParseError> {
 }
 
 /// A member's value, as serde's untagged enum sees it: a member of the wrong type does not
-/// make the answer unreadable until the variant that needs it is tried (K2).
+/// make the answer unreadable until the variant that needs it is tried (AK2).
 #[derive(Debug)]
 enum Field<T> {
     Absent,
@@ -537,7 +537,7 @@ impl<'a> Parser<'a> {
     }
 
     /// Any JSON value, checked for its grammar and dropped; `depth` counts the enclosing
-    /// objects and arrays (K1).
+    /// objects and arrays (AK1).
     fn skip_value(&mut self, depth: usize) -> Result<(), ParseError> {
         if depth >= MAX_DEPTH {
             return Err(self.expected("less nesting"));
@@ -631,7 +631,7 @@ mod tests {
         );
     }
 
-    /// K3: the kinds async-nats gave, with its error (and its words) as the source.
+    /// AK3: the kinds async-nats gave, with its error (and its words) as the source.
     #[test]
     fn classifies_as_async_nats_does() {
         let kind = |payload, status| read(&message(payload, status)).unwrap_err().kind();
@@ -830,7 +830,7 @@ mod tests {
             proptest::option::of(member(string_value().boxed())),
             proptest::option::of(member(any::<u64>().prop_map(|n| n.to_string()).boxed())),
             proptest::option::of(member(any::<bool>().prop_map(|b| b.to_string()).boxed())),
-            // Not an array: serde reads one positionally as the error (K2's one liberty).
+            // Not an array: serde reads one positionally as the error (AK2's one liberty).
             proptest::option::of(prop_oneof![
                 4 => error_value(),
                 1 => any_value().prop_filter("no array", |v| !v.starts_with('[')).boxed(),
@@ -870,7 +870,7 @@ mod tests {
     }
 
     proptest! {
-        /// K2: the hand-written reader and async-nats's serde reading agree on every answer.
+        /// AK2: the hand-written reader and async-nats's serde reading agree on every answer.
         #[test]
         fn agrees_with_serde(text in answer()) {
             let theirs = serde_json::from_str::<Response<PublishAck>>(&text);
@@ -898,13 +898,13 @@ mod tests {
             }
         }
 
-        /// K1: whatever the bytes, an answer or an error, never a panic.
+        /// AK1: whatever the bytes, an answer or an error, never a panic.
         #[test]
         fn total_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = parse(&bytes);
         }
 
-        /// K1 on near-misses: every prefix and every one-byte change of a real answer.
+        /// AK1 on near-misses: every prefix and every one-byte change of a real answer.
         #[test]
         fn total_on_mangled_answers(which in 0usize..5, at in any::<usize>(), byte in any::<u8>()) {
             let text = [STORED, DUPLICATE, WRONG_LAST_SEQUENCE, WRONG_LAST_MSG_ID, TOO_LARGE][which];

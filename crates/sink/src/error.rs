@@ -1,6 +1,6 @@
 //! Why a sink stops ([`SinkError`]), and what an event's or a server's refusal means:
 //! [`PoisonKind`] (an event JetStream will never store: the poison policy decides) and
-//! [`Refusal`] (the server refuses the publishing connection for good, C7). A leaf beside
+//! [`Refusal`] (the server refuses the publishing connection for good, CN7). A leaf beside
 //! [`crate::conn`] and [`crate::publisher`], which both return these.
 
 use async_nats::jetstream::context::PublishErrorKind;
@@ -25,7 +25,7 @@ pub enum SinkError {
     Ack {
         /// The outbox row id.
         id: outbox::EventId,
-        /// The server's answer, classified as async-nats classifies it (K3), or a timeout.
+        /// The server's answer, classified as async-nats classifies it (AK3), or a timeout.
         source: async_nats::jetstream::context::PublishError,
     },
     /// An event JetStream can never accept, under [`PoisonPolicy::Halt`] (or whose
@@ -58,10 +58,10 @@ pub enum SinkError {
         /// What async-nats reported.
         source: async_nats::jetstream::stream::RawMessageError,
     },
-    /// The session's publishing connection could not be opened (C1, C2).
+    /// The session's publishing connection could not be opened (CN1, CN2).
     #[error("cannot open the publishing connection to NATS: {0}")]
     Connect(String),
-    /// The server refused the publishing connection's subscription to its replies (C2): a
+    /// The server refused the publishing connection's subscription to its replies (CN2): a
     /// permission the NATS user lacks.
     #[error("the NATS server refused the subscription to {subject}, where the publish acks arrive: {why}")]
     SubscriptionRefused {
@@ -71,7 +71,7 @@ pub enum SinkError {
         why: String,
     },
     /// The session's publishing connection failed or the server closed it before the event
-    /// was acknowledged (C3, C4).
+    /// was acknowledged (CN3, CN4).
     #[error("the publishing connection to NATS closed before outbox event id={id} was acknowledged: {why}")]
     Closed {
         /// The outbox row id.
@@ -80,13 +80,13 @@ pub enum SinkError {
         why: String,
     },
     /// The session's publishing connection failed or the server closed it while the acker
-    /// awaited no answer (C3, C4): the session ends now, not at its next publish.
+    /// awaited no answer (CN3, CN4): the session ends now, not at its next publish.
     #[error("the publishing connection to NATS closed: {0}")]
     Disconnected(String),
     /// A bug: the items violated the Begin/Event/Commit protocol.
     #[error("replication items out of protocol: {0}")]
     Protocol(#[from] TrackerError),
-    /// The server refused the publishing connection for good (C7): a credential it does not
+    /// The server refused the publishing connection for good (CN7): a credential it does not
     /// accept, or no header support.
     #[error("the NATS server refuses the publishing connection: {why}")]
     Refused {
@@ -106,7 +106,7 @@ pub enum SinkError {
         /// The server's words.
         why: String,
     },
-    /// The server went into lame-duck mode (C6, P12): everything published was
+    /// The server went into lame-duck mode (CN6, P12): everything published was
     /// acknowledged; the next session dials another server. Not a failure.
     #[error("the NATS server {server} is in lame-duck mode: the session ended after its acknowledgements, the next one dials another server")]
     LameDuck {
@@ -115,7 +115,7 @@ pub enum SinkError {
     },
 }
 
-/// What the server refused for good (C7).
+/// What the server refused for good (CN7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     /// The credential: refused, timed out, expired or revoked.

@@ -12,7 +12,7 @@
 //! - B1–B6 ([`batch`]): with atomic transactions, each transaction is one JetStream atomic
 //!   batch (split at the server's limit), committed only at its end, fenced by its first
 //!   message, acknowledged by its commit's answer alone.
-//! - K1–K3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
+//! - AK1–AK3 ([`ack`]): JetStream's answers are read totally, as async-nats reads them, and
 //!   classified as it classifies them.
 //! - S1–S6 ([`resume`]): a replayed event is skipped only when the stream holds it at its
 //!   place, compared message by message (not by the table, which outbox users empty); the
@@ -23,10 +23,10 @@
 //! - M1–M3 ([`message`]): no row value can hide a header; sizes are known before
 //!   publishing; dead-letter records are cut to fit.
 //! - L1–L3 ([`latency`]): what the acker times, once per transaction or run of events.
-//! - W1–W5 ([`wire`]): the NATS protocol's framing is read totally and zero-copy; a prefix
+//! - WIRE1–WIRE5 ([`wire`]): the NATS protocol's framing is read totally and zero-copy; a prefix
 //!   of an operation is incomplete, never invalid, and invalid is final; `HPUB`'s sizes are
 //!   the real ones.
-//! - C1–C9 ([`conn`]): the publishing connection speaks every authentication and TLS mode
+//! - CN1–CN9 ([`conn`]): the publishing connection speaks every authentication and TLS mode
 //!   the relay is configured with, is subscribed before it publishes, is never re-used
 //!   after it fails, applies every `INFO` (the account's `max_payload`, lame-duck mode,
 //!   `connect_urls`), reads each `-ERR` as nats-server means it, and dials every address.

@@ -11,24 +11,24 @@
 //! blank it puts after INFO's JSON.
 //!
 //! # Invariants
-//! - W1 Total: any bytes and any limits give an [`Parsed::Op`], [`Parsed::Incomplete`] or
+//! - WIRE1 Total: any bytes and any limits give an [`Parsed::Op`], [`Parsed::Incomplete`] or
 //!   [`Parsed::Invalid`], never a panic; an operation's consumed length is its whole frame,
 //!   at least 1 and at most `buf.len()`.
-//! - W2 Incomplete is not invalid, and neither is ever undone: what a buffer gives is
+//! - WIRE2 Incomplete is not invalid, and neither is ever undone: what a buffer gives is
 //!   either `Incomplete` or exactly what the buffer gives with any bytes appended. So every
 //!   proper prefix of a valid operation is `Incomplete` (never a wrong operation, never
 //!   `Invalid`), and `Invalid` may close the connection at once: no later bytes fix it.
-//! - W3 As strict as nats-server writes: lines end with CRLF only (a bare LF or a CR inside
+//! - WIRE3 As strict as nats-server writes: lines end with CRLF only (a bare LF or a CR inside
 //!   the line is invalid); the control line, without its CRLF, is at most
 //!   `max_control_line` bytes; a payload (an HMSG's headers and payload together, as the
 //!   server counts them) is at most `max_payload` bytes and is followed by CRLF; the header
 //!   size is at most the total; numbers are plain decimal digits that fit `u64`. Verbs are
 //!   case-insensitive and fields are split by runs of spaces and tabs; blanks before the
 //!   CRLF are ignored, blanks before the verb are not.
-//! - W4 Zero-copy: every slice of an operation borrows from the buffer, and only `Invalid`
+//! - WIRE4 Zero-copy: every slice of an operation borrows from the buffer, and only `Invalid`
 //!   allocates (its text). [`hpub_line`] and [`header_line`] reserve once and write numbers
 //!   with `itoa`.
-//! - W5 [`hpub_line`]'s sizes are the real ones when the header block of `header_len` bytes
+//! - WIRE5 [`hpub_line`]'s sizes are the real ones when the header block of `header_len` bytes
 //!   ([`HEADER_START`], [`header_line`]s, [`HEADER_END`]) and the payload follow it; a
 //!   proptest reads the frame back as the server's `HMSG`.
 
@@ -87,7 +87,7 @@ pub enum Parsed<'a> {
     Invalid(String),
 }
 
-/// Parses the first operation in `buf` (W1–W4). Verbs are case-insensitive (the server may
+/// Parses the first operation in `buf` (WIRE1–WIRE4). Verbs are case-insensitive (the server may
 /// send "msg"); fields are separated by one or more spaces or tabs; control lines end with
 /// CRLF, and a bare LF is invalid (nats-server always sends CRLF). `max_control_line`
 /// bounds the control line without its CRLF; `max_payload` bounds `MSG`'s payload and
@@ -175,7 +175,7 @@ fn message<'a>(
     }
 }
 
-/// What a `MSG` or `HMSG` line says, its numbers read and checked (W3).
+/// What a `MSG` or `HMSG` line says, its numbers read and checked (WIRE3).
 struct MessageLine<'a> {
     subject: &'a [u8],
     sid: u64,
@@ -231,7 +231,7 @@ fn message_line<'a>(
 }
 
 /// The subscription id, the header size and the total size of a message line, as numbers
-/// within the limits (W3).
+/// within the limits (WIRE3).
 #[inline]
 fn message_numbers<'a>(
     verb: &str,
@@ -274,7 +274,7 @@ fn message_numbers<'a>(
 }
 
 /// The message whose `line` (`line_len` bytes) starts `buf`, once its payload and the CRLF
-/// after it have arrived (W2).
+/// after it have arrived (WIRE2).
 #[inline]
 fn message_body<'a>(
     buf: &'a [u8],
@@ -286,7 +286,7 @@ fn message_body<'a>(
     let Some(payload_end) = line_len.checked_add(line.total) else {
         return invalid(format!("{verb} with a size beyond memory"));
     };
-    // The CRLF after the payload is checked as far as it has arrived (W2: a wrong byte is
+    // The CRLF after the payload is checked as far as it has arrived (WIRE2: a wrong byte is
     // invalid as soon as it is seen, whatever follows it).
     let tail = buf.get(payload_end..).unwrap_or_default();
     let arrived = tail.len().min(2);
@@ -337,7 +337,7 @@ pub fn status(headers: &[u8]) -> Option<u16> {
 }
 
 /// Appends `HPUB {subject} {reply_prefix}{sequence} {header_len} {header_len + payload_len}\r\n`
-/// to `out` (W4, W5). The caller then appends the header block, the payload and "\r\n".
+/// to `out` (WIRE4, WIRE5). The caller then appends the header block, the payload and "\r\n".
 pub fn hpub_line(
     out: &mut BytesMut,
     subject: &str,
@@ -1043,7 +1043,7 @@ mod tests {
         })
     }
 
-    /// W1, W2: whatever `bytes` hold, every operation takes between 1 byte and what is
+    /// WIRE1, WIRE2: whatever `bytes` hold, every operation takes between 1 byte and what is
     /// left, and at every cut the prefix gives `Incomplete` or what the whole gives.
     fn check_total(bytes: &[u8], max_control_line: usize, max_payload: usize) {
         let mut at = 0;
@@ -1121,7 +1121,7 @@ mod tests {
         }
 
         /// (3) Arbitrary bytes, under arbitrary limits: never a panic, never more than the
-        /// buffer, and W2's prefix rule at every cut.
+        /// buffer, and WIRE2's prefix rule at every cut.
         #[test]
         fn total_on_any_bytes(
             bytes in proptest::collection::vec(any::<u8>(), 0..120),

@@ -735,7 +735,7 @@ impl Proxied {
     }
 }
 
-/// C3: a session whose publishing connection closes while it publishes nothing ends with
+/// CN3: a session whose publishing connection closes while it publishes nothing ends with
 /// the connection's reason at once, not at its next publish; an event published before
 /// is confirmed first.
 #[tokio::test]
@@ -776,7 +776,7 @@ async fn an_idle_session_ends_when_its_connection_closes() {
     );
 }
 
-/// C4: a connection whose server stops answering without closing it (a half-open
+/// CN4: a connection whose server stops answering without closing it (a half-open
 /// connection: the proxy holds every byte from the server) ends the session once
 /// `PINGS_UNANSWERED` of its PINGs went unanswered, while the session is idle.
 #[tokio::test]
@@ -827,7 +827,7 @@ fn contract_headers(event: &outbox::OutboxEvent, source: &str) -> Vec<(&'static 
 }
 
 /// The sink's hand-written frames against the real server, property-tested (sink M2, M4,
-/// W5): for rows of any shape (hostile ones included) and payloads around the stream's
+/// WIRE5): for rows of any shape (hostile ones included) and payloads around the stream's
 /// `max_msg_size`, the server counts exactly the size the contract gives (`NATS/1.0`, one
 /// `Name: value` line per header, the blank line, the payload): every message at or under
 /// the limit is stored with exactly the contract's headers and the payload, every one over

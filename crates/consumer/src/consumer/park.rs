@@ -3,7 +3,7 @@
 //! re-drive.
 //!
 //! # Invariants
-//! - P1 An event is parked in the transaction that records its `dedupe_key`: its row in the
+//! - PK1 An event is parked in the transaction that records its `dedupe_key`: its row in the
 //!   parked table (id, dedupe key, entity, stream sequence, attempts, the last error's text,
 //!   its headers and payload) commits with the key or neither does, and only then is it
 //!   acknowledged (C1). A parked event is never lost and never counted as processed.
@@ -11,17 +11,17 @@
 //!   null). A table made before `outbox_id_text` existed still parks integer ids; a shard
 //!   that meets a uuid or text id with such a table stops with [`SetupError::ParkedTable`]
 //!   naming the migration before it handles that event.
-//! - P2 An entity with a parked event has the rest of its events parked behind it (attempts
+//! - PK2 An entity with a parked event has the rest of its events parked behind it (attempts
 //!   0), not handled: the handler never sees an entity's event after one of its events that
 //!   was not applied. Holding only that entity's messages instead would keep them
 //!   unacknowledged, and at `max_ack_pending` they would stop the whole shard again. The
 //!   shard's other entities go on.
-//! - P3 Which entities are parked is the table's: the shard reads it through each new
+//! - PK3 Which entities are parked is the table's: the shard reads it through each new
 //!   connection before it handles a batch (a batch waits while that read fails), then
 //!   every [`PARKED_POLL`]. Before events are parked behind an entity, the transaction
 //!   that parks them confirms the entity still has rows: an operator's discard (deleting
 //!   them) frees the entity for its next event at once.
-//! - P4 A re-drive (an entity's rows with `redrive = true`) runs on the shard's task between
+//! - PK4 A re-drive (an entity's rows with `redrive = true`) runs on the shard's task between
 //!   batches, in stream order, each event in a transaction that deletes its row (a row
 //!   already gone is skipped: nothing runs twice) and runs the handler; the dedupe key stays
 //!   recorded. A re-driven event that fails again keeps its row (attempts + 1, the new
@@ -66,7 +66,7 @@ impl<A: Apply> Worker<A> {
     }
 
     /// Checks that the parked table is usable (at connect, with [`OnFailure::Park`]), and
-    /// whether it has `outbox_id_text` (P1).
+    /// whether it has `outbox_id_text` (PK1).
     pub(super) async fn check_parked_table(
         &mut self,
         client: &tokio_postgres::Client,
@@ -104,7 +104,7 @@ impl<A: Apply> Worker<A> {
         }
     }
 
-    /// P1: an event with a uuid or text id needs `outbox_id_text` to be parkable; the
+    /// PK1: an event with a uuid or text id needs `outbox_id_text` to be parkable; the
     /// shard stops before handling it when the table lacks it.
     pub(super) fn check_parkable(&self, event: &Event) -> Result<(), Error> {
         if !self.parks() || self.parked_text_ids || event.id.is_int() {
@@ -122,7 +122,7 @@ impl<A: Apply> Worker<A> {
     }
 
     /// Parks `event`, whose handler failed `attempts` times, in a transaction of its own
-    /// that records its dedupe key (P1). Returns whether it was new (else it was recorded
+    /// that records its dedupe key (PK1). Returns whether it was new (else it was recorded
     /// before, and nothing was parked).
     pub(super) async fn park_failed(
         &mut self,
@@ -167,8 +167,8 @@ impl<A: Apply> Worker<A> {
         i64::try_from(self.shard).unwrap_or(i64::MAX)
     }
 
-    /// When it is time (P3): reads which entities of the shard are parked, and re-drives
-    /// those an operator asked for (P4).
+    /// When it is time (PK3): reads which entities of the shard are parked, and re-drives
+    /// those an operator asked for (PK4).
     pub(super) async fn poll_parked(&mut self) -> Result<(), tokio_postgres::Error> {
         let due = !self.parked_loaded || tokio::time::Instant::now() >= self.next_poll;
         if !self.parks() || !due {
@@ -207,7 +207,7 @@ impl<A: Apply> Worker<A> {
         Ok(())
     }
 
-    /// Re-drives the parked events of `entity`, in stream order, until one fails (P4).
+    /// Re-drives the parked events of `entity`, in stream order, until one fails (PK4).
     async fn redrive(&mut self, entity: &str) -> Result<(), tokio_postgres::Error> {
         let (rows, unreadable) = self.parked_rows(entity).await?;
         info!(
@@ -329,7 +329,7 @@ impl<A: Apply> Worker<A> {
         }
     }
 
-    /// A re-drive of `entity` ended before its last row (P4): its `redrive` flags are
+    /// A re-drive of `entity` ended before its last row (PK4): its `redrive` flags are
     /// cleared, and the row of the event that failed again (`failed`: its dedupe key and
     /// error) counts the attempt.
     async fn keep_parked(
@@ -359,7 +359,7 @@ impl<A: Apply> Worker<A> {
 }
 
 /// Where a shard parks: the configuration's table, the shard, and whether the table has
-/// `outbox_id_text` (P1).
+/// `outbox_id_text` (PK1).
 #[derive(Clone, Copy)]
 pub(super) struct Target<'a> {
     pub(super) config: &'a Config,
@@ -367,7 +367,7 @@ pub(super) struct Target<'a> {
     pub(super) text_ids: bool,
 }
 
-/// The columns of parked rows, one array per column (P1).
+/// The columns of parked rows, one array per column (PK1).
 struct Columns<'a> {
     keys: Vec<&'a str>,
     int_ids: Vec<Option<i64>>,
@@ -399,7 +399,7 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// Inserts parked rows for `events` in `tx` (P1).
+/// Inserts parked rows for `events` in `tx` (PK1).
 pub(super) async fn park_in(
     tx: &Transaction<'_>,
     target: Target<'_>,
@@ -459,7 +459,7 @@ pub(super) async fn park_in(
     Ok(())
 }
 
-/// P2: splits the new events of `slice` (`fresh`) into those to handle and those of
+/// PK2: splits the new events of `slice` (`fresh`) into those to handle and those of
 /// entities with parked events, which are parked behind them in `tx`. Which entities are
 /// parked is `parked`, confirmed against the table in `tx` for the entities of the slice
 /// (so that a discard counts at once, not only at the next read); an entity whose rows are

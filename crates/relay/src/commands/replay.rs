@@ -2,9 +2,9 @@
 //! `--to-id`, `--since`, `--until`) for consumers that need them again, and says what it
 //! sent and what the stream did with it.
 //!
-//! How ([`run`]): the range's rows are read in id order (the id column's, `stored` V3)
+//! How ([`run`]): the range's rows are read in id order (the id column's, `stored` ROW2)
 //! through one streaming query; each becomes its event through the builder streaming uses
-//! (`outbox` E4, through `crate::process::stored::RowReader`, for every mapping and id kind)
+//! (`outbox` E4, through `crate::postgres::rows::RowReader`, for every mapping and id kind)
 //! and its message through `sink::publish_message`, exactly as the relay builds them: same
 //! subject, keys, `Nats-Msg-Id` and headers. Rows of an event type the mapping's filter
 //! excludes are not published (the relay never published them), and are counted. The table does not know an event's commit position, so the
@@ -20,18 +20,18 @@
 //!   message for the event (`outbox-relay verify` reports it as duplicated).
 //!
 //! # Invariants
-//! - R1 Keys and headers are never re-derived: the one builder (`outbox` E4), then
+//! - RP1 Keys and headers are never re-derived: the one builder (`outbox` E4), then
 //!   `sink::publish_message`.
-//! - R2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
+//! - RP2 A strict-mode stream (the relay is its only writer: every event once, in commit order)
 //!   is refused (exit 2) unless `--force`; with `--force`, replay holds the relay's lease
-//!   (`crate::process::lease`) for its whole run, and is refused while a relay holds it: a running
+//!   (`crate::postgres::lease`) for its whole run, and is refused while a relay holds it: a running
 //!   strict-mode relay must not publish while another writer does (its pipelined publishes
 //!   can line up with the fence again after the other writer's messages and be stored
 //!   behind a gap, which its next session then skips: tests/replay.rs reproduced that
 //!   loss). A relay started during the replay waits as a standby. Its next session does
 //!   not trust the replayed tail (no `Outbox-Source`): it resumes from the slot's confirmed
 //!   position and what it publishes again is de-duplicated; nothing is lost (tests/replay.rs).
-//! - R3 At most `max_in_flight` publishes await their ack; any publish error stops the replay
+//! - RP3 At most `max_in_flight` publishes await their ack; any publish error stops the replay
 //!   and names the row; the report counts only what JetStream acknowledged.
 
 use std::collections::{HashMap, VecDeque};
@@ -101,7 +101,7 @@ impl Report {
     }
 }
 
-/// Re-publishes the rows of `range` (module docs). `force` allows a strict-mode stream (R2).
+/// Re-publishes the rows of `range` (module docs). `force` allows a strict-mode stream (RP2).
 pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Report> {
     if !config.shared_stream && !force {
         return Err(RelayError::setup(anyhow::anyhow!(
@@ -128,7 +128,7 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
         ..Report::default()
     };
     let Some(bounds) = &opened.bounds else {
-        return Err(crate::process::stored::no_rows_in_range(
+        return Err(crate::postgres::rows::no_rows_in_range(
             &config.table,
             "replay",
         ));
@@ -139,7 +139,7 @@ pub async fn run(config: &Config, mut range: Range, force: bool) -> Result<Repor
     Ok(report)
 }
 
-/// R2: no relay publishes into a strict-mode stream while the replay does: the slot's
+/// RP2: no relay publishes into a strict-mode stream while the replay does: the slot's
 /// lease, held by the connection returned (none for a shared stream).
 async fn take_lease(config: &Config) -> Result<Option<tokio_postgres::Client>> {
     Ok(if config.shared_stream {
@@ -150,8 +150,8 @@ async fn take_lease(config: &Config) -> Result<Option<tokio_postgres::Client>> {
             .map_err(|e| {
                 RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}"))
             })?;
-        if !crate::process::lease::try_take(&lease, &config.slot).await? {
-            let holder = crate::process::lease::holder(&lease, &config.slot)
+        if !crate::postgres::lease::try_take(&lease, &config.slot).await? {
+            let holder = crate::postgres::lease::holder(&lease, &config.slot)
                 .await
                 .ok()
                 .flatten();
@@ -222,13 +222,21 @@ async fn publish_rows(
         .client
         .query_raw(&sql, opened.params.iter().map(Param::sql))
         .await
-        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}")))?;
+        .map_err(|e| {
+            RelayError::permanent(anyhow::anyhow!(
+                "cannot read the outbox table: {}",
+                crate::postgres::error::describe(&e)
+            ))
+        })?;
     futures::pin_mut!(rows);
     let mut in_flight = VecDeque::new();
     let window = config.max_in_flight.max(1);
     while let Some(row) = rows.next().await {
         let row = row.map_err(|e| {
-            RelayError::permanent(anyhow::anyhow!("cannot read the outbox table: {e}"))
+            RelayError::permanent(anyhow::anyhow!(
+                "cannot read the outbox table: {}",
+                crate::postgres::error::describe(&e)
+            ))
         })?;
         let Some((id, event)) = event_of(reader, &row, positions, report) else {
             continue;

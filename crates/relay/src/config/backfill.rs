@@ -1,5 +1,5 @@
 //! Which rows already in the table the backfill at slot creation publishes
-//! (`backfill`, `OUTBOX_RELAY_BACKFILL`; the backfill itself is `crate::process::backfill`).
+//! (`backfill`, `OUTBOX_RELAY_BACKFILL`; the backfill itself is `crate::setup::backfill`).
 
 /// Which rows already in the table are published when the slot is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! NATS options: the configuration's servers, credential and TLS files, validated (their
-//! connections are `crate::connect::nats`'s, which keeps N3, N4's reading at every connect
-//! and N6).
+//! connections are `crate::connect::nats`'s, which keeps NATS3, NATS4's reading at every connect
+//! and NATS6).
 //!
 //! async-nats 0.51 never sends the user information of a server URL (nats.rs issue 1623):
 //! the relay takes `user:password@` or `token@` out of every URL of `NATS_URL` itself,
@@ -11,31 +11,31 @@
 //! and a `nats_*` file key ([`crate::config::opt`]).
 //!
 //! # Invariants
-//! - N1 Secrets never print: a password or token lives in a [`Secret`] (`Debug` and
+//! - NATS1 Secrets never print: a password or token lives in a [`Secret`] (`Debug` and
 //!   `Display` show `<redacted>`), seeds and keys stay in their files (only paths are kept),
 //!   and URLs reach async-nats, which logs them, without their user information.
-//! - N2 One credential for every server: async-nats sends the same credential to every
+//! - NATS2 One credential for every server: async-nats sends the same credential to every
 //!   server of the list (and to the servers they advertise), so the URLs that carry user
 //!   information must all carry the same, and at most one source (the URLs, `--user` and
 //!   `--password`, `--token`, `--nkey`, `--creds`) may be given; anything else is a
 //!   configuration error, never a silent choice.
-//! - N3 A credential or certificate the server refuses is a permanent error (retrying cannot
+//! - NATS3 A credential or certificate the server refuses is a permanent error (retrying cannot
 //!   help) whose message names the options to check as the operator gave them
 //!   (`OUTBOX_RELAY_NATS_PASSWORD`, `--creds`, `nats_tlscert (in relay.toml)`…) and never a
 //!   secret; every other connection failure is transient.
-//! - N4 Files are checked when the configuration loads (a missing or malformed file stops
+//! - NATS4 Files are checked when the configuration loads (a missing or malformed file stops
 //!   the relay at start, exit 2) and read again at every connect, so a rotated file is used
 //!   from the next session on. A seed, `.creds` or key file that group or others can read
-//!   is named in a warning at start (`crate::config` C4).
-//! - N5 Only `nats://` and `tls://` servers (or none) reach here: `crate::config` C3 refuses
+//!   is named in a warning at start (`crate::config` CFG4).
+//! - NATS5 Only `nats://` and `tls://` servers (or none) reach here: `crate::config` CFG3 refuses
 //!   `ws://`/`wss://` and a list whose ',' may lie inside a credential.
-//! - N6 Both connections dial the servers in a random order per connection unless
+//! - NATS6 Both connections dial the servers in a random order per connection unless
 //!   `--no-randomize` (the `nats` CLI's name) says to keep the order given, and have
 //!   distinct names in the server's monitoring: `outbox-relay` (async-nats: requests,
 //!   stream management) and `outbox-relay-publisher` (`sink::conn`). The publishing
-//!   connection's learned `connect_urls` and lame-duck server outlive a session (C6). A
+//!   connection's learned `connect_urls` and lame-duck server outlive a session (CN6). A
 //!   credential the server refuses on the publishing connection is permanent with the same
-//!   advice as on the control connection (N3).
+//!   advice as on the control connection (NATS3).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -51,19 +51,19 @@ use crate::config::{opt, parse_bool, ConfigError, NatsUrl, OptionSpec, RawConfig
 pub struct NatsOptions {
     /// The servers, without user information.
     pub(crate) servers: Vec<String>,
-    /// The one credential (N2), if any.
+    /// The one credential (NATS2), if any.
     pub(crate) credential: Option<Credential>,
     /// TLS files and mode.
     pub(crate) tls: Tls,
     /// The prefix of the relay's reply subjects (`{prefix}.{unique}`).
     pub(crate) inbox_prefix: String,
-    /// `--no-randomize`: dial the servers in the order given (N6).
+    /// `--no-randomize`: dial the servers in the order given (NATS6).
     pub(crate) no_randomize: bool,
-    /// What the publishing connections learned of the cluster, kept across sessions (N6).
+    /// What the publishing connections learned of the cluster, kept across sessions (NATS6).
     pub(crate) learned: std::sync::Arc<std::sync::Mutex<sink::conn::Learned>>,
 }
 
-/// A credential and the options it came from, as the operator gave them (N3).
+/// A credential and the options it came from, as the operator gave them (NATS3).
 #[derive(Debug, Clone)]
 pub(crate) struct Credential {
     pub(crate) kind: CredentialKind,
@@ -149,7 +149,7 @@ impl NatsOptions {
     }
 
     /// Validates the NATS options of `raw` (`url` already parsed): splits the URLs' user
-    /// information off, enforces N2, and checks every file (N4).
+    /// information off, enforces NATS2, and checks every file (NATS4).
     pub(crate) fn from_raw(raw: &RawConfig, url: &NatsUrl) -> Result<NatsOptions, ConfigError> {
         let url_name = raw
             .name(&opt::NATS_URL)
@@ -169,7 +169,7 @@ impl NatsOptions {
 }
 
 /// The servers of `url` without their user information, and the one credential the user
-/// information gives (N2: the same in every URL, or none).
+/// information gives (NATS2: the same in every URL, or none).
 fn split_servers(
     url: &NatsUrl,
     url_name: &str,
@@ -195,8 +195,8 @@ fn split_servers(
     Ok((servers, from_url))
 }
 
-/// The one NATS credential (N2): user and password, a token, an nkey seed file or a
-/// `.creds` file (N4: each file checked), or the URLs' user information; more than one is
+/// The one NATS credential (NATS2): user and password, a token, an nkey seed file or a
+/// `.creds` file (NATS4: each file checked), or the URLs' user information; more than one is
 /// refused.
 fn the_credential(
     raw: &RawConfig,
@@ -229,7 +229,7 @@ fn the_credential(
 }
 
 /// The credentials given by the options (not the URLs), in order: user and password, a
-/// token, an nkey seed file, a `.creds` file (N4: each file checked).
+/// token, an nkey seed file, a `.creds` file (NATS4: each file checked).
 fn explicit_credentials(raw: &RawConfig) -> Result<Vec<Credential>, ConfigError> {
     let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());
     let text = |v: &str| {
@@ -282,7 +282,7 @@ fn explicit_credentials(raw: &RawConfig) -> Result<Vec<Credential>, ConfigError>
     Ok(given)
 }
 
-/// An option naming a file, checked by `check` (N4).
+/// An option naming a file, checked by `check` (NATS4).
 fn file_option<T>(
     raw: &RawConfig,
     spec: &OptionSpec,
@@ -291,7 +291,7 @@ fn file_option<T>(
     raw.parse_optional(spec, |v| check(Path::new(v)).map(|_| PathBuf::from(v)))
 }
 
-/// The TLS options: the CA, the client certificate and its key (N4: each file checked,
+/// The TLS options: the CA, the client certificate and its key (NATS4: each file checked,
 /// the pair matching), TLS first.
 fn tls_from(raw: &RawConfig) -> Result<Tls, ConfigError> {
     let name = |spec: &OptionSpec| raw.name(spec).unwrap_or_else(|| spec.flag());

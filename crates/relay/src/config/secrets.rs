@@ -1,11 +1,11 @@
-//! Which secrets are too weak for the log scrubber (`crate::observe::logging` G1): the
-//! configuration warns about them at start (C4) and the scrubber leaves them out.
+//! Which secrets are too weak for the log scrubber (`crate::observe::logging` LOG1): the
+//! configuration warns about them at start (CFG4) and the scrubber leaves them out.
 
-/// Secrets shorter than this are not scrubbed from free text (see G1).
+/// Secrets shorter than this are not scrubbed from free text (see LOG1).
 pub const MIN_SCRUBBED_LEN: usize = 4;
 
 /// Words that appear in ordinary log text (the relay's own vocabulary, its defaults, the
-/// usual placeholder passwords): a secret equal to one, ignoring case, is weak (G1).
+/// usual placeholder passwords): a secret equal to one, ignoring case, is weak (LOG1).
 const COMMON_WORDS: &[&str] = &[
     "relay",
     "outbox",
@@ -39,7 +39,7 @@ const COMMON_WORDS: &[&str] = &[
     "localhost",
 ];
 
-/// Why `secret` cannot be scrubbed from free text (G1): too short, a common word, or one
+/// Why `secret` cannot be scrubbed from free text (LOG1): too short, a common word, or one
 /// of `names` (user names, shown by the relay and libraries alike); `None` when it can.
 pub fn weakness(secret: &str, names: &[&str]) -> Option<String> {
     let length = secret.chars().count();

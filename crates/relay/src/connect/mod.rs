@@ -49,7 +49,7 @@ pub(crate) fn max_message_bytes(tail: &sink::resume::Tail, max_payload: usize) -
     }
 }
 
-/// How the sink publishes: a session's, or a backfill's (`crate::process::backfill`).
+/// How the sink publishes: a session's, or a backfill's (`crate::setup::backfill`).
 pub(crate) fn sink_options(
     config: &Config,
     fence: Option<u64>,

@@ -1,7 +1,7 @@
 //! NATS connections: the configuration's servers, credential and TLS files
-//! ([`crate::config::nats`], whose invariants N1–N6 these keep) turned into an async-nats
+//! ([`crate::config::nats`], whose invariants NATS1–NATS6 these keep) turned into an async-nats
 //! client and the sink's publishing connector, and a refusal turned into an error that says
-//! what to fix (N3). Files are read again at every connect (N4).
+//! what to fix (NATS3). Files are read again at every connect (NATS4).
 
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use crate::error::{RelayError, Result, Target};
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Connects to NATS with the configured credential and TLS files (read now: N4).
+/// Connects to NATS with the configured credential and TLS files (read now: NATS4).
 pub async fn connect(options: &NatsOptions) -> Result<async_nats::Client> {
     let mut connect = async_nats::ConnectOptions::new()
         .name("outbox-relay")
@@ -96,7 +96,7 @@ pub async fn open_publishing(
 }
 
 /// The sink's publishing connection (`sink::conn`): the same servers, credential and TLS
-/// files as [`connect`], read now (N4), so both connections present the same identity.
+/// files as [`connect`], read now (NATS4), so both connections present the same identity.
 pub fn connector(options: &NatsOptions) -> Result<sink::Connector> {
     let unusable = |given_by: &str, why: String| {
         RelayError::permanent(anyhow::anyhow!(
@@ -202,8 +202,8 @@ fn split_creds(text: &str) -> Result<(String, String), String> {
     }
 }
 
-/// What to fix when `error` is a refusal retrying cannot cure (N3), naming the options.
-/// What to do when the server refuses the credential (N3), on either connection.
+/// What to fix when `error` is a refusal retrying cannot cure (NATS3), naming the options.
+/// What to do when the server refuses the credential (NATS3), on either connection.
 fn auth_advice(options: &NatsOptions) -> String {
     match &options.credential {
         Some(credential) => format!(

@@ -9,20 +9,20 @@
 //! the relay links for it. What it does accept, it bounds.
 //!
 //! # Invariants
-//! - H1 One request per connection (`Connection: close`), one deadline for the whole
+//! - HTTP1 One request per connection (`Connection: close`), one deadline for the whole
 //!   exchange: the head must arrive, and the answer be written, within [`EXCHANGE_TIMEOUT`],
 //!   and the head fit [`MAX_HEAD`] bytes, or the connection is answered 400/431 (or just
 //!   closed). A client that sends nothing, dribbles bytes or never reads its answer holds
 //!   its task for at most that long. Each read scans only the bytes it added (and the three
 //!   before them) for the head's end: the work per request is linear in its size.
-//! - H2 Every connection is accepted at once; no permit is taken before `accept`. At most
+//! - HTTP2 Every connection is accepted at once; no permit is taken before `accept`. At most
 //!   [`MAX_CONNECTIONS`] exchanges run at once; a connection accepted while all are busy is
 //!   answered `503` at once (by one of at most [`MAX_REJECTING`] short tasks, each bounded
 //!   by [`REJECT_TIMEOUT`], which read what the client sent so that the answer is not lost
 //!   to a reset; beyond those it is closed). Idle or slow clients therefore never leave a
 //!   probe waiting: it is served, or told `503` at once. The relay's work never waits on a
 //!   client.
-//! - H3 Nothing served carries a secret: metric values are numbers with fixed labels, and
+//! - HTTP3 Nothing served carries a secret: metric values are numbers with fixed labels, and
 //!   the readiness bodies are fixed texts.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -38,16 +38,16 @@ use tracing::{debug, info};
 use crate::error::{RelayError, Result};
 use crate::observe::metrics::{Metrics, Readiness, CONTENT_TYPE};
 
-/// How long one exchange may take, reading the head and writing the answer (H1).
+/// How long one exchange may take, reading the head and writing the answer (HTTP1).
 pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest request head accepted (H1).
+/// The largest request head accepted (HTTP1).
 pub const MAX_HEAD: usize = 8 * 1024;
-/// Exchanges handled at once (H2): idle connections up to this many leave every probe
+/// Exchanges handled at once (HTTP2): idle connections up to this many leave every probe
 /// served; each costs a task and at most [`MAX_HEAD`] bytes.
 pub const MAX_CONNECTIONS: usize = 128;
-/// Connections being answered `503` at once while all exchanges are busy (H2).
+/// Connections being answered `503` at once while all exchanges are busy (HTTP2).
 pub const MAX_REJECTING: usize = 64;
-/// How long a `503` answer may take, its write and reading what the client sent (H2).
+/// How long a `503` answer may take, its write and reading what the client sent (HTTP2).
 pub const REJECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Listens on `addr` and serves `metrics` until the returned handle is dropped. A port of 0
@@ -69,7 +69,7 @@ async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
     let exchanges = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let rejecting = Arc::new(Semaphore::new(MAX_REJECTING));
     loop {
-        // H2: accept first, whatever is busy.
+        // HTTP2: accept first, whatever is busy.
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(error) => {
@@ -98,7 +98,7 @@ async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
     }
 }
 
-/// Reads one request and answers it, all within [`EXCHANGE_TIMEOUT`] (H1).
+/// Reads one request and answers it, all within [`EXCHANGE_TIMEOUT`] (HTTP1).
 async fn handle(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
     let exchange = async {
         let response = match read_head(&mut stream).await? {
@@ -117,7 +117,7 @@ async fn handle(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()>
     }
 }
 
-/// Answers `503` without reading the request (H2), then reads what the client sends until
+/// Answers `503` without reading the request (HTTP2), then reads what the client sends until
 /// it closes, so that closing does not reset the connection before the answer is read.
 async fn reject(mut stream: TcpStream) -> std::io::Result<()> {
     let response = respond(
@@ -134,7 +134,7 @@ async fn reject(mut stream: TcpStream) -> std::io::Result<()> {
 }
 
 /// The request head up to its blank line; `None` if it exceeds [`MAX_HEAD`]. Each read's
-/// bytes are scanned once (H1).
+/// bytes are scanned once (HTTP1).
 async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<String>> {
     let mut head = Vec::with_capacity(512);
     let mut chunk = [0u8; 1024];

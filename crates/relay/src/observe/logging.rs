@@ -6,7 +6,7 @@
 //! a file, a pipe or journald carries no escape codes.
 //!
 //! The relay's own messages never contain a secret: passwords live in
-//! [`replication::Secret`], URLs are shown redacted (config invariant C1). Libraries may
+//! [`replication::Secret`], URLs are shown redacted (config invariant CFG1). Libraries may
 //! still print one (async-nats logs a server's URL, credentials included, at debug level),
 //! and a panic message could quote anything. So every log line, the final error line and
 //! panic messages pass through [`scrub`], which replaces each registered secret
@@ -21,7 +21,7 @@
 //! (`crate::config`), since free text that quotes them cannot be told from ordinary text.
 //!
 //! # Invariants
-//! - G1 No registered secret that is not weak ([`weakness`]) reaches stderr through the log
+//! - LOG1 No registered secret that is not weak ([`weakness`]) reaches stderr through the log
 //!   writer, [`scrub`] or the panic hook; a weak one does not as a URL's user information.
 //!   (They are still never printed by the relay's own code.)
 
@@ -61,7 +61,7 @@ pub fn init(format: LogFormat, default_filter: &str) {
     }
 }
 
-/// Registers secrets for [`scrub`] (G1), weak ones ([`weakness`], `names` being the user
+/// Registers secrets for [`scrub`] (LOG1), weak ones ([`weakness`], `names` being the user
 /// names) only as a URL's user information, and installs the panic hook that scrubs panic
 /// messages.
 pub fn register_secrets(secrets: impl IntoIterator<Item = String>, names: &[&str]) {

@@ -8,14 +8,14 @@
 //! when scraped. docs/operations.md explains every metric.
 //!
 //! # Invariants
-//! - M1 Where the relay both logs and counts something, [`Metrics::record`] does both, so a
+//! - MET1 Where the relay both logs and counts something, [`Metrics::record`] does both, so a
 //!   log line that carries `metric = …` and the counter it names never disagree.
-//! - M2 The slot's gauges (lag, `wal_status`, `safe_wal_size`) come from this relay's own
+//! - MET2 The slot's gauges (lag, `wal_status`, `safe_wal_size`) come from this relay's own
 //!   polls, made while it holds the lease (one before every session, so that a relay whose
 //!   sessions keep failing still measures the lag it leaves), and keep their last value
 //!   while it reconnects; a standby shows none, so the maximum over several relays is the
 //!   active one's.
-//! - M3 `/readyz` is ready only while this relay holds the lease, streams, is connected to
+//! - MET3 `/readyz` is ready only while this relay holds the lease, streams, is connected to
 //!   NATS and the slot lag is at most `max_lag_bytes`; otherwise its body says which
 //!   ([`Readiness`]), a standby answering `standby`.
 
@@ -81,7 +81,7 @@ impl Phase {
     }
 }
 
-/// How a session publishes streamed events (`crate::process::atomic` X1, X3), for
+/// How a session publishes streamed events (`crate::stream::atomic` AT1, AT3), for
 /// `outbox_relay_publish_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -135,7 +135,7 @@ pub struct SlotSample {
 /// The values of `wal_status`, one gauge each.
 const WAL_STATUSES: [&str; 4] = ["reserved", "extended", "unreserved", "lost"];
 
-/// Something the relay both logs and counts (M1).
+/// Something the relay both logs and counts (MET1).
 #[derive(Debug)]
 pub enum Event<'a> {
     /// A stored position is not used to skip replayed events (I6).
@@ -200,7 +200,7 @@ pub struct Metrics {
     max_lag_bytes: u64,
 }
 
-/// Why `/readyz` is not ready (M3); its `Display` is the body.
+/// Why `/readyz` is not ready (MET3); its `Display` is the body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
     /// Ready.
@@ -344,7 +344,7 @@ impl Metrics {
         &self.state.sink
     }
 
-    /// Logs and counts `event` (M1).
+    /// Logs and counts `event` (MET1).
     pub fn record(&self, event: Event<'_>) {
         match event {
             Event::TailDistrusted {
@@ -445,7 +445,7 @@ impl Metrics {
         Phase::from_u8(self.state.phase.load(Ordering::Relaxed))
     }
 
-    /// Records what the relay is doing. A standby forgets the slot's sample (M2) and the
+    /// Records what the relay is doing. A standby forgets the slot's sample (MET2) and the
     /// oldest unconfirmed transaction: the relay holding the lease confirms it.
     pub fn set_phase(&self, phase: Phase) {
         self.state.phase.store(phase as u8, Ordering::Relaxed);
@@ -465,7 +465,7 @@ impl Metrics {
         *lock(&self.state.nats) = Some(client);
     }
 
-    /// The slot as just polled (M2).
+    /// The slot as just polled (MET2).
     pub fn set_slot(&self, sample: SlotSample) {
         *lock(&self.state.slot) = Some(sample);
     }
@@ -495,7 +495,7 @@ impl Metrics {
         Lsn(self.state.confirmed_lsn.load(Ordering::Relaxed))
     }
 
-    /// Whether `/readyz` answers ready, and if not why (M3).
+    /// Whether `/readyz` answers ready, and if not why (MET3).
     pub fn readiness(&self) -> Readiness {
         match self.phase() {
             Phase::Streaming => {}
@@ -712,10 +712,10 @@ impl State {
         Ok(())
     }
 
-    /// The slot's gauges, from the lease holder's poll only (M2).
+    /// The slot's gauges, from the lease holder's poll only (MET2).
     fn encode_slot(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
         let gauge = |value: f64| ConstGauge::new(value);
-        // M2: the slot's gauges only from the lease holder's poll.
+        // MET2: the slot's gauges only from the lease holder's poll.
         let slot = lock(&self.slot).clone();
         if let Some(slot) = slot {
             emit(
@@ -795,14 +795,14 @@ mod tests {
     }
 
     /// Every metric renders under its documented name, in the Prometheus text format; the
-    /// slot's gauges only once polled (M2); counters named in logs are the registry's (M1).
+    /// slot's gauges only once polled (MET2); counters named in logs are the registry's (MET1).
     #[test]
     fn renders_every_metric_under_its_name() {
         let metrics = metrics();
         let text = metrics.render();
         assert!(
             !text.contains("slot_lag_bytes"),
-            "M2: not polled yet\n{text}"
+            "MET2: not polled yet\n{text}"
         );
         metrics.sink().stored.fetch_add(7, Ordering::Relaxed);
         metrics.sink().commit_to_ack.observe(1500, 2);
@@ -861,7 +861,7 @@ mod tests {
         }
     }
 
-    /// M3: ready only when streaming, connected to NATS and not lagging; a standby says so.
+    /// MET3: ready only when streaming, connected to NATS and not lagging; a standby says so.
     #[test]
     fn readiness_says_why_not() {
         let metrics = metrics();

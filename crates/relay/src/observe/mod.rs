@@ -1,5 +1,5 @@
 //! Observation: what the relay counts and shows, and how it logs. [`logging`] sets up the
-//! logs (colour only on a terminal) and scrubs secrets from them (G1); [`metrics`] counts
+//! logs (colour only on a terminal) and scrubs secrets from them (LOG1); [`metrics`] counts
 //! what happens and reads the rest when scraped; [`http`] serves metrics and health on
 //! `--metrics-addr` (and `outbox-relay probe`'s request).
 //!

@@ -14,12 +14,12 @@
 //! ignores logical messages anyway.
 //!
 //! # Invariants
-//! - H1 Heartbeats run on the lease's control connection and only while the session streams:
+//! - HB1 Heartbeats run on the lease's control connection and only while the session streams:
 //!   the task is owned by the session and aborted with it (dropping [`Heartbeat`] aborts
 //!   it), so a relay without the lease writes none.
-//! - H2 A heartbeat that fails is logged and retried at the next interval; it never ends the
-//!   session (the lease probe, [`crate::process::lease`] L1, judges the connection).
-//! - H3 A heartbeat carries no data: the prefix [`PREFIX`] and an empty content.
+//! - HB2 A heartbeat that fails is logged and retried at the next interval; it never ends the
+//!   session (the lease probe, [`crate::postgres::lease`] LS1, judges the connection).
+//! - HB3 A heartbeat carries no data: the prefix [`PREFIX`] and an empty content.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +34,7 @@ pub const PREFIX: &str = "outbox-relay-heartbeat";
 /// The heartbeat, in SQL: non-transactional, so it is decoded at once at its own LSN.
 const HEARTBEAT_SQL: &str = "SELECT pg_catalog.pg_logical_emit_message(false, $1::text, ''::text)";
 
-/// A running heartbeat task; dropping it stops the task (H1).
+/// A running heartbeat task; dropping it stops the task (HB1).
 #[derive(Debug)]
 pub struct Heartbeat {
     _task: AbortOnDropHandle<()>,
@@ -58,7 +58,7 @@ pub fn start(client: Arc<Client>, interval: Option<Duration>) -> Option<Heartbea
                     failing = false;
                     debug!("heartbeat written");
                 }
-                // H2: said once per failing spell, not every interval.
+                // HB2: said once per failing spell, not every interval.
                 Err(error) if !failing => {
                     failing = true;
                     warn!(error = %error, "cannot write a heartbeat (pg_logical_emit_message) in the outbox database; retrying every {interval:?}");

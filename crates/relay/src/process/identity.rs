@@ -14,11 +14,11 @@
 //!   TABLES IN SCHEMA`), and `publish_via_partition_root` for a partitioned table.
 //!
 //! # Invariants
-//! - V1 Every session starts with a check ([`Watch::begin`], after the start-up checks of
-//!   [`crate::process::bootstrap`], before replication starts); its identity is the one the session
+//! - TI1 Every session starts with a check ([`Watch::begin`], after the start-up checks of
+//!   [`crate::postgres::checks`], before replication starts); its identity is the one the session
 //!   streams, and the first session's is the one the process streams: a later session that
 //!   finds another is refused like a change seen while streaming.
-//! - V2 Nothing is confirmed past what a check vouched for. A check is one simple query of
+//! - TI2 Nothing is confirmed past what a check vouched for. A check is one simple query of
 //!   two statements: `pg_current_wal_lsn()` first, then the identity, in a later statement
 //!   and so a later snapshot. A check that finds the identity unchanged vouches for the LSN
 //!   read by the previous passing check of the session (the session's first check vouches
@@ -30,7 +30,7 @@
 //!   after its WAL was written (a synchronous standby that stalls). An insert into a new
 //!   table commits after the DDL is visible, so above every LSN a check that did not see the
 //!   DDL read: it is never confirmed.
-//! - V3 A change ends the session with a permanent error (the process exits non-zero,
+//! - TI3 A change ends the session with a permanent error (the process exits non-zero,
 //!   `/readyz` is not ready from the moment it is found) whose one line names the change
 //!   (both OIDs, or what the publication lost), the position the slot is confirmed
 //!   through, and the fix: `ALTER PUBLICATION … ADD TABLE …` when the publication does not
@@ -40,11 +40,11 @@
 //!   (rows the slot will never send, so the relay never streams them too); and
 //!   docs/operations.md for the conversion to a partitioned table.
 //!   A publication changed under the same table (inserts, coverage, via-root) is refused
-//!   by [`crate::process::bootstrap`]'s own check (B3, exit status 2, with its exact SQL) when it
+//!   by [`crate::postgres::checks`]'s own check (PG3, exit status 2, with its exact SQL) when it
 //!   hides inserts now, like at a session start.
-//! - V4 A check that fails to run (connection, timeout) vouches for nothing new and is
-//!   retried at the next one; it never ends the session (like the monitor's poll, W1).
-//! - V5 Retention deletes only from the OID the session streams ([`crate::process::retention`] X7).
+//! - TI4 A check that fails to run (connection, timeout) vouches for nothing new and is
+//!   retried at the next one; it never ends the session (like the monitor's poll, MON1).
+//! - TI5 Retention deletes only from the OID the session streams ([`crate::process::retention`] RET7).
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -54,10 +54,10 @@ use replication::quote_literal;
 use tokio::sync::watch;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 
-/// How often the identity is checked while streaming (V2: the slot's confirmation trails
+/// How often the identity is checked while streaming (TI2: the slot's confirmation trails
 /// the sink's watermark by one to two checks).
 pub const CHECK: Duration = Duration::from_secs(1);
 /// How often while a shutdown drains, so that the final status confirms what was drained.
@@ -95,9 +95,9 @@ impl Identity {
     }
 }
 
-/// The session's check (V2): the WAL position, then the identity.
+/// The session's check (TI2): the WAL position, then the identity.
 fn check_sql(config: &Config, version: i32) -> String {
-    let table = quote_literal(&table_sql(&config.table));
+    let table = quote_literal(config.table.sql());
     let publication = quote_literal(&config.publication);
     let via_root = if version >= 130_000 {
         "p.pubviaroot"
@@ -122,9 +122,12 @@ fn check_sql(config: &Config, version: i32) -> String {
     )
 }
 
-/// Runs a check: the WAL position read first, and the identity after it (V2).
+/// Runs a check: the WAL position read first, and the identity after it (TI2).
 async fn check(client: &Client, sql: &str) -> std::result::Result<(Lsn, Identity), String> {
-    let messages = client.simple_query(sql).await.map_err(|e| e.to_string())?;
+    let messages = client
+        .simple_query(sql)
+        .await
+        .map_err(|e| crate::postgres::error::describe(&e))?;
     let mut rows = messages.iter().filter_map(|message| match message {
         SimpleQueryMessage::Row(row) => Some(row),
         _ => None,
@@ -154,8 +157,8 @@ async fn check(client: &Client, sql: &str) -> std::result::Result<(Lsn, Identity
     ))
 }
 
-/// The identity watch of one `run`: what the process streams (V1), and per session the
-/// LSN the last passing check read and the vouched LSN (V2).
+/// The identity watch of one `run`: what the process streams (TI1), and per session the
+/// LSN the last passing check read and the vouched LSN (TI2).
 #[derive(Debug)]
 pub struct Watch {
     state: Mutex<State>,
@@ -166,7 +169,7 @@ pub struct Watch {
 struct State {
     /// The check's SQL, built at the first session (it depends on the server's version).
     sql: Option<String>,
-    /// The identity the process streams (V1).
+    /// The identity the process streams (TI1).
     streamed: Option<Identity>,
     /// The LSN read by the session's last passing check; `None` before the session began.
     read: Option<Lsn>,
@@ -182,7 +185,7 @@ pub enum Checked {
     NotBegun,
     /// The identity is unchanged; the vouched LSN is now this.
     Vouched(Lsn),
-    /// The check could not run (V4).
+    /// The check could not run (TI4).
     Failed(String),
 }
 
@@ -200,17 +203,17 @@ impl Watch {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The vouched LSN, for the reader's cap (V2).
+    /// The vouched LSN, for the reader's cap (TI2).
     pub fn vouched(&self) -> watch::Receiver<Lsn> {
         self.vouched.subscribe()
     }
 
-    /// The OID of the table the process streams (V5).
+    /// The OID of the table the process streams (TI5).
     pub fn table_oid(&self) -> Option<u32> {
         self.state().streamed.as_ref().and_then(|i| i.table_oid)
     }
 
-    /// A session begins (V1): checks the identity, which must be the one the process
+    /// A session begins (TI1): checks the identity, which must be the one the process
     /// streamed, if any, and publish the table's inserts. Then [`Watch::resume_from`].
     pub async fn begin(&self, client: &Client, config: &Config) -> Result<()> {
         let known = {
@@ -224,7 +227,7 @@ impl Watch {
             None => {
                 let sql = check_sql(
                     config,
-                    crate::process::bootstrap::server_version(client).await?,
+                    crate::postgres::checks::server_version(client).await?,
                 );
                 self.state().sql = Some(sql.clone());
                 sql
@@ -260,8 +263,8 @@ impl Watch {
         }
     }
 
-    /// The refusal of `change` to `now` (V3): a publication changed under the same table
-    /// is refused by [`crate::process::bootstrap`]'s check (B3: exit status 2, the exact SQL) when
+    /// The refusal of `change` to `now` (TI3): a publication changed under the same table
+    /// is refused by [`crate::postgres::checks`]'s check (PG3: exit status 2, the exact SQL) when
     /// it would hide inserts now; otherwise, and for a table replaced, by [`refusal`].
     async fn refuse(
         &self,
@@ -271,7 +274,7 @@ impl Watch {
         now: &Identity,
     ) -> RelayError {
         if change.publication_only {
-            if let Err(error) = crate::process::bootstrap::publication(client, config).await {
+            if let Err(error) = crate::postgres::checks::publication(client, config).await {
                 if !error.is_transient() {
                     return error;
                 }
@@ -280,15 +283,15 @@ impl Watch {
         refusal(config, change, now, *self.vouched.borrow())
     }
 
-    /// The session streams from `confirmed`: the reader's cap starts there (V2).
+    /// The session streams from `confirmed`: the reader's cap starts there (TI2).
     pub fn resume_from(&self, confirmed: Lsn) {
         self.vouched.send_replace(confirmed);
     }
 
-    /// Checks the identity of the running session (V2, V4); `Err`: it changed (V3).
+    /// Checks the identity of the running session (TI2, TI4); `Err`: it changed (TI3).
     pub async fn check(&self, client: &Client, config: &Config) -> Result<Checked> {
         // What the previous passing check read, taken before this check's query is sent:
-        // only then did this check's identity statement run after that read (V2).
+        // only then did this check's identity statement run after that read (TI2).
         let (sql, previous, session) = {
             let state = self.state();
             match (&state.sql, state.read) {
@@ -328,7 +331,7 @@ impl Watch {
     }
 }
 
-/// What changed, for the refusal (V3).
+/// What changed, for the refusal (TI3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
     /// The change, in words.
@@ -403,7 +406,7 @@ impl Change {
     }
 }
 
-/// The permanent error for `change` to `now` (V3).
+/// The permanent error for `change` to `now` (TI3).
 fn refusal(config: &Config, change: &Change, now: &Identity, confirmed: Lsn) -> RelayError {
     let table = &config.table;
     let fix = if change.fix_publication {
@@ -446,7 +449,7 @@ fn refusal(config: &Config, change: &Change, now: &Identity, confirmed: Lsn) -> 
 /// transaction that holds inserts back and reads the last id the publication hid.
 fn publication_fix(config: &Config, now: &Identity) -> String {
     let publication = replication::quote_identifier(&config.publication);
-    let table = table_sql(&config.table);
+    let table = config.table.sql();
     let mut sql = Vec::new();
     let mut first = String::new();
     if now.publication_oid.is_none() {

@@ -33,7 +33,7 @@
 //!
 //! Every row the sink's watermark passes is marked: events stored earlier and skipped on a
 //! replay, and events dead-lettered (`--on-poison dead-letter`: their record is on
-//! `{prefix}.dlq`) too. Rows published by a backfill ([`crate::process::backfill`]) are not marked.
+//! `{prefix}.dlq`) too. Rows published by a backfill ([`crate::setup::backfill`]) are not marked.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -46,8 +46,7 @@ use tokio_postgres::Client;
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use crate::config::{table_sql, Config, TableName};
-use crate::error::{RelayError, Result};
+use crate::config::{Config, Table};
 use crate::observe::metrics::Metrics;
 
 /// Ids per UPDATE at most.
@@ -163,13 +162,13 @@ impl Marking {
     }
 }
 
-/// The marking UPDATE (U3, U6): `id_in` is [`crate::process::stored::id_in_text_array`]'s
+/// The marking UPDATE (U3, U6): `id_in` is [`crate::postgres::rows::id_in_text_array`]'s
 /// condition, whose `$1` is a `text[]` of ids.
-pub fn update_sql(table: &TableName, id_in: &str) -> String {
+pub fn update_sql(table: &Table, id_in: &str) -> String {
     format!(
         "UPDATE {} SET status = 'published', published_at = pg_catalog.now(), attempts = attempts + 1 \
           WHERE {id_in} AND status IS DISTINCT FROM 'published'",
-        table_sql(table)
+        table.sql()
     )
 }
 
@@ -229,7 +228,7 @@ async fn mark(
         Some((connected, sql)) if !connected.is_closed() => (connected, sql),
         _ => {
             let connected = replication::connect_sql(&config.database).await?;
-            let id_in = crate::process::stored::id_in_text_array(&connected, config).await?;
+            let id_in = crate::postgres::rows::id_in_text_array(&connected, config).await?;
             let sql = update_sql(&config.table, &id_in);
             let (connected, sql) = client.insert((connected, sql));
             (connected, sql)
@@ -237,153 +236,6 @@ async fn mark(
     };
     let ids: Vec<String> = ids.iter().map(EventId::to_string).collect();
     Ok(connected.execute(sql.as_str(), &[&ids]).await?)
-}
-
-/// What U5 requires of a column: its name, the types it may have, and how to add it.
-const COLUMNS: [(&str, &str, &str); 3] = [
-    (
-        "status",
-        "a text type (text, varchar, char) or an enum with the label 'published'",
-        "status text NOT NULL DEFAULT 'pending'",
-    ),
-    (
-        "published_at",
-        "timestamptz or timestamp",
-        "published_at timestamptz",
-    ),
-    (
-        "attempts",
-        "an integer type (smallint, integer, bigint) or numeric",
-        "attempts integer NOT NULL DEFAULT 0",
-    ),
-];
-
-/// Each column's type, whether it fits, and the role's privileges on it and on `id`.
-const CHECK_SQL: &str = "\
-    SELECT c.name, t.typname, \
-           CASE WHEN t.typtype = 'e' THEN EXISTS (SELECT 1 FROM pg_catalog.pg_enum e WHERE e.enumtypid = t.oid AND e.enumlabel = 'published') \
-                ELSE t.typname = ANY (CASE c.name WHEN 'status' THEN ARRAY['text','varchar','bpchar','name','citext'] \
-                                                  WHEN 'published_at' THEN ARRAY['timestamptz','timestamp'] \
-                                                  ELSE ARRAY['int2','int4','int8','numeric'] END) END, \
-           CASE WHEN a.attnum IS NULL THEN false ELSE pg_catalog.has_column_privilege($1::text::regclass, a.attnum, 'UPDATE') END, \
-           CASE WHEN a.attnum IS NULL THEN false ELSE pg_catalog.has_column_privilege($1::text::regclass, a.attnum, 'SELECT') END \
-      FROM unnest(ARRAY['status','published_at','attempts']) WITH ORDINALITY AS c(name, n) \
-      LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = $1::text::regclass AND a.attname = c.name AND a.attnum > 0 AND NOT a.attisdropped \
-      LEFT JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
-     ORDER BY c.n";
-
-/// U5: the table has the columns, with compatible types, and the relay's role may update
-/// them; otherwise a setup error naming every problem and its fix. A missing table is left
-/// to [`crate::process::bootstrap`], which names it.
-pub async fn check(client: &Client, config: &Config) -> Result<()> {
-    if !config.mark_published {
-        return Ok(());
-    }
-    let table = table_sql(&config.table);
-    let exists: bool = client
-        .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&table])
-        .await
-        .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!(
-                "cannot read the outbox table's columns: {e}"
-            ))
-        })?
-        .get(0);
-    if !exists {
-        return Ok(());
-    }
-    let rows = client.query(CHECK_SQL, &[&table]).await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot read the outbox table's columns: {e}"
-        ))
-    })?;
-    let id_readable: bool = client
-        .query_one(
-            "SELECT pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT')",
-            &[&table, &config.mapping.column(outbox::Role::Id)],
-        )
-        .await
-        .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges: {e}"))
-        })?
-        .get(0);
-    let columns: Vec<Column> = rows
-        .iter()
-        .map(|row| Column {
-            name: row.get(0),
-            type_name: row.get(1),
-            fits: row.get(2),
-            may_update: row.get(3),
-            may_select: row.get(4),
-        })
-        .collect();
-    let id = config.mapping.column(outbox::Role::Id);
-    let problems = judge_columns(&table, &columns, (id, id_readable));
-    if problems.is_empty() {
-        return Ok(());
-    }
-    Err(RelayError::setup(anyhow::anyhow!(
-        "--mark-published (OUTBOX_RELAY_MARK_PUBLISHED) sets status, published_at and attempts on relayed rows of {table}, but {}; \
-         fix that or turn --mark-published off",
-        problems.join("; ")
-    )))
-}
-
-/// One column of [`CHECK_SQL`]'s answer: its type (`None`: no such column), whether the
-/// type fits, and the relay's privileges on it.
-struct Column {
-    name: String,
-    type_name: Option<String>,
-    fits: Option<bool>,
-    may_update: bool,
-    may_select: bool,
-}
-
-/// U5's judge: every problem with the columns and the relay's privileges, each with its
-/// fix (`id`: the id column, and whether the relay may read it).
-fn judge_columns(table: &str, columns: &[Column], id: (&str, bool)) -> Vec<String> {
-    let (id, id_readable) = id;
-    let mut problems = Vec::new();
-    let mut ungranted = Vec::new();
-    for column in columns {
-        let Column {
-            name,
-            type_name,
-            fits,
-            may_update,
-            may_select,
-        } = column;
-        let Some((_, wanted, add)) = COLUMNS.iter().find(|(column, _, _)| *column == name) else {
-            continue;
-        };
-        match type_name {
-            None => problems.push(format!(
-                "the table has no column {name} (add it: ALTER TABLE {table} ADD COLUMN {add};)"
-            )),
-            Some(type_name) if *fits != Some(true) => problems.push(format!(
-                "column {name} is of type {type_name}, expected {wanted}"
-            )),
-            Some(_) => {
-                if !*may_update {
-                    ungranted.push(format!("UPDATE ({name})"));
-                }
-                if !*may_select && name == "status" {
-                    ungranted.push("SELECT (status)".to_owned());
-                }
-            }
-        }
-    }
-    if !id_readable {
-        ungranted.push(format!("SELECT ({})", replication::quote_identifier(id)));
-    }
-    if !ungranted.is_empty() {
-        problems.push(format!(
-            "the relay's role may not {} (grant it: GRANT {} ON {table} TO <the relay's role>;)",
-            ungranted.join(", "),
-            ungranted.join(", ")
-        ));
-    }
-    problems
 }
 
 #[cfg(test)]
@@ -405,10 +257,11 @@ mod tests {
     #[test]
     fn update_is_idempotent_and_takes_a_text_array_cast_to_the_id_type() {
         let sql = update_sql(
-            &TableName {
+            &crate::config::TableName {
                 schema: "public".into(),
                 name: "outbox_events".into(),
-            },
+            }
+            .into(),
             "\"id\" = ANY($1::text[]::bigint[])",
         );
         assert!(

@@ -5,15 +5,15 @@
 //! most every [`REPORT_EVERY`].
 //!
 //! # Invariants
-//! - W1 Read-only, on the lease's connection, beside the session: a failed poll is logged
+//! - MON1 Read-only, on the lease's connection, beside the session: a failed poll is logged
 //!   at debug and retried at the next one; it never ends the session (the lease probe and
 //!   the session's own checks judge the connection).
-//! - W2 At most one progress line per [`REPORT_EVERY`], and only while the slot lags by at
+//! - MON2 At most one progress line per [`REPORT_EVERY`], and only while the slot lags by at
 //!   least [`BACKLOG_BYTES`]; one "caught up" line when it no longer does.
-//! - W3 The table's identity is checked on the same connection every
+//! - MON3 The table's identity is checked on the same connection every
 //!   [`crate::process::identity::CHECK`] once the session began ([`crate::process::identity`]
-//!   V1–V4): a check that passes raises the reader's cap, one that cannot run is retried (like
-//!   W1), and a change ends the session with the refusal, the only way [`watch`] returns.
+//!   TI1–TI4): a check that passes raises the reader's cap, one that cannot run is retried (like
+//!   MON1), and a change ends the session with the refusal, the only way [`watch`] returns.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -29,9 +29,9 @@ use crate::process::identity::{self, Checked};
 
 /// How often the slot is polled.
 pub const POLL: Duration = Duration::from_secs(5);
-/// The shortest time between two progress lines (W2).
+/// The shortest time between two progress lines (MON2).
 pub const REPORT_EVERY: Duration = Duration::from_secs(10);
-/// A slot lag from which the relay counts as draining a backlog (W2).
+/// A slot lag from which the relay counts as draining a backlog (MON2).
 pub const BACKLOG_BYTES: u64 = 16 << 20;
 
 /// The slot's lag, `wal_status` and `safe_wal_size`: the last two read through `to_jsonb`
@@ -41,8 +41,8 @@ const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_
        FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1";
 
 /// Polls `slot` on `client` every [`POLL`] for as long as it is awaited, the first time
-/// one [`POLL`] from now (W1), and checks the table's identity every
-/// [`identity::CHECK`] (W3); returns only when the identity changed, with the refusal
+/// one [`POLL`] from now (MON1), and checks the table's identity every
+/// [`identity::CHECK`] (MON3); returns only when the identity changed, with the refusal
 /// (`/readyz` is not ready from then on).
 pub async fn watch(
     client: &Client,
@@ -84,7 +84,7 @@ pub async fn watch(
     }
 }
 
-/// Polls `slot` once (within [`POLL`]) and shows what it found (W1, W2).
+/// Polls `slot` once (within [`POLL`]) and shows what it found (MON1, MON2).
 pub async fn sample(client: &Client, slot: &str, metrics: &Metrics, progress: &mut Progress) {
     match tokio::time::timeout(POLL, poll(client, slot)).await {
         Ok(Ok(Some(sample))) => {
@@ -116,7 +116,7 @@ async fn poll(client: &Client, slot: &str) -> Result<Option<SlotSample>, tokio_p
     }))
 }
 
-/// Backlog progress between polls (W2); kept across sessions by the caller.
+/// Backlog progress between polls (MON2); kept across sessions by the caller.
 #[derive(Debug, Default)]
 pub struct Progress {
     /// The sample the next report measures from.
@@ -156,7 +156,7 @@ pub enum Report {
 
 impl Progress {
     /// Takes a sample (`lag_bytes`, events handled so far) at `now`; returns the line to
-    /// log, if one is due (W2).
+    /// log, if one is due (MON2).
     pub fn observe(&mut self, now: Instant, lag_bytes: u64, events: u64) -> Option<Report> {
         let mark = Mark {
             at: now,

@@ -28,27 +28,27 @@
 //! those were never relayed, and retention deletes them like the others.
 //!
 //! # Invariants
-//! - X1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
+//! - RET1 Never an unconfirmed row: only ids read in a snapshot whose every commit lies at or
 //!   below the slot's confirmed position are deleted.
-//! - X2 Only while streaming: the task belongs to the session (like the heartbeat, H1) and
+//! - RET2 Only while streaming: the task belongs to the session (like the heartbeat, HB1) and
 //!   is aborted with it, so a standby or a relay that lost its lease deletes nothing.
-//! - X3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
+//! - RET3 Small: one DELETE of at most `--retention-batch` ids per transaction, by primary
 //!   key; a partitioned table's root routes them to its partitions.
-//! - X4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
+//! - RET4 No feed-back: the relay's publication publishes inserts only, and the framer ignores
 //!   Delete messages anyway.
-//! - X6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
+//! - RET6 Checked at start ([`check`]): the relay's role may DELETE from the table and read
 //!   the id and creation-time columns, or the relay refuses to start (exit 2) naming the
 //!   `GRANT`.
-//! - X5 A failing round is logged (once per failing spell) and retried at the next
+//! - RET5 A failing round is logged (once per failing spell) and retried at the next
 //!   interval; it never ends the session.
-//! - X7 Only the table the session streams ([`crate::process::identity`] V5): the snapshot's select
+//! - RET7 Only the table the session streams ([`crate::process::identity`] TI5): the snapshot's select
 //!   and every DELETE require `to_regclass('schema.table')` to be the OID the session's
 //!   identity check found (the DELETE resolves and locks the table before that condition
 //!   is evaluated, so a table renamed into its place meanwhile has nothing deleted), and
 //!   the slot's confirmed position that step 2 waits for is never past what an identity
-//!   check vouched for (V2): a row of a table created or swapped in since is never deleted.
+//!   check vouched for (TI2): a row of a table created or swapped in since is never deleted.
 //!   A round that finds another table deletes nothing and says so.
-//! - X8 The mapping decides the id and creation-time columns (the grace counts from the
+//! - RET8 The mapping decides the id and creation-time columns (the grace counts from the
 //!   mapped creation time); ids of any kind go to the DELETE as text, cast to the id
 //!   column's type read from the catalog each round, so the primary key's index serves it.
 
@@ -62,8 +62,7 @@ use tokio_postgres::{Client, IsolationLevel};
 use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
-use crate::config::{table_sql, Config, RetentionConfig};
-use crate::error::{RelayError, Result};
+use crate::config::{Config, RetentionConfig};
 use crate::observe::metrics::Metrics;
 
 /// How long a round waits, in its snapshot, for the slot to confirm the snapshot's WAL
@@ -71,7 +70,7 @@ use crate::observe::metrics::Metrics;
 pub const CONFIRM_WAIT: Duration = Duration::from_secs(15);
 /// How long a round waits at least (step 2), however short the interval: past everything
 /// between a WAL position and its confirmation. The identity check vouches for the LSN its
-/// previous check read ([`crate::process::identity`] V2: up to two checks, one a second), the
+/// previous check read ([`crate::process::identity`] TI2: up to two checks, one a second), the
 /// relay reports progress at most once a second (twice, for a report just missed), and the
 /// marker's round and an ack come on top. A floor of 3 s, which left out the identity check,
 /// let a round miss the confirmation under load every time while other databases wrote
@@ -85,7 +84,7 @@ pub fn confirm_wait(interval: Duration) -> Duration {
 /// How often a round reads the slot while it waits.
 const CONFIRM_POLL: Duration = Duration::from_millis(100);
 
-/// The running retention task; dropping it stops the task (X2).
+/// The running retention task; dropping it stops the task (RET2).
 #[derive(Debug)]
 pub struct Retention {
     _task: AbortOnDropHandle<()>,
@@ -98,9 +97,9 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
     let task = Task {
         database: config.database.clone(),
         slot: config.slot.clone(),
-        table: table_sql(&config.table),
+        table: config.table.sql().to_owned(),
         table_oid,
-        select_sql: select_sql(&table_sql(&config.table), config),
+        select_sql: select_sql(config.table.sql(), config),
         config: config.clone(),
         settings,
         metrics,
@@ -110,53 +109,9 @@ pub fn start(config: &Config, metrics: Arc<Metrics>, table_oid: u32) -> Option<R
     })
 }
 
-/// X6: the relay's role may delete old rows; otherwise a setup error naming the `GRANT`. A
-/// missing table is left to [`crate::process::bootstrap`], which names it.
-pub async fn check(client: &Client, config: &Config) -> Result<()> {
-    if config.retention.is_none() {
-        return Ok(());
-    }
-    let table = table_sql(&config.table);
-    let (id, created_at) = (
-        config.mapping.column(Role::Id),
-        config.mapping.column(Role::CreatedAt),
-    );
-    let row = client
-        .query_one(
-            "SELECT pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_table_privilege($1::text::regclass, 'DELETE'), \
-             pg_catalog.to_regclass($1) IS NOT NULL AND pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT') \
-             AND pg_catalog.has_column_privilege($1::text::regclass, $3, 'SELECT'), \
-             pg_catalog.to_regclass($1) IS NULL",
-            &[&table, &id, &created_at],
-        )
-        .await
-        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the relay's privileges on {table}: {e}")))?;
-    let (may_delete, may_read, missing): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
-    if missing || (may_delete && may_read) {
-        return Ok(());
-    }
-    let mut grants = Vec::new();
-    if !may_delete {
-        grants.push("DELETE".to_owned());
-    }
-    if !may_read {
-        grants.push(format!(
-            "SELECT ({}, {})",
-            replication::quote_identifier(id),
-            replication::quote_identifier(created_at)
-        ));
-    }
-    Err(RelayError::setup(anyhow::anyhow!(
-        "--retention-grace (OUTBOX_RELAY_RETENTION_GRACE) deletes old confirmed rows of {table}, but the relay's role may not {}; \
-         grant it (GRANT {} ON {table} TO <the relay's role>;) or turn retention off",
-        grants.join(" or "),
-        grants.join(", ")
-    )))
-}
-
 /// Old rows' ids as text, in id order (`$1`: the grace in seconds, `$2`: the batch), of the
-/// table only while its name is the OID `$4` (`$3`: the name; X7), on the mapped id and
-/// creation-time columns (X8).
+/// table only while its name is the OID `$4` (`$3`: the name; RET7), on the mapped id and
+/// creation-time columns (RET8).
 fn select_sql(table: &str, config: &Config) -> String {
     let column = |role| replication::quote_identifier(config.mapping.column(role));
     let (id, created_at) = (column(Role::Id), column(Role::CreatedAt));
@@ -169,8 +124,8 @@ fn select_sql(table: &str, config: &Config) -> String {
     )
 }
 
-/// `$1`: the ids, as text (`id_in`: [`crate::process::stored::id_in_text_array`]'s
-/// condition); `$2`, `$3`: the table's name and the OID it must have (X7).
+/// `$1`: the ids, as text (`id_in`: [`crate::postgres::rows::id_in_text_array`]'s
+/// condition); `$2`, `$3`: the table's name and the OID it must have (RET7).
 fn delete_sql(table: &str, id_in: &str) -> String {
     format!(
         "DELETE FROM {table} WHERE {id_in} \
@@ -178,17 +133,17 @@ fn delete_sql(table: &str, id_in: &str) -> String {
     )
 }
 
-/// Whether the table's name is still the OID the session streams (X7).
+/// Whether the table's name is still the OID the session streams (RET7).
 const SAME_TABLE_SQL: &str = "SELECT pg_catalog.to_regclass($1::text) = $2::int8::oid";
 
 struct Task {
     database: ConnInfo,
     slot: String,
-    /// The table's name, in SQL, and the OID the session streams under it (X7).
+    /// The table's name, in SQL, and the OID the session streams under it (RET7).
     table: String,
     table_oid: u32,
     select_sql: String,
-    /// For the DELETE's id condition, read each round (X8).
+    /// For the DELETE's id condition, read each round (RET8).
     config: Config,
     settings: RetentionConfig,
     metrics: Arc<Metrics>,
@@ -205,7 +160,7 @@ enum Round {
         wal: Lsn,
         confirmed: Option<Lsn>,
     },
-    /// The table's name is another table than the one the session streams (X7).
+    /// The table's name is another table than the one the session streams (RET7).
     OtherTable { deleted: u64 },
 }
 
@@ -285,7 +240,35 @@ impl Task {
         })
     }
 
-    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (X1, X3).
+    /// Step 3: the ids of old confirmed rows, at most a batch, read in `transaction`'s
+    /// snapshot; `None` when the table's name is another table's (`oid`: the streamed one's).
+    async fn old_ids(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        oid: i64,
+    ) -> anyhow::Result<Option<Vec<String>>> {
+        let same: Option<bool> = transaction
+            .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
+            .await?
+            .get(0);
+        if same != Some(true) {
+            return Ok(None);
+        }
+        let grace = self.settings.grace.as_secs_f64();
+        Ok(Some(
+            transaction
+                .query(
+                    &self.select_sql,
+                    &[&grace, &self.settings.batch, &self.table, &oid],
+                )
+                .await?
+                .iter()
+                .map(|row| row.get(0))
+                .collect(),
+        ))
+    }
+
+    /// Deletes old confirmed rows, a batch at a time, until a batch is not full (RET1, RET3).
     async fn round(&self, client: &mut Option<Client>) -> anyhow::Result<Round> {
         let client = match client {
             Some(client) if !client.is_closed() => client,
@@ -293,7 +276,7 @@ impl Task {
         };
         let delete_sql = delete_sql(
             &self.table,
-            &crate::process::stored::id_in_text_array(client, &self.config).await?,
+            &crate::postgres::rows::id_in_text_array(client, &self.config).await?,
         );
         let mut deleted = 0;
         loop {
@@ -315,31 +298,17 @@ impl Task {
                     confirmed,
                 });
             }
-            // Step 3, in the same snapshot, of the table the session streams only (X7).
+            // Step 3, in the same snapshot, of the table the session streams only (RET7).
             let oid = i64::from(self.table_oid);
-            let same: Option<bool> = transaction
-                .query_one(SAME_TABLE_SQL, &[&self.table, &oid])
-                .await?
-                .get(0);
-            if same != Some(true) {
+            let Some(ids) = self.old_ids(&transaction, oid).await? else {
                 transaction.commit().await?;
                 return Ok(Round::OtherTable { deleted });
-            }
-            let grace = self.settings.grace.as_secs_f64();
-            let ids: Vec<String> = transaction
-                .query(
-                    &self.select_sql,
-                    &[&grace, &self.settings.batch, &self.table, &oid],
-                )
-                .await?
-                .iter()
-                .map(|row| row.get(0))
-                .collect();
+            };
             transaction.commit().await?;
             if ids.is_empty() {
                 return Ok(Round::Done { deleted });
             }
-            // Step 4 (X7: nothing if the name is another table's by now).
+            // Step 4 (RET7: nothing if the name is another table's by now).
             let rows = client
                 .execute(&delete_sql, &[&ids, &self.table, &oid])
                 .await?;

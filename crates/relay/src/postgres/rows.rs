@@ -4,9 +4,9 @@
 //! S4), since outbox tables are emptied by design.
 //!
 //! # Invariants
-//! - V2 A row that cannot be read as the relay would read it (a NULL key column, an
+//! - ROW1 A row that cannot be read as the relay would read it (a NULL key column, an
 //!   infinite `created_at`) yields no event ([`RowReader::event`]).
-//! - V3 Rows read in id order ([`RowReader::order_by`]) come in one stable order for every
+//! - ROW2 Rows read in id order ([`RowReader::order_by`]) come in one stable order for every
 //!   id kind: integers and uuids by value, text ids by their bytes (`COLLATE "C"`), which is
 //!   the order `outbox::EventId`'s `Ord` gives the same ids (a uuid's lower-case text sorts
 //!   as its bytes do; Rust compares strings by their UTF-8 bytes, as `"C"` does).
@@ -15,7 +15,7 @@ use bytes::Bytes;
 use outbox::{EventBuilder, EventId, IdKind, OutboxColumns, OutboxEvent, Position};
 use tokio_postgres::Client;
 
-use crate::config::{table_sql, Config};
+use crate::config::Config;
 use crate::error::{RelayError, Result};
 
 /// The refusal of a tool that publishes rows (`replay`, `backfill`) when the range holds
@@ -31,11 +31,11 @@ pub fn no_rows_in_range(table: &impl std::fmt::Display, tool: &str) -> RelayErro
     ))
 }
 
-/// Reads rows of the table as the relay reads them (V2): the mapped columns, each as text
+/// Reads rows of the table as the relay reads them (ROW1): the mapped columns, each as text
 /// (`bytea` as its hex output, which the control session pins), through the builder
 /// streaming uses (`outbox` E4), so a row read back yields exactly the event streaming
 /// derived.
-/// Rows in id order come in one stable order for every id kind (V3).
+/// Rows in id order come in one stable order for every id kind (ROW2).
 #[derive(Debug)]
 pub struct RowReader {
     builder: EventBuilder,
@@ -107,7 +107,7 @@ impl RowReader {
         self.id_kind
     }
 
-    /// The id column as compared and ordered (V3): text ids by their bytes.
+    /// The id column as compared and ordered (ROW2): text ids by their bytes.
     pub fn id_ordered(&self) -> String {
         match self.id_kind {
             IdKind::Text => format!("{} COLLATE \"C\"", self.id_column),
@@ -115,7 +115,7 @@ impl RowReader {
         }
     }
 
-    /// `ORDER BY`'s expression for id order (V3).
+    /// `ORDER BY`'s expression for id order (ROW2).
     pub fn order_by(&self) -> String {
         self.id_ordered()
     }
@@ -193,7 +193,7 @@ pub async fn id_in_text_array(client: &Client, config: &Config) -> anyhow::Resul
         .query_opt(
             "SELECT pg_catalog.format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a \
               WHERE a.attrelid = $1::text::regclass AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
-            &[&table_sql(&config.table), &id],
+            &[&config.table.sql(), &id],
         )
         .await?
         .ok_or_else(|| anyhow::anyhow!("table {} has no column {id}", config.table))?;

@@ -7,7 +7,7 @@
 //!    `--until`, `--entity`, on the columns the mapping names), read once before anything
 //!    else. Rows committed after that are not expected. Id bounds compare as the id column's
 //!    type: integers and uuids by value, text ids by their bytes (`COLLATE "C"`, whatever
-//!    the column's collation), the order `outbox::EventId` sorts them in (`stored` V3).
+//!    the column's collation), the order `outbox::EventId` sorts them in (`stored` ROW2).
 //! 2. NATS: one ephemeral pull consumer over `{prefix}.>` (`DeliverPolicy::All`, no acks,
 //!    large batches), read to the end, on a thread of its own with its own connection and a
 //!    single-threaded runtime (no thread wake-up per message; the table's side runs beside
@@ -21,7 +21,7 @@
 //! 3. Postgres, at the same time as 2 (a task of its own): the rows in id order through one
 //!    streaming query (`query_raw`, never the whole result in memory). Each row's event is
 //!    built by the builder streaming uses (`outbox` E4, through
-//!    `crate::process::stored::RowReader`: the mapping's columns, keys, shard, subject
+//!    `crate::postgres::rows::RowReader`: the mapping's columns, keys, shard, subject
 //!    template and header columns, exactly as the relay builds them) and only its digest
 //!    kept, then compared with the stream's first copy. A row of an event type the mapping's
 //!    filter excludes is neither expected nor reported missing; the report counts them on
@@ -31,40 +31,44 @@
 //!
 //! Which rows are the relay's: every row, except those the slot's creation left out by
 //! design (with `--backfill pending`, the rows already `published` in the slot's snapshot),
-//! which [`crate::process::boundary`] recorded then. Those are neither expected nor checked; the
+//! which [`crate::postgres::boundary`] recorded then. Those are neither expected nor checked; the
 //! report says how many and which ids, on one line. A slot without a record (created before
 //! the boundary was recorded, with `--backfill none`, or by hand) has every row expected, as
 //! before, and the report says once why rows may then be reported missing.
 //!
 //! # Invariants
-//! - V1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
+//! - VER1 Read-only: verify creates nothing but an ephemeral consumer that acknowledges nothing
 //!   and is deleted by the server when idle; it publishes, changes and locks nothing.
-//! - V2 Keys are never re-derived: the expected message is the one builder's (`outbox` E4);
+//! - VER2 Keys are never re-derived: the expected message is the one builder's (`outbox` E4);
 //!   the stream's header values are decoded with `outbox::encoding::decode` when the message
 //!   says `Outbox-Encoding: percent` before they are compared: the row's values, every
 //!   header a column gave (any header not `Nats-*` or `Outbox-*`), and for uuid and text
 //!   ids (`Outbox-Id-Kind`) `Outbox-Id` and `Outbox-Ordering-Key` too. The headers columns
 //!   gave are compared as a set (a digest independent of their order).
-//! - V3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
+//! - VER3 A dead-letter record (`{prefix}.dlq`) in an event's place is reported as
 //!   dead-lettered, not missing, and is not a discrepancy (the operator chose
 //!   `--on-poison dead-letter`).
-//! - V4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`, integer
+//! - VER4 Memory is bounded by the id span of the range (a dense `Vec` of `Entry`, integer
 //!   ids), or by the ids present when the ids are sparse or not integers (a map keyed by
 //!   the id: for a uuid or text id its text plus about 80 bytes), plus one `Expected` per
 //!   row (40 bytes, and a uuid or text id's text), never by payloads: payloads are compared
 //!   through a digest.
-//! - V5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
+//! - VER5 Exit status: 0 consistent (dead-lettered rows allowed), 5 discrepancies found,
 //!   1 the table or the stream could not be read, 2 invalid arguments or configuration.
-//! - V6 Exactly the relay's rows are expected: a row is left out only when the slot's
-//!   recorded boundary names its id (`boundary` N1), never by a guess from its status or id;
+//! - VER6 Exactly the relay's rows are expected: a row is left out only when the slot's
+//!   recorded boundary names its id (`boundary` BD1), never by a guess from its status or id;
 //!   every other row in range is checked. The real problems come first in the report, each
 //!   by outbox id, then what is informational (dead-lettered rows, the left-out rows'
 //!   count and id range, one line), then the summary.
-//! - V7 Outbox tables are emptied by design (Debezium's remove-after-insert, a poller's
+//! - VER7 Outbox tables are emptied by design (Debezium's remove-after-insert, a poller's
 //!   clean-up, retention, TRUNCATE, dropped partitions): over the whole table, an event
 //!   message of this database's relay (its `Outbox-Source` names this database and slot) whose
 //!   row is gone is counted on one line, "rows deleted after relaying", never a discrepancy;
 //!   one without a row that is not ours is `unexpected`.
+//!
+//! Inside: the range, the expected messages and their digests are here with [`run`];
+//! `read.rs` reads the stream and the table, `judge.rs` compares them, `report.rs` tells
+//! what was found.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -83,9 +87,17 @@ use tokio_postgres::types::ToSql;
 use crate::config::Config;
 use crate::error::{RelayError, Result};
 // A row read back as the relay reads it: the process's (`stored`), and replay's through here.
-pub use crate::process::stored::{check_id_bound, RowReader};
+pub use crate::postgres::rows::{check_id_bound, RowReader};
 
-/// The exit status when verify found discrepancies (V5).
+mod judge;
+mod read;
+mod report;
+use judge::*;
+pub(crate) use read::scan_stream;
+use read::*;
+pub use report::*;
+
+/// The exit status when verify found discrepancies (VER5).
 pub const DISCREPANCIES_EXIT: u8 = 5;
 
 /// How long the stream may stay silent before verify gives up reading it.
@@ -96,7 +108,7 @@ const BATCH: usize = 20_000;
 
 /// What to check: the rows whose id and creation time fall in these bounds (all inclusive
 /// but `until`). Ids are compared as the id column's type: integers and uuids by value,
-/// text ids by their bytes (`COLLATE "C"`, `stored` V3).
+/// text ids by their bytes (`COLLATE "C"`, `stored` ROW2).
 #[derive(Debug, Clone, Default)]
 pub struct Range {
     /// Lowest id, as text (an integer, a uuid or any text, as the id column holds).
@@ -181,8 +193,7 @@ impl Range {
                 return Err(RelayError::setup(anyhow::anyhow!(
                     "{flag} {text:?} is neither a timestamp nor a duration ({}): give e.g. \
                      2026-01-31T12:00:00Z or 6h",
-                    e.as_db_error()
-                        .map_or_else(|| e.to_string(), |db| db.message().to_owned())
+                    crate::postgres::error::describe(&e)
                 )));
             }
         }
@@ -219,7 +230,7 @@ fn cast_times(condition: &str, params: &[Param]) -> String {
     out
 }
 
-/// What verify keeps per outbox id (V4).
+/// What verify keeps per outbox id (VER4).
 #[derive(Debug, Clone, Copy, Default)]
 struct Entry {
     /// Stream sequence of the first event message.
@@ -250,7 +261,7 @@ impl Expected {
     const PUBLISHABLE: u8 = 1;
     /// The relay cannot publish the row.
     const UNPUBLISHABLE: u8 = 2;
-    /// Left out by design when the slot was created (V6): not checked.
+    /// Left out by design when the slot was created (VER6): not checked.
     const LEFT_OUT: u8 = 3;
     /// Of an event type the mapping's filter excludes: never published, not checked.
     const EXCLUDED: u8 = 4;
@@ -273,7 +284,7 @@ const OURS: u8 = 4;
 /// The lowest and highest id of a range and its row count.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bounds {
-    /// The lowest id (in the id column's order, `stored` V3).
+    /// The lowest id (in the id column's order, `stored` ROW2).
     pub low: EventId,
     /// The highest id.
     pub high: EventId,
@@ -282,14 +293,14 @@ pub struct Bounds {
 }
 
 impl Bounds {
-    /// Whether `id` lies within the bounds (`EventId`'s order is the column's, `stored` V3).
+    /// Whether `id` lies within the bounds (`EventId`'s order is the column's, `stored` ROW2).
     pub fn contains(&self, id: &EventId) -> bool {
         self.low <= *id && *id <= self.high
     }
 }
 
 /// Entries by id: dense over the id span of integer ids, or a map when the ids are sparse
-/// or not integers (V4).
+/// or not integers (VER4).
 enum Index {
     Dense { low: i64, entries: Vec<Entry> },
     Sparse(HashMap<EventId, Entry>),
@@ -383,7 +394,7 @@ impl Fields {
         }
     }
 
-    /// The stream's values, percent-decoded when the message says so (V2); `None` for a
+    /// The stream's values, percent-decoded when the message says so (VER2); `None` for a
     /// value that does not decode.
     fn of_message(subject: &str, headers: &HeaderMap) -> Fields {
         let seen = Seen::of(headers);
@@ -469,7 +480,7 @@ fn event_digest(event: &OutboxEvent) -> u64 {
     )
 }
 
-/// A header value as the row had it: percent-decoded when the message is `encoded` (V2).
+/// A header value as the row had it: percent-decoded when the message is `encoded` (VER2).
 fn row_value<'a>(headers: &'a HeaderMap, name: &str, encoded: bool) -> Cow<'a, str> {
     let v = headers.get(name).map_or("", |v| v.as_str());
     if encoded {
@@ -497,7 +508,7 @@ struct Seen<'a> {
     tx_index: &'a str,
     /// `Outbox-Source`: the WAL history the position belongs to.
     source: &'a str,
-    /// `Outbox-Encoding: percent`: the row's values are percent-encoded (V2).
+    /// `Outbox-Encoding: percent`: the row's values are percent-encoded (VER2).
     encoded: bool,
     /// `Outbox-Id-Kind`: a uuid or text id (its `Outbox-Id` and ordering key are encoded
     /// with the rest).
@@ -561,7 +572,7 @@ impl<'a> Seen<'a> {
         headers_digest(decoded.iter().map(|(n, v)| (*n, &**v)))
     }
 
-    /// A value as the row had it: percent-decoded when the message is encoded (V2).
+    /// A value as the row had it: percent-decoded when the message is encoded (VER2).
     fn row_value(&self, v: &'a str) -> Cow<'a, str> {
         if self.encoded {
             Cow::Owned(encoding::decode(v).unwrap_or_else(|| format!("<undecodable {v:?}>")))
@@ -602,218 +613,6 @@ fn entity_hash(entity_id: &str) -> u64 {
     hasher.finish()
 }
 
-/// One problem found, by outbox id.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    /// `missing`, `duplicated`, `mismatched`, `out of order`, `unexpected`, `unpublishable`
-    /// or `dead-lettered` (not a discrepancy, V3).
-    pub kind: &'static str,
-    /// The outbox id.
-    pub id: EventId,
-    /// What is wrong, with stream sequences.
-    pub detail: String,
-}
-
-/// The order problems are reported in (V6): discrepancies first, `dead-lettered` last.
-const KINDS: [&str; 7] = [
-    "missing",
-    "duplicated",
-    "mismatched",
-    "out of order",
-    "unexpected",
-    "unpublishable",
-    "dead-lettered",
-];
-
-fn rank(kind: &str) -> usize {
-    KINDS.iter().position(|k| *k == kind).unwrap_or(KINDS.len())
-}
-
-/// What verify found.
-#[derive(Debug, Default)]
-pub struct Report {
-    /// Rows checked.
-    pub rows: u64,
-    /// Rows in range left out by design when the slot was created (V6).
-    pub left_out: u64,
-    /// The lowest and highest id left out.
-    pub left_out_ids: Option<(i64, i64)>,
-    /// The slot's boundary as read (`None`: not read, the range held no row).
-    pub boundary: Option<crate::process::boundary::Read>,
-    /// The slot's name, for the report.
-    pub slot: String,
-    /// Messages read from the stream.
-    pub messages: u64,
-    /// The lowest and highest id checked.
-    pub ids: Option<(EventId, EventId)>,
-    /// Rows in range of an event type the mapping's filter excludes: never published, not
-    /// checked.
-    pub excluded: u64,
-    /// Event messages of this database's relay whose rows are gone, between the lowest and
-    /// highest id in the table (V7).
-    pub deleted: u64,
-    /// The lowest and highest of those ids.
-    pub deleted_ids: Option<(EventId, EventId)>,
-    /// The same, with ids below the lowest or above the highest id in the table (all of
-    /// them, for an empty table).
-    pub deleted_outside: u64,
-    /// Every problem, by kind then id.
-    pub problems: Vec<Problem>,
-    /// How long it took.
-    pub elapsed: Duration,
-}
-
-impl Report {
-    /// Problems of `kind`.
-    pub fn count(&self, kind: &str) -> usize {
-        self.problems.iter().filter(|p| p.kind == kind).count()
-    }
-
-    /// 0 consistent, [`DISCREPANCIES_EXIT`] otherwise (V5).
-    pub fn exit_code(&self) -> u8 {
-        if self.problems.iter().any(|p| p.kind != "dead-lettered") {
-            DISCREPANCIES_EXIT
-        } else {
-            0
-        }
-    }
-
-    /// The problems (at most `max_listed` per kind, discrepancies first), what was left
-    /// out and why, and the summary line (V6).
-    pub fn render(&self, max_listed: usize) -> String {
-        let mut out = String::new();
-        self.render_problems(&mut out, max_listed);
-        self.render_left_out(&mut out);
-        self.render_deleted(&mut out);
-        self.render_summary(&mut out);
-        out
-    }
-
-    /// The problems, at most `max_listed` per kind, discrepancies first.
-    fn render_problems(&self, out: &mut String, max_listed: usize) {
-        let mut problems: Vec<&Problem> = self.problems.iter().collect();
-        problems.sort_by(|a, b| rank(a.kind).cmp(&rank(b.kind)).then(a.id.cmp(&b.id)));
-        for kind in problems.chunk_by(|a, b| a.kind == b.kind) {
-            for problem in kind.iter().take(max_listed) {
-                let _ = writeln!(
-                    out,
-                    "{}: id={} {}",
-                    problem.kind,
-                    shown_id(&problem.id),
-                    problem.detail
-                );
-            }
-            if kind.len() > max_listed {
-                let _ = writeln!(
-                    out,
-                    "{}: ... and {} more",
-                    kind[0].kind,
-                    kind.len() - max_listed
-                );
-            }
-        }
-    }
-
-    /// What the slot's creation left out (V6), or why every row is expected; the rows the
-    /// event-type filter excludes.
-    fn render_left_out(&self, out: &mut String) {
-        if self.excluded > 0 {
-            let _ = writeln!(
-                out,
-                "excluded: {} rows of event types the filter excludes (--include-event-types, \
-                 --exclude-event-types): never published, not checked",
-                self.excluded
-            );
-        }
-        match &self.boundary {
-            Some(crate::process::boundary::Read::Recorded(boundary)) if self.left_out > 0 => {
-                let ids = self
-                    .left_out_ids
-                    .map_or_else(String::new, |(lo, hi)| format!(" (ids {lo}..={hi})"));
-                let _ = writeln!(
-                    out,
-                    "left out: {} rows{ids}, already published when slot {:?} was created with --backfill {} \
-                     (it streams from {}): by design not the relay's, not checked",
-                    self.left_out, self.slot, boundary.mode, boundary.consistent_point
-                );
-            }
-            Some(crate::process::boundary::Read::Absent(why)) if self.count("missing") > 0 => {
-                let _ = writeln!(
-                    out,
-                    "note: no boundary is recorded for slot {:?} ({why}), so every row is expected: \
-                     rows committed before the slot was created and never backfilled (a slot created by an \
-                     older relay, with --backfill none, or by hand) are reported missing; \
-                     verify from the first relayed id (--from-id) to leave them out",
-                    self.slot
-                );
-            }
-            _ => {}
-        }
-    }
-
-    /// V7: the messages whose rows were deleted after relaying, one line.
-    fn render_deleted(&self, out: &mut String) {
-        if self.deleted + self.deleted_outside == 0 {
-            return;
-        }
-        let within = self
-            .deleted_ids
-            .as_ref()
-            .map_or_else(String::new, |(low, high)| {
-                format!(
-                    ", {} of them with ids {}..={} among the table's",
-                    self.deleted,
-                    shown_id(low),
-                    shown_id(high)
-                )
-            });
-        let _ = writeln!(
-            out,
-            "rows deleted after relaying: {} messages of this database's relay whose rows are no longer \
-             in the table{within}: not checked (a clean-up, retention, Debezium's remove-after-insert, \
-             TRUNCATE or a dropped partition deletes rows after they are relayed; the stream keeps them)",
-            self.deleted + self.deleted_outside
-        );
-    }
-
-    /// The summary line: the verdict (V5) and each kind's count.
-    fn render_summary(&self, out: &mut String) {
-        let seconds = self.elapsed.as_secs_f64();
-        let rate = if seconds > 0.0 {
-            self.rows as f64 / seconds
-        } else {
-            0.0
-        };
-        let ids = self.ids.as_ref().map_or_else(
-            || "none".to_owned(),
-            |(lo, hi)| format!("{}..={}", shown_id(lo), shown_id(hi)),
-        );
-        let verdict = if self.exit_code() == 0 {
-            "OK".to_owned()
-        } else {
-            format!("DISCREPANCIES (exit {DISCREPANCIES_EXIT})")
-        };
-        let _ = writeln!(
-            out,
-            "verify: {verdict}: {} rows (ids {ids}), {} stream messages, {:.1} s ({:.0} rows/s): \
-             {} missing, {} duplicated, {} mismatched, {} out of order, {} unexpected, \
-             {} unpublishable, {} dead-lettered, {} left out",
-            self.rows,
-            self.messages,
-            seconds,
-            rate,
-            self.count("missing"),
-            self.count("duplicated"),
-            self.count("mismatched"),
-            self.count("out of order"),
-            self.count("unexpected"),
-            self.count("unpublishable"),
-            self.count("dead-lettered"),
-            self.left_out,
-        );
-    }
-}
-
 /// An id as the report shows it: an integer or a uuid as it is; a text id as it is when
 /// it holds only letters, digits and `-_.:~`, else quoted with escapes, so that no row value
 /// can forge a report line.
@@ -834,9 +633,7 @@ pub fn shown_id(id: &EventId) -> Cow<'_, str> {
 
 fn read_error(what: &str) -> impl Fn(tokio_postgres::Error) -> RelayError + '_ {
     move |e| {
-        let text = e
-            .as_db_error()
-            .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+        let text = crate::postgres::error::describe(&e);
         RelayError::permanent(anyhow::anyhow!("{what}: {text}"))
     }
 }
@@ -868,7 +665,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     let client = replication::connect_sql(&config.database)
         .await
         .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to Postgres: {e}")))?;
-    let columns = crate::process::bootstrap::check_table(&client, config).await?;
+    let columns = crate::postgres::checks::check_table(&client, config).await?;
     let reader = Arc::new(RowReader::with_payload(config, columns));
     range.resolve(&client, reader.id_kind()).await?;
     let (condition, params) = range.condition(config, &reader);
@@ -893,7 +690,7 @@ pub(crate) async fn open(config: &Config, range: &mut Range) -> Result<Opened> {
     })
 }
 
-/// V7: the end of the `Outbox-Source` of every message a relay streaming this database's
+/// VER7: the end of the `Outbox-Source` of every message a relay streaming this database's
 /// slot writes (`/{database}/{slot}`, `outbox::source_id`), whatever the cluster or timeline.
 async fn our_source_suffix(client: &tokio_postgres::Client, config: &Config) -> Result<String> {
     let row = client
@@ -906,7 +703,7 @@ async fn our_source_suffix(client: &tokio_postgres::Client, config: &Config) -> 
 }
 
 /// The lowest and highest id of the rows `condition` selects, and their count: one query;
-/// the ids as text, in the id column's order (`stored` V3).
+/// the ids as text, in the id column's order (`stored` ROW2).
 async fn read_bounds(
     client: &tokio_postgres::Client,
     config: &Config,
@@ -944,639 +741,21 @@ async fn read_bounds(
     })
 }
 
-/// Reads every message of the outbox subjects (`{prefix}.>`, dead-letter records included)
-/// once, in stream order, through an ephemeral pull consumer that acknowledges nothing, in
-/// large batches; stops at the last message stored when the read caught up. Returns how
-/// many messages were read.
-pub(crate) async fn scan_stream(
-    stream: &jetstream::stream::Stream,
-    prefix: &str,
-    mut each: impl FnMut(u64, &jetstream::Message),
-) -> Result<u64> {
-    let mut consumer = scan_consumer(stream, prefix).await?;
-    let pending = consumer
-        .info()
-        .await
-        .map_err(|e| nats_error("cannot read the consumer")(Box::new(e)))?
-        .num_pending;
-    let mut read = 0;
-    if pending > 0 {
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(BATCH)
-            .messages()
-            .await
-            .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        loop {
-            let message = match tokio::time::timeout(STREAM_IDLE_TIMEOUT, messages.next()).await {
-                Err(_) => {
-                    return Err(RelayError::permanent(anyhow::anyhow!(
-                        "the stream sent nothing for {} s while messages were pending: check \
-                         the NATS server and retry",
-                        STREAM_IDLE_TIMEOUT.as_secs()
-                    )))
-                }
-                Ok(None) => break,
-                Ok(Some(message)) => {
-                    message.map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?
-                }
-            };
-            read += 1;
-            let info = message
-                .info()
-                .map_err(|e| nats_error("a message without JetStream metadata")(e))?;
-            let (seq, left) = (info.stream_sequence, info.pending);
-            each(seq, &message);
-            if left == 0 {
-                break;
-            }
-        }
-    }
-    let name = consumer.cached_info().name.clone();
-    let _ = stream.delete_consumer(&name).await;
-    Ok(read)
-}
-
-/// The ephemeral pull consumer [`scan_stream`] reads through (V1: it acknowledges nothing
-/// and the server deletes it when idle).
-async fn scan_consumer(
-    stream: &jetstream::stream::Stream,
-    prefix: &str,
-) -> Result<jetstream::consumer::Consumer<pull::Config>> {
-    // A stream that holds `{prefix}.>` only needs no filter: the server then skips matching
-    // each message's subject against it.
-    let filter = format!("{prefix}.>");
-    let filter = if stream.cached_info().config.subjects == [filter.clone()] {
-        String::new()
-    } else {
-        filter
-    };
-    stream
-        .create_consumer(pull::Config {
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            filter_subject: filter,
-            inactive_threshold: Duration::from_secs(60),
-            memory_storage: true,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| nats_error("cannot create a consumer on the stream")(Box::new(e)))
-}
-
-/// What reading the stream found: [`Entry`]s by id, and where copies and order went wrong.
-struct StreamSide {
-    /// Messages read.
-    read: u64,
-    index: Index,
-    /// Ids whose message comes after one committed later, and why.
-    out_of_order: Vec<(EventId, String)>,
-    /// The ids and sequences of second and later copies.
-    duplicates: Vec<(EventId, u64)>,
-    /// Event messages of ours whose ids lie outside the bounds (V7).
-    ours_outside: u64,
-}
-
-/// The commit order's checks as the stream is read (step 2): per entity, and globally in
-/// strict mode (not a shared stream).
-///
-/// Positions compare only within one WAL history (`Outbox-Source`): after a restore, a
-/// major-version upgrade or a fail-over's new history, LSNs start again lower, and the
-/// stream's order is still the commit order. Each history gets its own checks; the few
-/// sources a stream holds are kept in a list and found by comparison.
-#[derive(Default)]
-struct OrderCheck {
-    /// Every message must come after the one before it, not only per entity.
-    strict: bool,
-    sources: Vec<String>,
-    last_global: HashMap<usize, (Position, EventId)>,
-    per_entity: HashMap<(usize, u64), (Position, EventId)>,
-}
-
-impl OrderCheck {
-    /// The number of `source`'s history, given when first seen.
-    fn history(&mut self, source: &str) -> usize {
-        match self.sources.iter().position(|s| s == source) {
-            Some(history) => history,
-            None => {
-                self.sources.push(source.to_owned());
-                self.sources.len() - 1
-            }
-        }
-    }
-
-    /// Records the first copy of `id` (at `seq`, `position`, entity hash `entity`) and says
-    /// why it is out of order, if it is.
-    fn check(
-        &mut self,
-        seq: u64,
-        id: &EventId,
-        position: Position,
-        source: &str,
-        entity: u64,
-        headers: &HeaderMap,
-    ) -> Option<String> {
-        let at = |p: Position| format!("(commit {}, index {})", p.commit_lsn, p.index);
-        let history = self.history(source);
-        let key = (history, entity);
-        let mut problem = None;
-        match self.per_entity.get_mut(&key) {
-            Some((previous, previous_id)) if position < *previous => {
-                problem = Some(format!(
-                    "at sequence {seq}: entity {:?} {} comes after id {} {}, \
-                     committed later",
-                    Fields::of_message("", headers).entity_id,
-                    at(position),
-                    shown_id(previous_id),
-                    at(*previous)
-                ));
-            }
-            Some(last) => *last = (position, id.clone()),
-            None => {
-                self.per_entity.insert(key, (position, id.clone()));
-            }
-        }
-        let last_global = self
-            .last_global
-            .entry(history)
-            .or_insert_with(|| (position, id.clone()));
-        if (position, id) != (last_global.0, &last_global.1) {
-            let (previous, previous_id) = (last_global.0, &last_global.1);
-            if self.strict && position <= previous && problem.is_none() {
-                problem = Some(format!(
-                    "at sequence {seq}: {} is not after the message before it \
-                     (id {} {}): the stream's order is not the commit order",
-                    at(position),
-                    shown_id(previous_id),
-                    at(previous)
-                ));
-            }
-        }
-        if position > last_global.0 {
-            *last_global = (position, id.clone());
-        }
-        problem
-    }
-}
-
-/// Step 2's fold: each message of the stream into the [`Index`] (ids in `low..=high` only),
-/// the copies and the order. A dead-letter record counts apart from the event (V3).
-struct Tally {
-    bounds: Bounds,
-    dead_letter_subject: String,
-    index: Index,
-    order: OrderCheck,
-    out_of_order: Vec<(EventId, String)>,
-    duplicates: Vec<(EventId, u64)>,
-    /// [`our_source_suffix`].
-    ours: String,
-    /// Event messages of ours whose ids lie outside the bounds (V7).
-    ours_outside: u64,
-}
-
-impl Tally {
-    fn new(config: &Config, bounds: Bounds, ours: String) -> Tally {
-        Tally {
-            ours,
-            ours_outside: 0,
-            dead_letter_subject: format!("{}.dlq", config.subject_prefix),
-            index: Index::new(&bounds),
-            bounds,
-            order: OrderCheck {
-                strict: !config.shared_stream,
-                ..OrderCheck::default()
-            },
-            out_of_order: vec![],
-            duplicates: vec![],
-        }
-    }
-
-    fn message(&mut self, seq: u64, message: &jetstream::Message) {
-        let Some(headers) = &message.headers else {
-            return;
-        };
-        let seen = Seen::of(headers);
-        let Some(id) = seen.id() else {
-            return;
-        };
-        let ours = seen.source.ends_with(&self.ours);
-        if !self.bounds.contains(&id) {
-            if ours && message.subject.as_str() != self.dead_letter_subject {
-                self.ours_outside += 1;
-            }
-            return;
-        }
-        let entry = self.index.get(&id);
-        if message.subject.as_str() == self.dead_letter_subject {
-            entry.dead_letters = entry.dead_letters.saturating_add(1);
-            if entry.count == 0 {
-                entry.seq = seq;
-            }
-            return;
-        }
-        entry.count = entry.count.saturating_add(1);
-        if entry.count > 1 {
-            self.duplicates.push((id, seq));
-            return;
-        }
-        let (digest, entity) = seen_digest(message.subject.as_str(), &seen, &message.payload);
-        entry.seq = seq;
-        entry.digest = digest;
-        if ours {
-            entry.flags |= OURS;
-        }
-        if let Some(position) = Position::from_headers(seen.commit_lsn, seen.tx_index) {
-            let problem = self
-                .order
-                .check(seq, &id, position, seen.source, entity, headers);
-            self.out_of_order.extend(problem.map(|p| (id, p)));
-        }
-    }
-}
-
-/// Step 2, on the calling thread, with its own NATS connection and a single-threaded
-/// runtime: the connection's reader and the consumer then share one thread, so handing a
-/// message over costs no thread wake-up (on a multi-threaded runtime that wake-up, a futex
-/// call per message, cost as much as the comparison), and the table's side runs on the
-/// relay's runtime beside it.
-fn read_stream(
-    config: &Config,
-    bounds: Bounds,
-    ours: String,
-    started: Instant,
-) -> Result<StreamSide> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a runtime: {e}")))?;
-    runtime.block_on(async {
-        let client = crate::connect::nats::connect(&config.nats)
-            .await
-            .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot connect to NATS: {e}")))?;
-        let stream = jetstream::new(client)
-            .get_stream(&config.stream)
-            .await
-            .map_err(|e| nats_error("cannot read the stream")(Box::new(e)))?;
-        let mut tally = Tally::new(config, bounds, ours);
-        let read = scan_stream(&stream, &config.subject_prefix, |seq, message| {
-            tally.message(seq, message)
-        })
-        .await?;
-        tracing::info!(
-            messages = read,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "read the stream"
-        );
-        Ok(StreamSide {
-            read,
-            index: tally.index,
-            out_of_order: tally.out_of_order,
-            duplicates: tally.duplicates,
-            ours_outside: tally.ours_outside,
-        })
-    })
-}
-
-/// Starts step 2 on a thread of its own (see [`read_stream`]); the future answers with what
-/// it read.
-fn spawn_stream_side(
-    config: &Config,
-    bounds: Bounds,
-    ours: String,
-    started: Instant,
-) -> Result<impl std::future::Future<Output = Result<StreamSide>>> {
-    let (send, answer) = tokio::sync::oneshot::channel();
-    let stream_config = config.clone();
-    std::thread::Builder::new()
-        .name("verify-stream".into())
-        .spawn(move || {
-            let _ = send.send(read_stream(&stream_config, bounds, ours, started));
-        })
-        .map_err(|e| RelayError::permanent(anyhow::anyhow!("cannot start a thread: {e}")))?;
-    Ok(async {
-        answer.await.map_err(|_| {
-            RelayError::permanent(anyhow::anyhow!(
-                "the stream reader stopped without an answer"
-            ))
-        })?
-    })
-}
-
-/// What reading the table found: each row as verify expects its message, and why the
-/// relay cannot publish the rows it cannot.
-struct TableSide {
-    expected: Vec<Expected>,
-    unpublishable: Vec<(EventId, String)>,
-}
-
-/// What row `row` (of the reader's select list and the range's condition, its last column)
-/// must be on the stream: not checked when out of range, left out by the slot's creation
-/// (V6) or of an event type the filter excludes, else its event's digest (V2: the one
-/// builder's, `outbox` E4), or why it is unpublishable. Rows come in id order, as
-/// `left_out` wants them (integer ids only: a boundary records runs of integers). `None`
-/// for a row whose id cannot be read.
-fn expect_row(
-    row: &tokio_postgres::Row,
-    reader: &RowReader,
-    left_out: &mut crate::process::boundary::RunCursor<'_>,
-) -> Option<(Expected, Option<String>)> {
-    let id = reader.id_of(row)?;
-    let in_range: bool = row.get(row.len() - 1);
-    let state = if !in_range {
-        Expected::OUT_OF_RANGE
-    } else if id.as_int().is_some_and(|id| left_out.left_out(id)) {
-        Expected::LEFT_OUT
-    } else {
-        Expected::PUBLISHABLE
-    };
-    let unchecked = |id, state| Expected {
-        id,
-        digest: 0,
-        state,
-    };
-    if state != Expected::PUBLISHABLE {
-        return Some((unchecked(id, state), None));
-    }
-    Some(match reader.event(row, NO_POSITION) {
-        Ok(Some(event)) => (
-            Expected {
-                digest: event_digest(&event),
-                id,
-                state: Expected::PUBLISHABLE,
-            },
-            None,
-        ),
-        Ok(None) => (unchecked(id, Expected::EXCLUDED), None),
-        Err(e) => (
-            unchecked(id, Expected::UNPUBLISHABLE),
-            Some(e.kind.to_string()),
-        ),
-    })
-}
-
-/// Starts step 3: the table, in id order, streamed, at the same time as the stream: what
-/// each row's message must be. Its own task, so that building the rows' events runs beside
-/// the stream's side on a second worker thread.
-async fn spawn_table_side(
-    opened: &Opened,
-    config: &Config,
-    bounds: &Bounds,
-    runs: crate::process::boundary::Boundary,
-    started: Instant,
-) -> Result<impl std::future::Future<Output = Result<TableSide>>> {
-    let reader = opened.reader.clone();
-    let table = &config.table;
-    let sql = format!(
-        "SELECT {}, ({}) FROM {table} WHERE {} BETWEEN {} AND {} ORDER BY {}",
-        reader.select(),
-        opened.condition,
-        reader.id_ordered(),
-        reader.id_literal(&bounds.low.to_string()),
-        reader.id_literal(&bounds.high.to_string()),
-        reader.order_by(),
-    );
-    let rows = opened
-        .client
-        .query_raw(&sql, opened.params.iter().map(Param::sql))
-        .await
-        .map_err(read_error("cannot read the outbox table"))?;
-    let rows_in_range = bounds.rows;
-    let task = tokio::spawn(async move {
-        futures::pin_mut!(rows);
-        let mut expected: Vec<Expected> =
-            Vec::with_capacity(usize::try_from(rows_in_range).unwrap_or(0));
-        let mut unpublishable: Vec<(EventId, String)> = vec![];
-        let mut left_out = runs.cursor();
-        while let Some(row) = rows.next().await {
-            let row = row.map_err(read_error("cannot read the outbox table"))?;
-            let Some((row, why)) = expect_row(&row, &reader, &mut left_out) else {
-                continue;
-            };
-            unpublishable.extend(why.map(|why| (row.id.clone(), why)));
-            expected.push(row);
-        }
-        tracing::info!(
-            rows = expected.len(),
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "read the table"
-        );
-        Ok::<_, RelayError>(TableSide {
-            expected,
-            unpublishable,
-        })
-    });
-    Ok(async {
-        task.await
-            .map_err(|e| RelayError::permanent(anyhow::anyhow!("the table reader failed: {e}")))?
-    })
-}
-
-/// The judge of one checked row's entry: what is wrong with it, if anything (V3: a
-/// dead-letter record in its place is reported as dead-lettered, not missing).
-fn judge_entry(row: &Expected, entry: Entry, why: impl FnOnce() -> String) -> Option<Problem> {
-    let problem = |kind, detail| {
-        Some(Problem {
-            kind,
-            id: row.id.clone(),
-            detail,
-        })
-    };
-    if row.state == Expected::UNPUBLISHABLE {
-        let why = why();
-        return if entry.count > 0 {
-            problem(
-                "unpublishable",
-                format!("{why}, yet the stream holds it at sequence {}", entry.seq),
-            )
-        } else if entry.dead_letters == 0 {
-            problem(
-                "unpublishable",
-                format!("{why}: the relay cannot publish it (it halts or dead-letters it)"),
-            )
-        } else {
-            None
-        };
-    }
-    if entry.count > 0 {
-        return None;
-    }
-    if entry.dead_letters > 0 {
-        problem(
-            "dead-lettered",
-            format!(
-                "a dead-letter record at sequence {} in its place",
-                entry.seq
-            ),
-        )
-    } else {
-        problem("missing", "no message on the stream".into())
-    }
-}
-
-/// The rows against the stream: marks each row's entry ([`ROW`], [`IN_RANGE`]), counts the
-/// rows checked and left out (V6) into `report`, and returns the problems found and the
-/// ids (with sequences) whose first copy's digest differs from the row's.
-fn judge_rows(
-    table: TableSide,
-    index: &mut Index,
-    report: &mut Report,
-) -> (Vec<Problem>, Vec<(EventId, u64)>) {
-    let mut unpublishable = table.unpublishable.into_iter().collect::<HashMap<_, _>>();
-    let mut mismatched: Vec<(EventId, u64)> = vec![];
-    let mut problems = vec![];
-    for row in table.expected {
-        let id = &row.id;
-        let entry = index.get(id);
-        entry.flags |= ROW;
-        if row.state == Expected::OUT_OF_RANGE {
-            continue;
-        }
-        if row.state == Expected::EXCLUDED {
-            report.excluded += 1;
-            continue;
-        }
-        if row.state == Expected::LEFT_OUT {
-            report.left_out += 1;
-            if let Some(id) = id.as_int() {
-                let (lo, hi) = report.left_out_ids.get_or_insert((id, id));
-                (*lo, *hi) = ((*lo).min(id), (*hi).max(id));
-            }
-            continue;
-        }
-        entry.flags |= IN_RANGE;
-        report.rows += 1;
-        let entry = *entry;
-        let why = || unpublishable.remove(id).unwrap_or_default();
-        if let Some(problem) = judge_entry(&row, entry, why) {
-            problems.push(problem);
-        } else if row.state == Expected::PUBLISHABLE
-            && entry.count > 0
-            && row.digest != entry.digest
-        {
-            mismatched.push((row.id, entry.seq));
-        }
-    }
-    (problems, mismatched)
-}
-
-/// Duplicates, order and ids on the stream without a row, for the rows in range; ids
-/// without a row only when the whole table was read (`whole_table`).
-fn judge_stream(
-    index: &Index,
-    duplicates: Vec<(EventId, u64)>,
-    out_of_order: Vec<(EventId, String)>,
-    whole_table: bool,
-    report: &mut Report,
-    problems: &mut Vec<Problem>,
-) {
-    let in_range = |id: &EventId| index.peek(id).flags & IN_RANGE != 0;
-    let mut duplicated: HashMap<EventId, Vec<u64>> = HashMap::new();
-    for (id, seq) in duplicates {
-        if in_range(&id) {
-            duplicated.entry(id).or_default().push(seq);
-        }
-    }
-    for (id, seqs) in duplicated {
-        let entry = index.peek(&id);
-        problems.push(Problem {
-            kind: "duplicated",
-            id,
-            detail: format!(
-                "{} messages on the stream: sequences {}",
-                entry.count,
-                std::iter::once(entry.seq)
-                    .chain(seqs)
-                    .map(|s| s.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+/// How many messages of ours (relayed events of this database and slot, `ours`: the end of
+/// their `Outbox-Source`) the stream holds outside its dead-letter subjects (VER7).
+async fn count_ours(opened: &Opened, config: &Config, ours: &str) -> Result<u64> {
+    let mut count = 0;
+    scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
+        let of_ours = message.headers.as_ref().is_some_and(|headers| {
+            let seen = Seen::of(headers);
+            seen.id().is_some() && seen.source.ends_with(ours)
         });
-    }
-    for (id, detail) in out_of_order {
-        if in_range(&id) {
-            problems.push(Problem {
-                kind: "out of order",
-                id,
-                detail,
-            });
+        if of_ours && !message.subject.as_str().ends_with(".dlq") {
+            count += 1;
         }
-    }
-    if whole_table {
-        index.for_each(|id, entry| {
-            if entry.flags & (ROW | OURS) == OURS && entry.count > 0 {
-                // V7: deleted after relaying.
-                report.deleted += 1;
-                report.deleted_ids = Some(match report.deleted_ids.take() {
-                    Some((low, high)) => (low.min(id.clone()), high.max(id)),
-                    None => (id.clone(), id),
-                });
-            } else if entry.flags & ROW == 0 && (entry.count > 0 || entry.dead_letters > 0) {
-                problems.push(Problem {
-                    kind: "unexpected",
-                    id,
-                    detail: format!(
-                        "at sequence {}: no row has this id, and the message is not this database's relay's \
-                         (another database, slot or writer)",
-                        entry.seq
-                    ),
-                });
-            }
-        });
-    }
-}
-
-/// Step 4: which field differs, for the mismatches: the row and the message read again.
-async fn explain_mismatches(
-    opened: &Opened,
-    config: &Config,
-    mismatched: Vec<(EventId, u64)>,
-) -> Result<Vec<Problem>> {
-    let reader = &opened.reader;
-    let one_row = format!(
-        "SELECT {} FROM {} WHERE {} = $1::text::{}",
-        reader.select(),
-        config.table,
-        reader.id_column(),
-        reader.id_kind().sql_type()
-    );
-    let mut problems = vec![];
-    for (id, seq) in mismatched {
-        let row = opened
-            .client
-            .query_one(&one_row, &[&id.to_string()])
-            .await
-            .map_err(read_error("cannot read the outbox table"))?;
-        let detail = match (
-            reader.event(&row, NO_POSITION),
-            opened.stream.get_raw_message(seq).await,
-        ) {
-            (Ok(Some(event)), Ok(stored)) => describe_mismatch(
-                &event,
-                stored.subject.as_str(),
-                &stored.headers,
-                &stored.payload,
-                seq,
-            ),
-            (Ok(None), _) => format!(
-                "at sequence {seq}: the row changed while verify ran (its event type is now excluded)"
-            ),
-            (Err(e), _) => {
-                format!(
-                    "at sequence {seq}: the row changed while verify ran ({})",
-                    e.kind
-                )
-            }
-            (_, Err(e)) => {
-                format!("at sequence {seq}: differs from the row (cannot fetch it again: {e})")
-            }
-        };
-        problems.push(Problem {
-            kind: "mismatched",
-            id,
-            detail,
-        });
-    }
-    Ok(problems)
+    })
+    .await?;
+    Ok(count)
 }
 
 /// Reconciles the rows in `range` with the stream (see the module docs).
@@ -1585,36 +764,28 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let opened = open(config, &mut range).await?;
     let ours = our_source_suffix(&opened.client, config).await?;
     let whole_table = range.since.is_none() && range.until.is_none();
-    // V7: messages outside the table's id bounds count as deleted only when the range is the
+    // VER7: messages outside the table's id bounds count as deleted only when the range is the
     // whole table.
     let unrestricted =
         whole_table && range.from_id.is_none() && range.to_id.is_none() && range.entity.is_none();
     let Some(bounds) = opened.bounds.clone() else {
-        // V7: an emptied table; what the stream holds of ours was deleted after relaying.
-        let mut deleted = 0;
-        if unrestricted {
-            scan_stream(&opened.stream, &config.subject_prefix, |_, message| {
-                let ours = message.headers.as_ref().is_some_and(|headers| {
-                    let seen = Seen::of(headers);
-                    seen.id().is_some() && seen.source.ends_with(&ours)
-                });
-                if ours && !message.subject.as_str().ends_with(".dlq") {
-                    deleted += 1;
-                }
-            })
-            .await?;
-        }
+        // VER7: an emptied table; what the stream holds of ours was deleted after relaying.
+        let deleted = if unrestricted {
+            count_ours(&opened, config, &ours).await?
+        } else {
+            0
+        };
         return Ok(Report {
             deleted_outside: deleted,
             elapsed: started.elapsed(),
             ..Report::default()
         });
     };
-    // V6: what the slot's creation left out.
-    let boundary = crate::process::boundary::read(&opened.client, config).await;
+    // VER6: what the slot's creation left out.
+    let boundary = crate::postgres::boundary::read(&opened.client, config).await;
     let runs = match &boundary {
-        crate::process::boundary::Read::Recorded(boundary) => boundary.clone(),
-        crate::process::boundary::Read::Absent(_) => crate::process::boundary::Boundary::default(),
+        crate::postgres::boundary::Read::Recorded(boundary) => boundary.clone(),
+        crate::postgres::boundary::Read::Absent(_) => Default::default(),
     };
     let mut report = Report {
         ids: Some((bounds.low.clone(), bounds.high.clone())),
@@ -1626,22 +797,17 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     let stream_side = spawn_stream_side(config, bounds.clone(), ours, started)?;
     let table_side = spawn_table_side(&opened, config, &bounds, runs, started).await?;
     let (read, table_read) = tokio::join!(stream_side, table_side);
-    let StreamSide {
-        read,
-        mut index,
-        out_of_order,
-        duplicates,
-        ours_outside,
-    } = read?;
-    report.messages = read;
+    let side = read?;
+    let mut index = side.index;
+    report.messages = side.read;
     if unrestricted {
-        report.deleted_outside = ours_outside;
+        report.deleted_outside = side.ours_outside;
     }
     let (mut problems, mismatched) = judge_rows(table_read?, &mut index, &mut report);
     judge_stream(
         &index,
-        duplicates,
-        out_of_order,
+        side.duplicates,
+        side.out_of_order,
         whole_table,
         &mut report,
         &mut problems,
@@ -1651,36 +817,6 @@ pub async fn run(config: &Config, mut range: Range) -> Result<Report> {
     report.problems = problems;
     report.elapsed = started.elapsed();
     Ok(report)
-}
-
-/// Which fields of a stored message differ from the row's event (payloads are not printed).
-fn describe_mismatch(
-    event: &OutboxEvent,
-    subject: &str,
-    headers: &HeaderMap,
-    payload: &[u8],
-    seq: u64,
-) -> String {
-    let stored = Fields::of_message(subject, headers);
-    let expected = Fields::of_event(event);
-    let mut differences: Vec<String> = stored
-        .named()
-        .iter()
-        .zip(expected.named())
-        .filter(|((_, a), (_, b))| a != b)
-        .map(|((name, a), (_, b))| format!("{name} is {a:?}, the row gives {b:?}"))
-        .collect();
-    if payload != event.payload.as_ref() {
-        differences.push(format!(
-            "the payload differs ({} bytes stored, {} in the row)",
-            payload.len(),
-            event.payload.len()
-        ));
-    }
-    if differences.is_empty() {
-        differences.push("differs from the row".into());
-    }
-    format!("at sequence {seq}: {}", differences.join("; "))
 }
 
 #[cfg(test)]
@@ -1699,7 +835,7 @@ mod tests {
         let config =
             crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
                 .unwrap();
-        let seed = crate::process::stored::test_reader(&config, outbox::event::oid::INT8);
+        let seed = crate::postgres::rows::test_reader(&config, outbox::event::oid::INT8);
         assert_eq!(Range::default().condition(&config, &seed).0, "true");
         let range = Range {
             from_id: Some("5".into()),
@@ -1718,13 +854,13 @@ mod tests {
             cast_times(&condition, &params),
             "\"id\" >= $1::text::int8 AND \"id\" <= $2::text::int8 AND \"created_at\" >= $3::text::timestamptz AND \"entity_id\"::text = $4"
         );
-        // Text ids compare by their bytes, uuids by value (stored V3).
-        let text = crate::process::stored::test_reader(&config, outbox::event::oid::TEXT);
+        // Text ids compare by their bytes, uuids by value (stored ROW2).
+        let text = crate::postgres::rows::test_reader(&config, outbox::event::oid::TEXT);
         assert_eq!(
             range.condition(&config, &text).0,
             "\"id\" COLLATE \"C\" >= $1::text COLLATE \"C\" AND \"id\" COLLATE \"C\" <= $2::text COLLATE \"C\" AND \"created_at\" >= $3 AND \"entity_id\"::text = $4"
         );
-        let uuid = crate::process::stored::test_reader(&config, outbox::event::oid::UUID);
+        let uuid = crate::postgres::rows::test_reader(&config, outbox::event::oid::UUID);
         assert!(range
             .condition(&config, &uuid)
             .0

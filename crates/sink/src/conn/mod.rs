@@ -14,30 +14,30 @@
 //! ```
 //!
 //! # Invariants
-//! - C1 Every authentication and TLS mode of the relay's configuration works here as with
+//! - CN1 Every authentication and TLS mode of the relay's configuration works here as with
 //!   async-nats: user and password, token, nkey, user JWT (a `.creds` file), TLS with a CA
 //!   file or the system's roots, a client certificate, TLS upgraded after `INFO` (when the
 //!   URL says `tls://`, the options ask for it or the server requires it) or first
 //!   (`tls_first`). The `CONNECT` is async-nats's own [`async_nats::ConnectInfo`].
-//! - C2 A connection is used only once the server answered `CONNECT` and `PING` with
+//! - CN2 A connection is used only once the server answered `CONNECT` and `PING` with
 //!   `PONG`, and the session's one subscription (`SUB {inbox}.> 1`: fast-ingest batches
 //!   answer on subjects of several tokens, `crate::batch` F5) is written before any publish,
 //!   on the same ordered stream, so the server knows it before it answers.
-//! - C3 Nothing a session writes survives it: the connection is not re-established (no
+//! - CN3 Nothing a session writes survives it: the connection is not re-established (no
 //!   publish is ever re-sent by this module); when it fails, the acker learns why
 //!   ([`Answer::Closed`], or the writer's channel closing) and the session ends (P3), and
 //!   the next session opens a new connection and re-syncs from the stream (P5, P6). The
 //!   acker reads the connection while it awaits no answer too, so an idle session ends when
 //!   its connection closes, not at its next publish (`SinkError::Disconnected`).
-//! - C4 The server's `PING`s are answered, so an idle session stays connected; `-ERR` and
+//! - CN4 The server's `PING`s are answered, so an idle session stays connected; `-ERR` and
 //!   anything that is not the protocol close the connection and end the session with the
 //!   server's words, rather than a silent ack timeout. The connection sends a `PING` of its
 //!   own every [`Connector::ping_interval`]; when [`PINGS_UNANSWERED`] went unanswered, the
 //!   server is gone without a word (a half-open connection) and the session ends with that.
-//! - C5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
+//! - CN5 Memory is bounded: answers wait in a channel of the window's size (P2) and frames
 //!   in a channel of [`WRITE_QUEUE`] chunks; the read buffer holds at most one operation
 //!   beyond what was read (the server's answers are small; `max_payload` bounds them).
-//! - C6 Every `INFO` is applied, in the handshake and in the session: the one that follows
+//! - CN6 Every `INFO` is applied, in the handshake and in the session: the one that follows
 //!   `CONNECT` carries the account's own `max_payload` (config-file accounts, operator/JWT
 //!   accounts, hosted NATS), and the session's [`Connection::max_payload`] is the lowest
 //!   the server announced, so the publisher checks events against it (P7). An in-session
@@ -47,7 +47,7 @@
 //!   [`crate::error::SinkError::LameDuck`], not a failure; the next session dials that server last.
 //!   `connect_urls` join the candidates of later sessions ([`Learned`]), with the scheme
 //!   and, for an IP address, the TLS name of the configured servers.
-//! - C7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
+//! - CN7 `-ERR` is read as nats-server means it (and nats.go reads it): `Permissions
 //!   Violation for Publish to <subject>` leaves the connection open, drops that publish
 //!   only, and reaches the acker as [`Answer::Denied`] behind every answer read before it
 //!   (P11); any other `-ERR` closes the connection and ends the session with the server's
@@ -55,14 +55,17 @@
 //!   `Authentication Timeout`, expired or revoked user or account) and a server without
 //!   headers are permanent ([`crate::error::SinkError::Refused`]); in a session they end it (the
 //!   next handshake decides: a rotated `.creds` file is read again).
-//! - C8 The handshake reads on past the subscription's `PONG` only what arrived with it:
+//! - CN8 The handshake reads on past the subscription's `PONG` only what arrived with it:
 //!   those bytes (a `PING`, an `INFO`) are the reader's first, not an error. The server's
 //!   `PING`s are answered by the writer ahead of any queued publish. `CONNECT` says
 //!   `tls_required: true` whenever the connection is TLS.
-//! - C9 Servers are dialled in a random order per session unless [`Connector::randomize`] is
+//! - CN9 Servers are dialled in a random order per session unless [`Connector::randomize`] is
 //!   off (`--no-randomize`, the `nats` CLI's and async-nats's name), each address a name
 //!   resolves to with its own [`Connector::timeout`]; each failed address is logged with its
 //!   reason, and all of them are in the error when none connected.
+//!
+//! Inside: `open.rs` opens a connection (dial, TLS, INFO, CONNECT), `read.rs` is the reader
+//! task; the connection, its writer and the answers' types are here.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -81,13 +84,18 @@ use tracing::{info, warn};
 use crate::ack::{self, PubAck};
 use crate::wire::{self, Parsed, ServerOp};
 
+mod open;
+mod read;
+pub use open::*;
+use read::*;
+
 /// Chunks of frames the writer task may have queued (each is one batch of publishes).
 pub(crate) const WRITE_QUEUE: usize = 64;
 
-/// How often a connection `PING`s the server by default: async-nats's default (C4).
+/// How often a connection `PING`s the server by default: async-nats's default (CN4).
 pub const PING_INTERVAL: Duration = Duration::from_secs(60);
 
-/// `PING`s the connection may have sent unanswered; one more interval and it is closed (C4).
+/// `PING`s the connection may have sent unanswered; one more interval and it is closed (CN4).
 pub const PINGS_UNANSWERED: u32 = 2;
 
 /// The subscription id of the session's answers.
@@ -97,7 +105,7 @@ const SID: u64 = 1;
 /// cluster's URLs).
 const MAX_INFO_LINE: usize = 1 << 20;
 
-/// A credential the publishing connection presents (C1).
+/// A credential the publishing connection presents (CN1).
 #[derive(Clone)]
 pub enum Auth {
     /// No credential.
@@ -136,7 +144,7 @@ impl std::fmt::Debug for Auth {
 }
 
 /// What the publishing connections learned of the servers, kept from one session to the
-/// next (C6): the `connect_urls` the servers advertise, and the server that last announced
+/// next (CN6): the `connect_urls` the servers advertise, and the server that last announced
 /// lame-duck mode.
 #[derive(Debug, Default)]
 pub struct Learned {
@@ -146,7 +154,7 @@ pub struct Learned {
     lame_duck: Option<String>,
 }
 
-/// Where and how the sink opens its publishing connection (C1).
+/// Where and how the sink opens its publishing connection (CN1).
 #[derive(Debug, Clone)]
 pub struct Connector {
     /// Server URLs (`nats://host:port`, `tls://host:port` or `host[:port]`).
@@ -162,13 +170,13 @@ pub struct Connector {
     pub tls_first: bool,
     /// The connection's name in the server's monitoring.
     pub name: String,
-    /// How long connecting to one address, and the handshake after it, may take (C9).
+    /// How long connecting to one address, and the handshake after it, may take (CN9).
     pub timeout: Duration,
-    /// How often the connection `PING`s the server (C4).
+    /// How often the connection `PING`s the server (CN4).
     pub ping_interval: Duration,
-    /// Dial the servers in a random order per session (C9); `false`: in the order given.
+    /// Dial the servers in a random order per session (CN9); `false`: in the order given.
     pub randomize: bool,
-    /// What earlier connections learned (C6), shared by the connectors of one relay.
+    /// What earlier connections learned (CN6), shared by the connectors of one relay.
     pub learned: Arc<Mutex<Learned>>,
 }
 
@@ -190,8 +198,8 @@ impl Connector {
     }
 
     /// Opens a session's publishing connection: to the first server that accepts us,
-    /// subscribed to `{inbox}.>` (C2), `inbox` a fresh inbox of `client` (under its inbox
-    /// prefix). `window` is the session's window: the capacity of the answers' channel (C5).
+    /// subscribed to `{inbox}.>` (CN2), `inbox` a fresh inbox of `client` (under its inbox
+    /// prefix). `window` is the session's window: the capacity of the answers' channel (CN5).
     /// Opened before the session says it streams, so a session that streams can publish.
     pub async fn open(
         &self,
@@ -260,7 +268,7 @@ impl Connector {
         self.learned.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The servers this session dials, in order (C6, C9): the configured ones and those
+    /// The servers this session dials, in order (CN6, CN9): the configured ones and those
     /// the cluster advertised, shuffled unless [`Connector::randomize`] is off, the one in
     /// lame-duck mode last.
     fn candidates(&self) -> Result<Vec<Address>, String> {
@@ -341,7 +349,7 @@ impl Connector {
         let connect = self.connect_json(&info, tls)?;
         hello(&mut stream, &mut buffer, &mut info, &connect).await?;
         subscribe(&mut stream, &mut buffer, &mut info, reply_prefix).await?;
-        // C8: whatever came with the PONG is the reader's.
+        // CN8: whatever came with the PONG is the reader's.
         Ok((stream, info, buffer))
     }
 
@@ -411,330 +419,7 @@ impl Connector {
     }
 }
 
-/// Resolves `host` and connects to each of its addresses in turn, each with its own
-/// `timeout` (C9); an address that failed is logged with why, before the next is tried.
-async fn dial(host: &str, port: u16, timeout: Duration) -> Result<TcpStream, String> {
-    let addresses: Vec<SocketAddr> =
-        match tokio::time::timeout(timeout, tokio::net::lookup_host((host, port))).await {
-            Ok(Ok(addresses)) => addresses.collect(),
-            Ok(Err(e)) => return Err(format!("cannot resolve {host}: {e}")),
-            Err(_) => return Err(format!("cannot resolve {host} within {timeout:?}")),
-        };
-    dial_addresses(host, &addresses, timeout).await
-}
-
-/// [`dial`] once `host` is resolved to `addresses`.
-async fn dial_addresses(
-    host: &str,
-    addresses: &[SocketAddr],
-    timeout: Duration,
-) -> Result<TcpStream, String> {
-    let mut failures = Vec::new();
-    for (n, address) in addresses.iter().enumerate() {
-        let why = match tokio::time::timeout(timeout, TcpStream::connect(address)).await {
-            Ok(Ok(tcp)) => return Ok(tcp),
-            Ok(Err(e)) => format!("cannot connect to {address}: {e}"),
-            Err(_) => format!("cannot connect to {address}: no answer within {timeout:?}"),
-        };
-        if n + 1 < addresses.len() {
-            warn!(host, address = %address, reason = %why, "NATS: trying the next address of the host");
-        }
-        failures.push(why);
-    }
-    Err(if failures.is_empty() {
-        format!("{host} resolves to no address")
-    } else {
-        failures.join(", ")
-    })
-}
-
-/// What the session keeps of the server's `INFO`s (C6).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Info {
-    pub(crate) max_payload: usize,
-    tls_required: bool,
-    nonce: String,
-    headers: bool,
-    ldm: bool,
-    connect_urls: Option<Vec<String>>,
-}
-
-#[derive(serde::Deserialize)]
-struct RawInfo {
-    max_payload: Option<usize>,
-    tls_required: Option<bool>,
-    nonce: Option<String>,
-    headers: Option<bool>,
-    #[serde(default)]
-    ldm: bool,
-    connect_urls: Option<Vec<String>>,
-}
-
-impl Info {
-    /// The server's first `INFO`.
-    fn parse(json: &[u8]) -> Result<Info, String> {
-        let mut info = Info::default();
-        info.update(json)?;
-        Ok(info)
-    }
-
-    /// Applies a later `INFO` (C6): what it says replaces what an earlier one said, except
-    /// that `max_payload` only goes down (an account's limit under the server's); `ldm` is
-    /// what the latest says.
-    fn update(&mut self, json: &[u8]) -> Result<(), String> {
-        let raw: RawInfo = serde_json::from_slice(json)
-            .map_err(|e| format!("the server's INFO is not JSON: {e}"))?;
-        if let Some(max_payload) = raw.max_payload.filter(|&m| m > 0) {
-            self.max_payload = if self.max_payload == 0 {
-                max_payload
-            } else {
-                self.max_payload.min(max_payload)
-            };
-        }
-        if let Some(tls_required) = raw.tls_required {
-            self.tls_required = tls_required;
-        }
-        if let Some(nonce) = raw.nonce {
-            self.nonce = nonce;
-        }
-        if let Some(headers) = raw.headers {
-            self.headers = headers;
-        }
-        self.ldm = raw.ldm;
-        self.connect_urls = raw.connect_urls;
-        Ok(())
-    }
-}
-
-/// A server URL taken apart.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Address {
-    host: String,
-    port: u16,
-    tls: bool,
-    /// The name TLS verifies, when not `host` (an advertised IP address, C6).
-    tls_name: Option<String>,
-}
-
-impl std::fmt::Display for Address {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.host.contains(':') {
-            write!(f, "[{}]:{}", self.host, self.port)
-        } else {
-            write!(f, "{}:{}", self.host, self.port)
-        }
-    }
-}
-
-impl Address {
-    fn parse(server: &str) -> Result<Address, String> {
-        let (tls, rest) = match server.split_once("://") {
-            Some((scheme, rest)) => match scheme.to_ascii_lowercase().as_str() {
-                "nats" => (false, rest),
-                "tls" => (true, rest),
-                other => {
-                    return Err(format!(
-                        "the publishing connection does not speak {other}://"
-                    ))
-                }
-            },
-            None => (false, server),
-        };
-        // User information was taken out by the relay; a path or query has no meaning.
-        let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-        let rest = rest.split(['/', '?']).next().unwrap_or_default();
-        let (host, port) = match rest.strip_prefix('[') {
-            Some(v6) => match v6.split_once(']') {
-                Some((host, port)) => (host, port.strip_prefix(':')),
-                None => return Err("an IPv6 address without its closing ']'".into()),
-            },
-            None => match rest.rsplit_once(':') {
-                Some((host, port)) => (host, Some(port)),
-                None => (rest, None),
-            },
-        };
-        let port = match port {
-            Some(port) => port
-                .parse()
-                .map_err(|_| format!("{port:?} is not a port number"))?,
-            None => 4222,
-        };
-        if host.is_empty() {
-            return Err("the URL has no host".into());
-        }
-        Ok(Address {
-            host: host.to_owned(),
-            port,
-            tls,
-            tls_name: None,
-        })
-    }
-
-    /// The same server: host (ignoring case) and port.
-    fn same_server(&self, other: &Address) -> bool {
-        self.port == other.port && self.host.eq_ignore_ascii_case(&other.host)
-    }
-}
-
-/// A URL without its user information, for messages.
-fn redact(server: &str) -> String {
-    match server.split_once("://") {
-        Some((scheme, rest)) => match rest.rsplit_once('@') {
-            Some((_, host)) => format!("{scheme}://{host}"),
-            None => server.to_owned(),
-        },
-        None => server
-            .rsplit_once('@')
-            .map_or(server, |(_, h)| h)
-            .to_owned(),
-    }
-}
-
-/// The system's trusted roots, for a server that needs TLS when the options name no CA
-/// (C1), as async-nats takes them; an error when none could be loaded, naming why (the
-/// loader's errors), and a warning for the certificates that could not be read when
-/// others could.
-pub fn system_roots() -> Result<rustls::RootCertStore, String> {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = rustls::RootCertStore::empty();
-    let (added, unparsable) = roots.add_parsable_certificates(found.certs);
-    let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
-    if added == 0 {
-        return Err(format!(
-            "no trusted root certificate was found on this system{}: install the ca-certificates package, set SSL_CERT_FILE, or give the CA file",
-            if errors.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", errors.join("; "))
-            }
-        ));
-    }
-    if !errors.is_empty() || unparsable > 0 {
-        warn!(
-            loaded = added,
-            unparsable,
-            errors = %errors.join("; "),
-            "some of the system's root certificates could not be loaded"
-        );
-    }
-    Ok(roots)
-}
-
-/// A TLS configuration with the system's roots (C1).
-fn system_tls() -> Result<Arc<rustls::ClientConfig>, String> {
-    let roots = system_roots()?;
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| format!("no usable TLS protocol version: {e}"))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(Arc::new(config))
-}
-
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
-type Stream = Box<dyn Io>;
-
-/// The server's first message, its `INFO`, which must announce header support.
-async fn first_info(stream: &mut Stream, buffer: &mut BytesMut) -> Result<Info, Failure> {
-    let mut update = None;
-    let first = read_op(stream, buffer, |op| match op {
-        ServerOp::Info(json) => {
-            update = Some(json.to_vec());
-            Some(())
-        }
-        _ => None,
-    })
-    .await?;
-    let info = match (first, update) {
-        (Some(()), Some(json)) => Info::parse(&json)?,
-        _ => return Err("the server's first message is not INFO".into()),
-    };
-    if !info.headers {
-        return Err(Failure::Refused(
-            crate::Refusal::NoHeaders,
-            "the server does not support message headers (\"headers\": false in its INFO), which every JetStream publish needs: remove no_header_support from its configuration, or upgrade it to nats-server 2.2 or later".to_owned(),
-        ));
-    }
-    Ok(info)
-}
-
-/// `CONNECT` (its JSON, `connect`) and a `PING`: C2, the `PONG` or the server's refusal; C6,
-/// an `INFO` after `CONNECT` is applied to `info`.
-async fn hello(
-    stream: &mut Stream,
-    buffer: &mut BytesMut,
-    info: &mut Info,
-    connect: &str,
-) -> Result<(), Failure> {
-    let mut hello = Vec::with_capacity(connect.len() + 64);
-    hello.extend_from_slice(b"CONNECT ");
-    hello.extend_from_slice(connect.as_bytes());
-    hello.extend_from_slice(b"\r\nPING\r\n");
-    send(stream, &hello, "cannot send CONNECT").await?;
-    match pong(stream, buffer, info).await? {
-        Ok(()) => Ok(()),
-        Err(text) => Err(match classify(&text) {
-            ServerError::Authentication => Failure::Refused(
-                crate::Refusal::Authentication,
-                format!("the server refused us: {text}"),
-            ),
-            _ => Failure::Other(format!("the server refused us: {text}")),
-        }),
-    }
-}
-
-/// C2: the subscription to `{reply_prefix}>`, confirmed by the next `PONG`: a server that
-/// forbids it says so first (a permissions violation leaves the connection open).
-async fn subscribe(
-    stream: &mut Stream,
-    buffer: &mut BytesMut,
-    info: &mut Info,
-    reply_prefix: &str,
-) -> Result<(), Failure> {
-    let subscribe = format!("SUB {reply_prefix}> {SID}\r\nPING\r\n");
-    send(stream, subscribe.as_bytes(), "cannot subscribe").await?;
-    match pong(stream, buffer, info).await? {
-        Ok(()) => Ok(()),
-        Err(text) => Err(Failure::Subscription(text)),
-    }
-}
-
-/// Writes and flushes `bytes`; an error says `what` failed.
-async fn send(stream: &mut Stream, bytes: &[u8], what: &str) -> Result<(), String> {
-    stream
-        .write_all(bytes)
-        .await
-        .map_err(|e| format!("{what}: {e}"))?;
-    stream.flush().await.map_err(|e| format!("{what}: {e}"))
-}
-
-/// Why a server could not be used.
-enum Failure {
-    /// It refused the session's subscription (a permission): every server of the account
-    /// will, so none is tried after it.
-    Subscription(String),
-    /// It refused us for good (C7): none is tried after it.
-    Refused(crate::Refusal, String),
-    /// Anything else: the next server is tried.
-    Other(String),
-}
-
-impl From<String> for Failure {
-    fn from(why: String) -> Self {
-        Failure::Other(why)
-    }
-}
-
-impl From<&str> for Failure {
-    fn from(why: &str) -> Self {
-        Failure::Other(why.to_owned())
-    }
-}
-
-/// What an `-ERR` means (C7), as nats-server sends it and nats.go reads it.
+/// What an `-ERR` means (CN7), as nats-server sends it and nats.go reads it.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum ServerError<'a> {
     /// `Permissions Violation for Publish to "<subject>"`: that publish is dropped, the
@@ -747,7 +432,7 @@ pub(crate) enum ServerError<'a> {
     Closing,
 }
 
-/// Reads an `-ERR`'s text (C7).
+/// Reads an `-ERR`'s text (CN7).
 pub(crate) fn classify(text: &str) -> ServerError<'_> {
     const DENIED: &str = "permissions violation for publish to ";
     if let Some(prefix) = text.get(..DENIED.len()) {
@@ -772,7 +457,7 @@ pub(crate) fn classify(text: &str) -> ServerError<'_> {
 }
 
 /// Reads until the server's `PONG` (`Ok(Ok)`) or its `-ERR` (`Ok(Err)`, its words),
-/// applying every `INFO` on the way to `info` (C6).
+/// applying every `INFO` on the way to `info` (CN6).
 async fn pong(
     stream: &mut Stream,
     buffer: &mut BytesMut,
@@ -837,17 +522,17 @@ async fn read_op<T>(
 /// What the reader task hands the acker.
 #[derive(Debug)]
 pub(crate) enum Answer {
-    /// The answer to the session's publish number `sequence`, read (K1–K3).
+    /// The answer to the session's publish number `sequence`, read (AK1–AK3).
     Ack {
         sequence: u64,
         ack: Result<Acked, PublishError>,
     },
     /// The server dropped a publish to `subject`, which the user may not publish to, and
-    /// said so in `why` (C7, P11).
+    /// said so in `why` (CN7, P11).
     Denied { subject: String, why: String },
-    /// The server went into lame-duck mode (C6).
+    /// The server went into lame-duck mode (CN6).
     LameDuck,
-    /// The connection is gone: why (C3, C4).
+    /// The connection is gone: why (CN3, CN4).
     Closed(String),
 }
 
@@ -878,7 +563,7 @@ impl From<PubAck<'_>> for Acked {
 struct Opened {
     stream: Stream,
     info: Info,
-    /// What arrived after the subscription's `PONG` (C8).
+    /// What arrived after the subscription's `PONG` (CN8).
     leftover: BytesMut,
     /// `host:port`.
     server: String,
@@ -891,9 +576,9 @@ struct Opened {
 pub struct Connection {
     pub(crate) frames: mpsc::Sender<Bytes>,
     pub(crate) answers: mpsc::Receiver<Answer>,
-    /// The lowest `max_payload` the server announced (C6); 0: none.
+    /// The lowest `max_payload` the server announced (CN6); 0: none.
     pub(crate) max_payload: usize,
-    /// Set when the server announced lame-duck mode (C6).
+    /// Set when the server announced lame-duck mode (CN6).
     pub(crate) lame_duck: Arc<AtomicBool>,
     /// `host:port` of the server.
     pub(crate) server: String,
@@ -909,7 +594,7 @@ impl Connection {
         &self.server
     }
 
-    /// The lowest `max_payload` the server announced to this connection (C6); 0 when it
+    /// The lowest `max_payload` the server announced to this connection (CN6); 0 when it
     /// announced none.
     pub fn max_payload(&self) -> usize {
         self.max_payload
@@ -972,7 +657,7 @@ impl Connection {
     }
 }
 
-/// The `PONG`s the writer owes the server (C8): they go out ahead of queued publishes.
+/// The `PONG`s the writer owes the server (CN8): they go out ahead of queued publishes.
 #[derive(Debug, Default)]
 struct Pongs {
     owed: AtomicU32,
@@ -980,9 +665,9 @@ struct Pongs {
 }
 
 /// The writer task: writes each queued chunk, and whatever else is queued behind it, then
-/// flushes (TLS buffers records); `PONG`s first (C8); `PING`s every `ping.0`, counting in
+/// flushes (TLS buffers records); `PONG`s first (CN8); `PING`s every `ping.0`, counting in
 /// `ping.1` the ones the reader has not seen answered, and closes the connection when too
-/// many were not (C4).
+/// many were not (CN4).
 async fn write_frames(
     mut write: tokio::io::WriteHalf<Stream>,
     mut frames: mpsc::Receiver<Bytes>,
@@ -1027,202 +712,6 @@ async fn write_frames(
         Err::<_, std::io::Error>(error) => format!("cannot write to NATS: {error}"),
     };
     let _ = answers.send(Answer::Closed(why)).await;
-}
-
-/// What the reader task holds.
-struct Reader {
-    read: tokio::io::ReadHalf<Stream>,
-    /// Starts with what the handshake read past its last `PONG` (C8).
-    buffer: BytesMut,
-    answers: mpsc::Sender<Answer>,
-    reply_prefix: String,
-    info: Info,
-    unanswered: Arc<AtomicU32>,
-    pongs: Arc<Pongs>,
-    lame_duck: Arc<AtomicBool>,
-    learned: Arc<Mutex<Learned>>,
-    server: String,
-}
-
-/// The reader task: has `PING`s answered, hands every answer on the session's subscription
-/// to the acker, read and owned, applies in-session `INFO`s (C6), and ends with
-/// [`Answer::Closed`] (C3, C4, C7).
-async fn read_answers(mut reader: Reader) {
-    let max_payload = if reader.info.max_payload == 0 {
-        MAX_INFO_LINE
-    } else {
-        reader.info.max_payload
-    };
-    let why = loop {
-        match reader.answer_buffered(max_payload).await {
-            Buffered::Read => {}
-            Buffered::Closed(why) => break why,
-            Buffered::AckerGone => return,
-        }
-        match reader.read.read_buf(&mut reader.buffer).await {
-            Ok(0) => break "the NATS server closed the connection".to_owned(),
-            Ok(_) => {}
-            Err(error) => break format!("cannot read from NATS: {error}"),
-        }
-    };
-    let _ = reader.answers.send(Answer::Closed(why)).await;
-}
-
-/// Where the reader stands after the operations its buffer holds.
-enum Buffered {
-    /// Every whole operation is taken: read more.
-    Read,
-    /// The connection is to be closed, for this reason (C3, C4, C7).
-    Closed(String),
-    /// The acker is gone: the session ended.
-    AckerGone,
-}
-
-impl Reader {
-    /// Takes every whole operation in the buffer, handing the answers to the acker.
-    async fn answer_buffered(&mut self, max_payload: usize) -> Buffered {
-        loop {
-            let (reading, used) = match wire::parse(&self.buffer, MAX_INFO_LINE, max_payload) {
-                Parsed::Op(op, used) => (answer_of(op, &self.reply_prefix), used),
-                Parsed::Incomplete => return Buffered::Read,
-                Parsed::Invalid(why) => {
-                    return Buffered::Closed(format!(
-                        "the NATS server sent what is not the protocol: {why}"
-                    ))
-                }
-            };
-            self.buffer.advance(used);
-            let answer = match self.on_reading(reading) {
-                Ok(Some(answer)) => answer,
-                Ok(None) => continue,
-                Err(why) => return Buffered::Closed(why),
-            };
-            if self.answers.send(answer).await.is_err() {
-                return Buffered::AckerGone;
-            }
-        }
-    }
-
-    /// What one operation read means: `Ok(Some)` an answer for the acker, `Ok(None)` nothing
-    /// for it (a `PING` to answer, a `PONG`, an `INFO` with nothing to tell), `Err` the
-    /// session's end (an `-ERR` other than a denied publish, C7).
-    #[inline]
-    fn on_reading(&mut self, reading: Reading) -> Result<Option<Answer>, String> {
-        match reading {
-            Reading::Answer(answer) => Ok(Some(answer)),
-            Reading::Ping => {
-                self.pongs.owed.fetch_add(1, Ordering::Relaxed);
-                self.pongs.notify.notify_one();
-                Ok(None)
-            }
-            Reading::Pong => {
-                self.unanswered.store(0, Ordering::Relaxed);
-                Ok(None)
-            }
-            Reading::Info(json) => self.apply(&json),
-            Reading::Error(text) => match classify(&text) {
-                ServerError::PublishDenied(subject) => Ok(Some(Answer::Denied {
-                    subject: subject.to_owned(),
-                    why: text.clone(),
-                })),
-                _ => Err(format!("the NATS server said: {text}")),
-            },
-            Reading::Nothing => Ok(None),
-        }
-    }
-
-    /// Applies an in-session `INFO` (C6): `Ok(Some)` for the acker, `Err` ends the session.
-    fn apply(&mut self, json: &[u8]) -> Result<Option<Answer>, String> {
-        let before = self.info.max_payload;
-        let was_lame = self.info.ldm;
-        self.info.update(json)?;
-        if let Some(urls) = &self.info.connect_urls {
-            self.learned
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .connect_urls
-                .clone_from(urls);
-        }
-        if self.info.max_payload < before {
-            return Err(format!(
-                "the NATS server lowered max_payload from {before} to {} bytes; the next session checks events against it",
-                self.info.max_payload
-            ));
-        }
-        if self.info.ldm && !was_lame {
-            info!(server = %self.server, "the NATS server is going into lame-duck mode: finishing what is in flight, the next session dials another server");
-            self.learned
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .lame_duck = Some(self.server.clone());
-            self.lame_duck.store(true, Ordering::Relaxed);
-            return Ok(Some(Answer::LameDuck));
-        }
-        Ok(None)
-    }
-}
-
-enum Reading {
-    Answer(Answer),
-    Ping,
-    /// The answer to one of our `PING`s (C4).
-    Pong,
-    Info(Vec<u8>),
-    Error(String),
-    Nothing,
-}
-
-fn answer_of(op: ServerOp<'_>, reply_prefix: &str) -> Reading {
-    match op {
-        ServerOp::Msg {
-            subject,
-            sid,
-            headers,
-            payload,
-            ..
-        } if sid == SID => {
-            let Some(rest) = subject.strip_prefix(reply_prefix.as_bytes()) else {
-                return Reading::Nothing;
-            };
-            let numbered = std::str::from_utf8(rest).ok().and_then(|n| n.parse().ok());
-            let Some(sequence) = numbered else {
-                return crate::batch::fast_answered(rest)
-                    .map_or(Reading::Nothing, |sequence| fast_answer(sequence, payload));
-            };
-            let status = headers.and_then(wire::status);
-            Reading::Answer(Answer::Ack {
-                sequence,
-                ack: ack::read_parts(status, payload).map(Acked::from),
-            })
-        }
-        ServerOp::Ping => Reading::Ping,
-        ServerOp::Pong => Reading::Pong,
-        ServerOp::Info(json) => Reading::Info(json.to_vec()),
-        ServerOp::Err(text) => Reading::Error(String::from_utf8_lossy(text).into_owned()),
-        _ => Reading::Nothing,
-    }
-}
-
-/// An answer to publish `sequence`, a message of a fast-ingest batch (`crate::batch` F3):
-/// a flow-control ack is dropped (it confirms nothing the relay relies on); a gap report is
-/// an error; anything else (a PubAck, the `err` report of a refused message) is read as
-/// any answer is.
-fn fast_answer(sequence: u64, payload: &[u8]) -> Reading {
-    if payload.starts_with(br#"{"type":"ack""#) {
-        return Reading::Nothing;
-    }
-    let ack = if payload.starts_with(br#"{"type":"gap""#) {
-        Err(PublishError::with_source(
-            async_nats::jetstream::context::PublishErrorKind::Other,
-            format!(
-                "a message of the fast batch went missing: {}",
-                String::from_utf8_lossy(payload)
-            ),
-        ))
-    } else {
-        ack::read_parts(None, payload).map(Acked::from)
-    };
-    Reading::Answer(Answer::Ack { sequence, ack })
 }
 
 #[cfg(test)]
@@ -1400,7 +889,7 @@ mod tests {
 
     const INFO_LINE: &str = "INFO {\"server_id\":\"S\",\"version\":\"2.12.8\",\"proto\":1,\"headers\":true,\"max_payload\":1048576} \r\n";
 
-    /// C6, C8: the account's INFO after CONNECT is applied; a PING in the same read as the
+    /// CN6, CN8: the account's INFO after CONNECT is applied; a PING in the same read as the
     /// subscription's PONG is the reader's (answered), not a failed handshake; CONNECT names
     /// the publishing connection and says no TLS for a plain one.
     #[tokio::test]
@@ -1456,7 +945,7 @@ mod tests {
         assert!(error.to_string().contains(words), "{error}");
     }
 
-    /// C7: a server without headers, and a refused credential, are permanent.
+    /// CN7: a server without headers, and a refused credential, are permanent.
     #[tokio::test]
     async fn no_headers_and_a_refused_credential_are_permanent() {
         let no_headers =
@@ -1481,7 +970,7 @@ mod tests {
         .await;
     }
 
-    /// C6, C7: in a session, a denied publish reaches the acker and the connection stays
+    /// CN6, CN7: in a session, a denied publish reaches the acker and the connection stays
     /// open; lame-duck mode is flagged and remembered; connect_urls join the candidates.
     #[tokio::test]
     async fn in_session_infos_and_denials() {
@@ -1541,7 +1030,7 @@ mod tests {
         );
     }
 
-    /// C9: a host's addresses are dialled one by one, each with its own timeout: one that
+    /// CN9: a host's addresses are dialled one by one, each with its own timeout: one that
     /// swallows the connection does not keep the next from being tried.
     #[tokio::test]
     async fn every_address_is_dialled_with_its_own_timeout() {

@@ -8,11 +8,11 @@
 //! closes its sockets) and within the keepalive settings below when its host vanishes.
 //!
 //! # Invariants
-//! - L1 A relay streams only while it holds the lease: the session is abandoned the moment
+//! - LS1 A relay streams only while it holds the lease: the session is abandoned the moment
 //!   the lease connection closes or stops answering, before anything else is published.
 //!   (Strict mode fences the stream even against a relay that lost its lease unknowingly:
 //!   its next publish carries a stale expected sequence and is refused.)
-//! - L2 The holder may end a walsender that still holds the slot (a dead relay's
+//! - LS2 The holder may end a walsender that still holds the slot (a dead relay's
 //!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
 
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use tracing::{info, warn};
 use crate::config::Config;
 use crate::error::{RelayError, Result};
 use crate::observe::metrics::{Metrics, Phase};
+use crate::postgres::error::describe;
 
 /// How often a standby tries the lock.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -60,10 +61,12 @@ const HOLDER_SQL: &str = concat!(
 /// The pid of the backend holding the lease of `slot`, if any, seen from any session of the
 /// slot's database: only reads `pg_locks`, never tries the lock.
 pub async fn holder(client: &Client, slot: &str) -> Result<Option<i32>> {
-    let row = client
-        .query_opt(HOLDER_SQL, &[&slot])
-        .await
-        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot read the lease holder: {e}")))?;
+    let row = client.query_opt(HOLDER_SQL, &[&slot]).await.map_err(|e| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot read the lease holder: {}",
+            describe(&e)
+        ))
+    })?;
     Ok(row.map(|row| row.get(0)))
 }
 
@@ -72,7 +75,9 @@ pub async fn try_take(client: &Client, slot: &str) -> Result<bool> {
     Ok(client
         .query_one(LOCK_SQL, &[&slot])
         .await
-        .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot take the lease: {e}")))?
+        .map_err(|e| {
+            RelayError::transient(anyhow::anyhow!("cannot take the lease: {}", describe(&e)))
+        })?
         .get(0))
 }
 
@@ -96,7 +101,7 @@ impl Lease {
         client
             .batch_execute("SET tcp_keepalives_idle = 5; SET tcp_keepalives_interval = 2; SET tcp_keepalives_count = 5")
             .await
-            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot configure the lease session: {e}")))?;
+            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot configure the lease session: {}", describe(&e))))?;
         let mut announced = false;
         loop {
             if try_take(&client, &config.slot).await? {
@@ -127,7 +132,7 @@ impl Lease {
         Arc::clone(&self.client)
     }
 
-    /// Completes when the lease is lost (L1): the session closed or stopped answering.
+    /// Completes when the lease is lost (LS1): the session closed or stopped answering.
     pub async fn lost(&self) {
         loop {
             tokio::time::sleep(PROBE).await;
@@ -148,7 +153,7 @@ impl Lease {
         }
     }
 
-    /// Ends the walsender that still holds `slot`, if any (L2). Returns its pid.
+    /// Ends the walsender that still holds `slot`, if any (LS2). Returns its pid.
     pub async fn end_lingering_walsender(&self, slot: &str) -> Result<Option<i32>> {
         let row = self
             .client
@@ -158,7 +163,7 @@ impl Lease {
                 &[&slot],
             )
             .await
-            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot end the walsender holding slot {slot}: {e}")))?;
+            .map_err(|e| RelayError::transient(anyhow::anyhow!("cannot end the walsender holding slot {slot}: {}", describe(&e))))?;
         let pid = row.map(|row| row.get::<_, i32>(0));
         if let Some(pid) = pid {
             warn!(

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! The first session of a process creates what is missing ([`init`]); a slot it creates is
-//! backfilled first ([`crate::process::backfill`], F1–F5) under the lease, before streaming starts.
+//! backfilled first ([`crate::setup::backfill`], BF1–BF5) under the lease, before streaming starts.
 //!
 //! # Invariants
 //! The architecture's invariants this module keeps, by their numbers in
@@ -18,7 +18,7 @@
 //!   the newest transaction whose events, and all earlier ones', JetStream acknowledged
 //!   (with `--mark-published`, the lower of that and the position through which every
 //!   acknowledged row is marked published: [`crate::process::mark`] U2), capped by the LSN the
-//!   table's identity checks vouched for ([`crate::process::identity`] V2; a drain waits for them
+//!   table's identity checks vouched for ([`crate::process::identity`] TI2; a drain waits for them
 //!   to vouch for its watermark, up to the drain deadline). On
 //!   any transient failure the whole session (replication stream, sink, in-flight window)
 //!   is dropped and a new one starts from the slot's `confirmed_flush_lsn`.
@@ -40,7 +40,7 @@
 //!   (a 200 MiB backlog behind held acks).
 //! - I9 Set-up races the lease and shutdown; streaming races the lease, and on its loss the
 //!   sink task is aborted and awaited before the session returns, so nothing is published
-//!   after the loss is noticed ([`crate::process::lease`] L1). The sink task is aborted whenever
+//!   after the loss is noticed ([`crate::postgres::lease`] LS1). The sink task is aborted whenever
 //!   its session ends, however it ends. Tested: `standby.rs`.
 //! - I10 Shutdown is a drain, never a confirm: intake stops, in-flight acks are awaited up
 //!   to the deadline, and the final status carries the watermark only. A shutdown during a
@@ -50,6 +50,8 @@
 //! - I13 A session opens every connection it needs, the sink's publishing connection too,
 //!   before it logs `streaming outbox events`: what follows that line needs no new handshake.
 //!   Tested: `faults.rs` (acks held from that line on).
+//!
+//! Inside: the sessions and their steps are here; `reader.rs` is the reader task.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -69,11 +71,14 @@ use crate::config::Config;
 use crate::connect::{connect_nats, jetstream_context, max_message_bytes, sink_options, source};
 use crate::error::{RelayError, Result, Target};
 use crate::observe::metrics::{Event, Metrics, Phase};
-use crate::process::bootstrap;
+use crate::postgres::checks;
+use crate::postgres::lease::Lease;
 use crate::process::heartbeat;
 use crate::process::identity;
-use crate::process::lease::Lease;
 use crate::process::monitor;
+
+mod reader;
+use reader::*;
 
 /// Items per batch handed from the reader to the sink at most.
 const MAX_BATCH: usize = 512;
@@ -118,7 +123,7 @@ async fn sessions(
     metrics: &Arc<Metrics>,
 ) -> Result<()> {
     let mut progress = monitor::Progress::default();
-    // V1: the identity the process streams, kept across its sessions.
+    // TI1: the identity the process streams, kept across its sessions.
     let identity = identity::Watch::default();
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut bootstrapped = false;
@@ -203,78 +208,7 @@ impl Backoff {
     }
 }
 
-/// Checks and creates everything the relay needs (`outbox-relay init`, and the first
-/// session of `run`).
-///
-/// With `guard_history`, a missing slot is created only if the stream holds no relayed
-/// event: a stream with events but no slot means the slot was dropped or invalidated, and a
-/// new one would silently skip everything committed since. `outbox-relay init` (an
-/// operator's deliberate act) passes `false`.
-pub async fn init(config: &Config, guard_history: bool) -> Result<bootstrap::SlotState> {
-    let client = replication::connect_sql(&config.database).await?;
-    let jetstream = jetstream_context(connect_nats(config).await?, config);
-    ensure(&client, &jetstream, config, guard_history).await
-}
-
-/// [`init`]'s checks and creations on connections the caller already has.
-async fn ensure(
-    client: &tokio_postgres::Client,
-    jetstream: &jetstream::Context,
-    config: &Config,
-    guard_history: bool,
-) -> Result<bootstrap::SlotState> {
-    // B1: a slot option the server cannot honour is refused before anything is created.
-    bootstrap::check_failover_support(client, config).await?;
-    // U5: the columns --mark-published sets, and the privilege to set them.
-    crate::process::mark::check(client, config).await?;
-    // X6: the privilege --retention-grace needs.
-    crate::process::retention::check(client, config).await?;
-    // Issue 11: a slot created with a backfill, or a backfill interrupted
-    // (crate::process::backfill).
-    let backfill = crate::process::backfill::needed(client, jetstream, config).await?;
-    if guard_history
-        && !backfill_interrupted(client, config, backfill).await?
-        && config.create
-        && !bootstrap::slot_exists(client, &config.slot).await?
-    {
-        if let Ok(tail) = sink::resume::read_tail(jetstream, &config.stream, true).await {
-            if let Some(position) = tail.last_position() {
-                return Err(RelayError::permanent(anyhow::anyhow!(
-                    "replication slot {:?} does not exist, but stream {} already holds relayed events (the last at commit LSN {}): \
-                     the slot was dropped or invalidated, so events committed since may be missing from the stream. \
-                     Create the slot deliberately with `outbox-relay init`, then reconcile the table and the stream",
-                    config.slot,
-                    config.stream,
-                    position.commit_lsn
-                )));
-            }
-        }
-    }
-    if backfill {
-        bootstrap::publication(client, config).await?;
-        bootstrap::stream(jetstream, config)
-            .await
-            .map_err(|e| e.at(Target::Nats))?;
-        crate::process::backfill::at_slot_creation(client, jetstream, config).await?;
-    }
-    let slot = bootstrap::postgres(client, config).await?;
-    bootstrap::stream(jetstream, config)
-        .await
-        .map_err(|e| e.at(Target::Nats))?;
-    Ok(slot)
-}
-
-/// An interrupted backfill's stream holds its rows while the slot is gone: that is no
-/// dropped slot, the backfill resumes (`crate::process::backfill` F3).
-async fn backfill_interrupted(
-    client: &tokio_postgres::Client,
-    config: &Config,
-    backfill: bool,
-) -> Result<bool> {
-    Ok(backfill && crate::process::backfill::interrupted(client, config).await?)
-}
-
-/// L1 with several hosts: the replication connection and the lease's control connection each
+/// LS1 with several hosts: the replication connection and the lease's control connection each
 /// took the first suitable host of the list; unless they reached the same server (the same
 /// postmaster start time), the lease would not guard the stream. A transient error: the next
 /// session connects again.
@@ -345,7 +279,7 @@ async fn timeline_history(
 /// What a session set up before streaming.
 struct Prepared {
     jetstream: jetstream::Context,
-    slot: bootstrap::SlotState,
+    slot: checks::SlotState,
     stream: ReplicationStream,
     status_interval: Duration,
     tail: sink::resume::Tail,
@@ -354,9 +288,9 @@ struct Prepared {
     /// The session's history (`sink::resume` S1, S5).
     lineage: sink::resume::Lineage,
     max_message_bytes: usize,
-    /// `--fast-ingest`'s batch limit, when this session publishes fast batches (X3).
+    /// `--fast-ingest`'s batch limit, when this session publishes fast batches (AT3).
     fast: Option<usize>,
-    /// The sink's publishing connection, opened with the files read for this session (N4).
+    /// The sink's publishing connection, opened with the files read for this session (NATS4).
     publishing: sink::Connection,
 }
 
@@ -371,11 +305,11 @@ async fn holding(
     identity: &identity::Watch,
 ) -> SessionEnd {
     metrics.set_phase(Phase::SettingUp);
-    // M2: one sample before the session, however soon it fails.
+    // MET2: one sample before the session, however soon it fails.
     monitor::sample(lease.client(), &config.slot, metrics, progress).await;
     let end = tokio::select! {
         end = session(config, shutdown, bootstrapped, metrics, lease, identity) => end,
-        // V3: the table's identity changed: the session ends, nothing more is confirmed.
+        // TI3: the table's identity changed: the session ends, nothing more is confirmed.
         refusal = monitor::watch(lease.client(), config, identity, metrics, progress) => SessionEnd::Failed(refusal),
     };
     metrics.session_ended();
@@ -431,7 +365,7 @@ async fn prepare(
     // async-nats's waits for its reply in vain.
     let publishing = crate::connect::nats::open_publishing(&connector, &jetstream, config).await?;
     let slot = check_postgres(config, bootstrapped, lease, identity, &jetstream).await?;
-    // V2: the reader's cap starts at the slot's position.
+    // TI2: the reader's cap starts at the slot's position.
     identity.resume_from(slot.confirmed_flush_lsn);
     let mut connection = ReplicationConnection::connect(&config.database).await?;
     let system = connection.identify_system().await?;
@@ -450,7 +384,7 @@ async fn prepare(
     };
     let (tail, resume) = plan_resume(config, metrics, &jetstream, session).await?;
     let max_message_bytes = max_message_bytes(&tail, max_payload);
-    let fast = crate::process::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
+    let fast = crate::stream::atomic::fast_limit(&jetstream, config, tail.replicas, metrics)
         .await
         .map_err(|e| e.at(Target::Nats))?;
     let (stream, status_interval) = start_replication(connection, lease, config).await?;
@@ -470,7 +404,7 @@ async fn prepare(
 }
 
 /// The checks, on the lease's control connection: the first session sets everything up
-/// ([`ensure`]); later ones check that nothing changed under them (V1, B3), creating
+/// ([`ensure`]); later ones check that nothing changed under them (TI1, PG3), creating
 /// nothing. Returns the slot's state.
 async fn check_postgres(
     config: &Config,
@@ -478,22 +412,22 @@ async fn check_postgres(
     lease: &Lease,
     identity: &identity::Watch,
     jetstream: &jetstream::Context,
-) -> Result<bootstrap::SlotState> {
+) -> Result<checks::SlotState> {
     let slot = if *bootstrapped {
-        // V1: the table the process streamed, checked first, so that a table created again
-        // is named as such rather than as one the publication does not cover (B3).
+        // TI1: the table the process streamed, checked first, so that a table created again
+        // is named as such rather than as one the publication does not cover (PG3).
         identity.begin(lease.client(), config).await?;
         // The slot must still exist: recreating it would silently skip what was committed
         // while it was gone.
-        if !bootstrap::slot_exists(lease.client(), &config.slot).await? {
+        if !checks::slot_exists(lease.client(), &config.slot).await? {
             return Err(slot_left_behind(config));
         }
         let mut checking = config.clone();
         checking.create = false;
-        bootstrap::postgres(lease.client(), &checking).await?
+        checks::postgres(lease.client(), &checking).await?
     } else {
-        let slot = ensure(lease.client(), jetstream, config, true).await?;
-        // V1: the first session's identity, once the publication exists.
+        let slot = crate::setup::ensure(lease.client(), jetstream, config, true).await?;
+        // TI1: the first session's identity, once the publication exists.
         identity.begin(lease.client(), config).await?;
         slot
     };
@@ -524,7 +458,7 @@ async fn plan_resume(
     Ok((tail, resume))
 }
 
-/// Starts replication from the slot (on the lease's server, L2), with the walsender's
+/// Starts replication from the slot (on the lease's server, LS2), with the walsender's
 /// timeout as the idle timeout; returns the stream and the status interval.
 async fn start_replication(
     mut connection: ReplicationConnection,
@@ -545,7 +479,7 @@ async fn start_replication(
         Ok(stream) => stream,
         Err(error) if error.sqlstate() == Some("55006") => {
             // "replication slot is active for PID …": we hold the lease, so that walsender
-            // belongs to a relay that no longer does (L2).
+            // belongs to a relay that no longer does (LS2).
             lease.end_lingering_walsender(&config.slot).await?;
             return Err(error.into());
         }
@@ -583,10 +517,10 @@ async fn stream_events(
         "streaming outbox events"
     );
     let (reader, sink) = start(config, metrics, prepared, identity.vouched());
-    // H1: the session's heartbeat task, aborted when the session ends (dropped here).
+    // HB1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
-    // X2: retention deletes only while this session streams under the lease.
-    // X7: only from the table this session streams.
+    // RET2: retention deletes only while this session streams under the lease.
+    // RET7: only from the table this session streams.
     let _retention = identity
         .table_oid()
         .and_then(|table_oid| crate::process::retention::start(config, metrics.clone(), table_oid));
@@ -606,28 +540,22 @@ async fn stream_events(
 /// The session's sink task.
 type SinkTask = AbortOnDropHandle<std::result::Result<(), sink::SinkError>>;
 
-/// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
-fn start(
-    config: &Config,
-    metrics: &Arc<Metrics>,
-    prepared: Prepared,
-    vouched: watch::Receiver<Lsn>,
-) -> (Reader, SinkTask) {
-    let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
-    let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
+/// The session's sink options: the configured ones, the resume plan's fence and comparison,
+/// the session's largest message and source, atomic and fast-ingest batches.
+fn session_options(config: &Config, prepared: &Prepared) -> sink::SinkOptions {
     let mut options = sink_options(
         config,
         prepared.resume.fence,
         prepared.max_message_bytes,
-        prepared.source,
+        prepared.source.clone(),
         prepared.tail.replicas,
     );
     // --atomic-transactions: streamed transactions only (a backfill publishes per message),
-    // checked against the server and the stream by bootstrap (X1).
+    // checked against the server and the stream by setup (`crate::stream::policy::stream`, AT1).
     options.atomic = config
         .atomic_transactions
         .then_some(sink::batch::DEFAULT_BATCH_LIMIT);
-    // --fast-ingest, where the server and the stream allow it (X3).
+    // --fast-ingest, where the server and the stream allow it (AT3).
     options.fast = prepared.fast;
     // P6: replayed events at or before the tail's position are compared with the stream.
     options.compare = prepared
@@ -637,8 +565,21 @@ fn start(
             stream: config.stream.clone(),
             through,
             last_sequence: prepared.tail.last_sequence,
-            lineage: prepared.lineage,
+            lineage: prepared.lineage.clone(),
         });
+    options
+}
+
+/// Wires the reader to a new sink task over a bounded channel (I7) and a watermark (I1).
+fn start(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    prepared: Prepared,
+    vouched: watch::Receiver<Lsn>,
+) -> (Reader, SinkTask) {
+    let (items_tx, items_rx) = mpsc::channel(CHANNEL_BATCHES);
+    let (watermark_tx, watermark_rx) = watch::channel(prepared.slot.confirmed_flush_lsn);
+    let options = session_options(config, &prepared);
     // I9: the sink task ends with the session, however the session ends (aborted on drop).
     let sink = AbortOnDropHandle::new(tokio::spawn(sink::run(
         prepared.jetstream,
@@ -649,7 +590,7 @@ fn start(
         metrics.sink().clone(),
     )));
     let framer = Framer::new(
-        config.table.clone(),
+        config.table.name().clone(),
         config.subject_prefix.clone(),
         config.partitions,
     )
@@ -718,360 +659,6 @@ async fn finish(reader_end: Result<ReaderEnd>, mut sink: SinkTask) -> SessionEnd
             )
         }
     }
-}
-
-/// How the reader stopped (`Err`: the replication stream failed).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReaderEnd {
-    /// The sink closed its watermark: drained after a shutdown (`intake_open: false`), or
-    /// failed while events were flowing.
-    SinkEnded { intake_open: bool },
-    /// Shutdown, and the drain deadline passed before every in-flight ack arrived.
-    DrainDeadlinePassed,
-}
-
-/// What one turn of the reader's loop saw.
-enum Step {
-    Shutdown,
-    Watermark {
-        sink_running: bool,
-    },
-    /// A cap on the confirmed position moved: the marker marked more or a check of the
-    /// table's identity passed (`running: false`: what raises it is gone).
-    Cap {
-        running: bool,
-    },
-    Tick,
-    Handed,
-    Message(std::result::Result<ReplicationMessage, replication::Error>),
-}
-
-struct Reader {
-    /// `--mark-published`: the ids handed to the sink, marked once acknowledged (U1–U3).
-    marking: Option<crate::process::mark::Marking>,
-    /// The LSN the table's identity checks vouched for: nothing past it is confirmed
-    /// ([`crate::process::identity`] V2).
-    vouched: watch::Receiver<Lsn>,
-    stream: ReplicationStream,
-    framer: Framer,
-    items: Option<mpsc::Sender<Vec<Item<Lsn>>>>,
-    confirmed: watch::Receiver<Lsn>,
-    feedback: Feedback,
-    /// Items decoded but not yet handed to the sink: at most one batch (I7).
-    pending: Vec<Item<Lsn>>,
-    /// After a shutdown: when the drain gives up.
-    drain_until: Option<TokioInstant>,
-    /// Shared mode: the stream's duplicate window, until the first replayed transaction was
-    /// checked against it.
-    dedupe_guard: Option<Duration>,
-    /// Where the reader's positions are shown (once per batch and status update).
-    metrics: Arc<Metrics>,
-}
-
-impl Reader {
-    /// Reads until shutdown (then drains) or an error. See I3, I7, I10.
-    async fn run(
-        mut self,
-        shutdown: CancellationToken,
-        drain_deadline: Duration,
-    ) -> Result<ReaderEnd> {
-        let watermark = *self.confirmed.borrow_and_update();
-        self.on_watermark(watermark);
-        // I3: one timer, always set to the moment the next status is due (or the drain
-        // deadline). A fixed-period ticker beside a "due" check aliases: a tick that lands a
-        // hair before the due time skips a whole period, and the updates end up spaced
-        // 2 × interval = wal_sender_timeout apart (the walsender timed out a backpressured
-        // relay that way).
-        let timer = tokio::time::sleep_until(self.wake_at());
-        tokio::pin!(timer);
-        loop {
-            let wake = self.wake_at();
-            if timer.deadline() != wake {
-                timer.as_mut().reset(wake);
-            }
-            let intake_open = self.items.is_some();
-            let has_pending = !self.pending.is_empty();
-            // Each branch only yields a step; the steps are handled by `on_step`, once the
-            // branch futures (which borrow parts of `self`) are dropped.
-            let step = tokio::select! {
-                biased;
-                // PRIORITY 1: shutdown stops intake (cancel-safe: a token wait).
-                _ = shutdown.cancelled(), if intake_open => Step::Shutdown,
-                // PRIORITY 2: the watermark moved, or the sink ended (drained or failed).
-                changed = self.confirmed.changed() => Step::Watermark { sink_running: changed.is_ok() },
-                // PRIORITY 2b: a cap moved (U2, V2: confirmation waits for them).
-                changed = cap_changed(&mut self.marking, &mut self.vouched) => Step::Cap { running: changed.is_ok() },
-                // PRIORITY 3: status due, or the drain deadline (cancel-safe: a sleep).
-                () = &mut timer => Step::Tick,
-                // PRIORITY 4: hand the pending batch to the sink (cancel-safe: reserve).
-                permit = reserve(&self.items), if intake_open && has_pending => match permit {
-                    Some(permit) => {
-                        // Size the next batch like this one: a live trickle should not
-                        // allocate a 512-item vector per event.
-                        let capacity = self.pending.len().clamp(16, MAX_BATCH);
-                        permit.send(std::mem::replace(&mut self.pending, Vec::with_capacity(capacity)));
-                        Step::Handed
-                    }
-                    // The sink ended; PRIORITY 2 reports why.
-                    None => Step::Handed,
-                },
-                // PRIORITY 5: new WAL, only while nothing is pending (cancel-safe: recv).
-                message = self.stream.recv(), if intake_open && !has_pending => Step::Message(message),
-            };
-            if let Some(end) = self.on_step(step, intake_open, drain_deadline).await? {
-                if end == (ReaderEnd::SinkEnded { intake_open: false }) {
-                    // Drained: end the stream politely.
-                    if let Err(error) = self.stream.finish().await {
-                        debug!(error = %error, "closing the replication stream");
-                    }
-                }
-                return Ok(end);
-            }
-        }
-    }
-
-    /// Handles one step of [`Reader::run`]'s loop; `Some` ends the reader.
-    async fn on_step(
-        &mut self,
-        step: Step,
-        intake_open: bool,
-        drain_deadline: Duration,
-    ) -> Result<Option<ReaderEnd>> {
-        match step {
-            Step::Shutdown => {
-                // What is pending was never published: dropping it leaves it unconfirmed.
-                info!("shutting down: waiting for in-flight acks");
-                self.metrics.set_phase(Phase::ShuttingDown);
-                self.items = None;
-                self.pending.clear();
-                self.drain_until = Some(TokioInstant::now() + drain_deadline);
-            }
-            Step::Watermark { sink_running: true } => {
-                let watermark = *self.confirmed.borrow_and_update();
-                self.on_watermark(watermark);
-            }
-            Step::Cap { running: true } => {
-                let watermark = *self.confirmed.borrow();
-                if let Some(marking) = &mut self.marking {
-                    marking.offer();
-                }
-                self.on_watermark(watermark);
-            }
-            Step::Cap { running: false } => {
-                return Err(RelayError::transient(anyhow::anyhow!(
-                    "the task marking rows published stopped"
-                )));
-            }
-            Step::Watermark {
-                sink_running: false,
-            } => return self.on_sink_ended(intake_open).await.map(Some),
-            Step::Tick => return self.on_tick().await,
-            Step::Handed => {}
-            Step::Message(message) => self.on_messages(message).await?,
-        }
-        Ok(None)
-    }
-
-    /// The sink is gone: reports its final watermark and stops (after settling what was
-    /// marked and vouched for, when drained).
-    async fn on_sink_ended(&mut self, intake_open: bool) -> Result<ReaderEnd> {
-        // The sink is gone: report its final watermark and stop.
-        let watermark = *self.confirmed.borrow();
-        if !intake_open {
-            self.settle_marking(watermark).await;
-            self.settle_vouched(watermark).await;
-        }
-        self.on_watermark(watermark);
-        self.send_status().await?;
-        if !intake_open {
-            info!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "drained; final position confirmed");
-        }
-        Ok(ReaderEnd::SinkEnded { intake_open })
-    }
-
-    /// The timer: the shutdown's drain deadline, and the status update when due.
-    async fn on_tick(&mut self) -> Result<Option<ReaderEnd>> {
-        let now = TokioInstant::now();
-        if self.drain_until.is_some_and(|deadline| now >= deadline) {
-            warn!(confirmed_flush_lsn = %self.feedback.flush_lsn(), "in-flight acks did not all arrive before the shutdown deadline; they will be replayed");
-            self.send_status().await?;
-            return Ok(Some(ReaderEnd::DrainDeadlinePassed));
-        }
-        if self.feedback.due(now) {
-            self.send_status().await?;
-        }
-        Ok(None)
-    }
-
-    /// New WAL: `message` and what else the stream has buffered (up to [`MAX_BATCH`]
-    /// pending), handed for marking as it is framed.
-    async fn on_messages(
-        &mut self,
-        message: std::result::Result<ReplicationMessage, replication::Error>,
-    ) -> Result<()> {
-        let mut pending = std::mem::take(&mut self.pending);
-        let before = pending.len();
-        self.on_message(message?, &mut pending).await?;
-        while pending.len() < MAX_BATCH {
-            match self.stream.try_recv_buffered() {
-                Some(message) => self.on_message(message?, &mut pending).await?,
-                None => break,
-            }
-        }
-        if let Some(marking) = &mut self.marking {
-            marking.handed(&pending[before..]);
-        }
-        self.pending = pending;
-        let excluded = std::mem::take(&mut self.framer.excluded);
-        if excluded > 0 {
-            self.metrics.excluded(excluded);
-        }
-        self.metrics.set_received(self.framer.received());
-        Ok(())
-    }
-
-    /// The sink's watermark is `watermark`: what it passed is offered for marking, and the
-    /// position to confirm is the watermark (I1) capped by the LSN the identity checks
-    /// vouched for (V2) and, with `--mark-published`, by the marked position (U2).
-    fn on_watermark(&mut self, watermark: Lsn) {
-        let vouched = *self.vouched.borrow_and_update();
-        let flush = match &mut self.marking {
-            Some(marking) => {
-                marking.acknowledged(watermark);
-                watermark.min(marking.marked())
-            }
-            None => watermark,
-        };
-        self.feedback.update(flush.min(vouched));
-    }
-
-    /// Drained: gives the marker until the drain deadline to mark what the sink
-    /// acknowledged; what it did not mark is not confirmed, so the next session replays it
-    /// (stored already: skipped or de-duplicated) and marks it (U2).
-    async fn settle_marking(&mut self, watermark: Lsn) {
-        let Some(marking) = &mut self.marking else {
-            return;
-        };
-        let deadline = self
-            .drain_until
-            .unwrap_or_else(|| TokioInstant::now() + SINK_GRACE);
-        marking.acknowledged(watermark);
-        while marking.marked() < watermark {
-            marking.offer();
-            match tokio::time::timeout_at(deadline, marking.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => break,
-            }
-        }
-        if marking.marked() < watermark {
-            warn!(marked = %marking.marked(), acknowledged = %watermark,
-                "rows acknowledged by JetStream were not all marked published before the shutdown deadline; the slot is confirmed only through the marked ones, so the next session marks the rest");
-        }
-    }
-
-    /// Drained: gives the identity checks (every [`identity::CHECK_DRAINING`] meanwhile)
-    /// until the drain deadline to vouch for the watermark (V2); what they did not vouch
-    /// for is not confirmed, and the next session replays it (stored already: skipped or
-    /// de-duplicated).
-    async fn settle_vouched(&mut self, watermark: Lsn) {
-        let deadline = self
-            .drain_until
-            .unwrap_or_else(|| TokioInstant::now() + SINK_GRACE);
-        while *self.vouched.borrow_and_update() < watermark {
-            match tokio::time::timeout_at(deadline, self.vouched.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) | Err(_) => break,
-            }
-        }
-    }
-
-    /// When the reader's timer must fire next: the status due time (now, if none was sent
-    /// yet), or the drain deadline if sooner.
-    fn wake_at(&self) -> TokioInstant {
-        let due = self.feedback.next_due().unwrap_or_else(TokioInstant::now);
-        self.drain_until.map_or(due, |deadline| due.min(deadline))
-    }
-
-    async fn on_message(
-        &mut self,
-        message: ReplicationMessage,
-        pending: &mut Vec<Item<Lsn>>,
-    ) -> Result<()> {
-        if let ReplicationMessage::PrimaryKeepalive(keepalive) = &message {
-            if keepalive.reply_requested {
-                self.send_status().await?;
-            }
-        }
-        // A permanent error is printed once, by the binary, when the relay stops.
-        self.framer.on_message(message, pending)?;
-        for notice in self.framer.take_notices() {
-            let Notice::PartitionInsert {
-                partition,
-                commit_lsn,
-            } = notice;
-            warn!(
-                partition = %partition,
-                commit_lsn = %commit_lsn,
-                "inserts into a partition arrive under the partition's own name (committed while the publication lacked publish_via_partition_root); relaying them as inserts into the table"
-            );
-        }
-        if let (Some(window), Some(commit_time)) =
-            (self.dedupe_guard, self.framer.first_commit_time)
-        {
-            self.dedupe_guard = None;
-            check_dedupe_window(&self.metrics, window, commit_time);
-        }
-        Ok(())
-    }
-
-    async fn send_status(&mut self) -> Result<()> {
-        self.stream.send_feedback(&mut self.feedback).await?;
-        self.metrics.set_confirmed(self.feedback.flush_lsn());
-        Ok(())
-    }
-}
-
-/// Shared mode's guard: the oldest event a session may replay is its first transaction; if
-/// it committed longer ago than the stream's duplicate window, replays of events published
-/// before the restart are no longer recognised as duplicates.
-fn check_dedupe_window(
-    metrics: &Metrics,
-    window: Duration,
-    commit_time: pgoutput::copy_data::PgTimestamp,
-) {
-    let now = replication::pg_timestamp(std::time::SystemTime::now());
-    let age = Duration::from_micros(u64::try_from(now.saturating_sub(commit_time)).unwrap_or(0));
-    if age > window {
-        metrics.record(Event::DedupeWindowExceeded { age, window });
-    }
-}
-
-/// Completes when a cap on the confirmed position moved: the marker marked more (never
-/// without `--mark-published`), or an identity check vouched for more (its sender lives as
-/// long as the process's sessions, so only the marker's end is an error).
-async fn cap_changed(
-    marking: &mut Option<crate::process::mark::Marking>,
-    vouched: &mut watch::Receiver<Lsn>,
-) -> std::result::Result<(), watch::error::RecvError> {
-    let marked = async {
-        match marking {
-            Some(marking) => marking.changed().await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        changed = marked => changed,
-        changed = vouched.changed() => {
-            if changed.is_err() {
-                std::future::pending::<()>().await;
-            }
-            Ok(())
-        }
-    }
-}
-
-async fn reserve<T>(sender: &Option<mpsc::Sender<T>>) -> Option<mpsc::Permit<'_, T>> {
-    sender.as_ref()?.reserve().await.ok()
 }
 
 /// Completes on SIGTERM or SIGINT.

@@ -24,7 +24,7 @@
 //! INSERT, UPDATE` on it; without that it warns once, naming the grant, and goes on.
 //!
 //! # Invariants
-//! - N1 Exact: a run `lo..=hi` is recorded only when every id in it is a row of the snapshot
+//! - BD1 Exact: a run `lo..=hi` is recorded only when every id in it is a row of the snapshot
 //!   that the mode left out (the runs of consecutive ids among them). Ids are unique, so no
 //!   row committed after the snapshot can fall in a run: verify leaves out exactly the
 //!   recorded rows and expects every other, and a message missing for a backfilled or a
@@ -32,17 +32,17 @@
 //!   that are consecutive take one run; each gap in them (a rolled-back insert's id, a
 //!   pending row between two published ones) starts another. A million runs take 16 MB,
 //!   read once by verify.
-//! - N2 Recorded before the first row is backfilled, committed on its own, and replaced when an
+//! - BD2 Recorded before the first row is backfilled, committed on its own, and replaced when an
 //!   interrupted backfill creates the slot again (the new snapshot's facts). The record
 //!   serves the audit, not the relay: failing to write it is a warning (once per slot
 //!   creation, with the fix), never a reason to stop.
-//! - N3 No record (a slot created before this version, with `--backfill none`, by hand, or
+//! - BD3 No record (a slot created before this version, with `--backfill none`, by hand, or
 //!   over a stream that already held events) is not an error: verify then expects every row,
 //!   as before, and says once why rows may be reported missing ([`Read`]).
-//! - N4 The record follows the mapped id column. Only integer ids are recorded (runs and
+//! - BD4 The record follows the mapped id column. Only integer ids are recorded (runs and
 //!   the highest id): a table whose ids are uuids or text has nothing left out by design,
 //!   since `--backfill pending` is refused on it when it has a `status` column
-//!   (`crate::process::backfill`), and without one `pending` backfills nothing and records
+//!   (`crate::setup::backfill`), and without one `pending` backfills nothing and records
 //!   no runs.
 
 use pgoutput::Lsn;
@@ -51,7 +51,7 @@ use tokio_postgres::Client;
 use tracing::{info, warn};
 
 use crate::config::backfill::Mode;
-use crate::config::{table_sql, Config};
+use crate::config::{Config, Table, TableName};
 
 /// The record's table name, in the outbox table's schema.
 pub const TABLE: &str = "outbox_relay_boundary";
@@ -67,7 +67,7 @@ pub struct Boundary {
     pub snapshot_max_id: Option<i64>,
     /// Rows in the snapshot.
     pub snapshot_rows: i64,
-    /// The left-out rows: runs `lo..=hi` of consecutive ids, ascending (N1).
+    /// The left-out rows: runs `lo..=hi` of consecutive ids, ascending (BD1).
     pub runs: Vec<(i64, i64)>,
 }
 
@@ -107,24 +107,24 @@ impl RunCursor<'_> {
 }
 
 /// The record's table, schema-qualified and quoted.
-pub fn table(config: &Config) -> String {
+pub fn table(outbox: &TableName) -> String {
     format!(
         "{}.{}",
-        quote_identifier(&config.table.schema),
+        quote_identifier(&outbox.schema),
         quote_identifier(TABLE)
     )
 }
 
-/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (N1), on the
-/// mapped id column (`rows`): the highest id and the runs for integer ids only (N4).
+/// The facts of the snapshot `reader`'s open transaction is in, for `mode` (BD1), on the
+/// mapped id column (`rows`): the highest id and the runs for integer ids only (BD4).
 pub async fn in_snapshot(
     reader: &Client,
-    config: &Config,
-    rows: &crate::process::stored::RowReader,
+    table: &Table,
+    rows: &crate::postgres::rows::RowReader,
     mode: Mode,
     consistent_point: Lsn,
 ) -> Result<Boundary, tokio_postgres::Error> {
-    let from = table_sql(&config.table);
+    let from = table.sql();
     let integer = rows.id_kind() == outbox::IdKind::Integer;
     let id = rows.id_column();
     let max_id = if integer {
@@ -169,22 +169,22 @@ pub async fn in_snapshot(
 }
 
 /// Records `boundary` for the slot, creating the table when it is missing and the relay may
-/// create things (N2). Never fails: what went wrong is a warning naming the fix.
+/// create things (BD2). Never fails: what went wrong is a warning naming the fix.
 pub async fn record(client: &Client, config: &Config, boundary: &Boundary) {
     match try_record(client, config, boundary).await {
         Ok(()) => info!(slot = %config.slot, mode = %boundary.mode,
             consistent_point = %boundary.consistent_point,
             left_out = boundary.left_out_rows(), runs = boundary.runs.len(),
-            "recorded the slot's boundary for `outbox-relay verify` in {}", table(config)),
+            "recorded the slot's boundary for `outbox-relay verify` in {}", table(&config.table)),
         Err(why) => warn!(slot = %config.slot,
             "cannot record the slot's boundary in {} ({why}): `outbox-relay verify` will report the {} rows left out by --backfill {} as missing. \
              Create it with sql/boundary.sql and GRANT SELECT, INSERT, UPDATE ON it to the relay's role before the slot is created",
-            table(config), boundary.left_out_rows(), boundary.mode),
+            table(&config.table), boundary.left_out_rows(), boundary.mode),
     }
 }
 
 async fn try_record(client: &Client, config: &Config, boundary: &Boundary) -> Result<(), String> {
-    let table = table(config);
+    let table = table(&config.table);
     let exists: bool = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
         .await
@@ -216,7 +216,7 @@ async fn try_record(client: &Client, config: &Config, boundary: &Boundary) -> Re
             ),
             &[
                 &config.slot,
-                &table_sql(&config.table),
+                &config.table.sql(),
                 &boundary.mode,
                 &boundary.consistent_point.to_string(),
                 &boundary.snapshot_max_id,
@@ -246,7 +246,7 @@ fn create_sql(table: &str) -> String {
     )
 }
 
-/// What verify finds of the slot's boundary (N3).
+/// What verify finds of the slot's boundary (BD3).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Read {
     /// Recorded when the slot was created.
@@ -255,9 +255,9 @@ pub enum Read {
     Absent(String),
 }
 
-/// The slot's recorded boundary, or why there is none (N3). Read-only.
+/// The slot's recorded boundary, or why there is none (BD3). Read-only.
 pub async fn read(client: &Client, config: &Config) -> Read {
-    let table = table(config);
+    let table = table(&config.table);
     let row = client
         .query_opt(
             &format!(
@@ -292,8 +292,7 @@ pub async fn read(client: &Client, config: &Config) -> Read {
 }
 
 fn text(e: &tokio_postgres::Error) -> String {
-    e.as_db_error()
-        .map_or_else(|| e.to_string(), |db| db.message().to_owned())
+    crate::postgres::error::describe(e)
 }
 
 #[cfg(test)]

@@ -2,20 +2,20 @@
 //! atomic batches (`sink::batch`), and the setting on a stream the relay creates.
 //!
 //! # Invariants
-//! - X1 The relay publishes atomic batches only to a nats-server of version 2.12 or newer
+//! - AT1 The relay publishes atomic batches only to a nats-server of version 2.12 or newer
 //!   (the first with atomic batch publish) and a stream whose `allow_atomic` is set: on any
 //!   other it refuses to start (a setup error naming the version or the stream setting),
 //!   never falls back to per-message publishing silently.
-//! - X2 It sets `allow_atomic` only on a stream it has just created; an existing stream's
+//! - AT2 It sets `allow_atomic` only on a stream it has just created; an existing stream's
 //!   settings are the operator's.
-//! - X3 `--fast-ingest` (`sink::batch` F1–F6): a session publishes fast-ingest batches only
+//! - AT3 `--fast-ingest` (`sink::batch` F1–F6): a session publishes fast-ingest batches only
 //!   to a nats-server of version 2.14 or newer, a stream of one replica whose
 //!   `allow_batched` is set, read when the session starts; anywhere else it publishes one
 //!   acknowledged message per event, and says why when the mode differs from the previous
 //!   session's (a setting the operator may change, not a setup error); so too in shared
 //!   mode, with `--atomic-transactions` and once the server refused fast batches (F4).
 //!   `--fast-ingest` is on by default: on 2.9 to 2.13 it changes nothing. `allow_batched` is
-//!   set only on a stream the relay has just created (X2).
+//!   set only on a stream the relay has just created (AT2).
 //!
 //! The stream's `allow_atomic` is read and written through the JetStream API's JSON
 //! (`STREAM.INFO`, `STREAM.UPDATE`), which async-nats exposes only behind its `server_2_12`
@@ -31,7 +31,7 @@ use crate::observe::metrics::{Metrics, PublishMode};
 /// The first nats-server with atomic batch publish (`allow_atomic`).
 pub(crate) const FIRST_VERSION: (u64, u64) = (2, 12);
 
-/// The first nats-server with fast-ingest batches (`allow_batched`, X3).
+/// The first nats-server with fast-ingest batches (`allow_batched`, AT3).
 pub(crate) const FAST_FIRST_VERSION: (u64, u64) = (2, 14);
 
 /// What the server and the stream say about atomic batches.
@@ -45,7 +45,7 @@ pub(crate) enum Verdict {
     Refused(String),
 }
 
-/// X1, X2: the verdict on server `version` (`INFO`'s, e.g. `2.15.1`) and the stream's
+/// AT1, AT2: the verdict on server `version` (`INFO`'s, e.g. `2.15.1`) and the stream's
 /// `allow_atomic`, for a stream the relay `created` or not.
 pub(crate) fn judge(version: &str, allow_atomic: bool, created: bool, stream: &str) -> Verdict {
     let flag = opt::ATOMIC_TRANSACTIONS.flag();
@@ -76,28 +76,28 @@ pub(crate) fn supports(version: &str, first: (u64, u64)) -> bool {
     }
 }
 
-/// X1, X2: checks the server and `config.stream` (`created` by this bootstrap or not), and
+/// AT1, AT2: checks the server and `config.stream` (`created` by this setup or not), and
 /// sets `allow_atomic` on a stream it created.
 pub(crate) async fn check(
     jetstream: &jetstream::Context,
-    config: &Config,
+    stream: &str,
     created: bool,
 ) -> Result<()> {
     let version = jetstream.client().server_info().version;
-    let settings = stream_config(jetstream, &config.stream).await?;
+    let settings = stream_config(jetstream, stream).await?;
     match judge(
         &version,
         allowed(&settings, "allow_atomic"),
         created,
-        &config.stream,
+        stream,
     ) {
         Verdict::Ready => Ok(()),
         Verdict::Refused(why) => Err(RelayError::setup(anyhow::anyhow!(why))),
-        Verdict::Allow => allow(jetstream, &config.stream, settings, "allow_atomic").await,
+        Verdict::Allow => allow(jetstream, stream, settings, "allow_atomic").await,
     }
 }
 
-/// X3: why a session with `--fast-ingest` publishes one message per event instead, on
+/// AT3: why a session with `--fast-ingest` publishes one message per event instead, on
 /// server `version` and a stream of `replicas` whose `allow_batched` is as given; `None`:
 /// it publishes fast-ingest batches.
 pub(crate) fn fast_refusal(version: &str, replicas: usize, allow_batched: bool) -> Option<String> {
@@ -117,7 +117,7 @@ pub(crate) fn fast_refusal(version: &str, replicas: usize, allow_batched: bool) 
     })
 }
 
-/// X3: the session's fast batch limit, for a stream of `replicas`; `None` when it publishes
+/// AT3: the session's fast batch limit, for a stream of `replicas`; `None` when it publishes
 /// one message per event. The choice goes to `metrics` (`outbox_relay_publish_mode`) and,
 /// when it differs from the previous session's, into one info line with the reason.
 pub(crate) async fn fast_limit(
@@ -145,7 +145,7 @@ pub(crate) async fn fast_limit(
     Ok(choice.ok())
 }
 
-/// X3: the fast batch limit, or why this session publishes without fast-ingest batches.
+/// AT3: the fast batch limit, or why this session publishes without fast-ingest batches.
 async fn fast_choice(
     jetstream: &jetstream::Context,
     config: &Config,
@@ -180,7 +180,7 @@ async fn fast_choice(
     )
 }
 
-/// X2, X3: sets `allow_batched` on a stream the relay `created`, under `--fast-ingest` on a
+/// AT2, AT3: sets `allow_batched` on a stream the relay `created`, under `--fast-ingest` on a
 /// server that has fast-ingest batches.
 pub(crate) async fn allow_fast(
     jetstream: &jetstream::Context,
@@ -217,7 +217,7 @@ fn allowed(settings: &Value, setting: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// X2: sets `setting` (`allow_atomic`, `allow_batched`) on `stream`, whose configuration
+/// AT2: sets `setting` (`allow_atomic`, `allow_batched`) on `stream`, whose configuration
 /// is `settings`.
 async fn allow(
     jetstream: &jetstream::Context,
