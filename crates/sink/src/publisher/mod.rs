@@ -43,7 +43,8 @@
 //!   be in the stream already (at or before the tail's position and not vouched for by P6,
 //!   at or before the newest event a failed session of the process published, or any event
 //!   while the tail gave no position of the session's history, until the session's first
-//!   publish stored as new), it is published alone, never in a batch: the
+//!   publish stored as new), it is published alone, never in a fast-ingest batch (an atomic
+//!   transaction's event stays in its batch, stored whole or refused whole, B4): the
 //!   publisher first awaits every earlier answer, then sets the fence to the stream's last
 //!   sequence as the answers left it (a duplicate consumes none) with the id chain started
 //!   again.

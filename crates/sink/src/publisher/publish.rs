@@ -200,8 +200,14 @@ impl<'s, P> Publisher<'s, P> {
                 return self.hand(ack_tx, AckItem::Stored).await;
             }
             // P15: alone, once every earlier answer is in; and the first publish after one
-            // in doubt too, so that its fence counts only what the stream stored.
-            if (self.settling || self.in_doubt(event)) && !self.settle(ack_tx, window).await? {
+            // in doubt too, so that its fence counts only what the stream stored. In atomic
+            // transactions (P13) an event in doubt stays in its transaction's batch, which the
+            // server stores whole or refuses whole (never a duplicate the fence would count,
+            // B4), so no reader sees part of a transaction: the settle comes before the batch.
+            if (self.settling || self.in_doubt(event))
+                && !self.batch_open()
+                && !self.settle(ack_tx, window).await?
+            {
                 return Ok(false);
             }
             self.settling = self.in_doubt(event);
@@ -350,12 +356,13 @@ impl<'s, P> Publisher<'s, P> {
         }
     }
 
-    /// P13, P14: whether `event` goes into a batch (not one the stream may hold already,
-    /// P15; not of a transaction to publish one message at a time, B4; not at or before where
-    /// a failed fast session got to, F4).
+    /// P13, P14: whether `event` goes into a batch (in fast-ingest batches, not one the
+    /// stream may hold already, P15; not of a transaction to publish one message at a time,
+    /// B4; not at or before where a failed fast session got to, F4). An atomic transaction's
+    /// event in doubt stays in its batch (P15).
     #[inline]
     pub(super) fn batched(&self, event: &OutboxEvent) -> bool {
-        if self.batches.is_none() || self.in_doubt(event) {
+        if self.batches.is_none() || (self.fast.is_some() && self.in_doubt(event)) {
             return false;
         }
         match &self.fast {
