@@ -518,10 +518,24 @@ pub(crate) mod tests {
         env: &[(&str, &str)],
         file: Option<&str>,
     ) -> Result<Config, ConfigError> {
-        load_raw(flags, env, file).and_then(|raw| Config::from_sources(&raw))
+        // The file stays until the configuration is validated (its mode is checked then).
+        let dir = tempfile::tempdir().unwrap();
+        load_raw_in(dir.path(), flags, env, file).and_then(|raw| Config::from_sources(&raw))
     }
 
     fn load_raw(
+        flags: &[(&'static str, &str)],
+        env: &[(&str, &str)],
+        file: Option<&str>,
+    ) -> Result<RawConfig, ConfigError> {
+        // Removed when the load returns: the tests leave no directory behind.
+        let dir = tempfile::tempdir().unwrap();
+        load_raw_in(dir.path(), flags, env, file)
+    }
+
+    /// [`load_raw`] with the file `relay.toml` written in `dir`.
+    fn load_raw_in(
+        dir: &Path,
         flags: &[(&'static str, &str)],
         env: &[(&str, &str)],
         file: Option<&str>,
@@ -531,7 +545,6 @@ pub(crate) mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let dir = tempfile_dir();
         let path = dir.join("relay.toml");
         if let Some(text) = file {
             std::fs::write(&path, text).unwrap();
@@ -569,16 +582,6 @@ pub(crate) mod tests {
         assert_eq!(config.nats.user(), Some("relay-user"));
         let config = load(&[], &env, Some("nats_user = \"file-user\"")).unwrap();
         assert_eq!(config.nats.user(), Some("file-user"));
-    }
-
-    fn tempfile_dir() -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "outbox-relay-config-test-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
     }
 
     const DB: (&str, &str) = ("DATABASE_URL", "postgres://relay:s3cret@db:5432/app");
