@@ -23,7 +23,7 @@
 //! Every test prints what it injected and what it found.
 
 #![allow(clippy::unwrap_used)]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -17,7 +17,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use replication::{ConnInfo, ReplicationConnection, TargetSessionAttrs};
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use support::{servers, Case};
 use testkit::{installed_bin_dir, server_major, PgOptions, Postgres};

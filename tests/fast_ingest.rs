@@ -20,7 +20,7 @@
 //! Every test prints what it found.
 
 #![allow(clippy::unwrap_used)]
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -14,7 +14,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

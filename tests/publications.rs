@@ -10,7 +10,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitStatus;

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use async_nats::HeaderMap;
 use support::{insert_transaction, servers, wal_lsn, Case, Stored, DEADLINE};

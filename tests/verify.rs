@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -278,7 +278,7 @@ async fn verify_refuses_an_invalid_time_with_exit_2() {
 /// builder (`sink::publish_message`, positions in id order) instead of through the relay, to
 /// save time. Prints the summary line (rows/s); `VERIFY_WORKER_THREADS` sets verify's
 /// `--worker-threads`. Not run by default:
-/// `VERIFY_ROWS=1000000 cargo test --release -p outbox-relay --test verify verify_throughput -- --ignored --nocapture`
+/// `VERIFY_ROWS=1000000 cargo test --release -p outbox-relay --test e2e verify::verify_throughput -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement: run it on a quiet machine"]
 async fn verify_throughput() {

@@ -15,7 +15,7 @@ use pgoutput::Lsn;
 
 use super::logs::STREAMING;
 use super::stream::{read_stream, Stored};
-use crate::{Nats, Postgres, Process};
+use crate::{Nats, PgOptions, Postgres, Process};
 
 /// The seed's schema, applied to every case's database.
 pub const SCHEMA_SQL: &str = include_str!("../../../../sql/schema.sql");
@@ -85,14 +85,23 @@ pub struct Servers {
 }
 
 /// This test binary's shared servers, started on first use (each test binary links its own
-/// testkit, so each gets its own pair).
+/// testkit, so each gets its own pair). Every case on them creates a slot and leaves it (a
+/// test may read it after its relay stopped), and one binary holds the cases of the whole
+/// end-to-end suite (`tests/e2e.rs`): the Postgres has room for [`SHARED_SLOTS`] of them.
 pub fn servers() -> &'static Servers {
     static SERVERS: OnceLock<Servers> = OnceLock::new();
     crate::shared(&SERVERS, || Servers {
-        pg: Postgres::start(),
+        pg: Postgres::start_with(PgOptions {
+            settings: vec![("max_replication_slots".into(), SHARED_SLOTS.to_string())],
+            ..PgOptions::default()
+        }),
         nats: Nats::start(),
     })
 }
+
+/// The replication slots the shared Postgres has room for: more than the end-to-end suite's
+/// cases on it (about 100), which do not drop theirs.
+const SHARED_SLOTS: u32 = 400;
 
 /// The `outbox-relay` binary a new [`Case`] runs: `$OUTBOX_RELAY_BIN` when set; else the one
 /// cargo built for the running integration test (`CARGO_BIN_EXE_outbox-relay`, in the
