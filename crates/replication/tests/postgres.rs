@@ -84,7 +84,7 @@ async fn refused_by_an_unrelated_ca(pg: &Postgres, sslmode: &str) -> Error {
     let options = format!("sslmode={sslmode} sslrootcert={}", unrelated_ca());
     ReplicationConnection::connect(&tcp(pg, "postgres", &options))
         .await
-        .unwrap_err()
+        .expect_err("a root that did not sign the server's certificate")
 }
 
 /// A database with an outbox table, a publication `pub` and a pgoutput slot per name in

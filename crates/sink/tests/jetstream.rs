@@ -956,7 +956,7 @@ async fn msg_id_at(js: &jetstream::Context, name: &str, sequence: u64) -> String
 /// batch publish turns the mode off (F4).
 #[tokio::test]
 async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_cannot_prove() {
-    let (_nats, js) = batched_stream("FAST").await;
+    let (nats, js) = batched_stream("FAST").await;
     let timeout = std::time::Duration::from_secs(10);
     let fast = |fence| sink::SinkOptions {
         max_in_flight: 2000,
@@ -1021,7 +1021,7 @@ async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_canno
 /// transaction before it confirmed, its own transaction not, nothing after it stored.
 #[tokio::test]
 async fn a_poison_event_inside_a_fast_batch_halts_with_what_came_before_it_acknowledged() {
-    let (_nats, js) = batched_stream("POISON").await;
+    let (nats, js) = batched_stream("POISON").await;
     let options = sink::SinkOptions {
         max_in_flight: 2000,
         fast: Some(sink::batch::FAST_BATCH_LIMIT),
