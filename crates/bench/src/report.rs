@@ -21,7 +21,8 @@ pub enum Unit {
 }
 
 impl Unit {
-    fn label(self) -> &'static str {
+    /// The unit's name, written after a value.
+    pub fn label(self) -> &'static str {
         match self {
             Unit::Rate => "events/s",
             Unit::MicrosPerEvent => "µs/event",
@@ -76,12 +77,7 @@ pub struct Figure {
 impl Figure {
     /// The median (the mean of the middle two for an even count); NaN values are ignored.
     pub fn median(&self) -> f64 {
-        let mut values: Vec<f64> = self
-            .values
-            .iter()
-            .copied()
-            .filter(|v| v.is_finite())
-            .collect();
+        let mut values: Vec<f64> = self.finite().collect();
         values.sort_by(f64::total_cmp);
         match values.len() {
             0 => f64::NAN,
@@ -91,19 +87,16 @@ impl Figure {
     }
 
     fn min(&self) -> f64 {
-        self.values
-            .iter()
-            .copied()
-            .filter(|v| v.is_finite())
-            .fold(f64::NAN, f64::min)
+        self.finite().fold(f64::NAN, f64::min)
     }
 
     fn max(&self) -> f64 {
-        self.values
-            .iter()
-            .copied()
-            .filter(|v| v.is_finite())
-            .fold(f64::NAN, f64::max)
+        self.finite().fold(f64::NAN, f64::max)
+    }
+
+    /// The values, NaN and infinities left out.
+    fn finite(&self) -> impl Iterator<Item = f64> + '_ {
+        self.values.iter().copied().filter(|v| v.is_finite())
     }
 }
 

@@ -462,12 +462,10 @@ mod tests {
         assert_eq!(value["amount"], 10);
     }
 
-    #[test]
-    fn percent_encoded_headers_are_decoded_only_when_the_header_says_so() {
-        let entity = "user:nats-1\u{7}";
-        let keys = compute_keys(7, entity, "Nats-Event", 1_700_000_000_123);
-        let mut pairs = relay_headers(entity, "Nats-Event");
-        for (name, value) in &mut pairs {
+    /// Percent-encodes the headers the relay encodes for a header-hostile row: the entity
+    /// id, the event type, the partition key and `Nats-Msg-Id`.
+    fn percent_encode_text_headers(pairs: &mut [(&str, String)]) {
+        for (name, value) in pairs {
             if [
                 headers::OUTBOX_ENTITY_ID,
                 headers::OUTBOX_EVENT_TYPE,
@@ -479,6 +477,14 @@ mod tests {
                 *value = outbox::encoding::encode(value);
             }
         }
+    }
+
+    #[test]
+    fn percent_encoded_headers_are_decoded_only_when_the_header_says_so() {
+        let entity = "user:nats-1\u{7}";
+        let keys = compute_keys(7, entity, "Nats-Event", 1_700_000_000_123);
+        let mut pairs = relay_headers(entity, "Nats-Event");
+        percent_encode_text_headers(&mut pairs);
         // Without the header, values are taken verbatim.
         assert_eq!(decode(&pairs).unwrap().entity_id, "user:nats%2D1%07");
         pairs.push((OUTBOX_ENCODING, ENCODING_PERCENT.into()));
@@ -648,18 +654,7 @@ mod tests {
         assert_eq!(event.trace_context(), Some((TP.into(), None)));
         // Under percent, an integer id's Outbox-Id and Outbox-Ordering-Key stay verbatim.
         let mut hostile = relay_headers("Nats-1", "t");
-        for (name, value) in &mut hostile {
-            if [
-                headers::OUTBOX_ENTITY_ID,
-                headers::OUTBOX_PARTITION_KEY,
-                headers::NATS_MSG_ID,
-                headers::OUTBOX_EVENT_TYPE,
-            ]
-            .contains(name)
-            {
-                *value = outbox::encoding::encode(value);
-            }
-        }
+        percent_encode_text_headers(&mut hostile);
         hostile.push((OUTBOX_ENCODING, ENCODING_PERCENT.into()));
         let event = decode(&hostile).unwrap();
         assert_eq!(event.id, EventId::Int(7));

@@ -31,7 +31,7 @@ use std::collections::VecDeque;
 use std::fmt::Write as _;
 
 use outbox::{EventId, Lsn, OutboxEvent, Position};
-use sink::resume::{plan, seek, vouch, Distrust, Doubt, Lineage, Mark, Tail, Walk};
+use sink::resume::{plan, seek, vouch, walks_past, Distrust, Doubt, Lineage, Mark, Tail, Walk};
 use sink::{AckTracker, Ticket};
 
 use crate::world::{at, event, mark_of, Answer, Pg, Publish, Row, Stream, Txn, SOURCE};
@@ -618,29 +618,18 @@ fn tail_of(stream: &Stream) -> Tail {
 /// over messages that are not the event (`seek`), until one is (vouched for, the search
 /// goes on after it) or the run ends (the comparison ends: RV2).
 fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &Lineage) -> bool {
-    let Some(through) = session.compare else {
-        return false;
-    };
-    if session.vouching == Vouching::Off {
-        return false;
-    }
-    if event.position > through || session.vouching == Vouching::Ended {
-        session.vouching = Vouching::Ended;
-        return false;
-    }
-    let last_sequence = session.start;
-    if session.vouching == Vouching::Unlocated {
-        session.vouching = Vouching::Reading(locate(
+    let Some((through, mut next)) = reading(session, event, |last_sequence| {
+        locate(
             Walk::from_tail(last_sequence, event.position),
             last_sequence,
             stream,
             |walk, sequence, mark| walk.step(sequence, mark, lineage),
             Walk::start,
-        ));
-    }
-    let Vouching::Reading(mut next) = session.vouching else {
+        )
+    }) else {
         return false;
     };
+    let last_sequence = session.start;
     let found = loop {
         // `next`: the run's next message, none past the tail.
         if next > last_sequence {
@@ -660,15 +649,42 @@ fn holds(session: &mut Session, event: &OutboxEvent, stream: &Stream, lineage: &
         }
     };
     session.vouching = Vouching::Reading(next);
-    if found {
-        if event.position == through {
-            session.vouching = Vouching::Ended;
-        }
-        true
-    } else {
-        session.vouching = Vouching::Ended;
-        false
+    judged(session, event, through, found)
+}
+
+/// What [`holds`] and [`holds_aligned`] do before the run is read: `None` when the
+/// comparison is off, or ended (for good once `event` is past the tail's position);
+/// otherwise where it ends and the run's next sequence, the run located first
+/// (`locate_run`, from the tail's sequence) for the first event compared.
+fn reading(
+    session: &mut Session,
+    event: &OutboxEvent,
+    locate_run: impl FnOnce(u64) -> u64,
+) -> Option<(Position, u64)> {
+    let through = session.compare?;
+    if session.vouching == Vouching::Off {
+        return None;
     }
+    if event.position > through || session.vouching == Vouching::Ended {
+        session.vouching = Vouching::Ended;
+        return None;
+    }
+    if session.vouching == Vouching::Unlocated {
+        session.vouching = Vouching::Reading(locate_run(session.start));
+    }
+    let Vouching::Reading(next) = session.vouching else {
+        return None;
+    };
+    Some((through, next))
+}
+
+/// The comparison after `event` was `found` in the run or not: an event not found ends it,
+/// and so does the last one it compares (`through`).
+fn judged(session: &mut Session, event: &OutboxEvent, through: Position, found: bool) -> bool {
+    if !found || event.position == through {
+        session.vouching = Vouching::Ended;
+    }
+    found
 }
 
 /// `locate`: the walk back from the tail at `last_sequence`, one message at a time, until
@@ -700,50 +716,24 @@ fn holds_aligned(
     stream: &Stream,
     lineage: &Lineage,
 ) -> bool {
-    let Some(through) = session.compare else {
-        return false;
-    };
-    if session.vouching == Vouching::Off {
-        return false;
-    }
-    if event.position > through || session.vouching == Vouching::Ended {
-        session.vouching = Vouching::Ended;
-        return false;
-    }
-    let last_sequence = session.start;
-    if session.vouching == Vouching::Unlocated {
-        session.vouching = Vouching::Reading(locate(
+    let Some((through, next)) = reading(session, event, |last_sequence| {
+        locate(
             OldWalk::from_tail(last_sequence, event.position),
             last_sequence,
             stream,
             |walk, sequence, mark| walk.step(sequence, mark, lineage),
             |walk| walk.start,
-        ));
-    }
-    let Vouching::Reading(next) = session.vouching else {
+        )
+    }) else {
         return false;
     };
-    let judged = if next <= last_sequence {
+    let found = next <= session.start && {
         session.vouching = Vouching::Reading(next + 1);
-        match stream.mark(next) {
-            Ok(mark) => vouch(&mark, event, lineage),
-            Err(why) => Err(why),
-        }
-    } else {
-        Err("the run ended".to_owned())
+        stream
+            .mark(next)
+            .is_ok_and(|mark| vouch(&mark, event, lineage).is_ok())
     };
-    match judged {
-        Ok(()) => {
-            if event.position == through {
-                session.vouching = Vouching::Ended;
-            }
-            true
-        }
-        Err(_) => {
-            session.vouching = Vouching::Ended;
-            false
-        }
-    }
+    judged(session, event, through, found)
 }
 
 /// [`Rules::BeforeFixes`]: `sink::resume::Walk` as it was before 30dd6ee (`git show
@@ -783,17 +773,11 @@ fn old_walks_past(
     later: Option<Position>,
     lineage: &Lineage,
 ) -> bool {
-    let Ok(Mark {
-        position: Some(position),
-        source,
-        ..
-    }) = mark
-    else {
-        return false;
-    };
-    *position >= first
-        && later.is_none_or(|later| *position < later)
-        && lineage.owns(source.as_deref(), *position).is_ok()
+    walks_past(mark, first, lineage)
+        && later.is_none_or(|later| {
+            mark.as_ref()
+                .is_ok_and(|mark| mark.position.is_some_and(|position| position < later))
+        })
 }
 
 /// P8 (`Duplicates::other_event`, not callable: a private method): the original at

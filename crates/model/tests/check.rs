@@ -150,6 +150,16 @@ fn without_the_seek_the_checker_finds_f1() {
     passes(&run(Rules::Current, mf1_walk_bounds()));
 }
 
+/// A fault that takes rows out of the table.
+fn empties(action: &Action) -> bool {
+    matches!(action, Action::Delete(_) | Action::Truncate)
+}
+
+/// A cold-backup restore.
+fn restores(action: &Action) -> bool {
+    matches!(action, Action::Restore(_))
+}
+
 /// Bounds with only the faults named.
 fn only(f: impl FnOnce(&mut Bounds)) -> Bounds {
     let mut bounds = Bounds::none();
@@ -173,18 +183,13 @@ fn the_old_rules_loop_on_an_emptied_table() {
     let found = report.counterexample.expect("the old rules must loop");
     assert_eq!(found.violation, Violation::Loop, "{found}");
     let faults = &found.actions[..found.fault_free_from];
-    assert!(
-        faults
-            .iter()
-            .any(|a| matches!(a, Action::Delete(_) | Action::Truncate)),
-        "{found}"
-    );
+    assert!(faults.iter().any(empties), "{found}");
     assert!(
         found.trace.contains("refused: wrong last sequence"),
         "{found}"
     );
     // The same world under the current rules: no loop.
-    assert!(run(Rules::Current, bounds).counterexample.is_none());
+    passes(&run(Rules::Current, bounds));
 }
 
 /// Old S4 with the tail's row deleted and the window expired: the replay is stored again.
@@ -206,14 +211,8 @@ fn the_old_rules_store_twice_after_the_window() {
         "{found}"
     );
     assert!(found.actions.contains(&Action::Expire), "{found}");
-    assert!(
-        found
-            .actions
-            .iter()
-            .any(|a| matches!(a, Action::Delete(_) | Action::Truncate)),
-        "{found}"
-    );
-    assert!(run(Rules::Current, bounds).counterexample.is_none());
+    assert!(found.actions.iter().any(empties), "{found}");
+    passes(&run(Rules::Current, bounds));
 }
 
 /// The old rules without S4's row check, after a cold-backup restore written past the old
@@ -230,15 +229,9 @@ fn the_old_rules_without_the_row_check_skip_after_a_restore() {
         .counterexample
         .expect("the old rules without the row check must lose an event");
     assert!(matches!(found.violation, Violation::I1 { .. }), "{found}");
-    assert!(
-        found
-            .actions
-            .iter()
-            .any(|a| matches!(a, Action::Restore(_))),
-        "{found}"
-    );
+    assert!(found.actions.iter().any(restores), "{found}");
     assert!(found.trace.contains("skips"), "{found}");
-    assert!(run(Rules::Current, bounds).counterexample.is_none());
+    passes(&run(Rules::Current, bounds));
 }
 
 /// Finding MF2's world: 4 transactions of up to 2 events (one rolled back, so the new rows
@@ -266,9 +259,7 @@ fn the_rules_before_the_fixes_loop_after_a_restore_finding_mf2() {
         .expect("the rules before the fixes must loop");
     assert_eq!(found.violation, Violation::Loop, "{found}");
     assert!(
-        found.actions[..found.fault_free_from]
-            .iter()
-            .any(|a| matches!(a, Action::Restore(_))),
+        found.actions[..found.fault_free_from].iter().any(restores),
         "{found}"
     );
     assert!(

@@ -810,16 +810,7 @@ fn unexpected(tag: u8, context: &str) -> Error {
 /// with double quotes doubled. Case is preserved. The text must not contain NUL (the server
 /// would reject the query).
 pub fn quote_identifier(name: &str) -> String {
-    let mut quoted = String::with_capacity(name.len() + 2);
-    quoted.push('"');
-    for c in name.chars() {
-        if c == '"' {
-            quoted.push('"');
-        }
-        quoted.push(c);
-    }
-    quoted.push('"');
-    quoted
+    quote(name, '"')
 }
 
 /// Quotes a string literal: in single quotes, with single quotes doubled. Backslashes stay
@@ -827,15 +818,20 @@ pub fn quote_identifier(name: &str) -> String {
 /// `standard_conforming_strings=on` (pinned by [`ReplicationConnection::connect`] and
 /// [`crate::connect_sql`]). The text must not contain NUL.
 pub fn quote_literal(value: &str) -> String {
-    let mut quoted = String::with_capacity(value.len() + 2);
-    quoted.push('\'');
-    for c in value.chars() {
-        if c == '\'' {
-            quoted.push('\'');
+    quote(value, '\'')
+}
+
+/// `text` between two `mark`s, each `mark` in it doubled.
+fn quote(text: &str, mark: char) -> String {
+    let mut quoted = String::with_capacity(text.len() + 2);
+    quoted.push(mark);
+    for c in text.chars() {
+        if c == mark {
+            quoted.push(mark);
         }
         quoted.push(c);
     }
-    quoted.push('\'');
+    quoted.push(mark);
     quoted
 }
 
@@ -855,22 +851,30 @@ mod tests {
 
     #[test]
     fn identifiers() {
-        assert_eq!(quote_identifier("slot"), "\"slot\"");
-        assert_eq!(quote_identifier("MySlot"), "\"MySlot\"");
-        assert_eq!(quote_identifier("a\"b"), "\"a\"\"b\"");
-        assert_eq!(quote_identifier("\""), "\"\"\"\"");
-        assert_eq!(quote_identifier(""), "\"\"");
-        assert_eq!(quote_identifier("ünï cødé 🦀"), "\"ünï cødé 🦀\"");
-        assert_eq!(quote_identifier("it's"), "\"it's\"");
+        for (name, quoted) in [
+            ("slot", "\"slot\""),
+            ("MySlot", "\"MySlot\""),
+            ("a\"b", "\"a\"\"b\""),
+            ("\"", "\"\"\"\""),
+            ("", "\"\""),
+            ("ünï cødé 🦀", "\"ünï cødé 🦀\""),
+            ("it's", "\"it's\""),
+        ] {
+            assert_eq!(quote_identifier(name), quoted);
+        }
     }
 
     #[test]
     fn literals() {
-        assert_eq!(quote_literal("1"), "'1'");
-        assert_eq!(quote_literal("it's"), "'it''s'");
-        assert_eq!(quote_literal("''"), "''''''");
-        assert_eq!(quote_literal("back\\slash"), "'back\\slash'");
-        assert_eq!(quote_literal("ünï \"q\" 🦀"), "'ünï \"q\" 🦀'");
+        for (text, quoted) in [
+            ("1", "'1'"),
+            ("it's", "'it''s'"),
+            ("''", "''''''"),
+            ("back\\slash", "'back\\slash'"),
+            ("ünï \"q\" 🦀", "'ünï \"q\" 🦀'"),
+        ] {
+            assert_eq!(quote_literal(text), quoted);
+        }
     }
 
     #[test]
@@ -1047,39 +1051,30 @@ mod tests {
         assert!(!error.is_transient());
     }
 
-    #[tokio::test]
-    async fn unsupported_or_impossible_authentication_is_permanent() {
-        let error = session_with("user=relay password=pw", |mut server| {
+    /// The error of a session whose server asks for authentication `code` (with `extra`).
+    async fn auth_refused(info: &str, code: i32, extra: &'static [u8]) -> Error {
+        session_with(info, |mut server| {
             tokio::spawn(async move {
                 fake::read_startup(&mut server).await;
-                fake::send(&mut server, &[fake::auth(7, b"")]).await;
+                fake::send(&mut server, &[fake::auth(code, extra)]).await;
             })
         })
         .await
-        .unwrap_err();
+        .unwrap_err()
+    }
+
+    #[tokio::test]
+    async fn unsupported_or_impossible_authentication_is_permanent() {
+        let error = auth_refused("user=relay password=pw", 7, b"").await;
         assert!(matches!(error, Error::Auth(_)), "{error}");
         assert!(error.to_string().contains("GSSAPI"), "{error}");
         assert!(!error.is_transient());
 
-        let error = session_with("user=relay", |mut server| {
-            tokio::spawn(async move {
-                fake::read_startup(&mut server).await;
-                fake::send(&mut server, &[fake::auth(5, &[1, 2, 3, 4])]).await;
-            })
-        })
-        .await
-        .unwrap_err();
+        let error = auth_refused("user=relay", 5, &[1, 2, 3, 4]).await;
         assert!(error.to_string().contains("none was given"), "{error}");
         assert!(!error.is_transient());
 
-        let error = session_with("user=relay password=pw", |mut server| {
-            tokio::spawn(async move {
-                fake::read_startup(&mut server).await;
-                fake::send(&mut server, &[fake::auth(10, b"OAUTHBEARER\0\0")]).await;
-            })
-        })
-        .await
-        .unwrap_err();
+        let error = auth_refused("user=relay password=pw", 10, b"OAUTHBEARER\0\0").await;
         assert!(error.to_string().contains("OAUTHBEARER"), "{error}");
     }
 

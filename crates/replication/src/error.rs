@@ -264,7 +264,7 @@ pub fn sqlstate_is_transient(code: &str) -> bool {
 
 /// An error reported by the server (ErrorResponse), with a hint of ours where the operator
 /// can fix the cause.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DbError {
     severity: String,
     code: String,
@@ -357,19 +357,6 @@ impl fmt::Display for DbError {
             (None, None) => {}
         }
         Ok(())
-    }
-}
-
-impl fmt::Debug for DbError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DbError")
-            .field("severity", &self.severity)
-            .field("code", &self.code)
-            .field("message", &self.message)
-            .field("detail", &self.detail)
-            .field("hint", &self.hint)
-            .field("advice", &self.advice)
-            .finish()
     }
 }
 

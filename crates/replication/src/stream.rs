@@ -482,27 +482,17 @@ mod tests {
 
     #[test]
     fn status_interval_is_half_the_timeout_capped_at_ten_seconds() {
-        assert_eq!(status_interval(None), Duration::from_secs(10));
-        assert_eq!(
-            status_interval(Some(Duration::ZERO)),
-            Duration::from_secs(10)
-        );
-        assert_eq!(
-            status_interval(Some(Duration::from_secs(60))),
-            Duration::from_secs(10)
-        );
-        assert_eq!(
-            status_interval(Some(Duration::from_secs(20))),
-            Duration::from_secs(10)
-        );
-        assert_eq!(
-            status_interval(Some(Duration::from_secs(2))),
-            Duration::from_secs(1)
-        );
-        assert_eq!(
-            status_interval(Some(Duration::from_millis(2))),
-            Duration::from_millis(50)
-        );
+        let secs = Duration::from_secs;
+        for (timeout, interval) in [
+            (None, secs(10)),
+            (Some(Duration::ZERO), secs(10)),
+            (Some(secs(60)), secs(10)),
+            (Some(secs(20)), secs(10)),
+            (Some(secs(2)), secs(1)),
+            (Some(Duration::from_millis(2)), Duration::from_millis(50)),
+        ] {
+            assert_eq!(status_interval(timeout), interval, "{timeout:?}");
+        }
     }
 
     #[test]

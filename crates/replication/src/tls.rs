@@ -70,8 +70,9 @@ pub fn client_config(info: &ConnInfo) -> Result<Arc<ClientConfig>, Error> {
     let verifier: Arc<dyn ServerCertVerifier> = match (mode, roots) {
         (SslMode::VerifyFull, Some(roots)) => webpki_verifier(roots, &provider)?,
         (SslMode::Prefer | SslMode::Require | SslMode::VerifyCa, Some(roots)) => {
-            Arc::new(ChainOnly {
-                inner: webpki_verifier(roots, &provider)?,
+            Arc::new(Lenient {
+                chain: Some(webpki_verifier(roots, &provider)?),
+                algorithms: provider.signature_verification_algorithms,
             })
         }
         (SslMode::VerifyCa | SslMode::VerifyFull, None) => {
@@ -79,11 +80,10 @@ pub fn client_config(info: &ConnInfo) -> Result<Arc<ClientConfig>, Error> {
                 "sslmode={mode} needs a root certificate: set sslrootcert=/path/to/ca.crt"
             )))
         }
-        (SslMode::Disable, _) | (SslMode::Prefer | SslMode::Require, None) => {
-            Arc::new(NoChainCheck {
-                algorithms: provider.signature_verification_algorithms,
-            })
-        }
+        (SslMode::Disable, _) | (SslMode::Prefer | SslMode::Require, None) => Arc::new(Lenient {
+            chain: None,
+            algorithms: provider.signature_verification_algorithms,
+        }),
     };
     let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -311,22 +311,36 @@ fn der_element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
     Some((tag, content, rest))
 }
 
-/// `require` without roots: any certificate, but the handshake signatures must verify.
+/// The modes that check less than `verify-full`. With `chain` (`verify-ca`, or `prefer` and
+/// `require` with roots): the full WebPKI check, except that a certificate valid for another
+/// name is accepted; rustls checks the name only after the chain, so this error implies a
+/// good chain. Without (`prefer` and `require` without roots): any certificate. Either way
+/// the handshake signatures must verify, with the algorithms the chain's verifier uses too.
 #[derive(Debug)]
-struct NoChainCheck {
+struct Lenient {
+    chain: Option<Arc<WebPkiServerVerifier>>,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
-impl ServerCertVerifier for NoChainCheck {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
     }
 
     fn verify_tls12_signature(
@@ -349,60 +363,6 @@ impl ServerCertVerifier for NoChainCheck {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.algorithms.supported_schemes()
-    }
-}
-
-/// `verify-ca`: the full WebPKI check, except that a certificate valid for another name is
-/// accepted. rustls checks the name only after the chain, so this error implies a good chain.
-#[derive(Debug)]
-struct ChainOnly {
-    inner: Arc<WebPkiServerVerifier>,
-}
-
-impl ServerCertVerifier for ChainOnly {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp_response: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        match self.inner.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        ) {
-            Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::NotValidForName
-                | rustls::CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner.supported_verify_schemes()
     }
 }
 

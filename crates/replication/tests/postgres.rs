@@ -22,23 +22,24 @@ static SCRAM_TLS: OnceLock<Postgres> = OnceLock::new();
 static MD5: OnceLock<Postgres> = OnceLock::new();
 
 fn scram_tls() -> &'static Postgres {
-    testkit::shared(&SCRAM_TLS, || {
-        Postgres::start_with(PgOptions {
-            auth: PgAuth::Scram,
-            password: Some(PASSWORD.to_owned()),
-            tls: true,
-            settings: vec![],
-            bin_dir: None,
-        })
-    })
+    shared_with_password(&SCRAM_TLS, PgAuth::Scram, true)
 }
 
 fn md5() -> &'static Postgres {
-    testkit::shared(&MD5, || {
+    shared_with_password(&MD5, PgAuth::Md5, false)
+}
+
+/// The server in `cell`, started on first use with `auth` and [`PASSWORD`].
+fn shared_with_password(
+    cell: &'static OnceLock<Postgres>,
+    auth: PgAuth,
+    tls: bool,
+) -> &'static Postgres {
+    testkit::shared(cell, || {
         Postgres::start_with(PgOptions {
-            auth: PgAuth::Md5,
+            auth,
             password: Some(PASSWORD.to_owned()),
-            tls: false,
+            tls,
             settings: vec![],
             bin_dir: None,
         })
@@ -76,6 +77,14 @@ fn ca(pg: &Postgres) -> String {
 fn unrelated_ca() -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/unrelated-ca.crt");
     quote(&path.display().to_string())
+}
+
+/// The error connecting to `pg` in `sslmode` with [`unrelated_ca`] as the root.
+async fn refused_by_an_unrelated_ca(pg: &Postgres, sslmode: &str) -> Error {
+    let options = format!("sslmode={sslmode} sslrootcert={}", unrelated_ca());
+    ReplicationConnection::connect(&tcp(pg, "postgres", &options))
+        .await
+        .expect_err("a root that did not sign the server's certificate")
 }
 
 /// A database with an outbox table, a publication `pub` and a pgoutput slot per name in
@@ -267,13 +276,7 @@ async fn tls_verify_ca_skips_the_host_name_but_not_the_chain() {
     assert!(error.to_string().contains("verify-ca"), "hint: {error}");
     assert!(!error.is_transient());
 
-    let error = ReplicationConnection::connect(&tcp(
-        pg,
-        "postgres",
-        &format!("sslmode=verify-ca sslrootcert={}", unrelated_ca()),
-    ))
-    .await
-    .unwrap_err();
+    let error = refused_by_an_unrelated_ca(pg, "verify-ca").await;
     assert!(matches!(error, Error::TlsHandshake { .. }), "{error}");
     assert!(!error.is_transient());
     assert_no_password(&error);
@@ -292,13 +295,7 @@ async fn tls_require_encrypts_and_checks_the_chain_only_with_a_root_certificate(
     assert!(connection.is_tls());
     assert_eq!(connection.sasl_mechanism(), Some("SCRAM-SHA-256-PLUS"));
 
-    let error = ReplicationConnection::connect(&tcp(
-        pg,
-        "postgres",
-        &format!("sslmode=require sslrootcert={}", unrelated_ca()),
-    ))
-    .await
-    .unwrap_err();
+    let error = refused_by_an_unrelated_ca(pg, "require").await;
     assert!(
         matches!(error, Error::TlsHandshake { .. }),
         "require with sslrootcert is verify-ca: {error}"

@@ -797,6 +797,14 @@ mod tests {
         prop_oneof![6 => typed, 1 => any_value()].boxed()
     }
 
+    /// The JSON object members `"name":value` of the values present.
+    fn present<const N: usize>(members: [(&str, Option<String>); N]) -> Vec<String> {
+        members
+            .into_iter()
+            .filter_map(|(name, value)| Some(format!("\"{name}\":{}", value?)))
+            .collect()
+    }
+
     fn error_value() -> BoxedStrategy<String> {
         (
             proptest::option::of(member(any::<u16>().prop_map(|n| n.to_string()).boxed())),
@@ -809,15 +817,12 @@ mod tests {
             proptest::option::of(any_value()),
         )
             .prop_map(|(code, err_code, description, extra)| {
-                let members: Vec<String> = [
-                    code.map(|v| format!("\"code\":{v}")),
-                    err_code.map(|v| format!("\"err_code\":{v}")),
-                    description.map(|v| format!("\"description\":{v}")),
-                    extra.map(|v| format!("\"zz\":{v}")),
-                ]
-                .into_iter()
-                .flatten()
-                .collect();
+                let members = present([
+                    ("code", code),
+                    ("err_code", err_code),
+                    ("description", description),
+                    ("zz", extra),
+                ]);
                 format!("{{{}}}", members.join(","))
             })
             .boxed()
@@ -843,18 +848,15 @@ mod tests {
         )
             .prop_map(
                 |(stream, seq, duplicate, error, domain, val, unknown, order, spaces)| {
-                    let mut members: Vec<String> = [
-                        stream.map(|v| format!("\"stream\":{v}")),
-                        seq.map(|v| format!("\"seq\":{v}")),
-                        duplicate.map(|v| format!("\"duplicate\":{v}")),
-                        error.map(|v| format!("\"error\":{v}")),
-                        domain.map(|v| format!("\"domain\":{v}")),
-                        val.map(|v| format!("\"val\":{v}")),
-                        unknown.map(|v| format!("\"time\":{v}")),
-                    ]
-                    .into_iter()
-                    .flatten()
-                    .collect();
+                    let mut members = present([
+                        ("stream", stream),
+                        ("seq", seq),
+                        ("duplicate", duplicate),
+                        ("error", error),
+                        ("domain", domain),
+                        ("val", val),
+                        ("time", unknown),
+                    ]);
                     let len = members.len().max(1) as u64;
                     members.rotate_left((order % len) as usize);
                     if order & 1 << 40 != 0 {

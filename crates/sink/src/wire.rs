@@ -661,35 +661,40 @@ mod tests {
 
     #[test]
     fn refuses_what_is_not_nats() {
-        refused(b"BOGUS\r\n", "unknown operation \"BOGUS\"");
-        refused(b"PINGX\r\n", "unknown operation");
-        refused(b"\r\n", "without a verb");
-        refused(b" PING\r\n", "without a verb");
-        refused(b"PING\n", "line feed without a carriage return");
-        refused(b"MSG a 1 5\nhello\r\n", "line feed without");
-        refused(b"\n", "line feed without");
-        refused(b"PI\rNG\r\n", "carriage return inside");
-        refused(b"PING x\r\n", "PING followed by \"x\"");
-        refused(b"+OK ok\r\n", "+OK followed by");
-        refused(b"INFO \r\n", "INFO without");
-        refused(b"MSG subj 1\r\n", "MSG with 2 fields, not 3 or 4");
-        refused(b"MSG a b c d e\r\n", "MSG with 5 fields");
-        refused(b"MSG a b c d e f\r\n", "more than 5 fields");
-        refused(
-            b"HMSG subj 1 5\r\nhello\r\n",
-            "HMSG with 3 fields, not 4 or 5",
-        );
-        refused(b"MSG subj x 5\r\n", "subscription id \"x\"");
-        refused(b"MSG subj 1 -5\r\n", "size \"-5\"");
-        refused(b"MSG subj 1 +5\r\n", "size \"+5\"");
-        refused(b"MSG subj 1 5x\r\n", "size \"5x\"");
-        refused(b"MSG subj 18446744073709551616 5\r\n", "subscription id");
-        refused(b"MSG subj 1 18446744073709551616\r\n", "size");
-        refused(b"HMSG subj 1 6 5\r\n", "header size larger");
-        refused(b"MSG subj 1 5\r\nhelloX", "not followed by CRLF");
-        refused(b"MSG subj 1 5\r\nhello\rX", "not followed by CRLF");
-        refused(b"MSG subj 1 5\r\nhello\n", "not followed by CRLF");
-        refused(b"MSG subj 1 4\r\nhello\r\n", "not followed by CRLF");
+        let cases: &[(&[u8], &str)] = &[
+            (b"BOGUS\r\n", "unknown operation \"BOGUS\""),
+            (b"PINGX\r\n", "unknown operation"),
+            (b"\r\n", "without a verb"),
+            (b" PING\r\n", "without a verb"),
+            (b"PING\n", "line feed without a carriage return"),
+            (b"MSG a 1 5\nhello\r\n", "line feed without"),
+            (b"\n", "line feed without"),
+            (b"PI\rNG\r\n", "carriage return inside"),
+            (b"PING x\r\n", "PING followed by \"x\""),
+            (b"+OK ok\r\n", "+OK followed by"),
+            (b"INFO \r\n", "INFO without"),
+            (b"MSG subj 1\r\n", "MSG with 2 fields, not 3 or 4"),
+            (b"MSG a b c d e\r\n", "MSG with 5 fields"),
+            (b"MSG a b c d e f\r\n", "more than 5 fields"),
+            (
+                b"HMSG subj 1 5\r\nhello\r\n",
+                "HMSG with 3 fields, not 4 or 5",
+            ),
+            (b"MSG subj x 5\r\n", "subscription id \"x\""),
+            (b"MSG subj 1 -5\r\n", "size \"-5\""),
+            (b"MSG subj 1 +5\r\n", "size \"+5\""),
+            (b"MSG subj 1 5x\r\n", "size \"5x\""),
+            (b"MSG subj 18446744073709551616 5\r\n", "subscription id"),
+            (b"MSG subj 1 18446744073709551616\r\n", "size"),
+            (b"HMSG subj 1 6 5\r\n", "header size larger"),
+            (b"MSG subj 1 5\r\nhelloX", "not followed by CRLF"),
+            (b"MSG subj 1 5\r\nhello\rX", "not followed by CRLF"),
+            (b"MSG subj 1 5\r\nhello\n", "not followed by CRLF"),
+            (b"MSG subj 1 4\r\nhello\r\n", "not followed by CRLF"),
+        ];
+        for (frame, words) in cases {
+            refused(frame, words);
+        }
         // Without a payload limit, a frame's end must still fit in memory.
         refused_with(
             b"MSG s 1 18446744073709551615\r\n",

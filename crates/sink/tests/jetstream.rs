@@ -11,14 +11,21 @@ use testkit::Nats;
 async fn context(nats: &Nats, name: &str, max_message_size: i32) -> jetstream::Context {
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     js.create_stream(stream::Config {
-        name: name.to_owned(),
-        subjects: vec![format!("{name}.>")],
         max_message_size,
-        ..Default::default()
+        ..stream_config(name)
     })
     .await
     .unwrap();
     js
+}
+
+/// A stream `name` of the subjects `{name}.>`.
+fn stream_config(name: &str) -> stream::Config {
+    stream::Config {
+        name: name.to_owned(),
+        subjects: vec![format!("{name}.>")],
+        ..Default::default()
+    }
 }
 
 /// Publishes and waits for the server's answer: the ack, or why it refused.
@@ -397,13 +404,7 @@ async fn a_publish_line_over_the_control_line_limit_is_never_acknowledged() {
     let js = jetstream::context::ContextBuilder::new()
         .timeout(std::time::Duration::from_secs(2))
         .build(client);
-    js.create_stream(stream::Config {
-        name: "LINE".into(),
-        subjects: vec!["LINE.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    js.create_stream(stream_config("LINE")).await.unwrap();
     let publish = |subject: String, id: &str| {
         let js = js.clone();
         let message = message(id, None);
@@ -540,13 +541,7 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
     let nats = Nats::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client.clone());
-    js.create_stream(stream::Config {
-        name: "PATH".into(),
-        subjects: vec!["PATH.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    js.create_stream(stream_config("PATH")).await.unwrap();
     let mut watch = client.subscribe("PATH.>").await.unwrap();
     client.flush().await.unwrap();
     let timeout = std::time::Duration::from_secs(5);
@@ -935,6 +930,15 @@ async fn raw_stream(js: &jetstream::Context, name: &str, allow_batched: bool) {
     assert!(answer.get("error").is_none(), "{answer}");
 }
 
+/// A current nats-server and its JetStream context, with stream `name` allowing batches.
+async fn batched_stream(name: &str) -> (Nats, jetstream::Context) {
+    let nats = Nats::start_current(&[]);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    raw_stream(&js, name, true).await;
+    (nats, js)
+}
+
 /// The message id stored at `sequence` of stream `name`.
 async fn msg_id_at(js: &jetstream::Context, name: &str, sequence: u64) -> String {
     let stream = js.get_stream(name).await.unwrap();
@@ -952,10 +956,7 @@ async fn msg_id_at(js: &jetstream::Context, name: &str, sequence: u64) -> String
 /// batch publish turns the mode off (F4).
 #[tokio::test]
 async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_cannot_prove() {
-    let nats = Nats::start_current(&[]);
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = jetstream::new(client);
-    raw_stream(&js, "FAST", true).await;
+    let (nats, js) = batched_stream("FAST").await;
     let timeout = std::time::Duration::from_secs(10);
     let fast = |fence| sink::SinkOptions {
         max_in_flight: 2000,
@@ -1020,10 +1021,7 @@ async fn fast_batches_store_every_event_once_in_order_and_refuse_what_they_canno
 /// transaction before it confirmed, its own transaction not, nothing after it stored.
 #[tokio::test]
 async fn a_poison_event_inside_a_fast_batch_halts_with_what_came_before_it_acknowledged() {
-    let nats = Nats::start_current(&[]);
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = jetstream::new(client);
-    raw_stream(&js, "POISON", true).await;
+    let (nats, js) = batched_stream("POISON").await;
     let options = sink::SinkOptions {
         max_in_flight: 2000,
         fast: Some(sink::batch::FAST_BATCH_LIMIT),

@@ -15,11 +15,13 @@ pub enum Mode {
 impl Mode {
     /// Parses `pending`, `all` or `none`.
     pub fn parse(value: &str) -> std::result::Result<Mode, String> {
-        match value {
-            "pending" => Ok(Mode::Pending),
-            "all" => Ok(Mode::All),
-            "none" => Ok(Mode::None),
-            _ => Err("expected pending, all or none".into()),
-        }
+        super::parse::one_of(
+            value,
+            &[
+                ("pending", Mode::Pending),
+                ("all", Mode::All),
+                ("none", Mode::None),
+            ],
+        )
     }
 }

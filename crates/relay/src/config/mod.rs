@@ -447,10 +447,11 @@ impl StreamSettings {
             Ok(n) if (1..=5).contains(&n) => Ok(n),
             _ => Err("expected 1 to 5 (JetStream keeps at most 5 replicas)".into()),
         })?;
-        let storage = raw.parse(&STREAM_STORAGE, |v| match v {
-            "file" => Ok(StorageType::File),
-            "memory" => Ok(StorageType::Memory),
-            _ => Err("expected file or memory".into()),
+        let storage = raw.parse(&STREAM_STORAGE, |v| {
+            parse::one_of(
+                v,
+                &[("file", StorageType::File), ("memory", StorageType::Memory)],
+            )
         })?;
         let max_age = raw.parse(&STREAM_MAX_AGE, |v| unlimited_or(v, parse_duration))?;
         let max_bytes = raw.parse(&STREAM_MAX_BYTES, |v| {
@@ -459,10 +460,11 @@ impl StreamSettings {
         let max_msg_size = raw.parse(&STREAM_MAX_MSG_SIZE, |v| {
             unlimited_or(v, |v| at_most(parse_size(v)?, i32::MAX as u64))
         })?;
-        let discard = raw.parse(&STREAM_DISCARD, |v| match v {
-            "old" => Ok(DiscardPolicy::Old),
-            "new" => Ok(DiscardPolicy::New),
-            _ => Err("expected old or new".into()),
+        let discard = raw.parse(&STREAM_DISCARD, |v| {
+            parse::one_of(
+                v,
+                &[("old", DiscardPolicy::Old), ("new", DiscardPolicy::New)],
+            )
         })?;
         let given = [
             &STREAM_REPLICAS,
@@ -521,6 +523,11 @@ pub(crate) mod tests {
         // The file stays until the configuration is validated (its mode is checked then).
         let dir = tempfile::tempdir().unwrap();
         load_raw_in(dir.path(), flags, env, file).and_then(|raw| Config::from_sources(&raw))
+    }
+
+    /// A config from a `DATABASE_URL` alone.
+    pub(crate) fn load_url(url: &str) -> Result<Config, ConfigError> {
+        load(&[], &[("DATABASE_URL", url)], None)
     }
 
     fn load_raw(
@@ -672,12 +679,7 @@ pub(crate) mod tests {
             !shown.contains("s3cret") && !shown.contains("hunter2"),
             "{shown}"
         );
-        let e = load(
-            &[],
-            &[("DATABASE_URL", "postgres://u:s3cret@h:notaport/db")],
-            None,
-        )
-        .unwrap_err();
+        let e = load_url("postgres://u:s3cret@h:notaport/db").unwrap_err();
         assert!(
             !e.0.contains("s3cret") && e.0.contains("DATABASE_URL"),
             "{e}"
@@ -1059,12 +1061,7 @@ pub(crate) mod tests {
 
         // Unencoded '?' and '=' in a DATABASE_URL password: parsed whole, and an error
         // elsewhere in the URL does not quote a part of it.
-        let config = load(
-            &[],
-            &[("DATABASE_URL", "postgres://relay:hun?ter=2@db:5432/app")],
-            None,
-        )
-        .unwrap();
+        let config = load_url("postgres://relay:hun?ter=2@db:5432/app").unwrap();
         assert_eq!(
             config.database.password().map(|p| p.expose()),
             Some("hun?ter=2")

@@ -78,22 +78,34 @@ where
     }
 }
 
+/// The value of the word `v` among `words`; the error names them all ("expected a, b or c").
+pub(super) fn one_of<T: Clone>(v: &str, words: &[(&str, T)]) -> Result<T, String> {
+    if let Some((_, value)) = words.iter().find(|(word, _)| *word == v) {
+        return Ok(value.clone());
+    }
+    let names: Vec<&str> = words.iter().map(|(word, _)| *word).collect();
+    Err(match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => {
+            format!("expected {} or {last}", rest.join(", "))
+        }
+        _ => format!("expected {}", names.join("")),
+    })
+}
+
 /// `--on-poison`: `halt` or `dead-letter`.
 pub(super) fn parse_on_poison(v: &str) -> Result<sink::PoisonPolicy, String> {
-    match v {
-        "halt" => Ok(sink::PoisonPolicy::Halt),
-        "dead-letter" => Ok(sink::PoisonPolicy::DeadLetter),
-        _ => Err("expected halt or dead-letter".into()),
-    }
+    one_of(
+        v,
+        &[
+            ("halt", sink::PoisonPolicy::Halt),
+            ("dead-letter", sink::PoisonPolicy::DeadLetter),
+        ],
+    )
 }
 
 /// `--log-format`: `text` or `json`.
 pub(super) fn parse_log_format(v: &str) -> Result<LogFormat, String> {
-    match v {
-        "text" => Ok(LogFormat::Text),
-        "json" => Ok(LogFormat::Json),
-        _ => Err("expected text or json".into()),
-    }
+    one_of(v, &[("text", LogFormat::Text), ("json", LogFormat::Json)])
 }
 
 /// `schema.table`, `public` when no schema is given.

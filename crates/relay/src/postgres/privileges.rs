@@ -44,6 +44,11 @@ const CHECK_SQL: &str = "\
       LEFT JOIN pg_catalog.pg_type t ON t.oid = a.atttypid \
      ORDER BY c.n";
 
+/// A failed read of `what`, tried again.
+fn unreadable(what: &str) -> impl Fn(tokio_postgres::Error) -> RelayError + '_ {
+    move |e| RelayError::transient(anyhow::anyhow!("cannot read {what}: {}", describe(&e)))
+}
+
 /// U5: the table has the columns, with compatible types, and the relay's role may update
 /// them; otherwise a setup error naming every problem and its fix. A missing table is left
 /// to [`crate::postgres::checks`], which names it.
@@ -55,34 +60,22 @@ pub async fn marking(client: &Client, config: &Config) -> Result<()> {
     let exists: bool = client
         .query_one("SELECT pg_catalog.to_regclass($1) IS NOT NULL", &[&table])
         .await
-        .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!(
-                "cannot read the outbox table's columns: {}",
-                describe(&e)
-            ))
-        })?
+        .map_err(unreadable("the outbox table's columns"))?
         .get(0);
     if !exists {
         return Ok(());
     }
-    let rows = client.query(CHECK_SQL, &[&table]).await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot read the outbox table's columns: {}",
-            describe(&e)
-        ))
-    })?;
+    let rows = client
+        .query(CHECK_SQL, &[&table])
+        .await
+        .map_err(unreadable("the outbox table's columns"))?;
     let id_readable: bool = client
         .query_one(
             "SELECT pg_catalog.has_column_privilege($1::text::regclass, $2, 'SELECT')",
             &[&table, &config.mapping.column(Role::Id)],
         )
         .await
-        .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!(
-                "cannot read the relay's privileges: {}",
-                describe(&e)
-            ))
-        })?
+        .map_err(unreadable("the relay's privileges"))?
         .get(0);
     let columns: Vec<Column> = rows
         .iter()

@@ -242,9 +242,7 @@ mod tests {
 
     #[test]
     fn filters_select_pending_rows_and_ranges() {
-        let config =
-            crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
-                .unwrap();
+        let config = crate::config::tests::load_url("postgres://u@h/db").unwrap();
         let seed = crate::postgres::rows::test_reader(&config, outbox::event::oid::INT8);
         assert_eq!(Filter::default().where_sql(&config, &seed), "");
         let filter = Filter {
@@ -258,25 +256,29 @@ mod tests {
             filter.where_sql(&config, &seed),
             " WHERE status = 'pending' AND \"id\" >= '3'::int8 AND \"id\" <= '9'::int8 AND \"created_at\" >= '2026-01-01T00:00:00Z'::timestamptz AND \"created_at\" < 'x''y'::timestamptz"
         );
-        // Text ids compare by their bytes (stored ROW2).
         let text = crate::postgres::rows::test_reader(&config, outbox::event::oid::TEXT);
-        let filter = Filter {
-            from_id: Some("evt'1".into()),
-            ..Filter::default()
-        };
-        assert_eq!(
-            filter.where_sql(&config, &text),
-            " WHERE \"id\" COLLATE \"C\" >= ('evt''1'::text COLLATE \"C\")"
-        );
-        // A duration ago, as replay and verify take it.
-        let filter = Filter {
-            since: Some("1h30m".into()),
-            ..Filter::default()
-        };
-        assert_eq!(
-            filter.where_sql(&config, &seed),
-            " WHERE \"created_at\" >= now() - '5400000 milliseconds'::interval"
-        );
+        for (filter, reader, sql) in [
+            // Text ids compare by their bytes (stored ROW2).
+            (
+                Filter {
+                    from_id: Some("evt'1".into()),
+                    ..Filter::default()
+                },
+                &text,
+                " WHERE \"id\" COLLATE \"C\" >= ('evt''1'::text COLLATE \"C\")",
+            ),
+            // A duration ago, as replay and verify take it.
+            (
+                Filter {
+                    since: Some("1h30m".into()),
+                    ..Filter::default()
+                },
+                &seed,
+                " WHERE \"created_at\" >= now() - '5400000 milliseconds'::interval",
+            ),
+        ] {
+            assert_eq!(filter.where_sql(&config, reader), sql);
+        }
     }
 
     #[test]

@@ -504,24 +504,43 @@ mod tests {
         }
     }
 
-    #[test]
-    fn v3_an_unchanged_identity_is_no_change() {
-        assert_eq!(Change::between(&streamed(), &streamed()), None);
-        let all = Identity {
+    /// [`streamed`] through a publication `FOR ALL TABLES`.
+    fn all_tables() -> Identity {
+        Identity {
             all_tables: true,
             membership: None,
             ..streamed()
-        };
+        }
+    }
+
+    /// [`streamed`] after its table was dropped and created again.
+    fn recreated() -> Identity {
+        Identity {
+            table_oid: Some(16_433),
+            membership: None,
+            ..streamed()
+        }
+    }
+
+    /// `before` after a partitioned table was swapped in by rename.
+    fn swapped_partitioned(before: &Identity) -> Identity {
+        Identity {
+            table_oid: Some(16_433),
+            partitioned: true,
+            ..before.clone()
+        }
+    }
+
+    #[test]
+    fn v3_an_unchanged_identity_is_no_change() {
+        assert_eq!(Change::between(&streamed(), &streamed()), None);
+        let all = all_tables();
         assert_eq!(Change::between(&all, &all), None);
     }
 
     #[test]
     fn v3_a_table_created_again_names_both_oids_and_the_publication_fix() {
-        let now = Identity {
-            table_oid: Some(16_433),
-            membership: None,
-            ..streamed()
-        };
+        let now = recreated();
         let change = Change::between(&streamed(), &now).unwrap();
         assert!(
             change.what.contains(
@@ -535,16 +554,8 @@ mod tests {
 
     #[test]
     fn v3_a_swap_into_a_partitioned_table_covered_by_all_tables_is_still_a_change() {
-        let all = Identity {
-            all_tables: true,
-            membership: None,
-            ..streamed()
-        };
-        let now = Identity {
-            table_oid: Some(16_433),
-            partitioned: true,
-            ..all.clone()
-        };
+        let all = all_tables();
+        let now = swapped_partitioned(&all);
         let change = Change::between(&all, &now).unwrap();
         assert!(change.what.contains("now partitioned"), "{change:?}");
         assert!(!change.fix_publication, "ALL TABLES covers it: {change:?}");
@@ -600,11 +611,7 @@ mod tests {
 
     #[test]
     fn v3_the_refusal_names_the_change_the_confirmed_position_and_only_the_fix_needed() {
-        let recreated = Identity {
-            table_oid: Some(16_433),
-            membership: None,
-            ..streamed()
-        };
+        let recreated = recreated();
         let change = Change::between(&streamed(), &recreated).unwrap();
         let text = refusal(&config(), &change, &recreated, Lsn(0x1_0000_0010)).to_string();
         for needle in [
@@ -620,16 +627,8 @@ mod tests {
         }
         assert!(!text.contains("publish_via_partition_root"), "{text}");
 
-        let all = Identity {
-            all_tables: true,
-            membership: None,
-            ..streamed()
-        };
-        let swapped = Identity {
-            table_oid: Some(16_433),
-            partitioned: true,
-            ..all.clone()
-        };
+        let all = all_tables();
+        let swapped = swapped_partitioned(&all);
         let change = Change::between(&all, &swapped).unwrap();
         let text = refusal(&config(), &change, &swapped, Lsn::ZERO).to_string();
         assert!(!text.contains("ALTER PUBLICATION"), "covered: {text}");
@@ -639,12 +638,7 @@ mod tests {
 
     #[test]
     fn v2_the_check_reads_the_wal_position_in_a_statement_before_the_identity() {
-        let config = crate::config::tests::load(
-            &[],
-            &[("DATABASE_URL", "postgres://relay@db:5432/app")],
-            None,
-        )
-        .unwrap();
+        let config = crate::config::tests::load_url("postgres://relay@db:5432/app").unwrap();
         let sql = check_sql(&config, 150_000);
         let (first, second) = sql.split_once(';').unwrap();
         assert!(first.contains("pg_current_wal_lsn()"), "{sql}");

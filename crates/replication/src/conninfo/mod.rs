@@ -1431,37 +1431,30 @@ mod tests {
 
     #[test]
     fn errors_name_the_problem() {
-        let error = parse_err("host=h sslcrl=/x");
-        assert!(
-            error.contains("unsupported parameter \"sslcrl\""),
-            "{error}"
-        );
-        let error = parse_err("postgres://h/d?options=-c%20x");
-        assert!(
-            error.contains("unsupported parameter \"options\""),
-            "{error}"
-        );
-        let error = parse_err("port=abc");
-        assert!(error.contains("invalid port (the connection"), "{error}");
+        for (text, expected) in [
+            ("host=h sslcrl=/x", "unsupported parameter \"sslcrl\""),
+            (
+                "postgres://h/d?options=-c%20x",
+                "unsupported parameter \"options\"",
+            ),
+            ("port=abc", "invalid port (the connection"),
+            ("port=0", "invalid port"),
+            (
+                "sslmode=allow",
+                "disable, prefer, require, verify-ca, verify-full",
+            ),
+            ("host", "missing \"=\""),
+            ("host=a,b port=1,2,3", "3 ports for 2 hosts"),
+            ("postgres://[::1/db", "IPv6"),
+            ("postgres://h:abc/db", "invalid port in the URL"),
+        ] {
+            let error = parse_err(text);
+            assert!(error.contains(expected), "{text}: {error}");
+        }
         let error = ConnInfo::parse_with_env("", env_of(&[("PGPORT", "abc")]))
             .unwrap_err()
             .to_string();
         assert!(error.contains("invalid port PGPORT=\"abc\""), "{error}");
-        let error = parse_err("port=0");
-        assert!(error.contains("invalid port"), "{error}");
-        let error = parse_err("sslmode=allow");
-        assert!(
-            error.contains("disable, prefer, require, verify-ca, verify-full"),
-            "{error}"
-        );
-        let error = parse_err("host");
-        assert!(error.contains("missing \"=\""), "{error}");
-        let error = parse_err("host=a,b port=1,2,3");
-        assert!(error.contains("3 ports for 2 hosts"), "{error}");
-        let error = parse_err("postgres://[::1/db");
-        assert!(error.contains("IPv6"), "{error}");
-        let error = parse_err("postgres://h:abc/db");
-        assert!(error.contains("invalid port in the URL"), "{error}");
         // A typo in a URL's parameter: not quoted, but the likely name is suggested.
         let error = parse_err("postgres://h/db?sslmdoe=require");
         assert!(

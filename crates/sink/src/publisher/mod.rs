@@ -328,10 +328,7 @@ impl SinkStats {
     }
 
     fn fast_paused_through(&self) -> Option<Position> {
-        *self
-            .fast_paused_through
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        read(&self.fast_paused_through)
     }
 
     /// F4: a session that batched up to `position` failed.
@@ -341,10 +338,7 @@ impl SinkStats {
 
     /// P15: the newest event a failed session of the process published.
     fn failed_through(&self) -> Option<Position> {
-        *self
-            .failed_through
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        read(&self.failed_through)
     }
 
     /// P15: a session that published up to `position` failed.
@@ -367,6 +361,11 @@ impl SinkStats {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
     }
+}
+
+/// What `slot` holds now.
+fn read(slot: &Mutex<Option<Position>>) -> Option<Position> {
+    *slot.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Raises the position in `slot` to `position`.

@@ -45,13 +45,27 @@ pub fn render(status: &Status) -> String {
     out
 }
 
-pub(super) fn render_slot(rows: &mut Vec<(&str, String)>, slot: Option<&Slot>) {
-    let Some(slot) = slot else {
-        rows.push(("slot", "unknown".into()));
-        return;
+/// The slot, publication or stream `thing` (its name and state by `parts`) with its state;
+/// `None` once the row `label` says it is unknown (unread) or does not exist.
+fn existing<'a, T, S>(
+    rows: &mut Vec<(&str, String)>,
+    label: &'static str,
+    thing: Option<&'a T>,
+    parts: impl Fn(&'a T) -> (&'a String, Option<&'a S>),
+) -> Option<(&'a T, &'a S)> {
+    let Some(thing) = thing else {
+        rows.push((label, "unknown".into()));
+        return None;
     };
-    let Some(state) = &slot.state else {
-        rows.push(("slot", format!("{}: does not exist", slot.name)));
+    let (name, state) = parts(thing);
+    if state.is_none() {
+        rows.push((label, format!("{name}: does not exist")));
+    }
+    Some((thing, state?))
+}
+
+pub(super) fn render_slot(rows: &mut Vec<(&str, String)>, slot: Option<&Slot>) {
+    let Some((slot, state)) = existing(rows, "slot", slot, |s| (&s.name, s.state.as_ref())) else {
         return;
     };
     let activity = if state.active {
@@ -106,15 +120,9 @@ pub(super) fn render_publication(
     rows: &mut Vec<(&str, String)>,
     publication: Option<&Publication>,
 ) {
-    let Some(publication) = publication else {
-        rows.push(("publication", "unknown".into()));
-        return;
-    };
-    let Some(state) = &publication.state else {
-        rows.push((
-            "publication",
-            format!("{}: does not exist", publication.name),
-        ));
+    let Some((publication, state)) = existing(rows, "publication", publication, |p| {
+        (&p.name, p.state.as_ref())
+    }) else {
         return;
     };
     let mut head = format!(
@@ -163,12 +171,8 @@ pub(super) fn render_publication(
 }
 
 pub(super) fn render_stream(rows: &mut Vec<(&str, String)>, stream: Option<&Stream>) {
-    let Some(stream) = stream else {
-        rows.push(("stream", "unknown".into()));
-        return;
-    };
-    let Some(state) = &stream.state else {
-        rows.push(("stream", format!("{}: does not exist", stream.name)));
+    let Some((stream, state)) = existing(rows, "stream", stream, |s| (&s.name, s.state.as_ref()))
+    else {
         return;
     };
     rows.push((

@@ -832,9 +832,7 @@ mod tests {
 
     #[test]
     fn the_range_is_one_sql_condition_with_numbered_parameters() {
-        let config =
-            crate::config::tests::load(&[], &[("DATABASE_URL", "postgres://u@h/db")], None)
-                .unwrap();
+        let config = crate::config::tests::load_url("postgres://u@h/db").unwrap();
         let seed = crate::postgres::rows::test_reader(&config, outbox::event::oid::INT8);
         assert_eq!(Range::default().condition(&config, &seed).0, "true");
         let range = Range {
