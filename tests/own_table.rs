@@ -365,3 +365,81 @@ async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_n
     })
     .await;
 }
+
+/// (e) A table named as SQL writes it (issue 40, config CFG5): a schema and a table whose
+/// names hold capitals, a space and a dot, set in double quotes as psql and every DBA write
+/// them, relay every row once, in order. The same name written without its quotes is folded
+/// to lower case as SQL folds it, and the relay refuses at start (exit 2), saying how it read
+/// the name and which quoted name would have named the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_named_in_double_quotes_as_sql_writes_it_is_relayed_once_in_order() {
+    const TABLE: &str = r#"create schema "Billing.Dept";
+        create table "Billing.Dept"."Outbox Events" (like public.outbox_events including all);"#;
+    const QUOTED: &str = r#""Billing.Dept"."Outbox Events""#;
+    let case = Case::with_table("quoted_name", TABLE, &[&[("OUTBOX_RELAY_TABLE", QUOTED)]]);
+    let relay = case.start_relay();
+    let sql = case.sql().await;
+    for t in 0..5 {
+        sql.execute(
+            r#"insert into "Billing.Dept"."Outbox Events"
+                 (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload)
+               select 'e' || (i % 3), 'Quoted', gen_random_uuid()::text, '', '', '{}'
+                 from generate_series(1, 4) i"#,
+            &[],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("transaction {t}: {e:?}"));
+    }
+    let js = case.jetstream().await;
+    let (messages, _) = case.wait_confirmed(&js, &sql, 20).await;
+    let ids: Vec<i64> = messages.iter().map(|m| m.outbox_id()).collect();
+    let mut in_order = ids.clone();
+    in_order.sort_unstable();
+    assert_eq!(ids.len(), 20, "every row once");
+    assert_eq!(ids, in_order, "in commit order (one writer: id order)");
+    drop(relay);
+
+    let mut unquoted = case.clone();
+    unquoted
+        .extra_env
+        .push(("OUTBOX_RELAY_TABLE".into(), "Billing.Dept.Outbox".into()));
+    let refused = unquoted.run_command("run", &[]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("read 3 names"),
+        "a dotted name unquoted reads as three names: {}",
+        refused.stderr
+    );
+    unquoted.extra_env.pop();
+    unquoted.extra_env.push((
+        "OUTBOX_RELAY_TABLE".into(),
+        r#""Billing.Dept"."OUTBOX EVENTS""#.into(),
+    ));
+    let refused = unquoted.run_command("run", &[]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    assert!(
+        refused
+            .stderr
+            .contains(r#"set OUTBOX_RELAY_TABLE='"Billing.Dept"."Outbox Events"'"#),
+        "a quoted name keeps its case, and the table of another case is named: {}",
+        refused.stderr
+    );
+    unquoted.extra_env.pop();
+    unquoted.extra_env.push((
+        "OUTBOX_RELAY_TABLE".into(),
+        "public.OUTBOX_EVENTS_ARCHIVE".into(),
+    ));
+    sql.batch_execute(
+        r#"create table public."Outbox_Events_Archive" (like public.outbox_events including all)"#,
+    )
+    .await
+    .unwrap();
+    let refused = unquoted.run_command("run", &[]);
+    assert_eq!(refused.code, 2, "{}", refused.stderr);
+    for said in [
+        r#"table "public"."outbox_events_archive" (read as schema "public", table "outbox_events_archive") does not exist"#,
+        r#"set OUTBOX_RELAY_TABLE='public."Outbox_Events_Archive"'"#,
+    ] {
+        assert!(refused.stderr.contains(said), "{said}: {}", refused.stderr);
+    }
+}

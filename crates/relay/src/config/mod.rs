@@ -39,6 +39,9 @@
 //!   secret ([`Config::warnings`]): secrets on the command line, secret files group or
 //!   others can read (libpq's rule), secrets too weak for the log scrubber, credentials
 //!   that would travel without verified TLS.
+//! - CFG5 The outbox table's name is read as PostgreSQL reads a qualified name: a part in
+//!   double quotes exactly as written (case, dots, spaces; `""` for `"`), an unquoted part
+//!   folded to lower case; what SQL would refuse is refused, naming the fix, never guessed.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -99,7 +99,7 @@ pub mod opt {
         NATS_INBOX_PREFIX = ("nats_inbox_prefix", "OUTBOX_RELAY_NATS_INBOX_PREFIX", Some("_INBOX"),
             "Subject prefix of the replies the relay subscribes to (its publish acks and requests' replies): the NATS user needs subscribe on {prefix}.> only", flag = "inbox-prefix");
         TABLE = ("table", "OUTBOX_RELAY_TABLE", Some("public.outbox_events"),
-            "The outbox table, as schema.table");
+            "The outbox table, as SQL writes it: schema.table, or table in schema public; an unquoted name is folded to lower case, one in double quotes keeps its case, spaces and dots");
         // The user's own table (crate::config::table; docs/own-table.md).
         TABLE_PRESET = ("table_preset", "OUTBOX_RELAY_TABLE_PRESET", Some("seed"),
             "The outbox table's shape: seed (sql/schema.sql's id, entity_id, event_type, payload, created_at) or debezium (id uuid, aggregatetype, aggregateid, type, timestamp, payload, and tracingspancontext when present; subjects {prefix}.{aggregatetype}.{shard}); the *_column settings override single columns");

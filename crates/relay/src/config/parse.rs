@@ -108,16 +108,95 @@ pub(super) fn parse_log_format(v: &str) -> Result<LogFormat, String> {
     one_of(v, &[("text", LogFormat::Text), ("json", LogFormat::Json)])
 }
 
-/// `schema.table`, `public` when no schema is given.
+/// `schema.table`, or `table` alone in schema `public`, read as PostgreSQL reads a qualified
+/// name (CFG5): a part in double quotes is taken as written (case, dots and spaces kept, `""`
+/// for one `"`); an unquoted part is folded to lower case and may hold letters, digits, `_`
+/// and `$` (not first), as SQL's identifiers do.
 pub(super) fn parse_table_name(v: &str) -> Result<Table, String> {
-    let (schema, name) = v.split_once('.').unwrap_or(("public", v));
-    if schema.is_empty() || name.is_empty() {
-        return Err("expected schema.table, e.g. public.outbox_events".into());
+    let parts = sql_name_parts(v)?;
+    let (schema, name) = match parts.as_slice() {
+        [name] => ("public".to_owned(), name.clone()),
+        [schema, name] => (schema.clone(), name.clone()),
+        _ => {
+            return Err(format!(
+                "expected schema.table or table, as SQL writes them, e.g. public.outbox_events or \
+                 '\"Billing\".\"Outbox Events\"'; read {} names (a database name cannot be given \
+                 here, and a name holding a dot goes in double quotes)",
+                parts.len()
+            ))
+        }
+    };
+    Ok(Table::new(TableName { schema, name }))
+}
+
+/// The dot-separated identifiers of a qualified SQL name (CFG5).
+fn sql_name_parts(v: &str) -> Result<Vec<String>, String> {
+    let mut parts = Vec::new();
+    let mut rest = v.trim_start();
+    loop {
+        let (part, after) = match rest.strip_prefix('"') {
+            Some(quoted) => quoted_identifier(quoted)?,
+            None => unquoted_identifier(rest)?,
+        };
+        if part.len() > 63 {
+            return Err(format!(
+                "the name {part:?} is longer than 63 bytes, and PostgreSQL cuts names to 63"
+            ));
+        }
+        parts.push(part);
+        rest = after.trim_start();
+        match rest.strip_prefix('.') {
+            Some(after_dot) => rest = after_dot.trim_start(),
+            None if rest.is_empty() => return Ok(parts),
+            None => {
+                return Err(format!(
+                    "unexpected {rest:?} after a name (names are separated by dots; a name \
+                     holding spaces or other characters goes in double quotes)"
+                ))
+            }
+        }
     }
-    Ok(Table::new(TableName {
-        schema: schema.to_owned(),
-        name: name.to_owned(),
-    }))
+}
+
+/// A double-quoted identifier's text up to its closing quote (already past the opening
+/// one), and what follows it.
+fn quoted_identifier(v: &str) -> Result<(String, &str), String> {
+    let mut name = String::new();
+    let mut chars = v.char_indices();
+    while let Some((i, c)) = chars.next() {
+        if c != '"' {
+            name.push(c);
+            continue;
+        }
+        if v[i + 1..].starts_with('"') {
+            name.push('"');
+            chars.next();
+            continue;
+        }
+        if name.is_empty() {
+            return Err("a name in double quotes is empty".into());
+        }
+        return Ok((name, &v[i + 1..]));
+    }
+    Err("a double quote is not closed".into())
+}
+
+/// An unquoted identifier at the start of `v`, folded to lower case as SQL folds it, and
+/// what follows it.
+fn unquoted_identifier(v: &str) -> Result<(String, &str), String> {
+    let end = v
+        .char_indices()
+        .find(|(_, c)| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '$' || !c.is_ascii()))
+        .map_or(v.len(), |(i, _)| i);
+    let word = &v[..end];
+    match word.chars().next() {
+        None => Err("expected schema.table, e.g. public.outbox_events (a name is missing)".into()),
+        Some(first) if first.is_ascii_digit() || first == '$' => Err(format!(
+            "the unquoted name {word:?} starts with {first:?}, which SQL does not allow: put it \
+             in double quotes"
+        )),
+        Some(_) => Ok((word.to_ascii_lowercase(), &v[end..])),
+    }
 }
 
 /// A replication slot's name, as Postgres accepts it.
@@ -279,4 +358,81 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err("must be greater than zero".into());
     }
     Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(v: &str) -> Result<(String, String, String), String> {
+        parse_table_name(v).map(|t| {
+            (
+                t.name().schema.clone(),
+                t.name().name.clone(),
+                t.sql().to_owned(),
+            )
+        })
+    }
+
+    fn named(schema: &str, name: &str, sql: &str) -> Result<(String, String, String), String> {
+        Ok((schema.into(), name.into(), sql.into()))
+    }
+
+    #[test]
+    fn table_names_read_as_sql_reads_them() {
+        let seed = named("public", "outbox_events", r#""public"."outbox_events""#);
+        assert_eq!(read("public.outbox_events"), seed);
+        assert_eq!(read("outbox_events"), seed);
+        assert_eq!(
+            read("  Public . Outbox_Events "),
+            seed,
+            "unquoted names fold"
+        );
+        assert_eq!(
+            read(r#""Billing Dept"."Outbox Events""#),
+            named(
+                "Billing Dept",
+                "Outbox Events",
+                r#""Billing Dept"."Outbox Events""#
+            )
+        );
+        assert_eq!(
+            read(r#""my.schema"."say ""hi"" $1""#),
+            named(
+                "my.schema",
+                r#"say "hi" $1"#,
+                r#""my.schema"."say ""hi"" $1""#
+            )
+        );
+        assert_eq!(
+            read(r#"public."OutboxMessages""#),
+            named("public", "OutboxMessages", r#""public"."OutboxMessages""#)
+        );
+        assert_eq!(
+            read("app.évènements_2$"),
+            named("app", "évènements_2$", r#""app"."évènements_2$""#)
+        );
+    }
+
+    #[test]
+    fn what_sql_would_refuse_is_refused_naming_why() {
+        let refused = [
+            ("db.public.outbox_events", "read 3 names"),
+            (r#""Billing.outbox"#, "not closed"),
+            (r#""".outbox"#, "is empty"),
+            ("public.", "a name is missing"),
+            (".outbox", "a name is missing"),
+            ("", "a name is missing"),
+            ("public.my-table", "unexpected \"-table\""),
+            ("public.1table", "starts with '1'"),
+            ("public outbox", "unexpected \"outbox\""),
+        ];
+        for (text, why) in refused {
+            let e = read(text).unwrap_err();
+            assert!(e.contains(why), "{text:?}: {e}");
+        }
+        let long = format!("public.{}", "a".repeat(64));
+        assert!(read(&long).unwrap_err().contains("longer than 63 bytes"));
+        assert!(read(&format!("public.{}", "a".repeat(63))).is_ok());
+    }
 }

@@ -132,6 +132,45 @@ async fn check_wal_level(client: &Client) -> Result<()> {
 }
 
 /// Reads the table's columns and checks the ones the relay reads.
+/// Why the outbox table was not found: the name as it was read (CFG5), and the table a
+/// differently cased or quoted name would have named, when one exists.
+async fn missing_table(client: &Client, table: &Table) -> String {
+    let near = client
+        .query(
+            "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) \
+               FROM pg_catalog.pg_class c \
+               JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+              WHERE lower(n.nspname) = lower($1) AND lower(c.relname) = lower($2) \
+                AND c.relkind IN ('r', 'p') \
+              ORDER BY 1 LIMIT 3",
+            &[&table.schema, &table.name],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let fix = match near.as_slice() {
+        [] => "create it with sql/schema.sql, or point OUTBOX_RELAY_TABLE at your outbox table"
+            .to_owned(),
+        found => format!(
+            "a table whose name differs only in case exists: set OUTBOX_RELAY_TABLE='{}' \
+             (an unquoted name is folded to lower case, as in SQL; a name in double quotes keeps \
+             its case)",
+            found.join("' or '")
+        ),
+    };
+    format!(
+        "table {} (read as schema {:?}, table {:?}) does not exist (or has no columns, or this \
+         role cannot see it): {fix}",
+        table.sql(),
+        table.schema,
+        table.name
+    )
+}
+
 pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColumns> {
     let rows = client
         .query(
@@ -147,11 +186,7 @@ pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColum
         .await
         .map_err(|e| sql_error("cannot read the outbox table's columns", e))?;
     if rows.is_empty() {
-        return Err(setup(format!(
-            "table {} does not exist (or has no columns, or this role cannot see it): create it \
-             with sql/schema.sql, or point OUTBOX_RELAY_TABLE at your outbox table",
-            config.table
-        )));
+        return Err(setup(missing_table(client, &config.table).await));
     }
     let columns: Vec<(String, u32)> = rows
         .iter()
