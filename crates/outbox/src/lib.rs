@@ -29,6 +29,7 @@ pub mod id;
 pub mod keys;
 pub mod mapping;
 mod percent;
+pub mod properties;
 pub mod source;
 pub mod subject;
 pub mod template;

@@ -498,30 +498,27 @@ pub fn parse_event_types(v: &str) -> Vec<String> {
 
 /// The `traceparent` and `tracestate` a trace-context column's value carries: a bare
 /// `traceparent` value (`00-{trace id}-{span id}-{flags}`), or Java properties text as
-/// Debezium's `tracingspancontext` holds it (`traceparent=...` and `tracestate=...` lines,
-/// `#` comments). `None` when the value holds no well-formed traceparent (the event is then
-/// published without one: a trace context is advisory, never a reason to stop).
+/// Debezium's `tracingspancontext` holds it (`traceparent` and `tracestate` keys, read as
+/// `java.util.Properties.load` reads them: [`crate::properties`], so `tracestate`'s escaped
+/// `\=` arrive as `=`). `None` when the value holds no well-formed traceparent (the event is
+/// then published without one: a trace context is advisory, never a reason to stop).
 pub fn trace_context(value: &str) -> Option<(String, Option<String>)> {
     let value = value.trim();
     if is_traceparent(value) {
         return Some((value.to_owned(), None));
     }
-    let mut parent = None;
-    let mut state = None;
-    for line in value.lines().map(str::trim) {
-        if line.starts_with('#') || line.starts_with('!') {
-            continue;
-        }
-        let Some((key, v)) = line.split_once(['=', ':']) else {
-            continue;
-        };
-        match key.trim() {
-            TRACEPARENT => parent = Some(v.trim().to_owned()),
-            TRACESTATE => state = Some(v.trim().to_owned()).filter(|s| !s.is_empty()),
-            _ => {}
-        }
-    }
-    parent.filter(|p| is_traceparent(p)).map(|p| (p, state))
+    let pairs = crate::properties::parse(value);
+    let last = |key: &str| {
+        pairs
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.trim().to_owned())
+    };
+    let state = last(TRACESTATE).filter(|s| !s.is_empty());
+    last(TRACEPARENT)
+        .filter(|p| is_traceparent(p))
+        .map(|p| (p, state))
 }
 
 /// `{2 hex version}-{32 hex trace id}-{16 hex span id}-{2 hex flags}`, lower-case, ids not
@@ -632,12 +629,16 @@ mod tests {
     fn trace_context_from_a_traceparent_or_debeziums_properties() {
         let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
         assert_eq!(trace_context(tp), Some((tp.into(), None)));
+        // As Java's Properties.store writes it (tests/java_properties.rs reads files Java wrote).
         let props = format!(
-            "#Mon Jan 01 00:00:00 UTC 2024\ntracestate=congo=t61rcWkgMzE\ntraceparent={tp}\n"
+            "#Mon Jan 01 00:00:00 UTC 2024\ntracestate=congo\\=t61rcWkgMzE,rojo\\=00f067aa0ba902b7\ntraceparent={tp}\n"
         );
         assert_eq!(
             trace_context(&props),
-            Some((tp.into(), Some("congo=t61rcWkgMzE".into())))
+            Some((
+                tp.into(),
+                Some("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7".into())
+            ))
         );
         for bad in [
             "",
