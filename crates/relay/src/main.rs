@@ -91,6 +91,8 @@ fn range_of(matches: &clap::ArgMatches) -> outbox_relay::commands::verify::Range
 fn cli() -> Command {
     let mut command = Command::new("outbox-relay")
         .version(env!("CARGO_PKG_VERSION"))
+        // Help wraps at the terminal's width, and at 100 columns at most (or when piped).
+        .max_term_width(HELP_WIDTH)
         .about("Relays a Postgres transactional-outbox table into NATS JetStream through logical replication")
         .subcommand_required(true)
         .arg_required_else_help(true)
@@ -185,6 +187,7 @@ fn cli() -> Command {
             .long(flag)
             .value_name("VALUE")
             .global(true)
+            .help_heading(heading(spec.key))
             .help(help);
         if spec.is_switch() {
             // `--mark-published` alone means true; `--mark-published false` still parses.
@@ -193,6 +196,38 @@ fn cli() -> Command {
         command = command.arg(arg);
     }
     command
+}
+
+/// The widest help text line, in columns.
+const HELP_WIDTH: usize = 100;
+
+/// The heading an option's help stands under: options grouped as docs/configuration.md
+/// explains them.
+fn heading(key: &str) -> &'static str {
+    match key {
+        "database_url" | "nats_url" => "Servers",
+        key if key.starts_with("nats_") => "NATS authentication and TLS",
+        "table"
+        | "table_preset"
+        | "header_columns"
+        | "trace_context_column"
+        | "subject_template"
+        | "include_event_types"
+        | "exclude_event_types" => "The outbox table",
+        key if key.ends_with("_column") => "The outbox table",
+        "slot" | "publication" | "stream" | "subject_prefix" | "partitions" | "shared_stream"
+        | "failover_slot" => "Slot, publication and stream",
+        key if key.starts_with("stream_") => "Slot, publication and stream",
+        "max_in_flight"
+        | "duplicate_window"
+        | "ack_timeout"
+        | "on_poison"
+        | "atomic_transactions"
+        | "fast_ingest" => "Publishing",
+        "backfill" | "mark_published" => "Backfill, marking and retention",
+        key if key.starts_with("retention_") => "Backfill, marking and retention",
+        _ => "Process and observability",
+    }
 }
 
 fn main() -> ExitCode {
@@ -679,6 +714,38 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// `--help` of the command and of every subcommand fits in [`HELP_WIDTH`] columns, its
+    /// options under their headings (issue 40).
+    #[test]
+    fn every_help_fits_in_100_columns() {
+        let mut command = cli();
+        command.build();
+        let mut helps = vec![("outbox-relay".to_owned(), command.render_long_help())];
+        for sub in command.get_subcommands_mut() {
+            helps.push((sub.get_name().to_owned(), sub.render_long_help()));
+        }
+        assert!(helps.len() > 10, "every subcommand");
+        for (name, help) in helps {
+            let help = help.to_string();
+            for line in help.lines() {
+                assert!(
+                    line.chars().count() <= HELP_WIDTH,
+                    "{name} --help has a line of {} columns: {line}",
+                    line.chars().count()
+                );
+            }
+            if name != "help" {
+                for heading in [
+                    "Servers:",
+                    "NATS authentication and TLS:",
+                    "The outbox table:",
+                ] {
+                    assert!(help.contains(heading), "{name} --help: {heading}\n{help}");
+                }
+            }
+        }
+    }
 
     /// deploy/outbox-relay.example.toml is what `config::opt` defines: it cannot drift, and
     /// its defaults, uncommented, are a valid configuration.

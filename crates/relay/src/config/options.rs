@@ -72,7 +72,7 @@ pub mod opt {
     use super::OptionSpec;
     options! {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
-            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full&sslrootcert=ca.crt) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
+            "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
             "NATS server URL(s), comma-separated: nats:// or tls:// (the relay speaks the NATS TCP protocol, not ws://); user:password@ or token@ in a URL authenticates (percent-encoded, a ',' as %2C)");
         // NATS authentication and TLS: the `nats` CLI's flag names (crate::config::nats).
