@@ -288,3 +288,55 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
         "{stderr}"
     );
 }
+
+/// A `DATABASE_URL` that reaches a standby is refused at start (checks PG4, issue 39):
+/// exit status 2, one line naming the fix, and nothing created: no slot on the standby (it
+/// would pin the primary's catalog through `hot_standby_feedback`), none on the primary,
+/// no stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_refused_at_start_and_nothing_is_created() {
+    let (primary, standby, nats) = tokio::task::block_in_place(|| {
+        let primary = Postgres::start();
+        let standby = primary.start_standby(None, vec![]);
+        (primary, standby, testkit::Nats::start())
+    });
+    let case = Case::new(&primary, &nats, "standby_refused");
+    testkit::wait_until("the standby to replay the database", DEADLINE, || {
+        standby
+            .try_psql(
+                "postgres",
+                &format!(
+                    "select count(*) from pg_database where datname = '{}'",
+                    case.database
+                ),
+            )
+            .is_ok_and(|out| out.trim() == "1")
+    });
+    let on_standby = Case {
+        pg_url: standby.url(&case.database),
+        ..case.clone()
+    };
+    let mut relay = on_standby.spawn_relay();
+    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
+    let log = relay.output();
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(
+        log.contains("DATABASE_URL reaches a standby")
+            && log.contains("point DATABASE_URL at the primary"),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("reaches a standby").count(),
+        1,
+        "one line, once: {log}"
+    );
+    for (server, name) in [(&standby, "standby"), (&primary, "primary")] {
+        let slots = server.psql("postgres", "select count(*) from pg_replication_slots");
+        assert_eq!(slots.trim(), "0", "no slot on the {name}");
+    }
+    let js = case.jetstream().await;
+    assert!(
+        js.get_stream(&case.stream).await.is_err(),
+        "no stream was created"
+    );
+}

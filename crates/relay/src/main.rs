@@ -448,6 +448,7 @@ fn process(
     sub_matches: &clap::ArgMatches,
     config: Config,
 ) -> ExitCode {
+    let log_format = config.log_format;
     let result = runtime.block_on(async move {
         match subcommand {
             "init" => outbox_relay::commands::init::run(&config).await.map(|slot| {
@@ -468,8 +469,14 @@ fn process(
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!(error = %e, "outbox-relay stopped");
-            eprintln!("outbox-relay: {}", logging::scrub(&e.to_string()));
+            // One line, once: the plain line a terminal or journal reads, or the JSON record a
+            // log pipeline parses.
+            match log_format {
+                config::LogFormat::Json => error!(error = %e, "outbox-relay stopped"),
+                config::LogFormat::Text => {
+                    eprintln!("outbox-relay: {}", logging::scrub(&e.to_string()))
+                }
+            }
             ExitCode::from(e.exit_code())
         }
     }

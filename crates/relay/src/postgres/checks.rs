@@ -25,6 +25,11 @@
 //!   the walsender decoding work, which the log says). `FOR ALL TABLES` and `FOR TABLES IN
 //!   SCHEMA` cover the table like `FOR TABLE`. The check runs on every session start, so a
 //!   publication changed under a running relay is refused at its next session.
+//! - PG4 The control connection reaches the primary: a server in recovery (a standby) is
+//!   refused before anything is created on it (no publication, no slot pinning the
+//!   primary's catalog through `hot_standby_feedback`): at start a setup error naming the
+//!   fix; in a later session of a running relay, a transient error (a fail-over in
+//!   progress), retried.
 
 use outbox::OutboxColumns;
 use pgoutput::Lsn;
@@ -110,9 +115,31 @@ pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
 /// Every check before the slot, and the publication (created when missing and allowed):
 /// what must hold before a slot is created.
 pub async fn publication(client: &Client, config: &Config) -> Result<KnownRelations> {
+    if in_recovery(client).await? {
+        return Err(setup(standby_refused()));
+    }
     check_wal_level(client).await?;
     check_table(client, config).await?;
     ensure_publication(client, config).await
+}
+
+/// Whether the server is a standby (in recovery): PG4, the relay's control connection
+/// needs the primary.
+pub async fn in_recovery(client: &Client) -> Result<bool> {
+    let row = client
+        .query_one("SELECT pg_catalog.pg_is_in_recovery()", &[])
+        .await
+        .map_err(|e| sql_error("cannot ask whether the server is in recovery", e))?;
+    Ok(row.get(0))
+}
+
+/// Why a standby is refused (PG4), and the fix.
+pub fn standby_refused() -> String {
+    "DATABASE_URL reaches a standby (pg_is_in_recovery() is true): the relay takes its lease, \
+     slot, heartbeat and boundary on the primary, and decoding on a standby is not supported \
+     yet; point DATABASE_URL at the primary (with several hosts, add \
+     target_session_attrs=read-write). Nothing was created on the standby"
+        .to_owned()
 }
 
 async fn check_wal_level(client: &Client) -> Result<()> {
@@ -131,7 +158,6 @@ async fn check_wal_level(client: &Client) -> Result<()> {
     Ok(())
 }
 
-/// Reads the table's columns and checks the ones the relay reads.
 /// Why the outbox table was not found: the name as it was read (CFG5), and the table a
 /// differently cased or quoted name would have named, when one exists.
 async fn missing_table(client: &Client, table: &Table) -> String {
@@ -171,6 +197,7 @@ async fn missing_table(client: &Client, table: &Table) -> String {
     )
 }
 
+/// Reads the table's columns and checks the ones the relay reads.
 pub async fn check_table(client: &Client, config: &Config) -> Result<OutboxColumns> {
     let rows = client
         .query(

@@ -414,6 +414,14 @@ async fn check_postgres(
     jetstream: &jetstream::Context,
 ) -> Result<checks::SlotState> {
     let slot = if *bootstrapped {
+        // PG4: after a fail-over the URL may reach the old primary, now a standby, for a
+        // while: retried, where at start it is refused.
+        if checks::in_recovery(lease.client()).await? {
+            return Err(RelayError::transient(anyhow::anyhow!(
+                "{}; retrying",
+                checks::standby_refused()
+            )));
+        }
         // TI1: the table the process streamed, checked first, so that a table created again
         // is named as such rather than as one the publication does not cover (PG3).
         identity.begin(lease.client(), config).await?;
