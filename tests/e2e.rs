@@ -38,6 +38,7 @@ mod relay;
 mod replay;
 mod retention;
 mod secrets;
+mod stalls;
 mod standby;
 mod trust;
 mod verify;

@@ -14,6 +14,13 @@
 //!   its next publish carries a stale expected sequence and is refused.)
 //! - LS2 The holder may end a walsender that still holds the slot (a dead relay's
 //!   connection not yet noticed by Postgres): whoever that is, it does not hold the lease.
+//! - LS3 Between a failed session and its next attempt a relay does not hold the lease (a
+//!   standby may take over), but says that it is retrying: it holds the slot's *retry
+//!   marker*, a shared advisory lock, on a connection of its own whose last statement is a
+//!   comment with the next attempt's time and the last error, scrubbed of secrets
+//!   ([`RetryMarker`]). `status` reads both ([`retrying`]) and tells a stall from an
+//!   absence. The marker is best-effort: it never delays the next attempt by more than
+//!   [`MARKER_TIMEOUT`], and a relay that cannot reach Postgres cannot leave one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +46,101 @@ macro_rules! lock_key {
     () => {
         "pg_catalog.hashtextextended('outbox-relay/' || $1, 0)"
     };
+}
+
+/// The retry marker's advisory lock key of the slot `$1` (LS3).
+macro_rules! retry_key {
+    () => {
+        "pg_catalog.hashtextextended('outbox-relay-retrying/' || $1, 0)"
+    };
+}
+
+/// How long leaving the retry marker may take (LS3).
+pub const MARKER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The note a retrying relay leaves as its marker session's last statement (LS3).
+const MARKER_NOTE: &str = "outbox-relay retrying: ";
+
+/// The relays retrying the slot `$1`: the sessions holding its retry marker, and their
+/// last statement.
+const RETRYING_SQL: &str = concat!(
+    "SELECT l.pid, a.query, \
+            pg_catalog.to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+       FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ShareLock' \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
+        AND l.classid = ((",
+    retry_key!(),
+    " >> 32) & 4294967295)::oid AND l.objid = (",
+    retry_key!(),
+    " & 4294967295)::oid ORDER BY l.pid"
+);
+
+/// A relay between a failed session and its next attempt, as `status` sees it (LS3).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Retrying {
+    /// The marker session's backend.
+    pub pid: i32,
+    /// `next attempt at …; last error: …`, when this role may read the session's statement.
+    pub note: Option<String>,
+    /// Since when it has been waiting (the marker session's start, UTC).
+    pub since: Option<String>,
+}
+
+/// The relays retrying `slot` (LS3), seen from any session of the slot's database.
+pub async fn retrying(client: &Client, slot: &str) -> Result<Vec<Retrying>> {
+    let rows = client.query(RETRYING_SQL, &[&slot]).await.map_err(|e| {
+        RelayError::transient(anyhow::anyhow!(
+            "cannot read the retrying relays: {}",
+            describe(&e)
+        ))
+    })?;
+    Ok(rows
+        .iter()
+        .map(|row| Retrying {
+            pid: row.get(0),
+            note: row.get::<_, Option<String>>(1).and_then(|query| {
+                let (_, note) = query.split_once(MARKER_NOTE)?;
+                Some(note.trim_end_matches("*/").trim().to_owned())
+            }),
+            since: row.get(2),
+        })
+        .collect())
+}
+
+/// The retry marker a relay holds between a failed session and its next attempt (LS3):
+/// dropping it closes its session, which releases the lock.
+#[derive(Debug)]
+pub struct RetryMarker {
+    _client: Client,
+}
+
+impl RetryMarker {
+    /// Leaves the marker for `slot`: the next attempt at `next_attempt`, after `error`
+    /// (already scrubbed of secrets). `None` when Postgres cannot be reached in
+    /// [`MARKER_TIMEOUT`]: the marker is best-effort.
+    pub async fn leave(config: &Config, next_attempt: &str, error: &str) -> Option<RetryMarker> {
+        let leave = async {
+            let client = replication::connect_sql(&config.database).await.ok()?;
+            let lock = concat!(
+                "SELECT pg_catalog.pg_advisory_lock_shared(",
+                retry_key!(),
+                ")"
+            );
+            client.query_one(lock, &[&config.slot]).await.ok()?;
+            // A comment cannot end early: `*/` in the error is broken up.
+            let error: String = error.replace("*/", "* /").chars().take(700).collect();
+            let note = format!(
+                "SELECT 1 /* {MARKER_NOTE}next attempt at {next_attempt}; last error: {error} */"
+            );
+            client.simple_query(&note).await.ok()?;
+            Some(RetryMarker { _client: client })
+        };
+        tokio::time::timeout(MARKER_TIMEOUT, leave)
+            .await
+            .ok()
+            .flatten()
+    }
 }
 
 /// Takes the lease of the slot `$1` if free.

@@ -125,6 +125,25 @@ pub(super) fn assess_lease(
                     .map_or("<pid>".into(), |pid| pid.to_string())
             ),
         ),
+        (None, _) if !lease.retrying.is_empty() => {
+            for relay in &lease.retrying {
+                say(
+                    Level::Lagging,
+                    format!(
+                        "no relay holds the lease for slot {slot_name}: a relay (pid {}) is \
+                         running and retrying after a failed session{}; {}",
+                        relay.pid,
+                        relay
+                            .since
+                            .as_ref()
+                            .map_or(String::new(), |since| format!(", waiting since {since}")),
+                        relay.note.as_deref().unwrap_or(
+                            "its log says why (this role may not read its session's statement)"
+                        )
+                    ),
+                );
+            }
+        }
         (None, _) => say(
             Level::Lagging,
             format!(

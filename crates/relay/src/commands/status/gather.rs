@@ -126,9 +126,13 @@ pub(super) async fn read_parts(
     if let Some(state) = slot.state.as_mut() {
         state.walsender = state.active_pid.map(backend);
     }
+    let retrying = crate::postgres::lease::retrying(client, &config.slot)
+        .await
+        .map_err(|e| e.to_string())?;
     let lease = LeaseState {
         held: holder.is_some(),
         holder: holder.map(backend),
+        retrying,
     };
     Ok((slot, lease, publication))
 }

@@ -15,7 +15,7 @@
 //! | exit | health | when |
 //! |---|---|---|
 //! | 0 | healthy | nothing below (warnings allowed) |
-//! | 3 | lagging | slot lag above `max_lag_bytes`; `wal_status` `extended` or `unreserved`; no relay holds the lease; the lease holder is not streaming |
+//! | 3 | lagging | slot lag above `max_lag_bytes`; `wal_status` `extended` or `unreserved`; no relay holds the lease (none runs, or one is retrying: lease LS3); the lease holder is not streaming |
 //! | 4 | broken | slot, publication or stream missing; slot `lost`; the start-up checks refuse the publication, table or slot, or the stream's subjects; a `discard: new` stream that is full; the slot read by a program that holds no lease |
 //! | 1 | unknown | Postgres or NATS cannot be reached, or a query fails, and nothing read is broken |
 //! | 2 | | invalid configuration (as for every command) |
@@ -214,6 +214,9 @@ pub struct LeaseState {
     pub held: bool,
     /// That session.
     pub holder: Option<Backend>,
+    /// The relays between a failed session and their next attempt (lease LS3).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub retrying: Vec<crate::postgres::lease::Retrying>,
 }
 
 /// The publication.
@@ -398,6 +401,7 @@ mod tests {
             lease: Some(LeaseState {
                 held: true,
                 holder: Some(relay_backend(4241, 50410)),
+                retrying: Vec::new(),
             }),
             publication: Some(Publication {
                 name: "outbox_relay".into(),
@@ -493,6 +497,7 @@ last event   outbox id 4711, sequence 1234, subject outbox.3.OrderPaid
         status.lease = Some(LeaseState {
             held: false,
             holder: None,
+            retrying: Vec::new(),
         });
         status.findings = vec![
             Finding::new(
@@ -582,12 +587,32 @@ last event   outbox id 4711, sequence 1234, subject outbox.3.OrderPaid
         status.lease = Some(LeaseState {
             held: false,
             holder: None,
+            retrying: Vec::new(),
         });
         status.slot.as_mut().unwrap().state.as_mut().unwrap().active = false;
         let findings = assess(&status, &config);
         assert_eq!(findings.len(), 1, "{findings:?}");
         assert_eq!(findings[0].level, Level::Lagging);
-        assert!(findings[0].message.contains("no relay holds the lease"));
+        assert!(findings[0].message.contains("no relay is running"));
+        // A relay between two attempts: running and retrying, with its last error (LS3).
+        status.lease.as_mut().unwrap().retrying = vec![crate::postgres::lease::Retrying {
+            pid: 4243,
+            note: Some("next attempt at 2026-12-05T22:00:05Z; last error: stream full".into()),
+            since: Some("2026-12-05T22:00:00Z".into()),
+        }];
+        let findings = assess(&status, &config);
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert_eq!(findings[0].level, Level::Lagging);
+        let message = &findings[0].message;
+        assert!(
+            message.contains("a relay (pid 4243) is running and retrying after a failed session")
+                && message
+                    .contains("next attempt at 2026-12-05T22:00:05Z; last error: stream full")
+                && !message.contains("no relay is running"),
+            "{message}"
+        );
+        assert!(render(&status).contains("held by no relay; retrying: pid 4243"));
+        status.lease.as_mut().unwrap().retrying.clear();
         // Someone reads the slot without the lease: broken.
         status.slot.as_mut().unwrap().state.as_mut().unwrap().active = true;
         let findings = assess(&status, &config);

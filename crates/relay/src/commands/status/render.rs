@@ -28,6 +28,14 @@ pub fn render(status: &Status) -> String {
         "lease",
         match &status.lease {
             None => "unknown".into(),
+            Some(LeaseState {
+                holder: None,
+                retrying,
+                ..
+            }) if !retrying.is_empty() => {
+                let pids: Vec<String> = retrying.iter().map(|r| format!("pid {}", r.pid)).collect();
+                format!("held by no relay; retrying: {}", pids.join(", "))
+            }
             Some(LeaseState { holder: None, .. }) => "held by no relay".into(),
             Some(LeaseState {
                 holder: Some(holder),

@@ -72,7 +72,7 @@ use crate::connect::{connect_nats, jetstream_context, max_message_bytes, sink_op
 use crate::error::{RelayError, Result, Target};
 use crate::observe::metrics::{Event, Metrics, Phase};
 use crate::postgres::checks;
-use crate::postgres::lease::Lease;
+use crate::postgres::lease::{Lease, RetryMarker};
 use crate::process::heartbeat;
 use crate::process::identity;
 use crate::process::monitor;
@@ -163,16 +163,37 @@ async fn sessions(
         if metrics.sink().acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
             backoff.reset();
         }
-        let delay = backoff.next_delay();
-        metrics.set_phase(Phase::Reconnecting);
-        metrics.record(Event::SessionFailed {
-            error: &error,
-            retry_in: delay,
-        });
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.cancelled() => return Ok(()),
+        if !between_sessions(config, shutdown, metrics, &error, backoff.next_delay()).await {
+            return Ok(());
         }
+    }
+}
+
+/// The wait after a failed session: the failure recorded, this relay seen retrying by
+/// `status` (lease LS3), then `delay`. `false` when `shutdown` fired meanwhile.
+async fn between_sessions(
+    config: &Config,
+    shutdown: &CancellationToken,
+    metrics: &Metrics,
+    error: &RelayError,
+    delay: Duration,
+) -> bool {
+    metrics.set_phase(Phase::Reconnecting);
+    metrics.record(Event::SessionFailed {
+        error,
+        retry_in: delay,
+    });
+    let attempt_at = tokio::time::Instant::now() + delay;
+    let next_attempt =
+        humantime::format_rfc3339_seconds(std::time::SystemTime::now() + delay).to_string();
+    let error_text = crate::observe::logging::scrub(&error.to_string()).into_owned();
+    let _marker = tokio::select! {
+        marker = RetryMarker::leave(config, &next_attempt, &error_text) => marker,
+        _ = shutdown.cancelled() => return false,
+    };
+    tokio::select! {
+        _ = tokio::time::sleep_until(attempt_at) => true,
+        _ = shutdown.cancelled() => false,
     }
 }
 
