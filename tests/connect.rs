@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::{
-    assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it,
+    assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, eventually,
     insert_transaction, relay_one_row_as_superuser, servers, Case, DEADLINE,
 };
 use testkit::{PgAuth, PgOptions, Postgres, Process};
@@ -338,5 +338,79 @@ async fn a_standby_is_refused_at_start_and_nothing_is_created() {
     assert!(
         js.get_stream(&case.stream).await.is_err(),
         "no stream was created"
+    );
+}
+
+/// A slot invalidated while the relay was down (`max_slot_wal_keep_size` passed): the relay
+/// stops (exit 1) with one line carrying Postgres's words and the runbook's fix (issue 39;
+/// docs/operations.md, "The slot is invalidated"), and creates no slot in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_stops_the_relay_naming_the_runbooks_fix() {
+    let (pg, nats) = tokio::task::block_in_place(|| {
+        let pg = Postgres::start_with(PgOptions {
+            settings: vec![
+                ("max_slot_wal_keep_size".into(), "1MB".into()),
+                ("max_wal_size".into(), "32MB".into()),
+                ("min_wal_size".into(), "32MB".into()),
+            ],
+            ..PgOptions::default()
+        });
+        (pg, testkit::Nats::start())
+    });
+    let case = Case::new(&pg, &nats, "invalidated");
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let js = case.jetstream().await;
+    let mut sql = case.sql().await;
+    let ids = insert_transaction(&mut sql, 5, 1, "before").await;
+    case.wait_confirmed(&js, &sql, ids.len() as u64).await;
+    drop(relay);
+    // WAL the stopped slot cannot keep: past max_slot_wal_keep_size, a checkpoint drops it.
+    sql.batch_execute("create table filler (n int, pad text)")
+        .await
+        .unwrap();
+    eventually("the slot to be invalidated", DEADLINE, || async {
+        sql.batch_execute(
+            "insert into filler select n, repeat('x', 200) from generate_series(1, 50000) n; \
+             select pg_switch_wal(); checkpoint",
+        )
+        .await
+        .unwrap();
+        let row = sql
+            .query_one(
+                "select wal_status from pg_replication_slots where slot_name = $1",
+                &[&case.slot],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, Option<String>>(0).as_deref() == Some("lost")).then_some(())
+    })
+    .await;
+    let mut relay = case.spawn_relay();
+    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
+    let log = relay.output();
+    assert_eq!(status.code(), Some(1), "{log}");
+    let line = log
+        .lines()
+        .find_map(|line| line.strip_prefix("outbox-relay: "))
+        .unwrap_or_else(|| panic!("no error line:\n{log}"));
+    for said in [
+        "cannot read from logical replication slot",
+        "SQLSTATE 55000",
+        "the slot was invalidated",
+        "docs/operations.md, \"The slot is invalidated\"",
+    ] {
+        assert!(line.contains(said), "{said:?} in: {line}");
+    }
+    let slots = pg.psql(
+        "postgres",
+        &format!(
+            "select count(*) from pg_replication_slots where slot_name = '{}'",
+            case.slot
+        ),
+    );
+    assert_eq!(
+        slots.trim(),
+        "1",
+        "the lost slot stays, none made in its place"
     );
 }

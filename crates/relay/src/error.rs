@@ -99,8 +99,19 @@ impl RelayError {
 }
 
 impl fmt::Display for RelayError {
+    /// The error and its causes, `: `-separated, each said once: a cause whose text the
+    /// line already holds (an error that prints its source and also returns it as its
+    /// `source()`) is not repeated.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#}", self.error)
+        let mut line = self.error.to_string();
+        for cause in self.error.chain().skip(1) {
+            let cause = cause.to_string();
+            if !line.contains(&cause) {
+                line.push_str(": ");
+                line.push_str(&cause);
+            }
+        }
+        f.write_str(&line)
     }
 }
 
@@ -176,5 +187,27 @@ impl std::error::Error for RelayError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         // Display already prints the whole chain; expose the cause for callers that walk it.
         self.error.source()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("could not connect to h:1: {source}")]
+    struct Connect {
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let refused = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = RelayError::transient(Connect { source: refused() });
+        assert_eq!(error.to_string(), "could not connect to h:1: refused");
+        let error =
+            RelayError::transient(anyhow::Error::new(refused()).context("reading the slot"));
+        assert_eq!(error.to_string(), "reading the slot: refused");
     }
 }

@@ -397,6 +397,15 @@ fn advice(code: &str, message: &str, user: Option<&str>) -> Option<String> {
             "create the publication first: CREATE PUBLICATION <name> FOR TABLE <outbox table>"
                 .to_owned()
         }
+        "55000"
+            if message.contains("cannot read from logical replication slot")
+                || message.contains("can no longer get changes from replication slot") =>
+        {
+            "the slot was invalidated (wal_status = lost): the WAL it needed is gone, so events \
+             committed in it cannot be decoded; the relay does not recreate the slot by itself \
+             (a new one would skip them): follow docs/operations.md, \"The slot is invalidated\""
+                .to_owned()
+        }
         "55000" if message.contains("wal_level") => {
             "set wal_level = logical in postgresql.conf and restart the server".to_owned()
         }
@@ -520,6 +529,19 @@ mod tests {
             Some("the role needs the REPLICATION attribute: ALTER ROLE relay REPLICATION")
         );
 
+        for invalidated in [
+            "cannot read from logical replication slot \"outbox_relay\"",
+            "can no longer get changes from replication slot \"outbox_relay\"",
+        ] {
+            let error = db("55000", invalidated);
+            assert!(!error.is_transient(), "{invalidated}");
+            assert!(
+                error
+                    .advice()
+                    .is_some_and(|a| a.contains("The slot is invalidated")),
+                "{invalidated}"
+            );
+        }
         let wal_level = db("55000", "logical decoding requires wal_level >= logical");
         assert!(wal_level
             .advice()

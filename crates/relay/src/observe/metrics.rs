@@ -161,6 +161,9 @@ pub enum Event<'a> {
         error: &'a RelayError,
         /// The backoff.
         retry_in: Duration,
+        /// Whether a session of this process set the slot up: the next one resumes from its
+        /// confirmed position; before, it starts over (the slot may not exist yet).
+        set_up: bool,
     },
 }
 
@@ -361,7 +364,11 @@ impl Metrics {
                     "the oldest event this session may replay committed longer ago than the stream's duplicate window: events published before the restart but not yet confirmed may be stored twice (strict mode does not have this limit)"
                 );
             }
-            Event::SessionFailed { error, retry_in } => {
+            Event::SessionFailed {
+                error,
+                retry_in,
+                set_up,
+            } => {
                 let target = match error.target {
                     Target::Postgres => "postgres",
                     Target::Nats => "nats",
@@ -377,8 +384,13 @@ impl Metrics {
                         "re-syncing from the stream's tail: strict mode's fence refused a publish"
                     );
                 }
-                warn!(error = %error, retry_in = ?retry_in, target, metric = RECONNECTS_NAME,
-                    "relay session ended; resuming from the slot's confirmed position");
+                if set_up {
+                    warn!(error = %error, retry_in = ?retry_in, target, metric = RECONNECTS_NAME,
+                        "relay session ended; resuming from the slot's confirmed position");
+                } else {
+                    warn!(error = %error, retry_in = ?retry_in, target, metric = RECONNECTS_NAME,
+                        "relay session ended before it was set up; starting over");
+                }
             }
         }
     }
@@ -817,6 +829,7 @@ mod tests {
         metrics.record(Event::SessionFailed {
             error: &error,
             retry_in: Duration::from_millis(1),
+            set_up: true,
         });
         let text = metrics.render();
         if std::env::var_os("SHOW_METRICS").is_some() {

@@ -111,7 +111,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<()> {
     };
     let result = sessions(&config, &shutdown, &metrics).await;
     if result.is_ok() {
-        info!(confirmed_flush_lsn = %metrics.confirmed(), "stopped; the slot's confirmed position is the last one this relay sent");
+        if metrics.confirmed() == Lsn(0) {
+            info!("stopped; this relay confirmed no position");
+        } else {
+            info!(confirmed_flush_lsn = %metrics.confirmed(), "stopped; the slot's confirmed position is the last one this relay sent");
+        }
     }
     result
 }
@@ -163,25 +167,29 @@ async fn sessions(
         if metrics.sink().acked() != acked_before || started.elapsed() > Duration::from_secs(30) {
             backoff.reset();
         }
-        if !between_sessions(config, shutdown, metrics, &error, backoff.next_delay()).await {
+        let delay = backoff.next_delay();
+        if !between_sessions(config, shutdown, metrics, &error, delay, bootstrapped).await {
             return Ok(());
         }
     }
 }
 
-/// The wait after a failed session: the failure recorded, this relay seen retrying by
-/// `status` (lease LS3), then `delay`. `false` when `shutdown` fired meanwhile.
+/// The wait after a failed session: the failure recorded (`set_up`: whether a session of
+/// this process set the slot up), this relay seen retrying by `status` (lease LS3), then
+/// `delay`. `false` when `shutdown` fired meanwhile.
 async fn between_sessions(
     config: &Config,
     shutdown: &CancellationToken,
     metrics: &Metrics,
     error: &RelayError,
     delay: Duration,
+    set_up: bool,
 ) -> bool {
     metrics.set_phase(Phase::Reconnecting);
     metrics.record(Event::SessionFailed {
         error,
         retry_in: delay,
+        set_up,
     });
     let attempt_at = tokio::time::Instant::now() + delay;
     let next_attempt =
