@@ -73,8 +73,9 @@ pub use connection::{
     ReplicationConnection,
 };
 pub use conninfo::{
-    AuthMethod, ChannelBinding, ConnInfo, LoadBalanceHosts, ParseSslModeError, RequireAuth,
-    RootCerts, Secret, Source, SslMode, TargetSessionAttrs, DEFAULT_CONNECT_TIMEOUT,
+    conninfo_pairs, quote_conninfo_value, AuthMethod, ChannelBinding, ConnInfo, LoadBalanceHosts,
+    ParseSslModeError, RequireAuth, RootCerts, Secret, Source, SslMode, TargetSessionAttrs,
+    DEFAULT_CONNECT_TIMEOUT,
 };
 pub use error::{sqlstate_is_transient, DbError, Error};
 pub use pgoutput::{Lsn, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData};

@@ -39,6 +39,9 @@
 //!   secret ([`Config::warnings`]): secrets on the command line, secret files group or
 //!   others can read (libpq's rule), secrets too weak for the log scrubber, credentials
 //!   that would travel without verified TLS.
+//! - CFG6 `outbox-relay config` prints a file `--config` loads back to the same settings,
+//!   secrets left out: a URL without its password or credentials, a secret option as a
+//!   comment naming where to give it; never `<redacted>` placeholders that fail to load.
 //! - CFG5 The outbox table's name is read as PostgreSQL reads a qualified name: a part in
 //!   double quotes exactly as written (case, dots, spaces; `""` for `"`), an unquoted part
 //!   folded to lower case; what SQL would refuse is refused, naming the fix, never guessed.
@@ -357,9 +360,11 @@ impl Config {
 pub fn effective(raw: &RawConfig, config: &Config) -> String {
     let mut lines = vec![
         "# outbox-relay: the effective configuration, and where each value came from".to_owned(),
-        "# (precedence: flag > environment > config file > the nats CLI's NATS_* variables > default;"
+        "# (precedence: flag > environment > config file > the nats CLI's NATS_* variables > default)."
             .to_owned(),
-        "# secrets are <redacted>)"
+        "# Loadable as a config file (--config). Secrets are never written (CFG6): a URL is shown"
+            .to_owned(),
+        "# without its password or credentials, and each comment says where to give them."
             .to_owned(),
     ];
     let quote = |value: &str| toml::Value::String(value.to_owned()).to_string();
@@ -371,8 +376,20 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
     let mut rows = Vec::new();
     for spec in opt::ALL {
         match raw.values.get(spec.key) {
+            Some((value, origin)) if key_is_secret(spec.key) => {
+                let (loadable, left_out) = loadable_secret(spec, value);
+                let origin = origin_of(spec, origin);
+                let source = match left_out {
+                    Some(left_out) => format!("{origin}; {left_out}"),
+                    None => origin,
+                };
+                rows.push(match loadable {
+                    Some(loadable) => (format!("{} = {}", spec.key, quote(&loadable)), source),
+                    None => (format!("# {} is set ({source})", spec.key), String::new()),
+                });
+            }
             Some((value, origin)) => rows.push((
-                format!("{} = {}", spec.key, quote(&shown_value(spec.key, value))),
+                format!("{} = {}", spec.key, quote(value)),
                 origin_of(spec, origin),
             )),
             None if spec.key == opt::DATABASE_URL.key => rows.push((
@@ -402,6 +419,92 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
     lines.extend(aligned(rows));
     lines.push(String::new());
     lines.join("\n")
+}
+
+/// A secret-bearing option's value as a loadable file may hold it (CFG6): a URL without its
+/// password or credentials, nothing for an option that is a secret as a whole; and what was
+/// left out, with where to give it when the file is loaded.
+fn loadable_secret(spec: &OptionSpec, value: &str) -> (Option<String>, Option<String>) {
+    let left_out = |what: &str| {
+        Some(format!("{what} not written: {}", match spec.key {
+        "database_url" => "give it as PGPASSWORD or in the password file (~/.pgpass)",
+        "nats_url" => "give them as OUTBOX_RELAY_NATS_USER and OUTBOX_RELAY_NATS_PASSWORD, or OUTBOX_RELAY_NATS_TOKEN",
+        _ => "keep it in its environment variable",
+    }))
+    };
+    match spec.key {
+        "database_url" => match without_password(value) {
+            Some(url) if url != value => (Some(url), left_out("the password")),
+            Some(url) => (Some(url), None),
+            None => (None, left_out("the URL")),
+        },
+        "nats_url" if comma_in_credentials(value).is_none() => {
+            let mut credentials = false;
+            let urls: Vec<String> = value
+                .split(',')
+                .map(|entry| match split_nats_url(entry) {
+                    (scheme, Some(_), rest) => {
+                        credentials = true;
+                        format!("{scheme}{rest}")
+                    }
+                    _ => entry.to_owned(),
+                })
+                .collect();
+            (
+                Some(urls.join(",")),
+                credentials.then(|| left_out("the credentials")).flatten(),
+            )
+        }
+        _ => (None, Some(format!("not written: keep it in {}", spec.env))),
+    }
+}
+
+/// A libpq connection string without its password: the URL's `user:password@` and
+/// `password=` parameter, or the `password = …` pair of the key=value form. `None` when it
+/// cannot be taken apart safely.
+fn without_password(conninfo: &str) -> Option<String> {
+    let trimmed = conninfo.trim();
+    if let Some(rest) = ["postgresql://", "postgres://"]
+        .iter()
+        .find_map(|scheme| trimmed.strip_prefix(scheme).map(|rest| (*scheme, rest)))
+    {
+        let (scheme, rest) = rest;
+        // As libpq reads it: user information is what comes before an '@' that precedes
+        // any '/' (a '?' in an unencoded password does not end it).
+        let (user, rest) = match rest.find(['@', '/']) {
+            Some(at) if rest[at..].starts_with('@') => {
+                let userinfo = &rest[..at];
+                let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+                (format!("{user}@"), &rest[at + 1..])
+            }
+            _ => (String::new(), rest),
+        };
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (hosts, tail) = rest.split_at(authority_end);
+        let authority = format!("{user}{hosts}");
+        let tail = match tail.split_once('?') {
+            Some((path, query)) => {
+                let kept: Vec<&str> = query
+                    .split('&')
+                    .filter(|pair| !pair.starts_with("password="))
+                    .collect();
+                if kept.is_empty() {
+                    path.to_owned()
+                } else {
+                    format!("{path}?{}", kept.join("&"))
+                }
+            }
+            None => tail.to_owned(),
+        };
+        return Some(format!("{scheme}{authority}{tail}"));
+    }
+    let pairs = replication::conninfo_pairs(trimmed).ok()?;
+    let kept: Vec<String> = pairs
+        .iter()
+        .filter(|(key, _)| key != "password")
+        .map(|(key, value)| format!("{key}={}", replication::quote_conninfo_value(value)))
+        .collect();
+    Some(kept.join(" "))
 }
 
 /// Each `(line, source)` as the line with its source as a comment, the comments aligned
@@ -1157,9 +1260,10 @@ pub(crate) mod tests {
             "# flag --partitions",
             "stream = \"FROM_FILE\"",
             "# config file ",
-            "database_url = \"<redacted>\"",
-            "# environment variable DATABASE_URL",
-            "nats_url = \"nats://<redacted>@nats:4222\"",
+            "database_url = \"postgres://relay@db:5432/app?sslmode=require\"",
+            "# environment variable DATABASE_URL; the password not written: give it as PGPASSWORD",
+            "nats_url = \"nats://nats:4222\"",
+            "the credentials not written: give them as OUTBOX_RELAY_NATS_USER",
             "slot = \"outbox_relay\"",
             "# default",
             "# password = \"<redacted>\"",
@@ -1170,6 +1274,67 @@ pub(crate) mod tests {
         ] {
             assert!(text.contains(expected), "{expected:?} missing from\n{text}");
         }
+    }
+
+    /// CFG6: what `config` prints loads back (`--config`) to the same settings, the secrets
+    /// given where its comments say; no secret and no placeholder in it.
+    #[test]
+    fn the_effective_configuration_loads_back_without_its_secrets() {
+        for database_url in [
+            "postgres://relay:hunter2@db:5432/app?sslmode=require&password=hunter2&connect_timeout=7",
+            "host=db port=5432 user=relay password='hunter2' dbname=app sslmode=require connect_timeout=7",
+        ] {
+            let raw = load_raw(
+                &[("partitions", "5")],
+                &[
+                    ("DATABASE_URL", database_url),
+                    ("NATS_URL", "nats://u:hunter2@nats:4222,nats://u:hunter2@nats2:4222"),
+                    ("OUTBOX_RELAY_TABLE", "\"Billing\".\"Outbox Events\""),
+                ],
+                Some("stream = \"FROM_FILE\"\n"),
+            )
+            .unwrap();
+            let config = Config::from_sources(&raw).unwrap();
+            let text = effective(&raw, &config);
+            assert!(!text.contains("hunter2"), "{text}");
+            assert!(
+                text.lines()
+                    .all(|line| line.starts_with('#') || !line.contains("redacted")),
+                "no placeholder outside a comment: {text}"
+            );
+            let secrets = [
+                ("PGPASSWORD", "hunter2"),
+                ("OUTBOX_RELAY_NATS_USER", "u"),
+                ("OUTBOX_RELAY_NATS_PASSWORD", "hunter2"),
+            ];
+            let loaded = load(&[], &secrets, Some(&text)).unwrap();
+            assert_eq!(loaded.database.redacted(), config.database.redacted());
+            assert_eq!(
+                loaded.database.password().map(|p| p.expose().to_owned()),
+                Some("hunter2".to_owned())
+            );
+            assert_eq!(loaded.database.connect_timeout(), config.database.connect_timeout());
+            assert_eq!(loaded.nats.user(), Some("u"));
+            assert_eq!(loaded.partitions, config.partitions);
+            assert_eq!(loaded.stream, "FROM_FILE");
+            assert_eq!(loaded.table.sql(), config.table.sql());
+        }
+        assert_eq!(
+            without_password("postgresql://relay:p%40ss@h1:5432,h2:5433/app").as_deref(),
+            Some("postgresql://relay@h1:5432,h2:5433/app")
+        );
+        assert_eq!(
+            without_password("postgres://u:Pg?pw=s3cret@h:5432/app?sslmode=disable").as_deref(),
+            Some("postgres://u@h:5432/app?sslmode=disable")
+        );
+        assert_eq!(
+            without_password("postgres://h/app?password=x").as_deref(),
+            Some("postgres://h/app")
+        );
+        assert_eq!(
+            without_password("host=h application_name='my app'").as_deref(),
+            Some("host=h application_name='my app'")
+        );
     }
 
     #[test]

@@ -291,6 +291,28 @@ pub fn percent_encode(text: &str) -> String {
     out
 }
 
+/// The `key`/`value` pairs of a libpq key=value connection string, in order (for a tool
+/// that rewrites one, e.g. without its password). Errors never quote a value.
+pub fn conninfo_pairs(text: &str) -> Result<Vec<(String, String)>, Error> {
+    Ok(parse_key_values(text)?
+        .into_iter()
+        .map(|pair| (pair.key, pair.value))
+        .collect())
+}
+
+/// `value` as libpq's key=value notation writes it: bare when it has no white space, quote
+/// or backslash (and is not empty), else in single quotes with `\'` and `\\`.
+pub fn quote_conninfo_value(value: &str) -> String {
+    if !value.is_empty()
+        && !value
+            .chars()
+            .any(|c| c.is_whitespace() || c == '\'' || c == '\\')
+    {
+        return value.to_owned();
+    }
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
 /// libpq's key=value notation. Errors never quote a value (it might be the password).
 pub(super) fn parse_key_values(text: &str) -> Result<Vec<Pair>, Error> {
     let mut pairs: Vec<Pair> = Vec::new();
