@@ -31,9 +31,10 @@ pub mod writers;
 
 pub use case::{
     assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, built_relay,
-    eventually, jetstream_at, jetstream_with_timeout, relay_bin, relay_command,
-    relay_one_row_as_superuser, servers, sql_connect, sql_connect_retrying, target_profile_dir,
-    wal_lsn, Case, Servers, DEADLINE, SCHEMA_SQL, TRIGGER_SQL,
+    eventually, exits_with, jetstream_at, jetstream_with_timeout, new_case, relay_bin,
+    relay_command, relay_one_row_as_superuser, servers, sql_connect, sql_connect_retrying,
+    succeeds, target_profile_dir, wal_lsn, Case, Relayed, Servers, DEADLINE, SCHEMA_SQL,
+    TRIGGER_SQL,
 };
 pub use faithful::{check_faithful, check_stream, Findings, Sample, Sampler};
 pub use logs::{
@@ -41,10 +42,10 @@ pub use logs::{
     SESSION_ENDED, STREAMING,
 };
 pub use relay::Relay;
-pub use stream::{read_stream, stream_tail, update_stream_setting, Stored};
+pub use stream::{publish_acked, read_stream, stream_tail, update_stream_setting, Stored};
 pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
 pub use writers::{
     assert_matches_row, attempt, insert_transaction, replay_ahead_then_relay, rows, rows_by_id,
-    write_transaction, Attempt, Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers,
-    MIXED_SIZES, ROLLBACK_EVERY, ROW_COLUMNS,
+    sql_column, sql_value, write_transaction, Attempt, Ledger, Outcome, Plan, Row, TxRecord,
+    WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY, ROW_COLUMNS,
 };

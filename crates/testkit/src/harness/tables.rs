@@ -89,6 +89,30 @@ pub struct CommandRun {
     pub stderr: String,
 }
 
+impl CommandRun {
+    /// Asserts that the run exited with status `code` (what it printed is the failure's
+    /// message); returns it.
+    pub fn assert_code(&self, code: i32) -> &CommandRun {
+        assert_eq!(self.code, code, "{}\n{}", self.stdout, self.stderr);
+        self
+    }
+
+    /// The one line of its stdout that starts with `prefix` (asserted to be one).
+    pub fn only_line(&self, prefix: &str) -> &str {
+        let lines = self.lines(prefix);
+        assert_eq!(lines.len(), 1, "{}", self.stdout);
+        lines[0]
+    }
+
+    /// The lines of its stdout that start with `prefix`.
+    pub fn lines(&self, prefix: &str) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .collect()
+    }
+}
+
 /// The number a summary line puts right before `what` (`3 stored again`, ...).
 pub fn counted(stdout: &str, what: &str) -> u64 {
     let at = stdout

@@ -621,3 +621,29 @@ async fn write_until(
         }
     }
 }
+
+/// The first column of the one row `query` returns.
+pub async fn sql_value<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    sql: &impl tokio_postgres::GenericClient,
+    query: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> T {
+    sql.query_one(query, params)
+        .await
+        .unwrap_or_else(|e| panic!("{query}: {e}"))
+        .get(0)
+}
+
+/// The first column of every row `query` returns, in its order.
+pub async fn sql_column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    sql: &impl tokio_postgres::GenericClient,
+    query: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<T> {
+    sql.query(query, params)
+        .await
+        .unwrap_or_else(|e| panic!("{query}: {e}"))
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
