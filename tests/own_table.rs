@@ -9,6 +9,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::num::NonZeroU64;
 
 use support::{
@@ -53,7 +55,7 @@ where
     );
     // verify reads the table through the same mapping: after the kills, nothing to report.
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify
             .stdout
@@ -196,11 +198,7 @@ async fn a_debezium_table_emptied_by_remove_after_insert_arrives_once_in_order()
     let sql = case.sql().await;
     let (messages, _) = case.wait_confirmed(&js, &sql, 300).await;
     output.push_str(&relay.output());
-    let left: i64 = sql
-        .query_one("SELECT count(*) FROM outboxevent", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let left: i64 = sql_value(&sql, "SELECT count(*) FROM outboxevent", &[]).await;
     assert_eq!(left, 0, "the table stays empty");
     let stored: Vec<&str> = messages.iter().map(|m| m.header("Outbox-Id")).collect();
     assert_eq!(stored, ids, "every row once, in commit order");
