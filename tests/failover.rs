@@ -19,6 +19,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use replication::{ConnInfo, ReplicationConnection, TargetSessionAttrs};
 use std::time::{Duration, Instant};
 
@@ -60,11 +62,7 @@ fn wait_for_database(standby: &Postgres, database: &str) {
 async fn landed_on(url: &str) -> Result<(u16, u16), replication::Error> {
     let info: ConnInfo = url.parse()?;
     let sql = replication::connect_sql(&info).await?;
-    let sql_port: i32 = sql
-        .query_one("select inet_server_port()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let sql_port: i32 = sql_value(&sql, "select inet_server_port()", &[]).await;
     let mut replication = ReplicationConnection::connect(&info).await?;
     let rows = replication.simple_query("SHOW port").await?;
     let replication_port: u16 = rows[0][0].as_deref().unwrap().parse().unwrap();
@@ -204,12 +202,7 @@ fn failover_case(
     if failover_slots {
         case.extra_env
             .push(setting("OUTBOX_RELAY_FAILOVER_SLOT", "true"));
-        let init = case.relay_command("init").output().unwrap();
-        assert!(
-            init.status.success(),
-            "{}",
-            String::from_utf8_lossy(&init.stderr)
-        );
+        case.init();
     }
     let standby = start_standby(primary, failover_slots);
     wait_for_database(&standby, &case.database);

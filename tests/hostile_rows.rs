@@ -14,10 +14,12 @@
 
 use crate::support;
 
+use support::new_case;
+
 use std::collections::HashMap;
 
 use async_nats::jetstream;
-use support::{assert_matches_row, eventually, rows, servers, Case, Stored, DEADLINE};
+use support::{assert_matches_row, eventually, rows, Case, Stored, DEADLINE};
 use testkit::Process;
 
 fn ids(messages: &[Stored]) -> Vec<i64> {
@@ -100,8 +102,7 @@ fn decoded(message: &Stored, name: &str) -> String {
 /// `dead-letter`, a record takes its place and the events after it flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "control_line");
+    let mut case = new_case("control_line");
     let js = case.jetstream().await;
     let mut relay = start_relay(&case);
     let mut sql = case.sql().await;
@@ -151,8 +152,7 @@ async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
         "the slot confirmed {confirmed}, past the long row's transaction (commit {tx_commit})"
     );
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let relay = start_relay(&case);
     let mut all = before.clone();
     all.extend(&tx_ids);
@@ -211,8 +211,7 @@ async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
 async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
     const ROWS: usize = 200;
     const FENCE_ROUNDS: usize = 5;
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "header_names");
+    let case = new_case("header_names");
     let js = case.jetstream().await;
     let mut relay = start_relay(&case);
     let mut sql = case.sql().await;
@@ -331,19 +330,17 @@ async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_dead_letter_record_is_cut_to_fit() {
     const MAX_MESSAGE_SIZE: i32 = 4096;
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "dlq_cut");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    let mut case = new_case("dlq_cut");
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        max_message_size: MAX_MESSAGE_SIZE,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(
+        &js,
+        jetstream::stream::Config {
+            max_message_size: MAX_MESSAGE_SIZE,
+            ..Default::default()
+        },
+    )
+    .await;
     let relay = start_relay(&case);
     let mut sql = case.sql().await;
     let before = insert_ordinary(&mut sql, 2, "before").await;
@@ -396,8 +393,7 @@ async fn oversized_dead_letter_record_is_cut_to_fit() {
 /// restarted under `dead-letter`, a record takes the row's place and later rows flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "restart_identity");
+    let mut case = new_case("restart_identity");
     let js = case.jetstream().await;
     let mut relay = start_relay(&case);
     let mut sql = case.sql().await;
@@ -434,8 +430,7 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
         "nothing after the reused id was stored"
     );
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let relay = start_relay(&case);
     case.wait_for_count(&js, 5, DEADLINE).await;
     wait_confirmed_past_the_tail(&case, &js, &sql).await;
@@ -462,8 +457,7 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
 
     // Shared mode cannot stop for it (other writers' duplicates are legitimate there), but
     // it counts and warns: the reused id is never dropped without a word.
-    case.extra_env
-        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
     let relay = start_relay(&case);
     sql.batch_execute("truncate outbox_events restart identity")
         .await
