@@ -8,6 +8,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -207,17 +209,18 @@ async fn secrets_never_reach_any_output() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{output:?}");
     assert_no_secret("outbox-relay config", &stdout);
-    for expected in [
-        "database_url = \"<redacted>\"",
-        "# environment variable DATABASE_URL",
-        "nats_url = \"<redacted>@127.0.0.1:",
-        "# password = \"<redacted>\"",
-        "# database_url (environment variable DATABASE_URL)",
-        &format!("# dbname = \"{}\"", case.database),
-        "# default",
-    ] {
-        assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
-    }
+    assert_contains_all(
+        &stdout,
+        [
+            "database_url = \"<redacted>\"",
+            "# environment variable DATABASE_URL",
+            "nats_url = \"<redacted>@127.0.0.1:",
+            "# password = \"<redacted>\"",
+            "# database_url (environment variable DATABASE_URL)",
+            &format!("# dbname = \"{}\"", case.database),
+            "# default",
+        ],
+    );
 }
 
 /// Part 2 of issue 8: without DATABASE_URL, the `PG*` variables configure both connections
@@ -257,15 +260,16 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
     let output = command("config").output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{output:?}");
-    for expected in [
-        "# database_url is not set",
-        "# environment variable PGHOST",
-        &format!("# password file {}", passfile.display()),
-        "# sslmode = \"verify-full\"",
-        "# sslrootcert = \"system\"",
-    ] {
-        assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
-    }
+    assert_contains_all(
+        &stdout,
+        [
+            "# database_url is not set",
+            "# environment variable PGHOST",
+            &format!("# password file {}", passfile.display()),
+            "# sslmode = \"verify-full\"",
+            "# sslrootcert = \"system\"",
+        ],
+    );
     assert_no_secret("outbox-relay config", &stdout);
 
     let relay = Process::spawn("relay-libpq-env", command("run"));

@@ -11,6 +11,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use support::{exits_with, servers, succeeds, Case};
 use testkit::{installed_bin_dir, server_major, PgOptions, Postgres};
 
@@ -57,16 +59,14 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
     };
     let case = Case::new(pg, &s.nats, "failover15");
     let stderr = exits_with(&mut init_with_failover(&case), 2);
-    for needle in [
-        "--failover-slot needs Postgres 17",
-        "synchronized_standby_slots",
-        "sync_replication_slots",
-    ] {
-        assert!(
-            stderr.contains(needle),
-            "{needle:?} missing from:\n{stderr}"
-        );
-    }
+    assert_contains_all(
+        &stderr,
+        [
+            "--failover-slot needs Postgres 17",
+            "synchronized_standby_slots",
+            "sync_replication_slots",
+        ],
+    );
     // PG1: nothing created.
     let slots = slot_column(pg, &case, "count(*)");
     assert_eq!(
@@ -102,12 +102,13 @@ fn failover_slot_on_postgres_17_or_newer_creates_the_slot_with_failover_and_warn
     let log = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "init failed:\n{log}");
-    for needle in [
-        "the existing slot is not a fail-over slot",
-        "(FAILOVER true)",
-    ] {
-        assert!(log.contains(needle), "{needle:?} missing from:\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            "the existing slot is not a fail-over slot",
+            "(FAILOVER true)",
+        ],
+    );
     // The fix it names works.
     succeeds(
         std::process::Command::new(pg.bin_dir().join("psql"))

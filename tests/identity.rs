@@ -13,6 +13,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use support::new_case;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -120,6 +122,12 @@ async fn stream_ids(case: &Case) -> BTreeMap<i64, usize> {
     seen
 }
 
+/// Asserts that the stream holds each of `relayed` once, and nothing else (`what` says why).
+async fn assert_stream_holds_once(case: &Case, relayed: &[i64], what: &str) {
+    let expected: BTreeMap<i64, usize> = relayed.iter().map(|id| (*id, 1)).collect();
+    assert_eq!(stream_ids(case).await, expected, "{what}");
+}
+
 /// `outbox-relay verify`'s exit status, and what it printed.
 fn verify(case: &Case) -> (Option<i32>, String) {
     let output = case.relay_command("verify").output().unwrap();
@@ -155,23 +163,20 @@ async fn assert_refused(
     for name in names {
         assert!(message.contains(name.as_str()), "{name:?} in {message}");
     }
-    for fix in [
-        "outbox-relay verify",
-        "outbox-relay backfill --from-id",
-        "docs/operations.md",
-    ] {
-        assert!(message.contains(fix), "{fix:?} in {message}");
-    }
+    assert_contains_all(
+        &message,
+        [
+            "outbox-relay verify",
+            "outbox-relay backfill --from-id",
+            "docs/operations.md",
+        ],
+    );
     assert_eq!(
         output.matches("outbox-relay stopped").count(),
         1,
         "one error: {output}"
     );
-    assert_eq!(
-        stream_ids(case).await,
-        relayed.iter().map(|id| (*id, 1)).collect(),
-        "only the rows relayed before the change"
-    );
+    assert_stream_holds_once(case, relayed, "only the rows relayed before the change").await;
     let confirmed = case.confirmed_flush_lsn(sql).await;
     assert!(
         confirmed <= floor,
@@ -360,23 +365,21 @@ async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start()
     let (status, output) = exited(&mut relay);
     assert_eq!(status.code(), Some(2), "{output}");
     let message = error_line(&output);
-    for needle in [
-        "does not publish public.outbox_events".to_owned(),
-        format!(
-            "ALTER PUBLICATION \"{}\" ADD TABLE \"public\".\"outbox_events\";",
-            case.publication
-        ),
-        "outbox-relay verify".to_owned(),
-        "outbox-relay backfill".to_owned(),
-        "LOCK TABLE … IN SHARE MODE".to_owned(),
-    ] {
-        assert!(message.contains(&needle), "{needle:?} in {message}");
-    }
-    assert_eq!(case.confirmed_flush_lsn(&sql).await, confirmed);
-    assert_eq!(
-        stream_ids(&case).await,
-        relayed.iter().map(|id| (*id, 1)).collect()
+    assert_contains_all(
+        &message,
+        [
+            "does not publish public.outbox_events".to_owned(),
+            format!(
+                "ALTER PUBLICATION \"{}\" ADD TABLE \"public\".\"outbox_events\";",
+                case.publication
+            ),
+            "outbox-relay verify".to_owned(),
+            "outbox-relay backfill".to_owned(),
+            "LOCK TABLE … IN SHARE MODE".to_owned(),
+        ],
     );
+    assert_eq!(case.confirmed_flush_lsn(&sql).await, confirmed);
+    assert_stream_holds_once(&case, &relayed, "the rows relayed before, once each").await;
     fix_and_check(&case, &mut sql, &unrelayed, &["outbox_events"], &relayed).await;
 }
 
@@ -464,18 +467,16 @@ async fn a_table_dropped_from_the_publication_under_a_running_relay_is_refused_a
     let (status, output) = exited(&mut relay);
     assert_eq!(status.code(), Some(2), "{output}");
     let message = error_line(&output);
-    for needle in [
-        "does not publish public.outbox_events",
-        "LOCK TABLE … IN SHARE MODE",
-        "outbox-relay backfill",
-    ] {
-        assert!(message.contains(needle), "{needle:?} in {message}");
-    }
-    assert!(case.confirmed_flush_lsn(&sql).await <= floor);
-    assert_eq!(
-        stream_ids(&case).await,
-        relayed.iter().map(|id| (*id, 1)).collect()
+    assert_contains_all(
+        &message,
+        [
+            "does not publish public.outbox_events",
+            "LOCK TABLE … IN SHARE MODE",
+            "outbox-relay backfill",
+        ],
     );
+    assert!(case.confirmed_flush_lsn(&sql).await <= floor);
+    assert_stream_holds_once(&case, &relayed, "the rows relayed before, once each").await;
     fix_and_check(&case, &mut sql, &hidden, &["outbox_events"], &relayed).await;
 }
 

@@ -9,6 +9,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use support::sql_value;
 
 use std::time::{Duration, UNIX_EPOCH};
@@ -206,23 +208,24 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
     let run = status(&case, &[]);
     run.assert_code(0);
     let table = &run.stdout;
-    for line in [
-        "outbox-relay status: healthy\n".to_owned(),
-        format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (outbox-relay, 127.0.0.1:", case.slot, case.database),
-        "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
-        format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
-        "  tables     public.outbox_events\n".to_owned(),
-        format!("lease        held by pid {holder} (outbox-relay, 127.0.0.1:"),
-        format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
-        "  messages   8 (".to_owned(),
-        // A current nats-server names the stream's leader after the replicas, even alone.
-        "  settings   file storage, 1 replica".to_owned(),
-        ", duplicate window 2m, limits retention, discard old\n".to_owned(),
-        format!("last event   outbox id {}, sequence 8, subject {}\n", row.id, last.subject),
-        format!("  position   commit {} #4, source {}\n", last.header("Outbox-Commit-Lsn"), last.header("Outbox-Source")),
-    ] {
-        assert!(table.contains(&line), "{line:?} missing from\n{table}");
-    }
+    assert_contains_all(
+        table,
+        [
+            "outbox-relay status: healthy\n".to_owned(),
+            format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (outbox-relay, 127.0.0.1:", case.slot, case.database),
+            "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
+            format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
+            "  tables     public.outbox_events\n".to_owned(),
+            format!("lease        held by pid {holder} (outbox-relay, 127.0.0.1:"),
+            format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
+            "  messages   8 (".to_owned(),
+            // A current nats-server names the stream's leader after the replicas, even alone.
+            "  settings   file storage, 1 replica".to_owned(),
+            ", duplicate window 2m, limits retention, discard old\n".to_owned(),
+            format!("last event   outbox id {}, sequence 8, subject {}\n", row.id, last.subject),
+            format!("  position   commit {} #4, source {}\n", last.header("Outbox-Commit-Lsn"), last.header("Outbox-Source")),
+        ],
+    );
     for output in [&run.stdout, &run.stderr] {
         assert!(!output.contains("hunter2"), "{output}");
     }
@@ -394,14 +397,15 @@ async fn a_created_stream_has_the_configured_settings_and_warns_about_the_risky_
     assert_eq!(config.discard, DiscardPolicy::New);
     assert_eq!(config.duplicate_window, Duration::from_secs(300));
 
-    for warning in [
-        format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
-        format!("stream {} deletes events older than 1h (max_age), read or not", case.stream),
-        format!("stream {} refuses new events beyond 64 MiB (max_bytes) (discard new): then every publish of the relay fails", case.stream),
-        format!("stream {} accepts messages up to 8 MiB (max_msg_size), but the server's max_payload is 1 MiB", case.stream),
-    ] {
-        assert!(log.contains(&warning), "{warning:?} missing from\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
+            format!("stream {} deletes events older than 1h (max_age), read or not", case.stream),
+            format!("stream {} refuses new events beyond 64 MiB (max_bytes) (discard new): then every publish of the relay fails", case.stream),
+            format!("stream {} accepts messages up to 8 MiB (max_msg_size), but the server's max_payload is 1 MiB", case.stream),
+        ],
+    );
     assert!(!log.contains("differs from the options given"), "{log}");
 
     // status shows the same settings, and the same warnings.
@@ -439,14 +443,15 @@ async fn an_existing_stream_in_memory_with_a_short_max_age_is_warned_about_and_l
         ("OUTBOX_RELAY_DUPLICATE_WINDOW".into(), "30s".into()),
     ];
     let log = init(&case);
-    for warning in [
-        format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
-        format!("stream {} deletes events older than 1m (max_age), read or not: a consumer that falls further behind", case.stream),
-        format!("stream {} deletes its oldest events beyond 1000 messages (max_msgs) (discard old)", case.stream),
-        format!("stream {} differs from the options given for it: max_age 1m (OUTBOX_RELAY_STREAM_MAX_AGE: 7d)", case.stream),
-    ] {
-        assert!(log.contains(&warning), "{warning:?} missing from\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
+            format!("stream {} deletes events older than 1m (max_age), read or not: a consumer that falls further behind", case.stream),
+            format!("stream {} deletes its oldest events beyond 1000 messages (max_msgs) (discard old)", case.stream),
+            format!("stream {} differs from the options given for it: max_age 1m (OUTBOX_RELAY_STREAM_MAX_AGE: 7d)", case.stream),
+        ],
+    );
     // The relay never changes an existing stream.
     let mut stream = js.get_stream(&case.stream).await.unwrap();
     let config = stream.info().await.unwrap().config.clone();

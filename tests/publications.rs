@@ -344,15 +344,28 @@ async fn progress(case: &Case, sql: &tokio_postgres::Client) -> (pgoutput::Lsn, 
     )
 }
 
-/// A publication of the table with `options`, and the slot (as `sql/publication.sql` does).
-async fn create_publication_and_slot(case: &Case, sql: &tokio_postgres::Client, options: &str) {
-    create_publication(case, sql, &format!("for table outbox_events {options}")).await;
+/// A [`partitioned_case`] named `name` with a publication of the table `with (publish =
+/// 'insert')` (partitions published under their own names) and the slot, created as
+/// `sql/publication.sql` does; returns the case, a SQL connection and the [`progress`] then.
+async fn published_by_partition(
+    name: &str,
+) -> (Case, tokio_postgres::Client, (pgoutput::Lsn, u64)) {
+    let case = partitioned_case(name);
+    let sql = case.sql().await;
+    create_publication(
+        &case,
+        &sql,
+        "for table outbox_events with (publish = 'insert')",
+    )
+    .await;
     sql.execute(
         "select pg_create_logical_replication_slot($1, 'pgoutput')",
         &[&case.slot],
     )
     .await
     .unwrap();
+    let before = progress(&case, &sql).await;
+    (case, sql, before)
 }
 
 /// D5: inserts committed while the publication published partitions under their own names
@@ -362,10 +375,7 @@ async fn create_publication_and_slot(case: &Case, sql: &tokio_postgres::Client, 
 /// while the relay refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_committed_before_publish_via_partition_root_are_relayed() {
-    let case = partitioned_case("before_via_root");
-    let mut sql = case.sql().await;
-    create_publication_and_slot(&case, &sql, "with (publish = 'insert')").await;
-    let before = progress(&case, &sql).await;
+    let (case, mut sql, before) = published_by_partition("before_via_root").await;
     let mut committed = insert_into_table(&mut sql, &["2020-02-01", "2021-02-01"], "before").await;
     committed.extend(
         insert_rows(
@@ -400,10 +410,7 @@ async fn inserts_committed_before_publish_via_partition_root_are_relayed() {
 /// past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_insert_into_a_partition_dropped_before_the_fix_stops_the_relay_naming_it() {
-    let case = partitioned_case("dropped_partition");
-    let mut sql = case.sql().await;
-    create_publication_and_slot(&case, &sql, "with (publish = 'insert')").await;
-    let before = progress(&case, &sql).await;
+    let (case, mut sql, before) = published_by_partition("dropped_partition").await;
     insert_into_table(&mut sql, &["2020-02-01"], "lost-partition").await;
     sql.batch_execute(&format!(
         "alter table outbox_events detach partition outbox_events_2020;

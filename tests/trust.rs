@@ -9,8 +9,8 @@ use crate::support;
 
 use async_nats::HeaderMap;
 use support::{
-    insert_row, insert_transaction, new_case, publish_acked, servers, wal_lsn, Case, Stored,
-    DEADLINE,
+    assert_contains_all, insert_row, insert_transaction, new_case, publish_acked, servers, wal_lsn,
+    Case, Stored, DEADLINE,
 };
 use testkit::{Postgres, Process};
 
@@ -23,11 +23,22 @@ fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
     tokio::task::block_in_place(|| relay.wait_exit(DEADLINE))
 }
 
-/// Runs the relay until it exits on its own; returns how, and what it printed.
-fn run_to_its_end(case: &Case) -> (std::process::ExitStatus, String) {
+/// The dead-letter record among `messages` (the first message with a reason).
+fn dead_letter_record(messages: &[Stored]) -> &Stored {
+    messages
+        .iter()
+        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
+        .expect("a dead-letter record")
+}
+
+/// Runs the relay until it exits on its own; asserts that it halted (exited non-zero) and
+/// returns what it printed.
+fn halted(case: &Case) -> String {
     let mut relay = case.spawn_relay();
     let status = wait_for_exit(&mut relay);
-    (status, relay.output())
+    let output = relay.output();
+    assert!(!status.success(), "the relay halts: {status:?}\n{output}");
+    output
 }
 
 fn stop(relay: &mut Process) {
@@ -128,12 +139,14 @@ async fn a_forged_original_without_a_position_is_poison_not_a_stored_event() {
     headers.insert("Nats-Msg-Id", dedupe_key.as_str());
     publish_acked(&js, format!("{}.0.Forged", case.prefix), headers, "{}").await;
 
-    let (status, output) = run_to_its_end(&case);
-    assert!(
-        !status.success()
-            && output.contains(&format!("outbox event id={victim}"))
-            && output.contains("another writer"),
-        "halt names the row and the other writer: {status:?}\n{output}"
+    let output = halted(&case);
+    // The halt names the row and the other writer.
+    assert_contains_all(
+        &output,
+        [
+            format!("outbox event id={victim}"),
+            "another writer".to_owned(),
+        ],
     );
     let confirmed = case.confirmed_flush_lsn(&sql).await;
     assert!(
@@ -146,10 +159,7 @@ async fn a_forged_original_without_a_position_is_poison_not_a_stored_event() {
     let _relay = start_relay(&case);
     case.wait_for_count(&js, 5 + 1 + 1 + 3, DEADLINE).await;
     let messages = case.messages(&js).await;
-    let record = messages
-        .iter()
-        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
-        .expect("a dead-letter record");
+    let record = dead_letter_record(&messages);
     assert_eq!(record.outbox_id(), victim);
     let mut relayed = before.clone();
     relayed.extend(&after);
@@ -189,12 +199,14 @@ async fn a_payload_that_is_not_utf8_goes_to_the_poison_policy_naming_its_id() {
     .await;
     let after = insert_transaction(&mut sql, 3, 1, "after").await;
 
-    let (status, output) = run_to_its_end(&case);
-    assert!(
-        !status.success()
-            && output.contains(&format!("outbox event id={poison}"))
-            && output.contains("not valid UTF-8"),
-        "halt names the row: {status:?}\n{output}"
+    let output = halted(&case);
+    // The halt names the row and the cause.
+    assert_contains_all(
+        &output,
+        [
+            format!("outbox event id={poison}"),
+            "not valid UTF-8".to_owned(),
+        ],
     );
     assert!(case.confirmed_flush_lsn(&sql).await <= below_poison);
     assert_eq!(event_ids(&case.messages(&js).await), before);
@@ -203,10 +215,7 @@ async fn a_payload_that_is_not_utf8_goes_to_the_poison_policy_naming_its_id() {
     let _relay = start_relay(&case);
     case.wait_for_count(&js, 3 + 1 + 3, DEADLINE).await;
     let messages = case.messages(&js).await;
-    let record = messages
-        .iter()
-        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
-        .expect("a dead-letter record");
+    let record = dead_letter_record(&messages);
     assert_eq!(record.outbox_id(), poison);
     assert!(record.header("Outbox-Dead-Letter-Reason").contains("UTF-8"));
     let mut relayed = before.clone();

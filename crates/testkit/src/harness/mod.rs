@@ -38,14 +38,15 @@ pub use case::{
 };
 pub use faithful::{check_faithful, check_stream, Findings, Sample, Sampler};
 pub use logs::{
-    last_lines, lines_with, min_median_max, parse_rfc3339_utc, strip_ansi, timed_log_lines,
-    SESSION_ENDED, STREAMING,
+    assert_contains_all, last_lines, lines_with, min_median_max, parse_rfc3339_utc, strip_ansi,
+    timed_log_lines, SESSION_ENDED, STREAMING,
 };
 pub use relay::Relay;
 pub use stream::{publish_acked, read_stream, stream_tail, update_stream_setting, Stored};
 pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
 pub use writers::{
-    assert_matches_row, attempt, insert_transaction, replay_ahead_then_relay, rows, rows_by_id,
-    sql_column, sql_value, write_transaction, Attempt, Ledger, Outcome, Plan, Row, TxRecord,
-    WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY, ROW_COLUMNS,
+    assert_matches_row, attempt, insert_oversized_row, insert_row, insert_transaction,
+    replay_ahead_then_relay, rows, rows_by_id, sql_column, sql_value, write_transaction, Attempt,
+    Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY,
+    ROW_COLUMNS,
 };
