@@ -8,6 +8,8 @@
 
 use crate::support;
 
+use support::partitioned_outbox_table;
+
 use support::sql_value;
 
 use std::collections::{HashMap, HashSet};
@@ -347,18 +349,10 @@ async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
 async fn marking_and_retention_work_through_a_partitioned_tables_root() {
     let case = Case::with_table(
         "retention_partitioned",
-        "drop table outbox_events;
-         create table outbox_events (
-           id bigserial, entity_id text not null, event_type text not null,
-           dedupe_key text not null, partition_key text not null, ordering_key text not null,
-           payload jsonb not null, status text not null default 'pending',
-           attempts integer not null default 0, last_error text,
-           created_at timestamptz not null default now(), published_at timestamptz,
-           primary key (id, created_at)
-         ) partition by range (created_at);
-         create table outbox_events_2020 partition of outbox_events
-           for values from ('2020-01-01') to ('2021-01-01');
-         create table outbox_events_rest partition of outbox_events default;",
+        &(partitioned_outbox_table("primary key (id, created_at)", "created_at")
+            + "create table outbox_events_2020 partition of outbox_events
+                 for values from ('2020-01-01') to ('2021-01-01');
+               create table outbox_events_rest partition of outbox_events default;"),
         &[&[
             ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
             ("OUTBOX_RELAY_RETENTION_GRACE", "1h"),

@@ -43,7 +43,10 @@ pub use logs::{
 };
 pub use relay::Relay;
 pub use stream::{publish_acked, read_stream, stream_tail, update_stream_setting, Stored};
-pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
+pub use tables::{
+    counted, partitioned_outbox_table, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV,
+    TEXT_TABLE,
+};
 pub use writers::{
     assert_matches_row, attempt, insert_oversized_row, insert_row, insert_transaction,
     replay_ahead_then_relay, rows, rows_by_id, sql_column, sql_value, write_transaction, Attempt,

@@ -53,6 +53,23 @@ pub const TEXT_ENV: &[(&str, &str)] = &[
     ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
 ];
 
+/// SQL that replaces the seed's table `outbox_events` by one with its columns, the
+/// constraints `keys` (a primary or unique key must include `column`), range-partitioned by
+/// `column`; the caller creates its partitions.
+pub fn partitioned_outbox_table(keys: &str, column: &str) -> String {
+    format!(
+        "drop table outbox_events;
+         create table outbox_events (
+           id bigserial, entity_id text not null, event_type text not null,
+           dedupe_key text not null, partition_key text not null, ordering_key text not null,
+           payload jsonb not null, status text not null default 'pending',
+           attempts integer not null default 0, last_error text,
+           created_at timestamptz not null default now(), published_at timestamptz,
+           {keys}
+         ) partition by range ({column});"
+    )
+}
+
 impl Case {
     /// A case on the shared [`servers`] whose database also holds `table_sql`, relayed with
     /// the settings of every list in `env`, in order.
