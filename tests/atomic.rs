@@ -117,8 +117,7 @@ fn watch_tail(case: &Case, stop: Arc<AtomicBool>) -> (Seen, tokio::task::JoinHan
 /// A case on `nats` whose relay runs with `--atomic-transactions`.
 fn atomic_case(nats: &Nats, name: &str) -> Case {
     let mut case = Case::new(&servers().pg, nats, name);
-    case.extra_env
-        .push(("OUTBOX_RELAY_ATOMIC_TRANSACTIONS".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_ATOMIC_TRANSACTIONS", "true")]);
     case
 }
 
@@ -350,13 +349,7 @@ async fn refusals() {
     let nats = Nats::start_current(&[]);
     let existing = atomic_case(&nats, "atomic_existing");
     let js = existing.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: existing.stream.clone(),
-        subjects: vec![format!("{}.>", existing.prefix)],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    existing.create_stream(&js, Default::default()).await;
     let (output, status) = refused(&existing);
     assert_ne!(status, Some(0), "{output}");
     assert!(output.contains("allow_atomic"), "{output}");
@@ -469,8 +462,7 @@ async fn poison_under_halt_stores_nothing_of_its_transaction() {
 async fn poison_under_dead_letter_keeps_its_transaction_whole() {
     let nats = Nats::start_current(&[]);
     let mut case = atomic_case(&nats, "atomic_dlq");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let js = case.jetstream().await;
     create_small_atomic_stream(&case, &js, 4096).await;
     let relay = tokio::task::block_in_place(|| case.start_relay());

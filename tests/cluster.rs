@@ -63,8 +63,7 @@ async fn r3_stream_leader_killed_twice_nothing_lost_duplicated_or_reordered() {
     let pg = Postgres::start();
     let mut cluster = NatsCluster::start();
     let mut case = Case::with_nats_url(&pg, &cluster.urls(), "r3");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "2s")]);
     let js = cluster_jetstream(&cluster.urls()).await;
     let first_leader = case.create_r3_stream(&js, &cluster).await;
     eprintln!(

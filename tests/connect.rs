@@ -8,6 +8,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -15,14 +17,10 @@ use std::time::{Duration, Instant};
 
 use support::{
     assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, eventually,
-    insert_transaction, relay_one_row_as_superuser, servers, Case, DEADLINE,
+    exits_with, insert_transaction, new_case, relay_one_row_as_superuser, servers, Case, Relayed,
+    DEADLINE,
 };
 use testkit::{PgAuth, PgOptions, Postgres, Process};
-
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
-}
 
 /// A TCP server that accepts connections and never sends a byte, like a host whose
 /// Postgres or NATS hangs. Counts the connections it accepted.
@@ -68,22 +66,40 @@ fn terminate_within(relay: &mut Process, shutdown_timeout: Duration) {
     assert!(start.elapsed() < shutdown_timeout, "{:?}", start.elapsed());
 }
 
+/// The server a relay of [`relay_connecting_to_silence`] finds silent.
+enum Hanging {
+    Postgres,
+    Nats,
+}
+
+/// Starts the relay of case `name` (shutdown timeout 2 s) with the `hanging` server replaced
+/// by a [`Silent`] one; returns it once it connected there, and the silent server.
+fn relay_connecting_to_silence(name: &str, hanging: Hanging) -> (Process, Silent) {
+    let case = new_case(name);
+    let silent = Silent::start();
+    let port = silent.port;
+    let (variable, url) = match hanging {
+        Hanging::Postgres => (
+            "DATABASE_URL",
+            format!("postgres://relay:pw@127.0.0.1:{port}/app"),
+        ),
+        Hanging::Nats => ("NATS_URL", format!("nats://127.0.0.1:{port}")),
+    };
+    let mut command = case.relay_command("run");
+    command
+        .env(variable, url)
+        .env("OUTBOX_RELAY_SHUTDOWN_TIMEOUT", "2s");
+    let relay = Process::spawn(&format!("relay-{name}"), command);
+    silent.wait_for_a_connection();
+    (relay, silent)
+}
+
 /// Item 10 of issue 7: SIGTERM while connecting to a Postgres that accepts the connection
 /// and never answers ends the relay at once, exit 0 (it used to wait for the connect, which
 /// had no timeout).
 #[test]
 fn sigterm_while_a_postgres_connect_hangs_exits_0_within_the_shutdown_timeout() {
-    let case = new_case("hang_pg");
-    let silent = Silent::start();
-    let mut command = case.relay_command("run");
-    command
-        .env(
-            "DATABASE_URL",
-            format!("postgres://relay:pw@127.0.0.1:{}/app", silent.port),
-        )
-        .env("OUTBOX_RELAY_SHUTDOWN_TIMEOUT", "2s");
-    let mut relay = Process::spawn("relay-hang-pg", command);
-    silent.wait_for_a_connection();
+    let (mut relay, _silent) = relay_connecting_to_silence("hang_pg", Hanging::Postgres);
     terminate_within(&mut relay, Duration::from_secs(2));
 }
 
@@ -91,14 +107,7 @@ fn sigterm_while_a_postgres_connect_hangs_exits_0_within_the_shutdown_timeout() 
 /// real Postgres); async-nats' own connect timeout is 5 s, longer than the shutdown timeout.
 #[test]
 fn sigterm_while_a_nats_connect_hangs_exits_0_within_the_shutdown_timeout() {
-    let case = new_case("hang_nats");
-    let silent = Silent::start();
-    let mut command = case.relay_command("run");
-    command
-        .env("NATS_URL", format!("nats://127.0.0.1:{}", silent.port))
-        .env("OUTBOX_RELAY_SHUTDOWN_TIMEOUT", "2s");
-    let mut relay = Process::spawn("relay-hang-nats", command);
-    silent.wait_for_a_connection();
+    let (mut relay, _silent) = relay_connecting_to_silence("hang_nats", Hanging::Nats);
     relay.wait_for_output("holding the lease", DEADLINE);
     terminate_within(&mut relay, Duration::from_secs(2));
 }
@@ -110,11 +119,7 @@ async fn logs_written_to_a_pipe_carry_no_colour_codes() {
     let mut case = new_case("no_colour");
     // Whatever the test's environment says, the decision must come from stderr itself.
     case.extra_env.push(("NO_COLOR".into(), String::new()));
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, 3, 1, "colourless").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 3, DEADLINE).await;
+    let Relayed { mut relay, .. } = case.relay_transaction(3, 1, "colourless").await;
     assert!(relay.terminate(DEADLINE).success());
     let output = relay.output();
     assert!(output.contains(" INFO "), "{output}");
@@ -165,8 +170,7 @@ async fn secrets_never_reach_any_output() {
         case.database
     );
     case.nats_url = format!("relay:{NATS_PASSWORD}@127.0.0.1:{}", nats.port());
-    case.extra_env
-        .push(("RUST_LOG".into(), "debug,tokio_postgres=info".into()));
+    case.set_env(&[("RUST_LOG", "debug,tokio_postgres=info")]);
 
     // Running, at debug level.
     let mut relay = case.start_relay();
@@ -197,9 +201,7 @@ async fn secrets_never_reach_any_output() {
         .env_remove("DATABASE_URL")
         .arg("--config")
         .arg(&file);
-    let output = command.output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = exits_with(&mut command, 2);
     assert!(stderr.contains("not valid TOML at line 1"), "{stderr}");
     assert_no_secret("the TOML error", &stderr);
 
@@ -208,22 +210,23 @@ async fn secrets_never_reach_any_output() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{output:?}");
     assert_no_secret("outbox-relay config", &stdout);
-    for expected in [
-        &format!(
-            "database_url = \"postgres://postgres@127.0.0.1:{}/{}\"",
-            pg.port(),
-            case.database
-        ),
-        "# environment variable DATABASE_URL; the password not written: give it as PGPASSWORD",
-        &format!("nats_url = \"127.0.0.1:{}\"", nats.port()),
-        "the credentials not written",
-        "# password = \"<redacted>\"",
-        "# database_url (environment variable DATABASE_URL)",
-        &format!("# dbname = \"{}\"", case.database),
-        "# default",
-    ] {
-        assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
-    }
+    assert_contains_all(
+        &stdout,
+        [
+            &format!(
+                "database_url = \"postgres://postgres@127.0.0.1:{}/{}\"",
+                pg.port(),
+                case.database
+            ),
+            "# environment variable DATABASE_URL; the password not written: give it as PGPASSWORD",
+            &format!("nats_url = \"127.0.0.1:{}\"", nats.port()),
+            "the credentials not written",
+            "# password = \"<redacted>\"",
+            "# database_url (environment variable DATABASE_URL)",
+            &format!("# dbname = \"{}\"", case.database),
+            "# default",
+        ],
+    );
 }
 
 /// Part 2 of issue 8: without DATABASE_URL, the `PG*` variables configure both connections
@@ -263,15 +266,16 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
     let output = command("config").output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{output:?}");
-    for expected in [
-        "# database_url is not set",
-        "# environment variable PGHOST",
-        &format!("# password file {}", passfile.display()),
-        "# sslmode = \"verify-full\"",
-        "# sslrootcert = \"system\"",
-    ] {
-        assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
-    }
+    assert_contains_all(
+        &stdout,
+        [
+            "# database_url is not set",
+            "# environment variable PGHOST",
+            &format!("# password file {}", passfile.display()),
+            "# sslmode = \"verify-full\"",
+            "# sslrootcert = \"system\"",
+        ],
+    );
     assert_no_secret("outbox-relay config", &stdout);
 
     let relay = Process::spawn("relay-libpq-env", command("run"));
@@ -285,9 +289,7 @@ async fn pg_variables_and_a_password_file_configure_postgres_without_database_ur
         &std::fs::read_to_string(&passfile).unwrap(),
         0o644,
     );
-    let output = command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = exits_with(&mut command("run"), 1);
     assert!(
         stderr.contains("has group or world access") && stderr.contains("none was given"),
         "{stderr}"

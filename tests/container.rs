@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use support::{insert_transaction, Case, DEADLINE};
+use support::{insert_transaction, succeeds, Case, DEADLINE};
 use testkit::{Nats, Postgres, Process};
 
 /// `podman` with the arguments, its stdout; panics with its stderr on failure.
@@ -49,15 +49,10 @@ impl Drop for Removes {
 async fn the_image_built_without_pulling_runs_as_a_non_root_user_and_relays_events() {
     let tag = format!("localhost/outbox-relay-test:{}", std::process::id());
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let built = Command::new(root.join("docker/build-local-image.sh"))
-        .arg(env!("CARGO_BIN_EXE_outbox-relay"))
-        .arg(&tag)
-        .output()
-        .unwrap();
-    assert!(
-        built.status.success(),
-        "docker/build-local-image.sh failed: {}",
-        String::from_utf8_lossy(&built.stderr)
+    succeeds(
+        Command::new(root.join("docker/build-local-image.sh"))
+            .arg(env!("CARGO_BIN_EXE_outbox-relay"))
+            .arg(&tag),
     );
     let _image = Removes("rmi", tag.clone());
     assert_eq!(

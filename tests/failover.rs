@@ -19,6 +19,10 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
+use support::sql_value;
+
 use replication::{ConnInfo, ReplicationConnection, TargetSessionAttrs};
 use std::time::{Duration, Instant};
 
@@ -60,11 +64,7 @@ fn wait_for_database(standby: &Postgres, database: &str) {
 async fn landed_on(url: &str) -> Result<(u16, u16), replication::Error> {
     let info: ConnInfo = url.parse()?;
     let sql = replication::connect_sql(&info).await?;
-    let sql_port: i32 = sql
-        .query_one("select inet_server_port()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let sql_port: i32 = sql_value(&sql, "select inet_server_port()", &[]).await;
     let mut replication = ReplicationConnection::connect(&info).await?;
     let rows = replication.simple_query("SHOW port").await?;
     let replication_port: u16 = rows[0][0].as_deref().unwrap().parse().unwrap();
@@ -134,14 +134,15 @@ async fn multi_host_read_write_with_the_standby_listed_first_connects_to_the_pri
     };
     let config = relay_case.relay_command("config").output().unwrap();
     let shown = String::from_utf8_lossy(&config.stdout);
-    for line in [
-        "# host = \"127.0.0.1,127.0.0.1\"".to_owned(),
-        format!("# port = \"{s},{p}\""),
-        "# target_session_attrs = \"read-write\"".to_owned(),
-        "# load_balance_hosts = \"disable\"".to_owned(),
-    ] {
-        assert!(shown.contains(&line), "{line:?} missing from:\n{shown}");
-    }
+    assert_contains_all(
+        &shown,
+        [
+            "# host = \"127.0.0.1,127.0.0.1\"".to_owned(),
+            format!("# port = \"{s},{p}\""),
+            "# target_session_attrs = \"read-write\"".to_owned(),
+            "# load_balance_hosts = \"disable\"".to_owned(),
+        ],
+    );
     let relay = tokio::task::block_in_place(|| relay_case.start_relay());
     let js = case.jetstream().await;
     let mut sql = case.sql().await;
@@ -204,12 +205,7 @@ fn failover_case(
     if failover_slots {
         case.extra_env
             .push(setting("OUTBOX_RELAY_FAILOVER_SLOT", "true"));
-        let init = case.relay_command("init").output().unwrap();
-        assert!(
-            init.status.success(),
-            "{}",
-            String::from_utf8_lossy(&init.stderr)
-        );
+        case.init();
     }
     let standby = start_standby(primary, failover_slots);
     wait_for_database(&standby, &case.database);
@@ -330,22 +326,20 @@ async fn failover_without_failover_slots_refuses_to_invent_a_position_and_says_h
     let log = writers.stop().await;
     let output = relay.output();
     assert_eq!(status.code(), Some(2), "a setup error:\n{output}");
-    for needle in [
-        &format!(
-            "replication slot \"{}\" does not exist on the server",
-            case.slot
-        ),
-        "the relay does not invent a position",
-        "outbox-relay init",
-        "outbox-relay verify --from-id",
-        "outbox-relay backfill --from-id",
-        "--failover-slot",
-    ] {
-        assert!(
-            output.contains(needle),
-            "{needle:?} missing from:\n{output}"
-        );
-    }
+    assert_contains_all(
+        &output,
+        [
+            &format!(
+                "replication slot \"{}\" does not exist on the server",
+                case.slot
+            ),
+            "the relay does not invent a position",
+            "outbox-relay init",
+            "outbox-relay verify --from-id",
+            "outbox-relay backfill --from-id",
+            "--failover-slot",
+        ],
+    );
     // Nothing created on the new primary, nothing published from it.
     let slots = standby.psql(
         "postgres",

@@ -11,13 +11,28 @@
 
 use crate::support;
 
-use support::{servers, Case};
+use support::assert_contains_all;
+
+use support::{exits_with, servers, succeeds, Case};
 use testkit::{installed_bin_dir, server_major, PgOptions, Postgres};
 
-fn init_with_failover(case: &Case) -> std::process::Output {
+/// `outbox-relay init --failover-slot` for `case`, not yet run.
+fn init_with_failover(case: &Case) -> std::process::Command {
     let mut command = case.relay_command("init");
     command.env("OUTBOX_RELAY_FAILOVER_SLOT", "true");
-    command.output().unwrap()
+    command
+}
+
+/// `column` of the case's slot in `pg_replication_slots` (as psql prints it; empty when
+/// there is no slot), or `count(*)` of it.
+fn slot_column(pg: &Postgres, case: &Case, column: &str) -> String {
+    pg.psql(
+        &case.database,
+        &format!(
+            "SELECT {column} FROM pg_replication_slots WHERE slot_name = '{}'",
+            case.slot
+        ),
+    )
 }
 
 #[test]
@@ -43,31 +58,17 @@ fn failover_slot_on_postgres_15_is_refused_naming_what_17_and_the_standby_need()
         &own
     };
     let case = Case::new(pg, &s.nats, "failover15");
-    let output = init_with_failover(&case);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(
-        output.status.code(),
-        Some(2),
-        "setup error expected:\n{stderr}"
+    let stderr = exits_with(&mut init_with_failover(&case), 2);
+    assert_contains_all(
+        &stderr,
+        [
+            "--failover-slot needs Postgres 17",
+            "synchronized_standby_slots",
+            "sync_replication_slots",
+        ],
     );
-    for needle in [
-        "--failover-slot needs Postgres 17",
-        "synchronized_standby_slots",
-        "sync_replication_slots",
-    ] {
-        assert!(
-            stderr.contains(needle),
-            "{needle:?} missing from:\n{stderr}"
-        );
-    }
     // PG1: nothing created.
-    let slots = pg.psql(
-        &case.database,
-        &format!(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
-            case.slot
-        ),
-    );
+    let slots = slot_column(pg, &case, "count(*)");
     assert_eq!(
         slots.trim(),
         "0",
@@ -84,19 +85,8 @@ fn failover_slot_on_postgres_17_or_newer_creates_the_slot_with_failover_and_warn
         ..PgOptions::default()
     });
     let case = Case::new(&pg, &servers().nats, "failover17");
-    let output = init_with_failover(&case);
-    assert!(
-        output.status.success(),
-        "init failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let failover = pg.psql(
-        &case.database,
-        &format!(
-            "SELECT failover FROM pg_replication_slots WHERE slot_name = '{}'",
-            case.slot
-        ),
-    );
+    succeeds(&mut init_with_failover(&case));
+    let failover = slot_column(&pg, &case, "failover");
     assert_eq!(failover.trim(), "t", "the slot is not a fail-over slot");
 
     // An existing slot without failover: the relay says so and how to fix it.
@@ -108,38 +98,28 @@ fn failover_slot_on_postgres_17_or_newer_creates_the_slot_with_failover_and_warn
             plain.slot
         ),
     );
-    let output = init_with_failover(&plain);
+    let output = init_with_failover(&plain).output().unwrap();
     let log = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "init failed:\n{log}");
-    for needle in [
-        "the existing slot is not a fail-over slot",
-        "(FAILOVER true)",
-    ] {
-        assert!(log.contains(needle), "{needle:?} missing from:\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            "the existing slot is not a fail-over slot",
+            "(FAILOVER true)",
+        ],
+    );
     // The fix it names works.
-    let alter = std::process::Command::new(pg.bin_dir().join("psql"))
-        .arg(format!("{}?replication=database", pg.url(&plain.database)))
-        .args(["-v", "ON_ERROR_STOP=1", "-c"])
-        .arg(format!(
-            "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
-            plain.slot
-        ))
-        .output()
-        .unwrap();
-    assert!(
-        alter.status.success(),
-        "{}",
-        String::from_utf8_lossy(&alter.stderr)
+    succeeds(
+        std::process::Command::new(pg.bin_dir().join("psql"))
+            .arg(format!("{}?replication=database", pg.url(&plain.database)))
+            .args(["-v", "ON_ERROR_STOP=1", "-c"])
+            .arg(format!(
+                "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+                plain.slot
+            )),
     );
-    let failover = pg.psql(
-        &plain.database,
-        &format!(
-            "SELECT failover FROM pg_replication_slots WHERE slot_name = '{}'",
-            plain.slot
-        ),
-    );
+    let failover = slot_column(&pg, &plain, "failover");
     assert_eq!(
         failover.trim(),
         "t",

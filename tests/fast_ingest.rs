@@ -142,13 +142,7 @@ async fn per_message_where_the_server_or_the_stream_does_not_allow_it() {
     let nats = Nats::start_current(&[]);
     let (case, addr) = default_case(&nats, "fast_operator_stream");
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(&js, Default::default()).await;
     let relay = tokio::task::block_in_place(|| case.start_relay());
     let mut sql = case.sql().await;
     let ids = insert_transaction(&mut sql, 20, 3, "operator").await;

@@ -396,15 +396,22 @@ fn rig_deleting_writer(pg: &Postgres, case: &Case) {
     );
 }
 
+/// The seed of a randomised test: `$var` when set (to replay a run), else a random one;
+/// printed, after `what`, with how to replay the run.
+fn seed_from_env(var: &str, what: &str) -> u64 {
+    let seed = std::env::var(var)
+        .ok()
+        .map(|s| s.parse().unwrap_or_else(|_| panic!("{var} is a u64")))
+        .unwrap_or_else(rand::random);
+    eprintln!("{what}: seed {seed} (replay with {var}={seed})");
+    seed
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn torture() {
     let _serial = SERIAL.write().await;
     let started = Instant::now();
-    let seed: u64 = std::env::var("FAULTS_SEED")
-        .ok()
-        .map(|s| s.parse().expect("FAULTS_SEED is a u64"))
-        .unwrap_or_else(rand::random);
-    eprintln!("torture: seed {seed} (replay with FAULTS_SEED={seed})");
+    let seed = seed_from_env("FAULTS_SEED", "torture");
     let mut rng = StdRng::seed_from_u64(seed);
 
     let (pg, nats) = tokio::task::block_in_place(|| (Postgres::start(), Nats::start()));

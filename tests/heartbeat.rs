@@ -17,6 +17,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::time::{Duration, Instant};
 
 use pgoutput::Lsn;
@@ -121,11 +123,7 @@ async fn a_quiet_outbox_databases_slot_stays_bounded_while_other_databases_write
 
     // Nothing writes any more but the heartbeats: the slot with them confirms past the
     // server's WAL end of now, within a few intervals.
-    let now: String = sql
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let now: String = sql_value(&sql, "SELECT pg_current_wal_lsn()::text", &[]).await;
     let now: Lsn = now.parse().unwrap();
     let confirmed = eventually(
         "the slot with heartbeats to confirm a heartbeat written after every other write",

@@ -10,6 +10,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::time::Duration;
 
 use pgoutput::Lsn;
@@ -37,6 +39,29 @@ enum Restore {
     WrittenPastTheTail,
 }
 
+/// Takes a cold backup of `pg` (stopped for it), then relays the history a restore of it
+/// loses: [`LOST_ROWS`] more rows, until the stream holds `total` messages and the slot
+/// confirmed them. Returns the backup and the stream's tail (its last commit), the relay
+/// stopped.
+async fn back_up_then_relay_the_lost_history(
+    pg: &mut Postgres,
+    case: &Case,
+    js: &async_nats::jetstream::Context,
+    total: usize,
+) -> (testkit::Backup, Lsn) {
+    pg.stop();
+    let backup = pg.backup();
+    pg.start_again();
+
+    let mut relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, LOST_ROWS, 7, "lost").await;
+    case.wait_confirmed(js, &sql, total as u64).await;
+    relay.terminate(DEADLINE);
+    let tail = case.messages(js).await.last().unwrap().commit_lsn();
+    (backup, tail)
+}
+
 /// Relays some rows, takes a cold backup, relays `LOST_ROWS` more (the stream's tail now
 /// lies in that history), restores the backup as `restore` says, writes `NEW_ROWS` rows
 /// with keys of their own, and checks that the restarted relay publishes every one of them.
@@ -52,18 +77,8 @@ async fn relay_after_losing_history(restore: Restore) {
     case.wait_for_count(&js, 10, DEADLINE).await;
     relay.terminate(DEADLINE);
     drop(sql);
-    pg.stop();
-    let backup = pg.backup();
-    pg.start_again();
-
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, LOST_ROWS, 7, "lost").await;
-    case.wait_for_count(&js, (10 + LOST_ROWS) as u64, DEADLINE)
-        .await;
-    relay.terminate(DEADLINE);
-    let tail = case.messages(&js).await.last().unwrap().commit_lsn();
-    drop(sql);
+    let (backup, tail) =
+        back_up_then_relay_the_lost_history(&mut pg, &case, &js, 10 + LOST_ROWS).await;
 
     pg.stop();
     pg.restore(&backup);
@@ -94,16 +109,10 @@ async fn relay_after_losing_history(restore: Restore) {
             (wal_lsn(&sql).await > tail).then_some(())
         })
         .await;
-        let timeline: i32 = sql
-            .query_one("select timeline_id from pg_control_checkpoint()", &[])
-            .await
-            .unwrap()
-            .get(0);
-        let current: String = sql
-            .query_one("select pg_walfile_name(pg_current_wal_lsn())", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let timeline: i32 =
+            sql_value(&sql, "select timeline_id from pg_control_checkpoint()", &[]).await;
+        let current: String =
+            sql_value(&sql, "select pg_walfile_name(pg_current_wal_lsn())", &[]).await;
         assert!(
             current.starts_with("00000002"),
             "a new timeline (WAL file {current}, checkpoint timeline {timeline})"
@@ -242,8 +251,7 @@ async fn tail_below_the_switch_point_of_a_promotion_is_used_to_skip() {
     let mut pg = Postgres::start();
     let nats = Nats::start();
     let mut case = Case::new(&pg, &nats, "promoted");
-    case.extra_env
-        .push(("OUTBOX_RELAY_DUPLICATE_WINDOW".into(), "1s".into()));
+    case.set_env(&[("OUTBOX_RELAY_DUPLICATE_WINDOW", "1s")]);
     let js = case.jetstream().await;
 
     let mut relay = case.start_relay();
@@ -347,19 +355,9 @@ async fn a_restore_replaying_unconfirmed_events_the_stream_holds_stores_none_twi
     assert!(case.confirmed_flush_lsn(&sql).await <= commit);
     ids.extend(&unconfirmed);
     drop(sql);
-    pg.stop();
-    let backup = pg.backup();
-    pg.start_again();
-
     // The history the restore loses: enough WAL that its tail lies beyond the restored end.
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, LOST_ROWS, 7, "lost").await;
     let lost_total = 10 + UNCONFIRMED + LOST_ROWS;
-    case.wait_confirmed(&js, &sql, lost_total as u64).await;
-    relay.terminate(DEADLINE);
-    let tail = case.messages(&js).await.last().unwrap().commit_lsn();
-    drop(sql);
+    let (backup, tail) = back_up_then_relay_the_lost_history(&mut pg, &case, &js, lost_total).await;
     pg.stop();
     pg.restore(&backup);
     pg.start_again();

@@ -14,10 +14,12 @@
 
 use crate::support;
 
-use std::collections::HashMap;
+use support::new_case;
 
 use async_nats::jetstream;
-use support::{assert_matches_row, eventually, rows, servers, Case, Stored, DEADLINE};
+use support::{
+    assert_contains_all, assert_matches_row, eventually, rows_by_id, Case, Stored, DEADLINE,
+};
 use testkit::Process;
 
 fn ids(messages: &[Stored]) -> Vec<i64> {
@@ -31,6 +33,43 @@ fn start_relay(case: &Case) -> Process {
 /// Waits for the relay process to exit on its own (it must not need a signal).
 fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
     tokio::task::block_in_place(|| relay.wait_exit(DEADLINE))
+}
+
+/// Waits for the relay, under `halt`, to exit on its own; asserts that it failed and
+/// returns what it printed.
+fn halted(relay: &mut Process) -> String {
+    let status = wait_for_exit(relay);
+    let output = relay.output();
+    assert!(
+        !status.success(),
+        "halt exits non-zero: {status:?}\n{output}"
+    );
+    output
+}
+
+/// A case named `name` whose relay streams: the case, a JetStream context, the relay and a
+/// SQL connection.
+async fn streaming(name: &str) -> (Case, jetstream::Context, Process, tokio_postgres::Client) {
+    let case = new_case(name);
+    let js = case.jetstream().await;
+    let relay = start_relay(&case);
+    let sql = case.sql().await;
+    (case, js, relay, sql)
+}
+
+/// Starts the relay again under `dead-letter` and waits until the stream holds `n` messages
+/// and the slot confirmed past the tail; returns the relay and the stream's messages.
+async fn restarted_under_dead_letter(
+    case: &mut Case,
+    js: &jetstream::Context,
+    sql: &tokio_postgres::Client,
+    n: usize,
+) -> (Process, Vec<Stored>) {
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
+    let relay = start_relay(case);
+    case.wait_for_count(js, n as u64, DEADLINE).await;
+    wait_confirmed_past_the_tail(case, js, sql).await;
+    (relay, case.messages(js).await)
 }
 
 /// Inserts one row per `(entity_id, event_type)` in one transaction; returns the ids.
@@ -100,11 +139,7 @@ fn decoded(message: &Stored, name: &str) -> String {
 /// `dead-letter`, a record takes its place and the events after it flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "control_line");
-    let js = case.jetstream().await;
-    let mut relay = start_relay(&case);
-    let mut sql = case.sql().await;
+    let (mut case, js, mut relay, mut sql) = streaming("control_line").await;
 
     let before = insert_ordinary(&mut sql, 3, "before").await;
     let long_type = "E".repeat(5000);
@@ -117,12 +152,7 @@ async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
     let long_id = tx_ids[1];
     let after = insert_ordinary(&mut sql, 2, "after").await;
 
-    let status = wait_for_exit(&mut relay);
-    let output = relay.output();
-    assert!(
-        !status.success(),
-        "halt exits non-zero: {status:?}\n{output}"
-    );
+    let output = halted(&mut relay);
     let needle = format!("outbox event id={long_id}");
     assert!(
         output.contains(&needle),
@@ -151,22 +181,16 @@ async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
         "the slot confirmed {confirmed}, past the long row's transaction (commit {tx_commit})"
     );
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
-    let relay = start_relay(&case);
     let mut all = before.clone();
     all.extend(&tx_ids);
     all.extend(&after);
-    case.wait_for_count(&js, all.len() as u64, DEADLINE).await;
-    wait_confirmed_past_the_tail(&case, &js, &sql).await;
-    let messages = case.messages(&js).await;
+    let (relay, messages) = restarted_under_dead_letter(&mut case, &js, &sql, all.len()).await;
     assert_eq!(
         ids(&messages),
         all,
         "the record stands in the row's place, later rows flow"
     );
-    let table: HashMap<i64, support::Row> =
-        rows(&sql).await.into_iter().map(|r| (r.id, r)).collect();
+    let table = rows_by_id(&sql).await;
     let at = before.len() + 1;
     for (i, message) in messages.iter().enumerate() {
         if i != at {
@@ -211,11 +235,7 @@ async fn event_type_longer_than_the_control_line_goes_to_the_poison_policy() {
 async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
     const ROWS: usize = 200;
     const FENCE_ROUNDS: usize = 5;
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "header_names");
-    let js = case.jetstream().await;
-    let mut relay = start_relay(&case);
-    let mut sql = case.sql().await;
+    let (case, js, mut relay, mut sql) = streaming("header_names").await;
     // Slot B at the same point as the relay's slot A: it will replay everything A relays.
     let slot_b = format!("{}_b", case.slot);
     sql.execute(
@@ -243,8 +263,7 @@ async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
     wait_confirmed_past_the_tail(&case, &js, &sql).await;
     let messages = case.messages(&js).await;
     assert_eq!(ids(&messages), written, "every row once, in commit order");
-    let table: HashMap<i64, support::Row> =
-        rows(&sql).await.into_iter().map(|r| (r.id, r)).collect();
+    let table = rows_by_id(&sql).await;
     for message in &messages {
         let row = &table[&message.outbox_id()];
         let keys = outbox::compute_keys(row.id, &row.entity_id, &row.event_type, row.created_at_ms);
@@ -331,19 +350,17 @@ async fn rows_with_nats_header_names_are_deduplicated_and_fenced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_dead_letter_record_is_cut_to_fit() {
     const MAX_MESSAGE_SIZE: i32 = 4096;
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "dlq_cut");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    let mut case = new_case("dlq_cut");
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        max_message_size: MAX_MESSAGE_SIZE,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(
+        &js,
+        jetstream::stream::Config {
+            max_message_size: MAX_MESSAGE_SIZE,
+            ..Default::default()
+        },
+    )
+    .await;
     let relay = start_relay(&case);
     let mut sql = case.sql().await;
     let before = insert_ordinary(&mut sql, 2, "before").await;
@@ -396,11 +413,7 @@ async fn oversized_dead_letter_record_is_cut_to_fit() {
 /// restarted under `dead-letter`, a record takes the row's place and later rows flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "restart_identity");
-    let js = case.jetstream().await;
-    let mut relay = start_relay(&case);
-    let mut sql = case.sql().await;
+    let (mut case, js, mut relay, mut sql) = streaming("restart_identity").await;
     let first = insert_ordinary(&mut sql, 3, "order").await;
     assert_eq!(first, vec![1, 2, 3]);
     case.wait_for_count(&js, 3, DEADLINE).await;
@@ -414,12 +427,7 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
     assert_eq!(reused, vec![1]);
     let later = insert_rows(&mut sql, &[("fresh-entity".into(), "OrderPaid".into())]).await;
 
-    let status = wait_for_exit(&mut relay);
-    let output = relay.output();
-    assert!(
-        !status.success(),
-        "halt exits non-zero: {status:?}\n{output}"
-    );
+    let output = halted(&mut relay);
     assert!(
         output.contains("outbox event id=1"),
         "names the row:\n{output}"
@@ -434,12 +442,7 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
         "nothing after the reused id was stored"
     );
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
-    let relay = start_relay(&case);
-    case.wait_for_count(&js, 5, DEADLINE).await;
-    wait_confirmed_past_the_tail(&case, &js, &sql).await;
-    let messages = case.messages(&js).await;
+    let (relay, messages) = restarted_under_dead_letter(&mut case, &js, &sql, 5).await;
     assert_eq!(ids(&messages), vec![1, 2, 3, 1, later[0]]);
     let record = &messages[3];
     assert_eq!(record.subject, format!("{}.dlq", case.prefix));
@@ -454,16 +457,14 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
         record.commit_lsn() > messages[2].commit_lsn(),
         "the record carries the new row's position"
     );
-    let table: HashMap<i64, support::Row> =
-        rows(&sql).await.into_iter().map(|r| (r.id, r)).collect();
+    let table = rows_by_id(&sql).await;
     assert_matches_row(&case, &messages[4], &table[&later[0]]);
     let mut relay = relay;
     assert!(relay.terminate(DEADLINE).success());
 
     // Shared mode cannot stop for it (other writers' duplicates are legitimate there), but
     // it counts and warns: the reused id is never dropped without a word.
-    case.extra_env
-        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
     let relay = start_relay(&case);
     sql.batch_execute("truncate outbox_events restart identity")
         .await
@@ -475,11 +476,14 @@ async fn reused_ids_after_restart_identity_are_not_dropped_silently() {
     let messages = case.messages(&js).await;
     assert_eq!(ids(&messages), vec![1, 2, 3, 1, later[0], last[0]]);
     let output = support::strip_ansi(&relay.output());
-    assert!(
-        output.contains("outbox_relay_reused_id_total")
-            && output.contains("outbox_id=1")
-            && output.contains("this event is not in the stream"),
-        "shared mode warns with the metric and the row:\n{output}"
+    // Shared mode warns with the metric and the row.
+    assert_contains_all(
+        &output,
+        [
+            "outbox_relay_reused_id_total",
+            "outbox_id=1",
+            "this event is not in the stream",
+        ],
     );
     eprintln!(
         "restart_identity: the reused id 1 halted the relay naming it; under dead-letter a record (seq {}) took its place and the later row flowed; \

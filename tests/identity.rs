@@ -13,12 +13,16 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
+use support::new_case;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitStatus;
 use std::time::Duration;
 
 use pgoutput::Lsn;
-use support::{insert_transaction, servers, strip_ansi, Case, DEADLINE, SCHEMA_SQL};
+use support::{insert_transaction, strip_ansi, succeeds, Case, DEADLINE, SCHEMA_SQL};
 use testkit::Process;
 
 /// How long a relay that must stop may take to exit: the identity is checked every second.
@@ -118,6 +122,12 @@ async fn stream_ids(case: &Case) -> BTreeMap<i64, usize> {
     seen
 }
 
+/// Asserts that the stream holds each of `relayed` once, and nothing else (`what` says why).
+async fn assert_stream_holds_once(case: &Case, relayed: &[i64], what: &str) {
+    let expected: BTreeMap<i64, usize> = relayed.iter().map(|id| (*id, 1)).collect();
+    assert_eq!(stream_ids(case).await, expected, "{what}");
+}
+
 /// `outbox-relay verify`'s exit status, and what it printed.
 fn verify(case: &Case) -> (Option<i32>, String) {
     let output = case.relay_command("verify").output().unwrap();
@@ -153,13 +163,14 @@ async fn assert_refused(
     for name in names {
         assert!(message.contains(name.as_str()), "{name:?} in {message}");
     }
-    for fix in [
-        "outbox-relay verify",
-        "outbox-relay backfill --from-id",
-        "docs/operations.md",
-    ] {
-        assert!(message.contains(fix), "{fix:?} in {message}");
-    }
+    assert_contains_all(
+        &message,
+        [
+            "outbox-relay verify",
+            "outbox-relay backfill --from-id",
+            "docs/operations.md",
+        ],
+    );
     assert_eq!(
         output
             .lines()
@@ -168,11 +179,7 @@ async fn assert_refused(
         1,
         "one error: {output}"
     );
-    assert_eq!(
-        stream_ids(case).await,
-        relayed.iter().map(|id| (*id, 1)).collect(),
-        "only the rows relayed before the change"
-    );
+    assert_stream_holds_once(case, relayed, "only the rows relayed before the change").await;
     let confirmed = case.confirmed_flush_lsn(sql).await;
     assert!(
         confirmed <= floor,
@@ -211,17 +218,11 @@ async fn fix_and_check(
     assert_eq!(last, hidden[hidden.len() - 1]);
     let (code, report) = verify(case);
     assert_eq!(code, Some(5), "verify lists the hidden rows: {report}");
-    let output = case
-        .relay_command("backfill")
-        .args(["--from-id", &hidden[0].to_string()])
-        .args(["--to-id", &last.to_string()])
-        .arg("--force")
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+    succeeds(
+        case.relay_command("backfill")
+            .args(["--from-id", &hidden[0].to_string()])
+            .args(["--to-id", &last.to_string()])
+            .arg("--force"),
     );
     let mut relay = case.start_relay();
     insert_transaction(sql, 2, 2, "after").await;
@@ -252,8 +253,7 @@ async fn fix_and_check(
 /// changed) and the publication fix, nothing past the first new row is confirmed, and the
 /// operator's fix leaves every row of `tables` in the stream once.
 async fn replaced_under_a_running_relay(name: &str, change: &str, how: &str, tables: &[&str]) {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, name);
+    let case = new_case(name);
     let mut sql = case.sql().await;
     let (mut relay, relayed, old_oid) = streaming(&case, &mut sql).await;
 
@@ -313,14 +313,11 @@ async fn a_rename_swap_into_a_partitioned_table_under_a_running_relay_is_refused
 /// recreated table's, not even rows older than the grace written with the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_deletes_none_of_a_recreated_tables_rows() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "retained");
-    for (key, value) in [
+    let mut case = new_case("retained");
+    case.set_env(&[
         ("OUTBOX_RELAY_RETENTION_GRACE", "1s"),
         ("OUTBOX_RELAY_RETENTION_INTERVAL", "100ms"),
-    ] {
-        case.extra_env.push((key.into(), value.into()));
-    }
+    ]);
     let mut sql = case.sql().await;
     let (mut relay, relayed, old_oid) = streaming(&case, &mut sql).await;
     // Retention works: the relayed rows go once older than the grace.
@@ -358,8 +355,7 @@ async fn retention_deletes_none_of_a_recreated_tables_rows() {
 /// with the fix, backfill and verify included, and confirms nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start() {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "recreated_stopped");
+    let case = new_case("recreated_stopped");
     let mut sql = case.sql().await;
     let (mut relay, relayed, _) = streaming(&case, &mut sql).await;
     relay.terminate(DEADLINE);
@@ -372,23 +368,21 @@ async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start()
     let (status, output) = exited(&mut relay);
     assert_eq!(status.code(), Some(2), "{output}");
     let message = error_line(&output);
-    for needle in [
-        "does not publish public.outbox_events".to_owned(),
-        format!(
-            "ALTER PUBLICATION \"{}\" ADD TABLE \"public\".\"outbox_events\";",
-            case.publication
-        ),
-        "outbox-relay verify".to_owned(),
-        "outbox-relay backfill".to_owned(),
-        "LOCK TABLE … IN SHARE MODE".to_owned(),
-    ] {
-        assert!(message.contains(&needle), "{needle:?} in {message}");
-    }
-    assert_eq!(case.confirmed_flush_lsn(&sql).await, confirmed);
-    assert_eq!(
-        stream_ids(&case).await,
-        relayed.iter().map(|id| (*id, 1)).collect()
+    assert_contains_all(
+        &message,
+        [
+            "does not publish public.outbox_events".to_owned(),
+            format!(
+                "ALTER PUBLICATION \"{}\" ADD TABLE \"public\".\"outbox_events\";",
+                case.publication
+            ),
+            "outbox-relay verify".to_owned(),
+            "outbox-relay backfill".to_owned(),
+            "LOCK TABLE … IN SHARE MODE".to_owned(),
+        ],
     );
+    assert_eq!(case.confirmed_flush_lsn(&sql).await, confirmed);
+    assert_stream_holds_once(&case, &relayed, "the rows relayed before, once each").await;
     fix_and_check(&case, &mut sql, &unrelayed, &["outbox_events"], &relayed).await;
 }
 
@@ -398,8 +392,7 @@ async fn a_table_created_again_while_the_relay_was_stopped_is_refused_at_start()
 /// rows written since the swap from the slot, each once, with no backfill.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_conversion_to_a_partitioned_table_loses_nothing() {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "converted");
+    let case = new_case("converted");
     let mut sql = case.sql().await;
     let (mut relay, relayed, old_oid) = streaming(&case, &mut sql).await;
 
@@ -461,8 +454,7 @@ async fn the_documented_conversion_to_a_partitioned_table_loses_nothing() {
 /// hidden insert, and the fix it gives leaves every row in the stream once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_dropped_from_the_publication_under_a_running_relay_is_refused_at_once() {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "unpublished");
+    let case = new_case("unpublished");
     let mut sql = case.sql().await;
     let (mut relay, relayed, _) = streaming(&case, &mut sql).await;
 
@@ -478,18 +470,16 @@ async fn a_table_dropped_from_the_publication_under_a_running_relay_is_refused_a
     let (status, output) = exited(&mut relay);
     assert_eq!(status.code(), Some(2), "{output}");
     let message = error_line(&output);
-    for needle in [
-        "does not publish public.outbox_events",
-        "LOCK TABLE … IN SHARE MODE",
-        "outbox-relay backfill",
-    ] {
-        assert!(message.contains(needle), "{needle:?} in {message}");
-    }
-    assert!(case.confirmed_flush_lsn(&sql).await <= floor);
-    assert_eq!(
-        stream_ids(&case).await,
-        relayed.iter().map(|id| (*id, 1)).collect()
+    assert_contains_all(
+        &message,
+        [
+            "does not publish public.outbox_events",
+            "LOCK TABLE … IN SHARE MODE",
+            "outbox-relay backfill",
+        ],
     );
+    assert!(case.confirmed_flush_lsn(&sql).await <= floor);
+    assert_stream_holds_once(&case, &relayed, "the rows relayed before, once each").await;
     fix_and_check(&case, &mut sql, &hidden, &["outbox_events"], &relayed).await;
 }
 
@@ -498,8 +488,7 @@ async fn a_table_dropped_from_the_publication_under_a_running_relay_is_refused_a
 /// OID does, and the relay stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_dropped_from_the_publication_and_added_again_is_refused() {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "readded");
+    let case = new_case("readded");
     let mut sql = case.sql().await;
     let (mut relay, relayed, _) = streaming(&case, &mut sql).await;
 

@@ -71,8 +71,7 @@ async fn prometheus_sees_events_latencies_and_the_lag_grow_while_nats_is_down_th
     let mut nats = Nats::start();
     let mut case = Case::new(&pg, &nats, "prom");
     let addr = with_metrics(&mut case);
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "2s")]);
     let relay = case.start_relay();
     let prometheus = Prometheus::start(&[addr.to_string()]);
     let js = case.jetstream().await;
@@ -180,8 +179,7 @@ async fn readyz_is_unready_while_nats_is_down_and_a_standby_says_standby() {
     let mut nats = Nats::start();
     let mut case = Case::new(&servers().pg, &nats, "readyz");
     let first = with_metrics(&mut case);
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "2s")]);
     let _first_relay = case.start_relay();
     assert_eq!(get(first, "/healthz").await, Ok((200, "ok\n".into())));
     assert_eq!(get(first, "/readyz").await, Ok((200, "ready\n".into())));

@@ -8,6 +8,10 @@
 
 use crate::support;
 
+use support::new_case;
+
+use support::sql_value;
+
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -324,12 +328,10 @@ async fn backfill_none_and_a_table_without_status_publish_only_what_commits_afte
 /// every row is in the stream exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_killed_midway_resumes_and_publishes_every_row_exactly_once() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "backfill_crash");
+    let mut case = new_case("backfill_crash");
     let (pending, _) = insert_history(&case, HISTORY_ROWS).await;
     // A narrow window makes the backfill slow enough to be killed midway.
-    case.extra_env
-        .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "8".into()));
+    case.set_env(&[("OUTBOX_RELAY_MAX_IN_FLIGHT", "8")]);
     let js = case.jetstream().await;
     let writers = writers(&case).await;
     let mut relay = case.spawn_relay();
@@ -402,15 +404,13 @@ async fn poll_once(
         let shard = outbox::shard_for_key(NonZeroU64::new(12).unwrap(), &keys.partition_key);
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("Nats-Msg-Id", keys.dedupe_key.as_str());
-        js.publish_with_headers(
+        support::publish_acked(
+            js,
             outbox::subject::subject(prefix, shard, &event_type),
             headers,
-            payload.into(),
+            payload,
         )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        .await;
         tx.execute(
             "update outbox_events
              set status = 'published',
@@ -431,20 +431,18 @@ async fn poll_once(
 /// once, whoever published it first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_polling_publisher_beside_the_relay_leaves_each_event_once_in_the_stream() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "poller");
+    let mut case = new_case("poller");
     let (pending, published) = insert_history(&case, 5_000).await;
-    case.extra_env
-        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(
+        &js,
+        jetstream::stream::Config {
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        },
+    )
+    .await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let polled = Arc::new(AtomicU64::new(0));
@@ -479,14 +477,12 @@ async fn a_polling_publisher_beside_the_relay_leaves_each_event_once_in_the_stre
         "the poller to publish every pending row",
         DEADLINE,
         || async {
-            let left: i64 = sql
-                .query_one(
-                    "select count(*) from outbox_events where status <> 'published'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
+            let left: i64 = sql_value(
+                &sql,
+                "select count(*) from outbox_events where status <> 'published'",
+                &[],
+            )
+            .await;
             (left == 0).then_some(())
         },
     )
@@ -550,8 +546,7 @@ async fn a_partitioned_table_is_backfilled_from_every_partition() {
     let mut case = Case::new(&s.pg, &s.nats, "backfill_partitioned");
     s.pg.psql(&case.database, PARTITIONED);
     let (pending, published) = insert_history(&case, 3_000).await;
-    case.extra_env
-        .push(("OUTBOX_RELAY_BACKFILL".into(), "all".into()));
+    case.set_env(&[("OUTBOX_RELAY_BACKFILL", "all")]);
     let js = case.jetstream().await;
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
@@ -577,8 +572,7 @@ async fn a_partitioned_table_is_backfilled_from_every_partition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backfill_command_publishes_a_range_that_jetstream_dedupes_and_refuses_a_strict_stream()
 {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "backfill_range");
+    let case = new_case("backfill_range");
     let js = case.jetstream().await;
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;

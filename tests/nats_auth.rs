@@ -10,6 +10,8 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -490,6 +492,23 @@ async fn config_shows_no_password_token_or_credentials() {
     assert!(!with_creds.contains(jwt_line), "{with_creds}");
 }
 
+/// The client options of the user `admin` of [`nats_with_runbook_permissions`] and the
+/// publish test's server, who may do anything.
+fn admin() -> async_nats::ConnectOptions {
+    async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+}
+
+/// A case named `name` relayed by a nats-server of [`nats_with_runbook_permissions`] whose
+/// user `relay` subscribes only to `{inbox}.>`; returns the case, the server and its
+/// directory.
+fn runbook_case(name: &str, inbox: &str) -> (Case, Nats, tempfile::TempDir) {
+    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", name);
+    let dir = temp_dir();
+    let nats = nats_with_runbook_permissions(&case, dir.path(), inbox);
+    case.nats_url = nats.url();
+    (case, nats, dir)
+}
+
 /// A nats-server whose user `relay` (password `relay-s3cret`) may publish only to `case`'s
 /// prefix and the stream's three JetStream APIs, and subscribe only to `{inbox}.>`; the user
 /// `admin` (password `admin-s3cret`) may do anything.
@@ -522,15 +541,12 @@ authorization {{
 /// prefix (sink P10), which that permission covers, like async-nats's request replies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_runbooks_permissions_are_enough_to_relay() {
-    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "runbook_permissions");
-    let dir = temp_dir();
-    let nats = nats_with_runbook_permissions(&case, dir.path(), "_INBOX");
-    case.nats_url = nats.url();
+    let (case, nats, _dir) = runbook_case("runbook_permissions", "_INBOX");
     relays_events(
         &case,
         &["--user", "relay", "--password", "relay-s3cret"],
         &nats,
-        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into()),
+        admin(),
     )
     .await;
 }
@@ -542,21 +558,20 @@ async fn the_runbooks_permissions_are_enough_to_relay() {
 /// instead of timing out on requests whose replies it may not receive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
-    let mut case = Case::with_nats_url(pg(), "nats://127.0.0.1:1", "inbox_prefix");
-    let dir = temp_dir();
-    let nats = nats_with_runbook_permissions(&case, dir.path(), "_INBOX_relay");
-    case.nats_url = nats.url();
+    let (case, nats, _dir) = runbook_case("inbox_prefix", "_INBOX_relay");
 
     let mut command = case.relay_command("run");
     command.args(["--user", "relay", "--password", "relay-s3cret"]);
     let refused = Process::spawn(&format!("refused-{}", case.name), command);
     refused.wait_for_output("--inbox-prefix", DEADLINE);
     let output = refused.output();
-    assert!(
-        output.contains("refused the subscription to _INBOX.")
-            && output.contains("Permissions Violation for Subscription")
-            && output.contains("subscribe permission on _INBOX.>"),
-        "{output}"
+    assert_contains_all(
+        &output,
+        [
+            "refused the subscription to _INBOX.",
+            "Permissions Violation for Subscription",
+            "subscribe permission on _INBOX.>",
+        ],
     );
     assert!(
         !output.contains("timed out"),
@@ -575,7 +590,7 @@ async fn a_user_limited_to_its_own_inbox_prefix_relays_with_inbox_prefix() {
             "_INBOX_relay",
         ],
         &nats,
-        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into()),
+        admin(),
     )
     .await;
 }
@@ -620,16 +635,17 @@ authorization {{
     let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
     let output = relay.output();
     assert!(!status.success(), "halts: {status:?}\n{output}");
-    for needle in [
-        format!("outbox event id={}", ids[0]),
-        "Permissions Violation for Publish".to_owned(),
-        format!("{prefix}."),
-        "allow the user to publish".to_owned(),
-    ] {
-        assert!(output.contains(&needle), "names {needle:?}:\n{output}");
-    }
+    assert_contains_all(
+        &output,
+        [
+            format!("outbox event id={}", ids[0]),
+            "Permissions Violation for Publish".to_owned(),
+            format!("{prefix}."),
+            "allow the user to publish".to_owned(),
+        ],
+    );
     let js = jetstream::new(
-        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+        admin()
             .connect(nats.url())
             .await
             .expect("the test's client connects"),
@@ -651,7 +667,7 @@ authorization {{
     nats.stop();
     nats.start_again();
     let js = jetstream::new(
-        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-s3cret".into())
+        admin()
             .connect(nats.url())
             .await
             .expect("the test's client connects"),

@@ -13,6 +13,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -84,16 +86,14 @@ async fn insert(sql: &mut tokio_postgres::Client, rows: &[(&str, i32)], tag: &st
     let tx = sql.transaction().await.unwrap();
     let mut ids = Vec::new();
     for (n, (event_type, bytes)) in rows.iter().enumerate() {
-        let id: i64 = tx
-            .query_one(
-                "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-                 values ('order-' || $1::text, $2::text, 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', \
-                         jsonb_build_object('tag', $3::text, 'blob', repeat('x', $4::int))) returning id",
-                &[&(n as i32).to_string(), event_type, &tag, bytes],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let id: i64 = sql_value(
+            &tx,
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values ('order-' || $1::text, $2::text, 'tmp-' || gen_random_uuid(), 'tmp', 'tmp', \
+                     jsonb_build_object('tag', $3::text, 'blob', repeat('x', $4::int))) returning id",
+            &[&(n as i32).to_string(), event_type, &tag, bytes],
+        )
+        .await;
         ids.push(id);
     }
     tx.commit().await.unwrap();
@@ -406,8 +406,7 @@ async fn a_node_in_lame_duck_mode_hands_the_session_over_without_a_failure() {
     case.nats_url = [node, (node + 1) % 3, (node + 2) % 3]
         .map(|i| cluster.url(i))
         .join(",");
-    case.extra_env
-        .push(("OUTBOX_RELAY_NATS_NO_RANDOMIZE".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_NATS_NO_RANDOMIZE", "true")]);
     // The test reads through the nodes that stay: a client on the lame duck would lose
     // JetStream with it.
     let js = jetstream::new(

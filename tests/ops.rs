@@ -9,26 +9,28 @@
 
 use crate::support;
 
+use support::assert_contains_all;
+
+use support::sql_value;
+
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::{DiscardPolicy, StorageType};
 use serde_json::Value;
-use support::{eventually, insert_transaction, parse_rfc3339_utc, rows, servers, Case, DEADLINE};
+use support::{
+    eventually, exits_with, insert_transaction, new_case, parse_rfc3339_utc, rows, servers, Case,
+    CommandRun, Relayed, DEADLINE,
+};
 
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
+/// What a `outbox-relay status --json` run printed, read.
+trait StatusJson {
+    fn json(&self) -> Value;
+    /// The messages of the findings of `level`.
+    fn findings(&self, level: &str) -> Vec<String>;
 }
 
-/// What one `outbox-relay status` run printed.
-struct StatusRun {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl StatusRun {
+impl StatusJson for CommandRun {
     fn json(&self) -> Value {
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
             panic!(
@@ -38,7 +40,6 @@ impl StatusRun {
         })
     }
 
-    /// The messages of the findings of `level`.
     fn findings(&self, level: &str) -> Vec<String> {
         self.json()["findings"]
             .as_array()
@@ -50,21 +51,13 @@ impl StatusRun {
     }
 }
 
-fn status(case: &Case, args: &[&str]) -> StatusRun {
-    let output = case.relay_command("status").args(args).output().unwrap();
-    StatusRun {
-        code: output.status.code().unwrap(),
-        stdout: String::from_utf8(output.stdout).unwrap(),
-        stderr: String::from_utf8(output.stderr).unwrap(),
-    }
+fn status(case: &Case, args: &[&str]) -> CommandRun {
+    case.run_command("status", args)
 }
 
 /// `outbox-relay init` for the case; returns its stderr (the log) after asserting exit 0.
 fn init(case: &Case) -> String {
-    let output = case.relay_command("init").output().unwrap();
-    let stderr = String::from_utf8(output.stderr).unwrap();
-    assert_eq!(output.status.code(), Some(0), "{stderr}");
-    stderr
+    exits_with(&mut case.relay_command("init"), 0)
 }
 
 /// The pid of the session holding an advisory lock in the case's database.
@@ -106,7 +99,7 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
         .unwrap();
 
     let run = status(&case, &["--json"]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     let json = run.json();
     assert_eq!(json["health"], "healthy");
     assert_eq!(json["exit_code"], 0);
@@ -115,14 +108,12 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
 
     // The slot: streamed by the relay's walsender, caught up.
     let slot = &json["slot"];
-    let walsender: i32 = sql
-        .query_one(
-            "select active_pid from pg_replication_slots where slot_name = $1",
-            &[&case.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let walsender: i32 = sql_value(
+        &sql,
+        "select active_pid from pg_replication_slots where slot_name = $1",
+        &[&case.slot],
+    )
+    .await;
     assert_eq!(slot["name"], case.slot.as_str());
     assert_eq!(slot["exists"], true);
     assert_eq!(slot["plugin"], "pgoutput");
@@ -215,25 +206,26 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
 
     // The table for people.
     let run = status(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     let table = &run.stdout;
-    for line in [
-        "outbox-relay status: healthy\n".to_owned(),
-        format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (outbox-relay, 127.0.0.1:", case.slot, case.database),
-        "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
-        format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
-        "  tables     public.outbox_events\n".to_owned(),
-        format!("lease        held by pid {holder} (outbox-relay, 127.0.0.1:"),
-        format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
-        "  messages   8 (".to_owned(),
-        // A current nats-server names the stream's leader after the replicas, even alone.
-        "  settings   file storage, 1 replica".to_owned(),
-        ", duplicate window 2m, limits retention, discard old\n".to_owned(),
-        format!("last event   outbox id {}, sequence 8, subject {}\n", row.id, last.subject),
-        format!("  position   commit {} #4, source {}\n", last.header("Outbox-Commit-Lsn"), last.header("Outbox-Source")),
-    ] {
-        assert!(table.contains(&line), "{line:?} missing from\n{table}");
-    }
+    assert_contains_all(
+        table,
+        [
+            "outbox-relay status: healthy\n".to_owned(),
+            format!("slot         {} (pgoutput, database {}): active, streamed by pid {walsender} (outbox-relay, 127.0.0.1:", case.slot, case.database),
+            "  wal        wal_status reserved, safe_wal_size unlimited\n".to_owned(),
+            format!("publication  {}: insert; publish_via_partition_root true\n", case.publication),
+            "  tables     public.outbox_events\n".to_owned(),
+            format!("lease        held by pid {holder} (outbox-relay, 127.0.0.1:"),
+            format!("stream       {}: subjects {}.>\n", case.stream, case.prefix),
+            "  messages   8 (".to_owned(),
+            // A current nats-server names the stream's leader after the replicas, even alone.
+            "  settings   file storage, 1 replica".to_owned(),
+            ", duplicate window 2m, limits retention, discard old\n".to_owned(),
+            format!("last event   outbox id {}, sequence 8, subject {}\n", row.id, last.subject),
+            format!("  position   commit {} #4, source {}\n", last.header("Outbox-Commit-Lsn"), last.header("Outbox-Source")),
+        ],
+    );
     for output in [&run.stdout, &run.stderr] {
         assert!(!output.contains("hunter2"), "{output}");
     }
@@ -243,32 +235,28 @@ async fn status_of_a_streaming_relay_is_healthy_and_reports_every_part() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_says_lagging_when_the_relay_stopped_with_a_backlog_and_broken_without_the_slot() {
     let case = new_case("status_lagging");
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, 2, 1, "relayed").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 2, DEADLINE).await;
+    let Relayed {
+        mut relay, mut sql, ..
+    } = case.relay_transaction(2, 1, "relayed").await;
     assert!(relay.terminate(DEADLINE).success());
     insert_transaction(&mut sql, 500, 5, "backlog").await;
 
     // Nobody relays: lagging, whatever the lag.
     let run = status(&case, &["--json"]);
-    assert_eq!(run.code, 3, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(3);
     let json = run.json();
     assert_eq!(json["health"], "lagging");
     assert_eq!(json["slot"]["active"], false);
     assert_eq!(json["lease"]["held"], false);
     assert_eq!(json["lease"]["holder"], Value::Null);
     let lag = json["slot"]["lag_bytes"].as_u64().unwrap();
-    let server_lag: i64 = sql
-        .query_one(
-            "select pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
+    let server_lag: i64 = sql_value(
+        &sql,
+        "select pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
                from pg_replication_slots where slot_name = $1",
-            &[&case.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+        &[&case.slot],
+    )
+    .await;
     assert!(lag > 500 * 50, "the backlog's WAL at least: {lag}");
     assert!(lag as i64 <= server_lag, "{lag} vs {server_lag} read later");
     let lagging = run.findings("lagging");
@@ -281,7 +269,7 @@ async fn status_says_lagging_when_the_relay_stopped_with_a_backlog_and_broken_wi
 
     // With a tiny threshold, the lag itself is reported too.
     let run = status(&case, &["--json", "--max-lag-bytes", "1"]);
-    assert_eq!(run.code, 3, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(3);
     let lagging = run.findings("lagging");
     assert!(
         lagging
@@ -304,7 +292,7 @@ async fn status_says_lagging_when_the_relay_stopped_with_a_backlog_and_broken_wi
         .await
         .unwrap();
     let run = status(&case, &["--json"]);
-    assert_eq!(run.code, 4, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(4);
     let json = run.json();
     assert_eq!(json["health"], "broken");
     assert_eq!(
@@ -334,7 +322,7 @@ fn status_exits_1_when_it_cannot_reach_postgres_or_nats_unless_what_it_read_is_b
     init_slot_and_publication(&case);
     case.nats_url = format!("nats://127.0.0.1:{}", testkit::free_port());
     let run = status(&case, &["--json"]);
-    assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(1);
     let json = run.json();
     assert_eq!(json["health"], "unknown");
     assert_eq!(json["stream"], Value::Null);
@@ -354,7 +342,7 @@ fn status_exits_1_when_it_cannot_reach_postgres_or_nats_unless_what_it_read_is_b
 
     case.pg_url = format!("postgres://postgres@127.0.0.1:{}/app", testkit::free_port());
     let run = status(&case, &[]);
-    assert_eq!(run.code, 1, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(1);
     assert!(
         run.stdout.contains("cannot connect to Postgres"),
         "{}",
@@ -409,14 +397,15 @@ async fn a_created_stream_has_the_configured_settings_and_warns_about_the_risky_
     assert_eq!(config.discard, DiscardPolicy::New);
     assert_eq!(config.duplicate_window, Duration::from_secs(300));
 
-    for warning in [
-        format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
-        format!("stream {} deletes events older than 1h (max_age), read or not", case.stream),
-        format!("stream {} refuses new events beyond 64 MiB (max_bytes) (discard new): then every publish of the relay fails", case.stream),
-        format!("stream {} accepts messages up to 8 MiB (max_msg_size), but the server's max_payload is 1 MiB", case.stream),
-    ] {
-        assert!(log.contains(&warning), "{warning:?} missing from\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
+            format!("stream {} deletes events older than 1h (max_age), read or not", case.stream),
+            format!("stream {} refuses new events beyond 64 MiB (max_bytes) (discard new): then every publish of the relay fails", case.stream),
+            format!("stream {} accepts messages up to 8 MiB (max_msg_size), but the server's max_payload is 1 MiB", case.stream),
+        ],
+    );
     assert!(!log.contains("differs from the options given"), "{log}");
 
     // status shows the same settings, and the same warnings.
@@ -438,30 +427,31 @@ async fn a_created_stream_has_the_configured_settings_and_warns_about_the_risky_
 async fn an_existing_stream_in_memory_with_a_short_max_age_is_warned_about_and_left_alone() {
     let mut case = new_case("stream_existing");
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        storage: StorageType::Memory,
-        max_age: Duration::from_secs(60),
-        max_messages: 1000,
-        duplicate_window: Duration::from_secs(30),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(
+        &js,
+        jetstream::stream::Config {
+            storage: StorageType::Memory,
+            max_age: Duration::from_secs(60),
+            max_messages: 1000,
+            duplicate_window: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .await;
     case.extra_env = vec![
         ("OUTBOX_RELAY_STREAM_MAX_AGE".into(), "7d".into()),
         ("OUTBOX_RELAY_DUPLICATE_WINDOW".into(), "30s".into()),
     ];
     let log = init(&case);
-    for warning in [
-        format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
-        format!("stream {} deletes events older than 1m (max_age), read or not: a consumer that falls further behind", case.stream),
-        format!("stream {} deletes its oldest events beyond 1000 messages (max_msgs) (discard old)", case.stream),
-        format!("stream {} differs from the options given for it: max_age 1m (OUTBOX_RELAY_STREAM_MAX_AGE: 7d)", case.stream),
-    ] {
-        assert!(log.contains(&warning), "{warning:?} missing from\n{log}");
-    }
+    assert_contains_all(
+        &log,
+        [
+            format!("stream {} keeps its events in memory: a nats-server restart loses every one of them", case.stream),
+            format!("stream {} deletes events older than 1m (max_age), read or not: a consumer that falls further behind", case.stream),
+            format!("stream {} deletes its oldest events beyond 1000 messages (max_msgs) (discard old)", case.stream),
+            format!("stream {} differs from the options given for it: max_age 1m (OUTBOX_RELAY_STREAM_MAX_AGE: 7d)", case.stream),
+        ],
+    );
     // The relay never changes an existing stream.
     let mut stream = js.get_stream(&case.stream).await.unwrap();
     let config = stream.info().await.unwrap().config.clone();
@@ -532,16 +522,16 @@ async fn an_async_persist_stream_is_warned_about_on_a_current_server() {
 async fn a_full_discard_new_stream_is_broken_in_status() {
     let case = new_case("stream_full");
     let js = case.jetstream().await;
-    js.create_stream(jetstream::stream::Config {
-        name: case.stream.clone(),
-        subjects: vec![format!("{}.>", case.prefix)],
-        max_messages: 1,
-        discard: DiscardPolicy::New,
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    case.create_stream(
+        &js,
+        jetstream::stream::Config {
+            max_messages: 1,
+            discard: DiscardPolicy::New,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        },
+    )
+    .await;
     js.publish(format!("{}.0.x", case.prefix), "{}".into())
         .await
         .unwrap()
@@ -564,9 +554,7 @@ async fn a_full_discard_new_stream_is_broken_in_status() {
 fn replicas_a_single_server_cannot_keep_are_refused_naming_the_option() {
     let mut case = new_case("stream_replicas");
     case.extra_env = vec![("OUTBOX_RELAY_STREAM_REPLICAS".into(), "3".into())];
-    let output = case.relay_command("init").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = case.relay_exits("init", 1);
     assert!(
         stderr.contains(&format!("cannot create stream {}", case.stream))
             && stderr.contains(

@@ -27,8 +27,7 @@ async fn events_committed_while_nats_is_down_are_not_confirmed_until_stored() {
     let pg = Postgres::start();
     let mut nats = Nats::start();
     let mut case = Case::new(&pg, &nats, "nats_down");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "2s")]);
     let relay = case.start_relay();
     let mut sql = case.sql().await;
     let js = case.jetstream().await;
@@ -175,13 +174,12 @@ async fn a_backpressured_relay_is_not_timed_out_by_the_walsender() {
         ..Default::default()
     });
     let nats = Nats::start();
-    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
     let mut case = Case::new(&pg, &nats, "backpressure");
-    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
-    case.extra_env
-        .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "64".into()));
+    let proxy = case.nats_through_proxy(nats.port());
+    case.set_env(&[
+        ("OUTBOX_RELAY_ACK_TIMEOUT", "60s"),
+        ("OUTBOX_RELAY_MAX_IN_FLIGHT", "64"),
+    ]);
     // Every standby status update the relay sends, with its time.
     case.extra_env.push((
         "RUST_LOG".into(),
@@ -247,11 +245,9 @@ async fn memory_stays_bounded_under_a_backlog_larger_than_the_buffers() {
     let _serial = SERIAL.lock().await;
     let pg = Postgres::start();
     let nats = Nats::start();
-    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
     let mut case = Case::new(&pg, &nats, "memory");
-    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
+    let proxy = case.nats_through_proxy(nats.port());
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "60s")]);
     let relay = case.start_relay();
     let sql = case.sql().await;
     let js = support::jetstream_at(&nats.url()).await;

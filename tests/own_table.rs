@@ -9,10 +9,13 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::num::NonZeroU64;
 
 use support::{
-    eventually, Case, Stored, DEADLINE, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE,
+    assert_contains_all, eventually, Case, Stored, DEADLINE, DEBEZIUM_ENV, DEBEZIUM_TABLE,
+    TEXT_ENV, TEXT_TABLE,
 };
 
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
@@ -53,7 +56,7 @@ where
     );
     // verify reads the table through the same mapping: after the kills, nothing to report.
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify
             .stdout
@@ -204,11 +207,7 @@ async fn a_debezium_table_emptied_by_remove_after_insert_arrives_once_in_order()
     let sql = case.sql().await;
     let (messages, _) = case.wait_confirmed(&js, &sql, 300).await;
     output.push_str(&relay.output());
-    let left: i64 = sql
-        .query_one("SELECT count(*) FROM outboxevent", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let left: i64 = sql_value(&sql, "SELECT count(*) FROM outboxevent", &[]).await;
     assert_eq!(left, 0, "the table stays empty");
     let stored: Vec<&str> = messages.iter().map(|m| m.header("Outbox-Id")).collect();
     assert_eq!(stored, ids, "every row once, in commit order");
@@ -340,18 +339,13 @@ async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_n
     let mut refused = other.spawn_relay();
     let status = refused.wait_exit(DEADLINE);
     assert!(!status.success());
-    let log = refused.output();
-    assert!(
-        log.contains("holds events published under another table mapping"),
-        "{log}"
-    );
-    assert!(
-        log.contains("subject={prefix}.{aggregatetype}.{shard}"),
-        "{log}"
-    );
-    assert!(
-        log.contains("subject={prefix}.{shard}.{event_type}"),
-        "{log}"
+    assert_contains_all(
+        &refused.output(),
+        [
+            "holds events published under another table mapping",
+            "subject={prefix}.{aggregatetype}.{shard}",
+            "subject={prefix}.{shard}.{event_type}",
+        ],
     );
 
     // The preset on the seed's table: the missing columns named, and the settings to fix it.
@@ -360,12 +354,13 @@ async fn a_stream_of_one_mapping_is_refused_under_another_and_a_wrong_shape_is_n
     wrong.stream = format!("{}_SEED", case.stream);
     let mut refused = wrong.spawn_relay();
     assert!(!refused.wait_exit(DEADLINE).success());
-    let log = refused.output();
-    assert!(
-        log.contains("missing column(s) aggregateid, type, timestamp, aggregatetype"),
-        "{log}"
+    assert_contains_all(
+        &refused.output(),
+        [
+            "missing column(s) aggregateid, type, timestamp, aggregatetype",
+            "OUTBOX_RELAY_*_COLUMN",
+        ],
     );
-    assert!(log.contains("OUTBOX_RELAY_*_COLUMN"), "{log}");
 
     // Still exactly one message: nothing was published by the refused runs.
     eventually("the stream to hold one message", DEADLINE, || async {

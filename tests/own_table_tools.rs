@@ -11,6 +11,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::collections::HashSet;
 
 use support::{
@@ -150,7 +152,7 @@ async fn delete_and_verify(case: &Case, message: &Stored, shown: &str) {
     let stream = js.get_stream(&case.stream).await.unwrap();
     stream.delete_message(message.sequence).await.unwrap();
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(5);
     assert!(
         verify
             .stdout
@@ -168,7 +170,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
     let messages = relayed(&case, 30, insert_debezium(&mut sql, 3)).await;
 
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify.stdout.starts_with("verify: OK: 30 rows (ids ")
             && verify.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable"),
@@ -181,7 +183,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
     let deleted = &messages[7];
     let id = outbox_id(deleted);
     let one = case.run_command("verify", &["--from-id", &id, "--to-id", &id]);
-    assert_eq!(one.code, 0, "{}\n{}", one.stdout, one.stderr);
+    one.assert_code(0);
     assert!(
         one.stdout
             .starts_with(&format!("verify: OK: 1 rows (ids {id}..={id})")),
@@ -189,7 +191,7 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
         one.stdout
     );
     let bad = case.run_command("verify", &["--from-id", "not-a-uuid"]);
-    assert_eq!(bad.code, 2, "{}\n{}", bad.stdout, bad.stderr);
+    bad.assert_code(2);
 
     delete_and_verify(&case, deleted, &id).await;
 }
@@ -201,7 +203,7 @@ async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_i
     let messages = relayed(&case, 35, insert_text(&mut sql, 0..5)).await;
 
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify
             .stdout
@@ -216,7 +218,7 @@ async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_i
     // A text range, compared by bytes: evt:1:0 ..= evt:1:9 holds evt:1:{0,1,2,4,5,6}
     // (and evt:1:7, excluded).
     let range = case.run_command("verify", &["--from-id", "evt:1:0", "--to-id", "evt:1:9"]);
-    assert_eq!(range.code, 0, "{}\n{}", range.stdout, range.stderr);
+    range.assert_code(0);
     assert!(
         range
             .stdout
@@ -284,7 +286,7 @@ async fn backfill_all_publishes_every_debezium_row_once_before_the_streamed_ones
     let ids = table_ids(&sql, "SELECT id::text FROM outboxevent").await;
     assert_once_backfilled_first(&messages, &ids, 40);
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify.stdout.starts_with("verify: OK: 50 rows"),
         "{}",
@@ -315,7 +317,7 @@ async fn backfill_all_publishes_every_text_row_once_in_byte_order() {
     sorted.sort();
     assert_eq!(backfilled, sorted);
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(0);
     assert!(
         verify.stdout.contains("verify: OK: 35 rows"),
         "{}",
@@ -335,7 +337,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
 
     let range = ["--from-id", "evt:1:0", "--to-id", "evt:1:9"];
     let replay = case.run_command("replay", &range);
-    assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+    replay.assert_code(0);
     assert!(
         replay
             .stdout
@@ -349,7 +351,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     assert_eq!(counted(&replay.stdout, "without an original"), 0);
 
     let backfill = case.run_command("backfill", &range);
-    assert_eq!(backfill.code, 0, "{}\n{}", backfill.stdout, backfill.stderr);
+    backfill.assert_code(0);
     assert!(
         backfill
             .stdout
@@ -359,8 +361,7 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     );
 
     assert_eq!(case.stream_count(&js).await, 21);
-    let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    case.run_command("verify", &[]).assert_code(0);
 }
 
 /// `--mark-published` and retention on the text-id table: the mapped id column (text ids,
@@ -389,7 +390,7 @@ async fn marking_and_retention_follow_the_mapped_id_and_creation_time() {
     assert_eq!(insert_text(&mut sql, 2..4).await, 14);
     let sql = &sql;
     let count = |query: &'static str| async move {
-        let n: i64 = sql.query_one(query, &[]).await.unwrap().get(0);
+        let n: i64 = sql_value(sql, query, &[]).await;
         n
     };
     // Waited on like `eventually`, saying what it saw and what the relay logged if it times out.

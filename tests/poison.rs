@@ -14,11 +14,16 @@
 
 use crate::support;
 
-use support::servers;
+use support::new_case;
 
 use async_nats::jetstream;
 use pgoutput::Lsn;
-use support::{assert_matches_row, insert_transaction, rows_by_id, Case, Stored, DEADLINE};
+use std::collections::HashMap;
+
+use support::{
+    assert_matches_row, insert_oversized_row, insert_transaction, rows_by_id, Case, Row, Stored,
+    DEADLINE,
+};
 use testkit::Process;
 
 /// The stream's message size limit: far above an ordinary event (a few hundred bytes),
@@ -95,16 +100,7 @@ async fn write_three_transactions(sql: &mut tokio_postgres::Client) -> Written {
     let before_tx = insert_transaction(sql, 5, 5, "before").await;
     let tx = sql.transaction().await.unwrap();
     let same_tx_before = insert_ordinary(&tx, 2, "same-tx-before").await;
-    let poison: i64 = tx
-        .query_one(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             values ('order-poison', 'OrderPaid', 'tmp-poison', 'tmp', 'tmp', jsonb_build_object('blob', repeat('x', 10000))) \
-             returning id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let poison = insert_oversized_row(&tx, "tmp-poison").await;
     let same_tx_after = insert_ordinary(&tx, 2, "same-tx-after").await;
     tx.commit().await.unwrap();
     let after_tx = insert_transaction(sql, 3, 3, "after").await;
@@ -121,6 +117,22 @@ fn ids(messages: &[Stored]) -> Vec<i64> {
     messages.iter().map(Stored::outbox_id).collect()
 }
 
+/// Waits until the stream holds a message for every row of `written` and the slot confirmed
+/// the last; asserts that they are those rows' (`what` says why), in commit order. Returns
+/// the messages, the last one's commit and the table's rows.
+async fn every_row_confirmed(
+    case: &Case,
+    js: &jetstream::Context,
+    sql: &tokio_postgres::Client,
+    written: &Written,
+    what: &str,
+) -> (Vec<Stored>, Lsn, HashMap<i64, Row>) {
+    let all = written.all();
+    let (messages, last_commit) = case.wait_confirmed(js, sql, all.len() as u64).await;
+    assert_eq!(ids(&messages), all, "{what}");
+    (messages, last_commit, rows_by_id(sql).await)
+}
+
 /// Waits for the relay process to exit on its own (it must not need a signal).
 fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
     tokio::task::block_in_place(|| relay.wait_exit(DEADLINE))
@@ -135,8 +147,7 @@ fn start_relay(case: &Case) -> Process {
 /// and restarting relays the rest exactly once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothing_past_it() {
-    let s = servers();
-    let case = Case::new(&s.pg, &s.nats, "poison_halt");
+    let case = new_case("poison_halt");
     let js = case.jetstream().await;
     create_limited_stream(&case, &js).await;
     let mut relay = start_relay(&case);
@@ -195,14 +206,14 @@ async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothi
     // Through the API's JSON, which keeps allow_batched (async-nats' config lacks it).
     support::update_stream_setting(&js, &case.stream, "max_msg_size", (1024 * 1024).into()).await;
     let relay = start_relay(&case);
-    let all = written.all();
-    let (messages, last_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
-    assert_eq!(
-        ids(&messages),
-        all,
-        "after raising the limit: every row once, in commit order"
-    );
-    let table = rows_by_id(&sql).await;
+    let (messages, last_commit, table) = every_row_confirmed(
+        &case,
+        &js,
+        &sql,
+        &written,
+        "after raising the limit: every row once, in commit order",
+    )
+    .await;
     for message in &messages {
         assert_matches_row(&case, message, &table[&message.outbox_id()]);
     }
@@ -221,25 +232,21 @@ async fn oversized_event_under_halt_stops_the_relay_naming_it_and_confirms_nothi
 /// row's id, keys and the reason; the rows after it flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_event_under_dead_letter_is_replaced_in_order_and_later_events_flow() {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, "poison_dlq");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    let mut case = new_case("poison_dlq");
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let js = case.jetstream().await;
     create_limited_stream(&case, &js).await;
     let relay = start_relay(&case);
     let mut sql = case.sql().await;
     let written = write_three_transactions(&mut sql).await;
-    let all = written.all();
-
-    let (messages, after_commit) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
-    assert_eq!(
-        ids(&messages),
-        all,
-        "the dead-letter record stands in the poison row's place, in commit order, and the rows after it flow"
-    );
-
-    let table = rows_by_id(&sql).await;
+    let (messages, after_commit, table) = every_row_confirmed(
+        &case,
+        &js,
+        &sql,
+        &written,
+        "the dead-letter record stands in the poison row's place, in commit order, and the rows after it flow",
+    )
+    .await;
     let dlq_at = written.before_tx.len() + written.same_tx_before.len();
     for (i, message) in messages.iter().enumerate() {
         if i != dlq_at {

@@ -12,17 +12,14 @@
 
 use crate::support;
 
+use support::sql_column;
+
 use std::collections::{HashMap, HashSet};
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use support::{assert_matches_row, rows, servers, strip_ansi, Case, Row, DEADLINE};
+use support::{assert_matches_row, new_case, rows, servers, strip_ansi, Case, Row, DEADLINE};
 use testkit::Process;
-
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
-}
 
 /// The seed's table, range-partitioned by `created_at` (a primary or unique key must
 /// include the partition key), with partitions for 2020 and 2021.
@@ -53,6 +50,15 @@ fn partitioned_case(name: &str) -> Case {
     let case = new_case(name);
     servers().pg.psql(&case.database, PARTITIONED);
     case
+}
+
+/// [`insert_rows`] into the outbox table itself (its partitions take the rows).
+async fn insert_into_table(
+    sql: &mut tokio_postgres::Client,
+    created_at: &[&str],
+    tag: &str,
+) -> Vec<i64> {
+    insert_rows(sql, "outbox_events", created_at, tag).await
 }
 
 /// Inserts one row per `created_at` into `target` (the table or one of its partitions) in
@@ -170,7 +176,7 @@ async fn assert_nothing_created(case: &Case, sql: &tokio_postgres::Client) {
 async fn fix_and_relay(case: &Case, sql: &mut tokio_postgres::Client, message: &str) -> Process {
     sql.batch_execute(&fix_sql(message)).await.unwrap();
     let relay = case.start_relay();
-    let ids = insert_rows(sql, "outbox_events", &["2021-03-01", "2020-03-01"], "fixed").await;
+    let ids = insert_into_table(sql, &["2021-03-01", "2020-03-01"], "fixed").await;
     assert_stream_is(case, &ids, &table_rows(sql).await).await;
     relay
 }
@@ -212,10 +218,10 @@ async fn partitioned_outbox_table_relays_inserts_into_every_partition() {
     let relay = case.start_relay();
     let mut sql = case.sql().await;
     let mut committed = Vec::new();
-    committed.extend(insert_rows(&mut sql, "outbox_events", &["2020-02-01"; 3], "2020").await);
-    committed.extend(insert_rows(&mut sql, "outbox_events", &["2021-02-01"; 3], "2021").await);
+    committed.extend(insert_into_table(&mut sql, &["2020-02-01"; 3], "2020").await);
+    committed.extend(insert_into_table(&mut sql, &["2021-02-01"; 3], "2021").await);
     let both = ["2020-03-01", "2021-03-01", "2020-04-01", "2021-04-01"];
-    committed.extend(insert_rows(&mut sql, "outbox_events", &both, "both").await);
+    committed.extend(insert_into_table(&mut sql, &both, "both").await);
     committed
         .extend(insert_rows(&mut sql, "outbox_events_2020", &["2020-05-01"; 2], "direct").await);
 
@@ -240,15 +246,7 @@ async fn partitioned_outbox_table_relays_inserts_into_every_partition() {
     )
     .await
     .unwrap();
-    committed.extend(
-        insert_rows(
-            &mut sql,
-            "outbox_events",
-            &["2022-02-01", "2023-02-01"],
-            "attached",
-        )
-        .await,
-    );
+    committed.extend(insert_into_table(&mut sql, &["2022-02-01", "2023-02-01"], "attached").await);
     committed.extend(
         insert_rows(
             &mut sql,
@@ -274,27 +272,13 @@ async fn partitioned_outbox_table_relays_inserts_into_every_partition() {
         .await
         .unwrap();
     insert_rows(&mut sql, "outbox_events_2020", &["2020-06-01"], "detached").await;
-    committed.extend(
-        insert_rows(
-            &mut sql,
-            "outbox_events",
-            &["2021-05-01", "2022-05-01"],
-            "after-detach",
-        )
-        .await,
-    );
+    committed
+        .extend(insert_into_table(&mut sql, &["2021-05-01", "2022-05-01"], "after-detach").await);
     sql.batch_execute("drop table outbox_events_2020")
         .await
         .unwrap();
-    committed.extend(
-        insert_rows(
-            &mut sql,
-            "outbox_events",
-            &["2023-05-01", "2021-06-01"],
-            "after-drop",
-        )
-        .await,
-    );
+    committed
+        .extend(insert_into_table(&mut sql, &["2023-05-01", "2021-06-01"], "after-drop").await);
     table.extend(table_rows(&sql).await);
 
     assert_stream_is(&case, &committed, &table).await;
@@ -313,12 +297,7 @@ async fn partitioned_outbox_table_relays_inserts_into_every_partition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_publication_the_relay_creates_publishes_partitions_as_the_table() {
     let case = partitioned_case("created_publication");
-    let init = case.relay_command("init").output().unwrap();
-    assert!(
-        init.status.success(),
-        "{}",
-        String::from_utf8_lossy(&init.stderr)
-    );
+    case.init();
     let sql = case.sql().await;
     let row = sql
         .query_one(
@@ -334,16 +313,12 @@ async fn the_publication_the_relay_creates_publishes_partitions_as_the_table() {
         (true, true, false, false),
         "publish_via_partition_root, inserts only, not all tables"
     );
-    let tables: Vec<String> = sql
-        .query(
-            "select tablename::text from pg_publication_tables where pubname = $1",
-            &[&case.publication],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let tables: Vec<String> = sql_column(
+        &sql,
+        "select tablename::text from pg_publication_tables where pubname = $1",
+        &[&case.publication],
+    )
+    .await;
     assert_eq!(tables, ["outbox_events"], "the table, not its partitions");
 }
 
@@ -369,15 +344,28 @@ async fn progress(case: &Case, sql: &tokio_postgres::Client) -> (pgoutput::Lsn, 
     )
 }
 
-/// A publication of the table with `options`, and the slot (as `sql/publication.sql` does).
-async fn create_publication_and_slot(case: &Case, sql: &tokio_postgres::Client, options: &str) {
-    create_publication(case, sql, &format!("for table outbox_events {options}")).await;
+/// A [`partitioned_case`] named `name` with a publication of the table `with (publish =
+/// 'insert')` (partitions published under their own names) and the slot, created as
+/// `sql/publication.sql` does; returns the case, a SQL connection and the [`progress`] then.
+async fn published_by_partition(
+    name: &str,
+) -> (Case, tokio_postgres::Client, (pgoutput::Lsn, u64)) {
+    let case = partitioned_case(name);
+    let sql = case.sql().await;
+    create_publication(
+        &case,
+        &sql,
+        "for table outbox_events with (publish = 'insert')",
+    )
+    .await;
     sql.execute(
         "select pg_create_logical_replication_slot($1, 'pgoutput')",
         &[&case.slot],
     )
     .await
     .unwrap();
+    let before = progress(&case, &sql).await;
+    (case, sql, before)
 }
 
 /// D5: inserts committed while the publication published partitions under their own names
@@ -387,17 +375,8 @@ async fn create_publication_and_slot(case: &Case, sql: &tokio_postgres::Client, 
 /// while the relay refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_committed_before_publish_via_partition_root_are_relayed() {
-    let case = partitioned_case("before_via_root");
-    let mut sql = case.sql().await;
-    create_publication_and_slot(&case, &sql, "with (publish = 'insert')").await;
-    let before = progress(&case, &sql).await;
-    let mut committed = insert_rows(
-        &mut sql,
-        "outbox_events",
-        &["2020-02-01", "2021-02-01"],
-        "before",
-    )
-    .await;
+    let (case, mut sql, before) = published_by_partition("before_via_root").await;
+    let mut committed = insert_into_table(&mut sql, &["2020-02-01", "2021-02-01"], "before").await;
     committed.extend(
         insert_rows(
             &mut sql,
@@ -420,24 +399,10 @@ async fn inserts_committed_before_publish_via_partition_root_are_relayed() {
     );
 
     sql.batch_execute(&fix_sql(&message)).await.unwrap();
-    committed.extend(
-        insert_rows(
-            &mut sql,
-            "outbox_events",
-            &["2021-04-01", "2020-04-01"],
-            "after",
-        )
-        .await,
-    );
+    committed.extend(insert_into_table(&mut sql, &["2021-04-01", "2020-04-01"], "after").await);
     let relay = case.start_relay();
     assert_stream_is(&case, &committed, &table_rows(&sql).await).await;
-    assert!(
-        relay
-            .output()
-            .contains("arrive under the partition's own name"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("arrive under the partition's own name");
 }
 
 /// D6: an insert committed before the fix into a partition dropped since arrives under a
@@ -445,11 +410,8 @@ async fn inserts_committed_before_publish_via_partition_root_are_relayed() {
 /// past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_insert_into_a_partition_dropped_before_the_fix_stops_the_relay_naming_it() {
-    let case = partitioned_case("dropped_partition");
-    let mut sql = case.sql().await;
-    create_publication_and_slot(&case, &sql, "with (publish = 'insert')").await;
-    let before = progress(&case, &sql).await;
-    insert_rows(&mut sql, "outbox_events", &["2020-02-01"], "lost-partition").await;
+    let (case, mut sql, before) = published_by_partition("dropped_partition").await;
+    insert_into_table(&mut sql, &["2020-02-01"], "lost-partition").await;
     sql.batch_execute(&format!(
         "alter table outbox_events detach partition outbox_events_2020;
          drop table outbox_events_2020;
@@ -528,14 +490,8 @@ async fn a_column_list_of_the_read_columns_is_accepted_and_relays_every_row() {
     )
     .await;
     let relay = case.start_relay();
-    let mut ids = insert_rows(
-        &mut sql,
-        "outbox_events",
-        &["2021-01-01", "2021-02-01"],
-        "a",
-    )
-    .await;
-    ids.extend(insert_rows(&mut sql, "outbox_events", &["2021-03-01"], "b").await);
+    let mut ids = insert_into_table(&mut sql, &["2021-01-01", "2021-02-01"], "a").await;
+    ids.extend(insert_into_table(&mut sql, &["2021-03-01"], "b").await);
     assert_stream_is(&case, &ids, &table_rows(&sql).await).await;
     drop(relay);
 }
@@ -568,13 +524,7 @@ async fn a_publication_changed_under_a_relay_is_refused_at_its_next_session_star
     let mut sql = case.sql().await;
     let js = case.jetstream().await;
     let mut relay = case.start_relay();
-    let mut committed = insert_rows(
-        &mut sql,
-        "outbox_events",
-        &["2020-02-01", "2021-02-01"],
-        "first",
-    )
-    .await;
+    let mut committed = insert_into_table(&mut sql, &["2020-02-01", "2021-02-01"], "first").await;
     case.wait_for_count(&js, committed.len() as u64, DEADLINE)
         .await;
 
@@ -636,15 +586,7 @@ async fn a_publication_changed_under_a_relay_is_refused_at_its_next_session_star
         sql.batch_execute(&fix_sql(&message)).await.unwrap();
         relay = case.start_relay();
         let tag = format!("after-fix-{i}");
-        committed.extend(
-            insert_rows(
-                &mut sql,
-                "outbox_events",
-                &["2021-03-01", "2020-03-01"],
-                &tag,
-            )
-            .await,
-        );
+        committed.extend(insert_into_table(&mut sql, &["2021-03-01", "2020-03-01"], &tag).await);
         case.wait_for_count(&js, committed.len() as u64, DEADLINE)
             .await;
     }
@@ -672,24 +614,12 @@ async fn a_publication_that_also_publishes_other_tables_is_accepted() {
     )
     .await;
     let relay = case.start_relay();
-    assert!(
-        relay
-            .output()
-            .contains("the publication also publishes other tables"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("the publication also publishes other tables");
     sql.batch_execute("insert into orders (total) values (1), (2); update orders set total = 3")
         .await
         .unwrap();
     insert_rows(&mut sql, "other_outbox", &["2021-01-01"], "other").await;
-    let ids = insert_rows(
-        &mut sql,
-        "outbox_events",
-        &["2021-02-01", "2021-03-01"],
-        "ours",
-    )
-    .await;
+    let ids = insert_into_table(&mut sql, &["2021-02-01", "2021-03-01"], "ours").await;
     assert_stream_is(&case, &ids, &table_rows(&sql).await).await;
     drop(relay);
 }

@@ -11,13 +11,11 @@ use support::servers;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use support::{assert_matches_row, eventually, insert_transaction, rows, Case, DEADLINE};
+use support::{
+    assert_matches_row, eventually, exits_with, insert_row, insert_transaction, new_case, rows,
+    Case, Relayed, DEADLINE,
+};
 use testkit::Postgres;
-
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
-}
 
 /// What a test continues from after [`kill_relay_mid_backlog`].
 struct Interrupted {
@@ -116,17 +114,17 @@ async fn stream_order_is_commit_order_not_id_order() {
     let mut expected = Vec::new();
     for round in 0..5 {
         let t1 = first.transaction().await.unwrap();
-        let id1: i64 = t1
-            .query_one("insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('entity-x', 'A', gen_random_uuid()::text, '', '', '{}') returning id", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let id1 = insert_row(
+            &t1,
+            "('entity-x', 'A', gen_random_uuid()::text, '', '', '{}')",
+        )
+        .await;
         let t2 = second.transaction().await.unwrap();
-        let id2: i64 = t2
-            .query_one("insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('entity-x', 'B', gen_random_uuid()::text, '', '', '{}') returning id", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let id2 = insert_row(
+            &t2,
+            "('entity-x', 'B', gen_random_uuid()::text, '', '', '{}')",
+        )
+        .await;
         assert!(id1 < id2, "round {round}");
         t2.commit().await.unwrap();
         t1.commit().await.unwrap();
@@ -268,20 +266,14 @@ async fn unrelated_writes_do_not_hold_wal_behind_the_slot() {
 fn bad_config_value_fails_at_startup_naming_the_key() {
     let case = new_case("bad_config");
     let mut command = case.relay_command("run");
-    command.env("OUTBOX_RELAY_PARTITIONS", "twelve");
-    let output = command.output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = exits_with(command.env("OUTBOX_RELAY_PARTITIONS", "twelve"), 2);
     assert!(
         stderr.contains("OUTBOX_RELAY_PARTITIONS") && stderr.contains("positive integer"),
         "{stderr}"
     );
 
     let mut command = case.relay_command("run");
-    command.env("OUTBOX_RELAY_MAX_IN_FLIHGT", "10");
-    let output = command.output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = exits_with(command.env("OUTBOX_RELAY_MAX_IN_FLIHGT", "10"), 2);
     assert!(
         stderr.contains("unknown environment variable OUTBOX_RELAY_MAX_IN_FLIHGT"),
         "{stderr}"
@@ -296,18 +288,14 @@ fn table_missing_a_column_fails_at_startup_naming_it() {
         &case.database,
         "alter table outbox_events drop column event_type",
     );
-    let output = case.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = case.relay_exits("run", 2);
     assert!(stderr.contains("missing column(s) event_type"), "{stderr}");
 
     let no_table = new_case("no_table");
     servers()
         .pg
         .psql(&no_table.database, "drop table outbox_events");
-    let output = no_table.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = no_table.relay_exits("run", 2);
     assert!(
         stderr.contains("table public.outbox_events does not exist"),
         "{stderr}"
@@ -381,11 +369,9 @@ async fn seed_style_rows_get_derived_keys_and_the_trigger_makes_table_and_wire_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_acks_and_confirms_before_exiting() {
     let case = new_case("sigterm");
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, 500, 5, "before-term").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 500, DEADLINE).await;
+    let Relayed {
+        mut relay, sql, js, ..
+    } = case.relay_transaction(500, 5, "before-term").await;
     let last_commit = case.messages(&js).await.last().unwrap().commit_lsn();
     let status = relay.terminate(DEADLINE);
     assert!(
@@ -404,30 +390,24 @@ async fn sigterm_drains_in_flight_acks_and_confirms_before_exiting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_not_silently_recreated_over_a_stream_with_history() {
     let case = new_case("dropped_slot");
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, 5, 1, "history").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 5, DEADLINE).await;
+    let Relayed {
+        mut relay,
+        mut sql,
+        js,
+        ..
+    } = case.relay_transaction(5, 1, "history").await;
     assert!(relay.terminate(DEADLINE).success());
     sql.execute("select pg_drop_replication_slot($1)", &[&case.slot])
         .await
         .unwrap();
 
-    let output = case.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = case.relay_exits("run", 1);
     assert!(
         stderr.contains("does not exist, but stream") && stderr.contains("outbox-relay init"),
         "{stderr}"
     );
 
-    let init = case.relay_command("init").output().unwrap();
-    assert!(
-        init.status.success(),
-        "{}",
-        String::from_utf8_lossy(&init.stderr)
-    );
+    case.init();
     let relay = case.start_relay();
     insert_transaction(&mut sql, 1, 1, "after").await;
     case.wait_for_count(&js, 6, DEADLINE).await;
@@ -505,12 +485,7 @@ async fn strict_mode_converges_when_the_tail_carries_no_position() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_holder_ends_a_walsender_that_still_holds_the_slot() {
     let case = new_case("lingering");
-    let init = case.relay_command("init").output().unwrap();
-    assert!(
-        init.status.success(),
-        "{}",
-        String::from_utf8_lossy(&init.stderr)
-    );
+    case.init();
     let pg = &servers().pg;
     let mut squatter = std::process::Command::new(pg.bin_dir().join("pg_recvlogical"));
     squatter.args([
@@ -544,13 +519,7 @@ async fn the_lease_holder_ends_a_walsender_that_still_holds_the_slot() {
     .await;
 
     let relay = case.start_relay();
-    assert!(
-        relay
-            .output()
-            .contains("ended a walsender still holding the slot"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("ended a walsender still holding the slot");
     let status = squatter.wait_exit(DEADLINE);
     assert!(!status.success(), "pg_recvlogical was disconnected");
     sql.batch_execute("insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) values ('e', 'T', 'x', '', '', '{}')")
@@ -581,12 +550,7 @@ fn wrong_permissions_fail_at_startup_naming_the_privilege() {
     };
 
     // Not the owner: the publication cannot be created.
-    let output = as_role("plain", &case)
-        .relay_command("run")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = as_role("plain", &case).relay_exits("run", 1);
     assert!(
         stderr.contains("cannot create the publication") && stderr.contains("sql/publication.sql"),
         "{stderr}"
@@ -600,12 +564,7 @@ fn wrong_permissions_fail_at_startup_naming_the_privilege() {
             case.publication
         ),
     );
-    let output = as_role("plain", &case)
-        .relay_command("run")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = as_role("plain", &case).relay_exits("run", 1);
     assert!(stderr.contains("REPLICATION"), "{stderr}");
 
     // With REPLICATION (and SELECT) it runs.

@@ -8,25 +8,43 @@
 
 use crate::support;
 
+use support::{sql_column, sql_value};
+
 use std::time::Duration;
 
-use support::{counted, eventually, insert_transaction, servers, Case, DEADLINE};
+use support::{counted, eventually, insert_transaction, Case, Relayed, DEADLINE};
 
 fn new_case(name: &str, env: &[(&str, &str)]) -> Case {
-    let s = servers();
-    let mut case = Case::new(&s.pg, &s.nats, name);
-    case.extra_env
-        .extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    let mut case = support::new_case(name);
+    case.set_env(env);
     case
+}
+
+/// Relays one transaction of 10 rows over 2 entities (`a`) and stops the relay; returns the
+/// SQL connection, a JetStream context and the rows' ids.
+async fn relay_ten_rows_and_stop(
+    case: &Case,
+) -> (
+    tokio_postgres::Client,
+    async_nats::jetstream::Context,
+    Vec<i64>,
+) {
+    let Relayed {
+        mut relay,
+        sql,
+        js,
+        ids,
+    } = case.relay_transaction(10, 2, "a").await;
+    relay.terminate(Duration::from_secs(10));
+    (sql, js, ids)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_refuses_a_strict_mode_stream_without_force() {
     let case = new_case("replay_strict", &[]);
-    let init = case.run_command("init", &[]);
-    assert_eq!(init.code, 0, "{}", init.stderr);
+    case.init();
     let replay = case.run_command("replay", &["--entity", "entity-0"]);
-    assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
+    replay.assert_code(2);
     assert!(
         replay.stderr.contains("is in strict mode")
             && replay.stderr.contains("pass --force to replay anyway"),
@@ -39,15 +57,10 @@ async fn replay_refuses_a_strict_mode_stream_without_force() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_stores_nothing() {
     let case = new_case("replay_window", &[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    insert_transaction(&mut sql, 10, 2, "a").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 10, DEADLINE).await;
-    relay.terminate(Duration::from_secs(10));
+    let (_sql, js, _) = relay_ten_rows_and_stop(&case).await;
 
     let replay = case.run_command("replay", &["--entity", "entity-1"]);
-    assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+    replay.assert_code(0);
     assert!(
         replay.stdout.starts_with("replay: published 5 events"),
         "{}",
@@ -62,8 +75,7 @@ async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_st
         replay.stdout
     );
     assert_eq!(case.stream_count(&js).await, 10);
-    let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 0, "{}\n{}", verify.stdout, verify.stderr);
+    case.run_command("verify", &[]).assert_code(0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,7 +83,7 @@ async fn a_forced_replay_is_refused_while_a_relay_holds_the_lease() {
     let case = new_case("replay_leased", &[]);
     let mut relay = case.start_relay();
     let replay = case.run_command("replay", &["--force"]);
-    assert_eq!(replay.code, 2, "{}\n{}", replay.stdout, replay.stderr);
+    replay.assert_code(2);
     assert!(
         replay.stderr.contains(&format!(
             "a relay holds the lease of slot {} (backend pid ",
@@ -86,32 +98,29 @@ async fn a_forced_replay_is_refused_while_a_relay_holds_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
     let case = new_case("replay_forced", &[("OUTBOX_RELAY_DUPLICATE_WINDOW", "1s")]);
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    let first = insert_transaction(&mut sql, 10, 2, "a").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 10, DEADLINE).await;
-    relay.terminate(Duration::from_secs(10));
+    let (mut sql, js, first) = relay_ten_rows_and_stop(&case).await;
     // Postgres ends the stopped relay's lease session a moment after it exits.
-    eventually("the stopped relay's lease is released", DEADLINE, || async {
-        let held: i64 = sql
-            .query_one(
+    eventually(
+        "the stopped relay's lease is released",
+        DEADLINE,
+        || async {
+            let held: i64 = sql_value(
+                &sql,
                 "select count(*) from pg_locks where locktype = 'advisory' and granted \
-                    and database = (select oid from pg_database where datname = current_database())",
+             and database = (select oid from pg_database where datname = current_database())",
                 &[],
             )
-            .await
-            .unwrap()
-            .get(0);
-        (held == 0).then_some(())
-    })
+            .await;
+            (held == 0).then_some(())
+        },
+    )
     .await;
 
     // Until the originals leave the 1 s duplicate window, each replay is acknowledged as
     // duplicates and stores nothing; then one stores its copies.
     let stored = eventually("a replay stores copies", DEADLINE, || async {
         let replay = case.run_command("replay", &["--entity", "entity-0", "--force"]);
-        assert_eq!(replay.code, 0, "{}\n{}", replay.stdout, replay.stderr);
+        replay.assert_code(0);
         let stored = counted(&replay.stdout, "stored again");
         (stored > 0).then_some(stored)
     })
@@ -125,16 +134,10 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
         second.iter().all(|id| ids.contains(id)).then_some(())
     })
     .await;
-    assert!(
-        relay
-            .output()
-            .contains("the stream's last message was published from another source"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("the stream's last message was published from another source");
 
     let verify = case.run_command("verify", &[]);
-    assert_eq!(verify.code, 5, "{}\n{}", verify.stdout, verify.stderr);
+    verify.assert_code(5);
     assert!(
         verify.stdout.contains(&format!(
             "20 rows (ids {}..={}), {} stream messages",
@@ -155,16 +158,12 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
         .collect();
     assert_eq!(duplicated.len() as u64, stored, "{}", verify.stdout);
     // Only entity-0's rows were replayed.
-    let entity_0: Vec<i64> = sql
-        .query(
-            "select id from outbox_events where entity_id = 'entity-0' and id <= $1",
-            &[&first[9]],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let entity_0: Vec<i64> = sql_column(
+        &sql,
+        "select id from outbox_events where entity_id = 'entity-0' and id <= $1",
+        &[&first[9]],
+    )
+    .await;
     assert_eq!(entity_0.len(), 5);
     for line in duplicated {
         assert!(
@@ -223,12 +222,7 @@ async fn a_strict_relay_beside_another_writer_skips_no_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_replayed_before_the_relay_streams_them_are_recognised_as_the_same_events() {
     let case = new_case("replay_ahead", &[]);
-    let mut relay = case.start_relay();
-    let mut sql = case.sql().await;
-    let first = insert_transaction(&mut sql, 10, 2, "a").await;
-    let js = case.jetstream().await;
-    case.wait_for_count(&js, 10, DEADLINE).await;
-    relay.terminate(Duration::from_secs(10));
+    let (mut sql, js, first) = relay_ten_rows_and_stop(&case).await;
     let ahead = insert_transaction(&mut sql, 10, 2, "b").await;
     // The stopped relay's lease goes a moment after it exits: replay until it is free.
     let replayed = eventually(

@@ -8,6 +8,10 @@
 
 use crate::support;
 
+use support::partitioned_outbox_table;
+
+use support::sql_value;
+
 use std::collections::{HashMap, HashSet};
 use support::{eventually, insert_transaction, servers, Case, DEADLINE};
 
@@ -46,11 +50,7 @@ async fn marks(sql: &tokio_postgres::Client) -> HashMap<i64, (String, i32, bool)
 /// Waits until the slot confirmed everything written so far (the marking UPDATEs included):
 /// the relay decoded past them, so whatever they could have fed back would be stored.
 async fn wait_confirmed_now(case: &Case, sql: &tokio_postgres::Client) {
-    let now: String = sql
-        .query_one("select pg_current_wal_insert_lsn()::text", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let now: String = sql_value(sql, "select pg_current_wal_insert_lsn()::text", &[]).await;
     let now: pgoutput::Lsn = now.parse().unwrap();
     eventually("the slot to confirm past the marking", DEADLINE, || async {
         (case.confirmed_flush_lsn(sql).await >= now).then_some(())
@@ -72,8 +72,7 @@ async fn mark_published_marks_each_relayed_row_once_and_nothing_feeds_back() {
             case.publication
         ),
     );
-    case.extra_env
-        .push(("OUTBOX_RELAY_MARK_PUBLISHED".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_MARK_PUBLISHED", "true")]);
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
     let js = case.jetstream().await;
@@ -134,20 +133,16 @@ async fn mark_published_marks_each_relayed_row_once_and_nothing_feeds_back() {
 #[test]
 fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privilege() {
     let servers = servers();
-    let mut case = Case::new(&servers.pg, &servers.nats, "mark_refused");
-    case.extra_env
-        .push(("OUTBOX_RELAY_MARK_PUBLISHED".into(), "true".into()));
-    servers.pg.psql(
-        &case.database,
+    let case = Case::with_table(
+        "mark_refused",
         "create role mark_reader login replication; grant select on outbox_events to mark_reader;",
+        &[&[("OUTBOX_RELAY_MARK_PUBLISHED", "true")]],
     );
     let mut reader = case.clone();
     reader.pg_url = reader
         .pg_url
         .replacen("postgres://postgres@", "postgres://mark_reader@", 1);
-    let output = reader.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = reader.relay_exits("run", 2);
     assert!(
         stderr.contains("may not UPDATE (status), UPDATE (published_at), UPDATE (attempts)")
             && stderr.contains("GRANT UPDATE (status)"),
@@ -157,9 +152,7 @@ fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privi
     // Retention needs DELETE.
     let mut retaining = reader.clone();
     retaining.extra_env = vec![("OUTBOX_RELAY_RETENTION_GRACE".into(), "7d".into())];
-    let output = retaining.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = retaining.relay_exits("run", 2);
     assert!(
         stderr.contains("--retention-grace") && stderr.contains("GRANT DELETE ON"),
         "{stderr}"
@@ -169,9 +162,7 @@ fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privi
         &case.database,
         "alter table outbox_events drop column attempts",
     );
-    let output = case.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let stderr = case.relay_exits("run", 2);
     assert!(
         stderr.contains("no column attempts")
             && stderr.contains("ADD COLUMN attempts integer")
@@ -196,16 +187,13 @@ fn mark_published_and_retention_refuse_to_start_without_the_columns_or_the_privi
 async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
     const UNCONFIRMED: &str = "retention: the slot has not confirmed everything committed";
     let servers = servers();
-    let proxy = testkit::Proxy::start(([127, 0, 0, 1], servers.nats.port()).into());
     let mut case = Case::new(&servers.pg, &servers.nats, "retention");
-    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
-    for (key, value) in [
+    let proxy = case.nats_through_proxy(servers.nats.port());
+    case.set_env(&[
         ("OUTBOX_RELAY_RETENTION_GRACE", "1s"),
         ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
         ("OUTBOX_RELAY_ACK_TIMEOUT", "60s"),
-    ] {
-        case.extra_env.push((key.into(), value.into()));
-    }
+    ]);
     let relay = case.start_relay();
     let mut writer = case.sql().await;
     let sql = case.sql().await;
@@ -241,14 +229,12 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
         held.extend(insert_transaction(&mut writer, 5, 3, &format!("held{i}")).await);
     }
     eventually("the held rows to pass the grace period", DEADLINE, || async {
-        let old: bool = sql
-            .query_one(
-                "select bool_and(created_at < now() - interval '1 second') from outbox_events where id = any($1)",
-                &[&held],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let old: bool = sql_value(
+            &sql,
+            "select bool_and(created_at < now() - interval '1 second') from outbox_events where id = any($1)",
+            &[&held],
+        )
+        .await;
         old.then_some(())
     })
     .await;
@@ -280,22 +266,12 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
         || async { present(held.clone()).await.is_empty().then_some(()) },
     )
     .await;
-    let left: i64 = sql
-        .query_one("select count(*) from outbox_events", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let left: i64 = sql_value(&sql, "select count(*) from outbox_events", &[]).await;
     assert_eq!(left, 0);
     let mut all = confirmed;
     all.extend(held);
     assert_each_once(&case, &js, &all).await;
-    assert!(
-        relay
-            .output()
-            .contains("retention deleted old confirmed rows"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("retention deleted old confirmed rows");
     eprintln!(
         "retention: 30 confirmed rows deleted; 10 held rows survived {} rounds past the grace period, then were stored once and deleted",
         support::lines_with(&relay.output(), &[UNCONFIRMED]) - rounds_before
@@ -311,13 +287,11 @@ async fn retention_deletes_old_confirmed_rows_and_never_an_unconfirmed_one() {
 async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
     let servers = servers();
     let mut case = Case::new(&servers.pg, &servers.nats, "retention_busy");
-    for (key, value) in [
+    case.set_env(&[
         ("OUTBOX_RELAY_RETENTION_GRACE", "1s"),
         ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
         ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
-    ] {
-        case.extra_env.push((key.into(), value.into()));
-    }
+    ]);
     let busy = format!("{}_busy", case.database);
     servers.pg.create_database(&busy);
     let relay = case.start_relay();
@@ -345,14 +319,12 @@ async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
         "the old rows deleted while another database is written",
         DEADLINE,
         || async {
-            let left: i64 = sql
-                .query_one(
-                    "select count(*) from outbox_events where id = any($1)",
-                    &[&ids],
-                )
-                .await
-                .unwrap()
-                .get(0);
+            let left: i64 = sql_value(
+                &sql,
+                "select count(*) from outbox_events where id = any($1)",
+                &[&ids],
+            )
+            .await;
             (left == 0).then_some(())
         },
     )
@@ -375,30 +347,18 @@ async fn retention_deletes_while_the_cluster_is_written_all_the_time() {
 /// (within it) stay, marked `published` once each; the stream holds every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_and_retention_work_through_a_partitioned_tables_root() {
-    let servers = servers();
-    let mut case = Case::new(&servers.pg, &servers.nats, "retention_partitioned");
-    servers.pg.psql(
-        &case.database,
-        "drop table outbox_events;
-         create table outbox_events (
-           id bigserial, entity_id text not null, event_type text not null,
-           dedupe_key text not null, partition_key text not null, ordering_key text not null,
-           payload jsonb not null, status text not null default 'pending',
-           attempts integer not null default 0, last_error text,
-           created_at timestamptz not null default now(), published_at timestamptz,
-           primary key (id, created_at)
-         ) partition by range (created_at);
-         create table outbox_events_2020 partition of outbox_events
-           for values from ('2020-01-01') to ('2021-01-01');
-         create table outbox_events_rest partition of outbox_events default;",
+    let case = Case::with_table(
+        "retention_partitioned",
+        &(partitioned_outbox_table("primary key (id, created_at)", "created_at")
+            + "create table outbox_events_2020 partition of outbox_events
+                 for values from ('2020-01-01') to ('2021-01-01');
+               create table outbox_events_rest partition of outbox_events default;"),
+        &[&[
+            ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
+            ("OUTBOX_RELAY_RETENTION_GRACE", "1h"),
+            ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
+        ]],
     );
-    for (key, value) in [
-        ("OUTBOX_RELAY_MARK_PUBLISHED", "true"),
-        ("OUTBOX_RELAY_RETENTION_GRACE", "1h"),
-        ("OUTBOX_RELAY_RETENTION_INTERVAL", "200ms"),
-    ] {
-        case.extra_env.push((key.into(), value.into()));
-    }
     let relay = case.start_relay();
     let sql = case.sql().await;
     let insert = "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload, created_at) \
@@ -423,11 +383,7 @@ async fn marking_and_retention_work_through_a_partitioned_tables_root() {
     let all: HashSet<i64> = old.union(&recent).copied().collect();
     case.wait_for_count(&js, all.len() as u64, DEADLINE).await;
     eventually("the 2020 partition to be emptied", DEADLINE, || async {
-        let left: i64 = sql
-            .query_one("select count(*) from outbox_events_2020", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let left: i64 = sql_value(&sql, "select count(*) from outbox_events_2020", &[]).await;
         (left == 0).then_some(())
     })
     .await;
@@ -448,11 +404,5 @@ async fn marking_and_retention_work_through_a_partitioned_tables_root() {
         assert_eq!(mark, ("published".to_owned(), 1, true), "row {id}");
     }
     assert_each_once(&case, &js, &all).await;
-    assert!(
-        relay
-            .output()
-            .contains("retention deleted old confirmed rows"),
-        "{}",
-        relay.output()
-    );
+    relay.assert_output_contains("retention deleted old confirmed rows");
 }

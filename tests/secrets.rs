@@ -270,9 +270,7 @@ async fn role_sql_streams_with_a_database_pg_hba_line_and_not_with_the_replicati
         "host replication outbox_relay 127.0.0.1/32 scram-sha-256",
         true,
     );
-    let output = relay_case.relay_command("run").output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let stderr = relay_case.relay_exits("run", 1);
     assert!(
         stderr.contains("no pg_hba.conf entry")
             && stderr.contains(&format!("{}\"", case.database))

@@ -10,6 +10,8 @@
 
 use crate::support;
 
+use support::sql_value;
+
 use std::time::{Duration, Instant, SystemTime};
 
 use support::{
@@ -144,8 +146,7 @@ async fn the_standby_takes_over_from_a_killed_relay_within_10s_and_the_stream_st
     let pg = Postgres::start();
     let nats = Nats::start();
     let mut case = Case::new(&pg, &nats, "standby");
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "2s".into()));
+    case.set_env(&[("OUTBOX_RELAY_ACK_TIMEOUT", "2s")]);
     let js = case.jetstream().await;
 
     // Two relays started together: exactly one takes the lease, the other waits.
@@ -310,15 +311,14 @@ async fn the_standby_takes_over_from_a_killed_relay_within_10s_and_the_stream_st
 async fn no_publish_after_the_lease_is_lost() {
     let pg = Postgres::start();
     let nats = Nats::start();
-    // Acks can be held back while publishes still reach the server.
-    let proxy = testkit::Proxy::start(([127, 0, 0, 1], nats.port()).into());
     let mut case = Case::new(&pg, &nats, "lease_lost");
-    case.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
-    case.extra_env
-        .push(("OUTBOX_RELAY_MAX_IN_FLIGHT".into(), "64".into()));
-    case.extra_env
-        .push(("OUTBOX_RELAY_ACK_TIMEOUT".into(), "60s".into()));
-    case.extra_env.push(("NO_COLOR".into(), "1".into()));
+    // Acks can be held back while publishes still reach the server.
+    let proxy = case.nats_through_proxy(nats.port());
+    case.set_env(&[
+        ("OUTBOX_RELAY_MAX_IN_FLIGHT", "64"),
+        ("OUTBOX_RELAY_ACK_TIMEOUT", "60s"),
+        ("NO_COLOR", "1"),
+    ]);
     let relay = case.start_relay();
     let mut sql = case.sql().await;
     let js = support::jetstream_at(&nats.url()).await;
@@ -348,14 +348,12 @@ async fn no_publish_after_the_lease_is_lost() {
             )
             .await
             .unwrap();
-        let held: bool = thief
-            .query_one(
-                "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay/' || $1, 0))",
-                &[&case.slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
+        let held: bool = sql_value(
+            &thief,
+            "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay/' || $1, 0))",
+            &[&case.slot],
+        )
+        .await;
         held.then_some(())
     })
     .await;

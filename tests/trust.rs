@@ -8,13 +8,11 @@
 use crate::support;
 
 use async_nats::HeaderMap;
-use support::{insert_transaction, servers, wal_lsn, Case, Stored, DEADLINE};
+use support::{
+    assert_contains_all, insert_row, insert_transaction, new_case, publish_acked, servers, wal_lsn,
+    Case, Stored, DEADLINE,
+};
 use testkit::{Postgres, Process};
-
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
-}
 
 fn start_relay(case: &Case) -> Process {
     tokio::task::block_in_place(|| case.start_relay())
@@ -23,6 +21,24 @@ fn start_relay(case: &Case) -> Process {
 /// Waits for the relay process to exit on its own.
 fn wait_for_exit(relay: &mut Process) -> std::process::ExitStatus {
     tokio::task::block_in_place(|| relay.wait_exit(DEADLINE))
+}
+
+/// The dead-letter record among `messages` (the first message with a reason).
+fn dead_letter_record(messages: &[Stored]) -> &Stored {
+    messages
+        .iter()
+        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
+        .expect("a dead-letter record")
+}
+
+/// Runs the relay until it exits on its own; asserts that it halted (exited non-zero) and
+/// returns what it printed.
+fn halted(case: &Case) -> String {
+    let mut relay = case.spawn_relay();
+    let status = wait_for_exit(&mut relay);
+    let output = relay.output();
+    assert!(!status.success(), "the relay halts: {status:?}\n{output}");
+    output
 }
 
 fn stop(relay: &mut Process) {
@@ -37,14 +53,6 @@ fn event_ids(messages: &[Stored]) -> Vec<i64> {
         .filter(|m| m.headers.contains_key("Outbox-Ordering-Key"))
         .map(Stored::outbox_id)
         .collect()
-}
-
-async fn publish(js: &async_nats::jetstream::Context, subject: String, headers: HeaderMap) {
-    js.publish_with_headers(subject, headers, "{}".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
 }
 
 /// Case 2, the tail: a message of another writer that carries the relay's own
@@ -77,7 +85,7 @@ async fn a_forged_tail_with_the_relays_own_source_skips_no_real_event() {
     headers.insert("Outbox-Tx-Index", "0");
     headers.insert("Outbox-Id", "999999");
     headers.insert("Outbox-Ordering-Key", "1700000000000:00000000000000999999");
-    publish(&js, format!("{}.0.Forged", case.prefix), headers).await;
+    publish_acked(&js, format!("{}.0.Forged", case.prefix), headers, "{}").await;
     // The WAL end moves past the forged position, so only the row check can tell.
     sql.batch_execute("create table filler (n int); insert into filler values (1)")
         .await
@@ -129,16 +137,16 @@ async fn a_forged_original_without_a_position_is_poison_not_a_stored_event() {
     let after = insert_transaction(&mut sql, 3, 1, "after").await;
     let mut headers = HeaderMap::new();
     headers.insert("Nats-Msg-Id", dedupe_key.as_str());
-    publish(&js, format!("{}.0.Forged", case.prefix), headers).await;
+    publish_acked(&js, format!("{}.0.Forged", case.prefix), headers, "{}").await;
 
-    let mut relay = case.spawn_relay();
-    let status = wait_for_exit(&mut relay);
-    let output = relay.output();
-    assert!(
-        !status.success()
-            && output.contains(&format!("outbox event id={victim}"))
-            && output.contains("another writer"),
-        "halt names the row and the other writer: {status:?}\n{output}"
+    let output = halted(&case);
+    // The halt names the row and the other writer.
+    assert_contains_all(
+        &output,
+        [
+            format!("outbox event id={victim}"),
+            "another writer".to_owned(),
+        ],
     );
     let confirmed = case.confirmed_flush_lsn(&sql).await;
     assert!(
@@ -147,15 +155,11 @@ async fn a_forged_original_without_a_position_is_poison_not_a_stored_event() {
     );
     assert_eq!(event_ids(&case.messages(&js).await), before);
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let _relay = start_relay(&case);
     case.wait_for_count(&js, 5 + 1 + 1 + 3, DEADLINE).await;
     let messages = case.messages(&js).await;
-    let record = messages
-        .iter()
-        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
-        .expect("a dead-letter record");
+    let record = dead_letter_record(&messages);
     assert_eq!(record.outbox_id(), victim);
     let mut relayed = before.clone();
     relayed.extend(&after);
@@ -185,42 +189,33 @@ async fn a_payload_that_is_not_utf8_goes_to_the_poison_policy_naming_its_id() {
     let js = case.jetstream().await;
     let mut sql = case.sql().await;
     // The slot exists before the rows: they are streamed, not backfilled.
-    let init = case.relay_command("init").output().unwrap();
-    assert!(init.status.success(), "{init:?}");
+    case.init();
     let before = insert_transaction(&mut sql, 3, 1, "before").await;
     let below_poison = wal_lsn(&sql).await;
-    let poison: i64 = sql
-        .query_one(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             values ('latin1', 'Latin1', 'tmp', 'tmp', 'tmp', E'{\"name\": \"Jos\\351\"}'::jsonb) returning id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let poison = insert_row(
+        &sql,
+        "('latin1', 'Latin1', 'tmp', 'tmp', 'tmp', E'{\"name\": \"Jos\\351\"}'::jsonb)",
+    )
+    .await;
     let after = insert_transaction(&mut sql, 3, 1, "after").await;
 
-    let mut relay = case.spawn_relay();
-    let status = wait_for_exit(&mut relay);
-    let output = relay.output();
-    assert!(
-        !status.success()
-            && output.contains(&format!("outbox event id={poison}"))
-            && output.contains("not valid UTF-8"),
-        "halt names the row: {status:?}\n{output}"
+    let output = halted(&case);
+    // The halt names the row and the cause.
+    assert_contains_all(
+        &output,
+        [
+            format!("outbox event id={poison}"),
+            "not valid UTF-8".to_owned(),
+        ],
     );
     assert!(case.confirmed_flush_lsn(&sql).await <= below_poison);
     assert_eq!(event_ids(&case.messages(&js).await), before);
 
-    case.extra_env
-        .push(("OUTBOX_RELAY_ON_POISON".into(), "dead-letter".into()));
+    case.set_env(&[("OUTBOX_RELAY_ON_POISON", "dead-letter")]);
     let _relay = start_relay(&case);
     case.wait_for_count(&js, 3 + 1 + 3, DEADLINE).await;
     let messages = case.messages(&js).await;
-    let record = messages
-        .iter()
-        .find(|m| m.headers.contains_key("Outbox-Dead-Letter-Reason"))
-        .expect("a dead-letter record");
+    let record = dead_letter_record(&messages);
     assert_eq!(record.outbox_id(), poison);
     assert!(record.header("Outbox-Dead-Letter-Reason").contains("UTF-8"));
     let mut relayed = before.clone();

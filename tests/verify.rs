@@ -10,39 +10,18 @@
 
 use crate::support;
 
+use support::sql_column;
+
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use support::{insert_transaction, servers, Case, Row, Stored, DEADLINE, ROW_COLUMNS};
+use support::{
+    exits_with, insert_oversized_row, insert_row, insert_transaction, new_case, publish_acked,
+    servers, Case, CommandRun, Row, Stored, DEADLINE, ROW_COLUMNS,
+};
 
-fn new_case(name: &str) -> Case {
-    let s = servers();
-    Case::new(&s.pg, &s.nats, name)
-}
-
-/// What one `outbox-relay verify` run printed.
-struct VerifyRun {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn verify(case: &Case, args: &[&str]) -> VerifyRun {
-    let output = case.relay_command("verify").args(args).output().unwrap();
-    VerifyRun {
-        code: output.status.code().unwrap(),
-        stdout: String::from_utf8(output.stdout).unwrap(),
-        stderr: String::from_utf8(output.stderr).unwrap(),
-    }
-}
-
-impl VerifyRun {
-    fn lines(&self, prefix: &str) -> Vec<&str> {
-        self.stdout
-            .lines()
-            .filter(|l| l.starts_with(prefix))
-            .collect()
-    }
+fn verify(case: &Case, args: &[&str]) -> CommandRun {
+    case.run_command("verify", args)
 }
 
 /// Relays 3 transactions of 10 rows over 4 entities, then stops the relay (so tampering
@@ -72,16 +51,20 @@ fn header_map(stored: &Stored) -> HeaderMap {
     map
 }
 
+/// Publishes a copy of `stored` with `headers` (and waits for the server's ack).
+async fn publish_copy(js: &async_nats::jetstream::Context, stored: &Stored, headers: HeaderMap) {
+    publish_acked(js, stored.subject.clone(), headers, stored.payload.clone()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_reports_no_problem_after_a_healthy_run() {
     let case = new_case("verify_healthy");
     relayed(&case).await;
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
-    let summary = run.lines("verify: OK: 30 rows");
-    assert_eq!(summary.len(), 1, "{}", run.stdout);
+    run.assert_code(0);
+    let summary = run.only_line("verify: OK: 30 rows");
     assert!(
-        summary[0].contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected"),
+        summary.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected"),
         "{}",
         run.stdout
     );
@@ -101,32 +84,16 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
     // Published twice: a copy under another Nats-Msg-Id.
     let mut copy = header_map(doubled);
     copy.insert("Nats-Msg-Id", "a-copy");
-    js.publish_with_headers(
-        doubled.subject.clone(),
-        copy,
-        doubled.payload.clone().into(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    publish_copy(&js, doubled, copy).await;
     // A wrong key: deleted and republished with another ordering key.
     stream.delete_message(doctored.sequence).await.unwrap();
     let mut wrong = header_map(doctored);
     wrong.insert("Nats-Msg-Id", "doctored");
     wrong.insert("Outbox-Ordering-Key", "0000000000000:00000000000000000000");
-    js.publish_with_headers(
-        doctored.subject.clone(),
-        wrong,
-        doctored.payload.clone().into(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    publish_copy(&js, doctored, wrong).await;
 
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(5);
     let missing = run.lines("missing: ");
     assert_eq!(
         missing,
@@ -137,10 +104,9 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
         "{}",
         run.stdout
     );
-    let duplicated = run.lines("duplicated: ");
-    assert_eq!(duplicated.len(), 1, "{}", run.stdout);
+    let duplicated = run.only_line("duplicated: ");
     assert!(
-        duplicated[0].starts_with(&format!(
+        duplicated.starts_with(&format!(
             "duplicated: id={} 2 messages on the stream: sequences {}, ",
             doubled.outbox_id(),
             doubled.sequence
@@ -148,11 +114,10 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
         "{}",
         run.stdout
     );
-    let mismatched = run.lines("mismatched: ");
-    assert_eq!(mismatched.len(), 1, "{}", run.stdout);
+    let mismatched = run.only_line("mismatched: ");
     assert!(
-        mismatched[0].starts_with(&format!("mismatched: id={} ", doctored.outbox_id()))
-            && mismatched[0].contains(&format!(
+        mismatched.starts_with(&format!("mismatched: id={} ", doctored.outbox_id()))
+            && mismatched.contains(&format!(
                 "Outbox-Ordering-Key is \"0000000000000:00000000000000000000\", the row gives \"{}\"",
                 doctored.header("Outbox-Ordering-Key")
             )),
@@ -160,10 +125,9 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
         run.stdout
     );
     // The republished copy sits at the tail, after events of its entity committed later.
-    let out_of_order = run.lines("out of order: ");
-    assert_eq!(out_of_order.len(), 1, "{}", run.stdout);
+    let out_of_order = run.only_line("out of order: ");
     assert!(
-        out_of_order[0].starts_with(&format!(
+        out_of_order.starts_with(&format!(
             "out of order: id={} at sequence {}: entity {:?} ",
             doctored.outbox_id(),
             messages.last().unwrap().sequence + 2,
@@ -190,7 +154,7 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
             &(deleted.outbox_id() - 1).to_string(),
         ],
     );
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     assert!(run.stdout.contains("verify: OK: 3 rows"), "{}", run.stdout);
 }
 
@@ -213,26 +177,12 @@ async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_fai
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
     insert_transaction(&mut sql, 5, 2, "a").await;
-    let hostile: i64 = sql
-        .query_one(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             values (E'order\r\nNats-Msg-Id: x', E'Paid Nats-Expected-Last-Sequence: 0 %', 'tmp-h', 'tmp', 'tmp', '{}') \
-             returning id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    let poison: i64 = sql
-        .query_one(
-            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
-             values ('order-poison', 'OrderPaid', 'tmp-p', 'tmp', 'tmp', jsonb_build_object('blob', repeat('x', 10000))) \
-             returning id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let hostile = insert_row(
+        &sql,
+        "(E'order\r\nNats-Msg-Id: x', E'Paid Nats-Expected-Last-Sequence: 0 %', 'tmp-h', 'tmp', 'tmp', '{}')",
+    )
+    .await;
+    let poison = insert_oversized_row(&sql, "tmp-p").await;
     let js = case.jetstream().await;
     case.wait_for_count(&js, 7, DEADLINE).await;
     relay.terminate(Duration::from_secs(10));
@@ -241,7 +191,7 @@ async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_fai
     assert_eq!(stored_hostile.header("Outbox-Encoding"), "percent");
 
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     let dlq = messages.iter().find(|m| m.outbox_id() == poison).unwrap();
     assert_eq!(
         run.lines("dead-lettered: "),
@@ -264,7 +214,7 @@ async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_fai
 async fn verify_refuses_an_invalid_time_with_exit_2() {
     let case = new_case("verify_bad_time");
     let run = verify(&case, &["--since", "yesterday-ish"]);
-    assert_eq!(run.code, 2, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(2);
     assert!(
         run.stderr
             .contains("--since \"yesterday-ish\" is neither a timestamp nor a duration"),
@@ -345,7 +295,7 @@ async fn verify_throughput() {
     eprintln!("published {rows} rows in {:?}", started.elapsed());
     let run = verify(&case, &[]);
     eprintln!("{}{}", run.stderr, run.stdout);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     assert!(
         run.stdout.contains(&format!("verify: OK: {rows} rows")),
         "{}",
@@ -374,21 +324,16 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
     )
     .await
     .unwrap();
-    let published: Vec<i64> = sql
-        .query(
-            "select id from outbox_events where status = 'published' order by id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    let published: Vec<i64> = sql_column(
+        &sql,
+        "select id from outbox_events where status = 'published' order by id",
+        &[],
+    )
+    .await;
     assert_eq!(published.len(), 500);
     // Step 3 of the migration: the slot created with the default backfill (pending), in
     // shared-stream mode.
-    case.extra_env
-        .push(("OUTBOX_RELAY_SHARED_STREAM".into(), "true".into()));
+    case.set_env(&[("OUTBOX_RELAY_SHARED_STREAM", "true")]);
     let mut relay = case.start_relay();
     let mut sql = case.sql().await;
     let new = insert_transaction(&mut sql, 100, 5, "new").await;
@@ -405,7 +350,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
         case.slot
     );
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     assert_eq!(run.lines(&left_out).len(), 1, "{}", run.stdout);
     assert_eq!(run.stdout.lines().count(), 2, "{}", run.stdout);
     assert!(
@@ -432,7 +377,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
     let stream = js.get_stream(&case.stream).await.unwrap();
     stream.delete_message(deleted.sequence).await.unwrap();
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(5);
     let lines: Vec<&str> = run.stdout.lines().collect();
     assert_eq!(lines.len(), 3, "{}", run.stdout);
     assert_eq!(
@@ -453,7 +398,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
     let streamed = messages.iter().find(|m| m.outbox_id() == new[50]).unwrap();
     stream.delete_message(streamed.sequence).await.unwrap();
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(5);
     assert_eq!(
         run.lines("missing: "),
         [
@@ -470,7 +415,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
         .await
         .unwrap();
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(5);
     assert_eq!(
         run.lines(&format!(
             "note: no boundary is recorded for slot {:?} (",
@@ -539,12 +484,11 @@ async fn a_relay_that_cannot_record_the_boundary_warns_once_and_relays_all_the_s
     );
 
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(5);
     assert_eq!(run.lines("missing: ").len(), 5, "{}", run.stdout);
-    let note = run.lines("note: no boundary is recorded for slot ");
-    assert_eq!(note.len(), 1, "{}", run.stdout);
+    let note = run.only_line("note: no boundary is recorded for slot ");
     assert!(
-        note[0].contains("\"public\".\"outbox_relay_boundary\" does not exist"),
+        note.contains("\"public\".\"outbox_relay_boundary\" does not exist"),
         "{}",
         run.stdout
     );
@@ -615,7 +559,7 @@ async fn verify_compares_positions_within_one_wal_history_only() {
     case.wait_for_count(&js, 50, DEADLINE).await;
 
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     assert!(run.stdout.contains("0 out of order"), "{}", run.stdout);
 }
 
@@ -635,11 +579,10 @@ async fn an_emptied_table_is_one_line_and_no_discrepancy() {
         .await
         .unwrap();
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
-    let line = run.lines("rows deleted after relaying: 8 messages");
-    assert_eq!(line.len(), 1, "{}", run.stdout);
+    run.assert_code(0);
+    let line = run.only_line("rows deleted after relaying: 8 messages");
     assert!(
-        line[0].contains(&format!("3 of them with ids {}..={}", ids[12], ids[14])),
+        line.contains(&format!("3 of them with ids {}..={}", ids[12], ids[14])),
         "{}",
         run.stdout
     );
@@ -651,7 +594,7 @@ async fn an_emptied_table_is_one_line_and_no_discrepancy() {
 
     sql.batch_execute("truncate outbox_events").await.unwrap();
     let run = verify(&case, &[]);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_code(0);
     assert_eq!(
         run.lines("rows deleted after relaying: 30 messages").len(),
         1,
@@ -660,9 +603,7 @@ async fn an_emptied_table_is_one_line_and_no_discrepancy() {
     );
 
     for (tool, args) in [("replay", vec!["--force"]), ("backfill", vec!["--force"])] {
-        let output = case.relay_command(tool).args(&args).output().unwrap();
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{tool}: {stderr}");
+        let stderr = exits_with(case.relay_command(tool).args(&args), 2);
         assert!(
             stderr.contains("holds no row in the range given")
                 && stderr.contains("deleted after they were relayed"),

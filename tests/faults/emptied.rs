@@ -13,7 +13,7 @@
 //! nats-server restart. `EMPTIED_SEED=<n>` replays a schedule.
 
 use super::*;
-use support::{check_faithful, last_lines, WriterLog};
+use support::{check_faithful, last_lines, partitioned_outbox_table, WriterLog};
 
 /// How the rows leave the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,18 +43,8 @@ const PARTITIONS: i64 = 150;
 
 /// The seed's table partitioned by id (a unique key must include the partition key).
 fn partitioned_by_id() -> String {
-    let mut sql = String::from(
-        "drop table outbox_events;
-         create table outbox_events (
-           id bigserial, entity_id text not null, event_type text not null,
-           dedupe_key text not null, partition_key text not null, ordering_key text not null,
-           payload jsonb not null, status text not null default 'pending',
-           attempts integer not null default 0, last_error text,
-           created_at timestamptz not null default now(), published_at timestamptz,
-           primary key (id), unique (dedupe_key, id)
-         ) partition by range (id);
-         create table outbox_events_default partition of outbox_events default;",
-    );
+    let mut sql = partitioned_outbox_table("primary key (id), unique (dedupe_key, id)", "id");
+    sql.push_str("create table outbox_events_default partition of outbox_events default;");
     for k in 0..PARTITIONS {
         sql.push_str(&format!(
             "create table outbox_events_p{k} partition of outbox_events for values from ({}) to ({});",
@@ -203,11 +193,7 @@ async fn phase(
 async fn emptied(lifecycle: Lifecycle) {
     let _serial = SERIAL.write().await;
     let started = Instant::now();
-    let seed: u64 = std::env::var("EMPTIED_SEED")
-        .ok()
-        .map(|s| s.parse().expect("EMPTIED_SEED is a u64"))
-        .unwrap_or_else(rand::random);
-    eprintln!("emptied {lifecycle:?}: seed {seed} (replay with EMPTIED_SEED={seed})");
+    let seed = seed_from_env("EMPTIED_SEED", &format!("emptied {lifecycle:?}"));
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut pg, mut nats) = tokio::task::block_in_place(|| (Postgres::start(), Nats::start()));
     let mut case = Case::new(&pg, &nats, &format!("{lifecycle:?}").to_lowercase());

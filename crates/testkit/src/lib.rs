@@ -165,6 +165,31 @@ fn ports_outside_the_ephemeral_range() -> (u16, u16) {
     }
 }
 
+/// The server binary `name`: `$override_var` when set (it must exist), else the first
+/// `name` on `PATH` or in `also_in`; panics with [`missing`] (`what`) when there is none.
+pub(crate) fn find_binary(override_var: &str, name: &str, also_in: &[&str], what: &str) -> PathBuf {
+    if let Some(bin) = std::env::var_os(override_var) {
+        let bin = PathBuf::from(bin);
+        assert!(
+            bin.is_file(),
+            "testkit: {override_var}={} does not exist",
+            bin.display()
+        );
+        return bin;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(also_in.iter().map(PathBuf::from))
+        .map(|dir| dir.join(name))
+        .find(|bin| bin.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "{}",
+                missing(what, &format!("point {override_var} at the binary"))
+            )
+        })
+}
+
 /// Poll `ready` every ~20 ms until it returns true; panics with
 /// `timed out after {timeout:?} waiting for {what}` otherwise.
 pub fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {

@@ -202,29 +202,12 @@ const CURRENT_NATS_INSTALLS: &[&str] = &[
 ];
 
 pub(crate) fn nats_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TESTKIT_NATS_SERVER") {
-        let bin = PathBuf::from(bin);
-        assert!(
-            bin.is_file(),
-            "testkit: TESTKIT_NATS_SERVER={} does not exist",
-            bin.display()
-        );
-        return bin;
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
-        .map(|dir| dir.join("nats-server"))
-        .find(|bin| bin.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "{}",
-                crate::missing(
-                    "`nats-server` on PATH",
-                    "point TESTKIT_NATS_SERVER at the binary"
-                )
-            )
-        })
+    crate::find_binary(
+        "TESTKIT_NATS_SERVER",
+        "nats-server",
+        &["/usr/sbin", "/usr/local/bin"],
+        "`nats-server` on PATH",
+    )
 }
 
 /// Whether nats-server `version` (as its INFO gives it, `2.15.1`) has fast-ingest batches

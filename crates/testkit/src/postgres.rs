@@ -402,7 +402,7 @@ impl Postgres {
         if let Some(password) = &self.password {
             backup.env("PGPASSWORD", password);
         }
-        run_as_server(backup, "pg_basebackup");
+        run_as_server(backup);
         let server = Server::new("postgres", root.join("postgres.log"), Some(libc::SIGQUIT));
         Postgres {
             bin_dir: self.bin_dir.clone(),
@@ -438,7 +438,7 @@ impl Postgres {
             .arg("-D")
             .arg(&self.data_dir)
             .stdin(Stdio::null());
-        run_as_server(promote, "pg_ctl promote");
+        run_as_server(promote);
         crate::wait_until(
             "the promoted server to accept writes",
             START_TIMEOUT,
@@ -552,17 +552,9 @@ fn pg_bin_dir() -> PathBuf {
 }
 
 /// Runs `command` as the server user; panics, with its output, unless it succeeds.
-fn run_as_server(mut command: Command, what: &str) {
+fn run_as_server(mut command: Command) {
     as_server_user(&mut command);
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("testkit: run {what}: {e}"));
-    assert!(
-        output.status.success(),
-        "testkit: {what} failed: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    crate::harness::succeeds(&mut command);
 }
 
 fn as_server_user(command: &mut Command) {
@@ -605,17 +597,7 @@ fn initdb(bin_dir: &Path, root: &Path, data_dir: &Path) {
         .current_dir(root)
         .env_remove("PGDATA")
         .stdin(Stdio::null());
-    as_server_user(&mut command);
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("testkit: run {}: {e}", bin_dir.join("initdb").display()));
-    assert!(
-        output.status.success(),
-        "testkit: initdb failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    run_as_server(command);
 }
 
 /// A copy of a data directory taken by [`Postgres::backup`]; removed on drop.

@@ -149,6 +149,15 @@ impl Process {
         self.capture.lock().text.clone()
     }
 
+    /// Asserts that the output so far contains `needle` (the output is the failure's message).
+    pub fn assert_output_contains(&self, needle: &str) {
+        let output = self.output();
+        assert!(
+            output.contains(needle),
+            "{needle:?} missing from:\n{output}"
+        );
+    }
+
     /// Block until the output contains `needle`; panics with the captured
     /// output on timeout, or as soon as the process closed its output (i.e.
     /// exited) without printing it.

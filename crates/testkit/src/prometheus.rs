@@ -183,24 +183,10 @@ fn percent_encode(text: &str) -> String {
 }
 
 fn prometheus_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("TESTKIT_PROMETHEUS") {
-        let bin = PathBuf::from(bin);
-        assert!(
-            bin.is_file(),
-            "testkit: TESTKIT_PROMETHEUS={} does not exist",
-            bin.display()
-        );
-        return bin;
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin")])
-        .map(|dir| dir.join("prometheus"))
-        .find(|bin| bin.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "{}",
-                crate::missing("`prometheus`", "point TESTKIT_PROMETHEUS at the binary")
-            )
-        })
+    crate::find_binary(
+        "TESTKIT_PROMETHEUS",
+        "prometheus",
+        &["/usr/bin"],
+        "`prometheus`",
+    )
 }

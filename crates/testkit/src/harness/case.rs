@@ -5,7 +5,7 @@
 use std::ffi::OsStr;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use pgoutput::Lsn;
 
 use super::logs::STREAMING;
 use super::stream::{read_stream, Stored};
+use super::writers::insert_transaction;
 use crate::{Nats, PgOptions, Postgres, Process};
 
 /// The seed's schema, applied to every case's database.
@@ -97,6 +98,49 @@ pub fn servers() -> &'static Servers {
         }),
         nats: Nats::start(),
     })
+}
+
+/// A [`Case`] named `name` on this test binary's shared [`servers`].
+pub fn new_case(name: &str) -> Case {
+    let s = servers();
+    Case::new(&s.pg, &s.nats, name)
+}
+
+/// Runs `command` to its end and asserts that it succeeded (what it printed is the failure's
+/// message); returns what it printed.
+pub fn succeeds(command: &mut Command) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("run {command:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}):\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Runs `command` to its end and asserts that it exited with status `code`; returns its
+/// stderr (the failure's message).
+pub fn exits_with(command: &mut Command, code: i32) -> String {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("run {command:?}: {e}"));
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(code), "{stderr}");
+    stderr
+}
+
+/// What [`Case::relay_transaction`] leaves running: the relay, the SQL connection that
+/// committed the transaction, a JetStream context and the transaction's ids.
+#[derive(Debug)]
+pub struct Relayed {
+    pub relay: Process,
+    pub sql: tokio_postgres::Client,
+    pub js: jetstream::Context,
+    pub ids: Vec<i64>,
 }
 
 /// The replication slots the shared Postgres has room for: more than the end-to-end suite's
@@ -336,6 +380,67 @@ impl Case {
         .collect();
         env.extend(self.extra_env.iter().cloned());
         env
+    }
+
+    /// Adds `settings` to the relay's environment, after what it holds (so they override it).
+    pub fn set_env(&mut self, settings: &[(&str, &str)]) {
+        self.extra_env.extend(
+            settings
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned())),
+        );
+    }
+
+    /// Starts a [`crate::Proxy`] in front of the nats-server at `nats_port` on loopback
+    /// and points the case's relay at it (the test's own clients can still go direct).
+    pub fn nats_through_proxy(&mut self, nats_port: u16) -> crate::Proxy {
+        let proxy = crate::Proxy::start(([127, 0, 0, 1], nats_port).into());
+        self.nats_url = format!("nats://127.0.0.1:{}", proxy.port());
+        proxy
+    }
+
+    /// Runs `outbox-relay {subcommand}` to its end and asserts that it exited with status
+    /// `code`; returns its stderr.
+    pub fn relay_exits(&self, subcommand: &str, code: i32) -> String {
+        exits_with(&mut self.relay_command(subcommand), code)
+    }
+
+    /// Runs `outbox-relay init` and asserts that it succeeded.
+    pub fn init(&self) {
+        succeeds(&mut self.relay_command("init"));
+    }
+
+    /// Starts the relay, commits one transaction of `rows` rows over `entities` entities
+    /// (tagged `tag`, [`insert_transaction`]) and waits until the stream holds `rows`
+    /// messages.
+    pub async fn relay_transaction(&self, rows: usize, entities: usize, tag: &str) -> Relayed {
+        let relay = self.start_relay();
+        let mut sql = self.sql().await;
+        let ids = insert_transaction(&mut sql, rows, entities, tag).await;
+        let js = self.jetstream().await;
+        self.wait_for_count(&js, rows as u64, DEADLINE).await;
+        Relayed {
+            relay,
+            sql,
+            js,
+            ids,
+        }
+    }
+
+    /// Creates the case's stream (its name, its prefix's subjects) with the rest of `config`,
+    /// as an operator would before the relay's first start.
+    pub async fn create_stream(
+        &self,
+        js: &jetstream::Context,
+        config: jetstream::stream::Config,
+    ) -> jetstream::stream::Stream {
+        js.create_stream(jetstream::stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![format!("{}.>", self.prefix)],
+            ..config
+        })
+        .await
+        .expect("create the stream")
     }
 
     /// Spawns `outbox-relay run` (named `relay-{name}`), without waiting for anything.

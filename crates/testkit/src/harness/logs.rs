@@ -73,6 +73,15 @@ pub fn min_median_max(durations: &[Duration]) -> (Duration, Duration, Duration) 
     }
 }
 
+/// Asserts that `text` contains every one of `needles` (the first one missing and `text`
+/// are the failure's message).
+pub fn assert_contains_all<S: AsRef<str>>(text: &str, needles: impl IntoIterator<Item = S>) {
+    for needle in needles {
+        let needle = needle.as_ref();
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

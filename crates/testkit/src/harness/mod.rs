@@ -31,20 +31,25 @@ pub mod writers;
 
 pub use case::{
     assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, built_relay,
-    eventually, jetstream_at, jetstream_with_timeout, relay_bin, relay_command,
-    relay_one_row_as_superuser, servers, sql_connect, sql_connect_retrying, target_profile_dir,
-    wal_lsn, Case, Servers, DEADLINE, SCHEMA_SQL, TRIGGER_SQL,
+    eventually, exits_with, jetstream_at, jetstream_with_timeout, new_case, relay_bin,
+    relay_command, relay_one_row_as_superuser, servers, sql_connect, sql_connect_retrying,
+    succeeds, target_profile_dir, wal_lsn, Case, Relayed, Servers, DEADLINE, SCHEMA_SQL,
+    TRIGGER_SQL,
 };
 pub use faithful::{check_faithful, check_stream, Findings, Sample, Sampler};
 pub use logs::{
-    last_lines, lines_with, min_median_max, parse_rfc3339_utc, strip_ansi, timed_log_lines,
-    SESSION_ENDED, STREAMING,
+    assert_contains_all, last_lines, lines_with, min_median_max, parse_rfc3339_utc, strip_ansi,
+    timed_log_lines, SESSION_ENDED, STREAMING,
 };
 pub use relay::Relay;
-pub use stream::{read_stream, stream_tail, update_stream_setting, Stored};
-pub use tables::{counted, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV, TEXT_TABLE};
+pub use stream::{publish_acked, read_stream, stream_tail, update_stream_setting, Stored};
+pub use tables::{
+    counted, partitioned_outbox_table, CommandRun, DEBEZIUM_ENV, DEBEZIUM_TABLE, TEXT_ENV,
+    TEXT_TABLE,
+};
 pub use writers::{
-    assert_matches_row, attempt, insert_transaction, replay_ahead_then_relay, rows, rows_by_id,
-    write_transaction, Attempt, Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers,
-    MIXED_SIZES, ROLLBACK_EVERY, ROW_COLUMNS,
+    assert_matches_row, attempt, insert_oversized_row, insert_row, insert_transaction,
+    replay_ahead_then_relay, rows, rows_by_id, sql_column, sql_value, write_transaction, Attempt,
+    Ledger, Outcome, Plan, Row, TxRecord, WriterLog, Writers, MIXED_SIZES, ROLLBACK_EVERY,
+    ROW_COLUMNS,
 };

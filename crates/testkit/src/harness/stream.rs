@@ -171,3 +171,18 @@ pub async fn update_stream_setting(
         .expect("update the stream");
     assert!(answer.get("error").is_none(), "{answer}");
 }
+
+/// Publishes `payload` with `headers` to `subject` and waits for the stream's ack (panics
+/// when there is none): a message of another writer, or a copy of a stored one.
+pub async fn publish_acked(
+    js: &jetstream::Context,
+    subject: String,
+    headers: async_nats::HeaderMap,
+    payload: impl Into<bytes::Bytes>,
+) {
+    js.publish_with_headers(subject, headers, payload.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("the stream's ack");
+}

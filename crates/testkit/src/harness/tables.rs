@@ -53,6 +53,23 @@ pub const TEXT_ENV: &[(&str, &str)] = &[
     ("OUTBOX_RELAY_EXCLUDE_EVENT_TYPES", "Noise"),
 ];
 
+/// SQL that replaces the seed's table `outbox_events` by one with its columns, the
+/// constraints `keys` (a primary or unique key must include `column`), range-partitioned by
+/// `column`; the caller creates its partitions.
+pub fn partitioned_outbox_table(keys: &str, column: &str) -> String {
+    format!(
+        "drop table outbox_events;
+         create table outbox_events (
+           id bigserial, entity_id text not null, event_type text not null,
+           dedupe_key text not null, partition_key text not null, ordering_key text not null,
+           payload jsonb not null, status text not null default 'pending',
+           attempts integer not null default 0, last_error text,
+           created_at timestamptz not null default now(), published_at timestamptz,
+           {keys}
+         ) partition by range ({column});"
+    )
+}
+
 impl Case {
     /// A case on the shared [`servers`] whose database also holds `table_sql`, relayed with
     /// the settings of every list in `env`, in order.
@@ -87,6 +104,30 @@ pub struct CommandRun {
     pub code: i32,
     pub stdout: String,
     pub stderr: String,
+}
+
+impl CommandRun {
+    /// Asserts that the run exited with status `code` (what it printed is the failure's
+    /// message); returns it.
+    pub fn assert_code(&self, code: i32) -> &CommandRun {
+        assert_eq!(self.code, code, "{}\n{}", self.stdout, self.stderr);
+        self
+    }
+
+    /// The one line of its stdout that starts with `prefix` (asserted to be one).
+    pub fn only_line(&self, prefix: &str) -> &str {
+        let lines = self.lines(prefix);
+        assert_eq!(lines.len(), 1, "{}", self.stdout);
+        lines[0]
+    }
+
+    /// The lines of its stdout that start with `prefix`.
+    pub fn lines(&self, prefix: &str) -> Vec<&str> {
+        self.stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .collect()
+    }
 }
 
 /// The number a summary line puts right before `what` (`3 stored again`, ...).

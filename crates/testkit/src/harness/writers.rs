@@ -621,3 +621,61 @@ async fn write_until(
         }
     }
 }
+
+/// The first column of the one row `query` returns.
+pub async fn sql_value<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    sql: &impl tokio_postgres::GenericClient,
+    query: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> T {
+    sql.query_one(query, params)
+        .await
+        .unwrap_or_else(|e| panic!("{query}: {e}"))
+        .get(0)
+}
+
+/// The first column of every row `query` returns, in its order.
+pub async fn sql_column<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    sql: &impl tokio_postgres::GenericClient,
+    query: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Vec<T> {
+    sql.query(query, params)
+        .await
+        .unwrap_or_else(|e| panic!("{query}: {e}"))
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// Inserts one outbox row whose columns `(entity_id, event_type, dedupe_key, partition_key,
+/// ordering_key, payload)` are the SQL expressions `values` (parenthesised), on a client or
+/// in a transaction; returns its id.
+pub async fn insert_row(sql: &impl tokio_postgres::GenericClient, values: &str) -> i64 {
+    sql.query_one(
+        &format!(
+            "insert into outbox_events (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
+             values {values} returning id"
+        ),
+        &[],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("insert {values}: {e}"))
+    .get(0)
+}
+
+/// Inserts the poison tests' oversized row: `OrderPaid` of `order-poison` with a payload of
+/// about 10 KB (`{"blob": "xxx…"}`), under the placeholder dedupe key `dedupe_key`; returns
+/// its id.
+pub async fn insert_oversized_row(
+    sql: &impl tokio_postgres::GenericClient,
+    dedupe_key: &str,
+) -> i64 {
+    insert_row(
+        sql,
+        &format!(
+            "('order-poison', 'OrderPaid', '{dedupe_key}', 'tmp', 'tmp', jsonb_build_object('blob', repeat('x', 10000)))"
+        ),
+    )
+    .await
+}
