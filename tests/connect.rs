@@ -8,17 +8,15 @@
 
 use crate::support;
 
-use support::assert_contains_all;
-
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::{
-    assert_relay_sessions_use_tls, assert_wrong_password_fails_without_printing_it, eventually,
-    exits_with, insert_transaction, new_case, relay_one_row_as_superuser, servers, Case, Relayed,
-    DEADLINE,
+    assert_contains_all, assert_relay_sessions_use_tls,
+    assert_wrong_password_fails_without_printing_it, eventually, exits_with, insert_transaction,
+    new_case, relay_one_row_as_superuser, servers, sql_value, Case, Relayed, DEADLINE,
 };
 use testkit::{PgAuth, PgOptions, Postgres, Process};
 
@@ -308,29 +306,18 @@ async fn a_standby_is_refused_at_start_and_nothing_is_created() {
         (primary, standby, testkit::Nats::start())
     });
     let case = Case::new(&primary, &nats, "standby_refused");
-    testkit::wait_until("the standby to replay the database", DEADLINE, || {
-        standby
-            .try_psql(
-                "postgres",
-                &format!(
-                    "select count(*) from pg_database where datname = '{}'",
-                    case.database
-                ),
-            )
-            .is_ok_and(|out| out.trim() == "1")
-    });
+    standby.wait_for_database(&case.database);
     let on_standby = Case {
         pg_url: standby.url(&case.database),
         ..case.clone()
     };
-    let mut relay = on_standby.spawn_relay();
-    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
-    let log = relay.output();
-    assert_eq!(status.code(), Some(2), "{log}");
-    assert!(
-        log.contains("DATABASE_URL reaches a standby")
-            && log.contains("point DATABASE_URL at the primary"),
-        "{log}"
+    let log = on_standby.relay_exits("run", 2);
+    assert_contains_all(
+        &log,
+        [
+            "DATABASE_URL reaches a standby",
+            "point DATABASE_URL at the primary",
+        ],
     );
     assert_eq!(
         log.matches("reaches a standby").count(),
@@ -382,32 +369,30 @@ async fn an_invalidated_slot_stops_the_relay_naming_the_runbooks_fix() {
         )
         .await
         .unwrap();
-        let row = sql
-            .query_one(
-                "select wal_status from pg_replication_slots where slot_name = $1",
-                &[&case.slot],
-            )
-            .await
-            .unwrap();
-        (row.get::<_, Option<String>>(0).as_deref() == Some("lost")).then_some(())
+        let status: Option<String> = sql_value(
+            &sql,
+            "select wal_status from pg_replication_slots where slot_name = $1",
+            &[&case.slot],
+        )
+        .await;
+        (status.as_deref() == Some("lost")).then_some(())
     })
     .await;
-    let mut relay = case.spawn_relay();
-    let status = tokio::task::block_in_place(|| relay.wait_exit(DEADLINE));
-    let log = relay.output();
-    assert_eq!(status.code(), Some(1), "{log}");
-    let line = log
+    let log = case.relay_exits("run", 1);
+    let errors: Vec<&str> = log
         .lines()
-        .find_map(|line| line.strip_prefix("outbox-relay: "))
-        .unwrap_or_else(|| panic!("no error line:\n{log}"));
-    for said in [
-        "cannot read from logical replication slot",
-        "SQLSTATE 55000",
-        "the slot was invalidated",
-        "docs/operations.md, \"The slot is invalidated\"",
-    ] {
-        assert!(line.contains(said), "{said:?} in: {line}");
-    }
+        .filter_map(|line| line.strip_prefix("outbox-relay: "))
+        .collect();
+    assert_eq!(errors.len(), 1, "one error line: {log}");
+    assert_contains_all(
+        errors[0],
+        [
+            "cannot read from logical replication slot",
+            "SQLSTATE 55000",
+            "the slot was invalidated",
+            "docs/operations.md, \"The slot is invalidated\"",
+        ],
+    );
     let slots = pg.psql(
         "postgres",
         &format!(

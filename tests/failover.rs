@@ -48,18 +48,6 @@ fn multi_host_url(ports: &[u16], database: &str, query: &str) -> String {
     format!("postgres://postgres@{}/{database}?{query}", hosts.join(","))
 }
 
-/// Waits until `standby` has replayed `database`'s creation.
-fn wait_for_database(standby: &Postgres, database: &str) {
-    testkit::wait_until("the standby to replay the database", DEADLINE, || {
-        standby
-            .try_psql(
-                "postgres",
-                &format!("select count(*) from pg_database where datname = '{database}'"),
-            )
-            .is_ok_and(|out| out.trim() == "1")
-    });
-}
-
 /// The port of the server each connection of `url` lands on.
 async fn landed_on(url: &str) -> Result<(u16, u16), replication::Error> {
     let info: ConnInfo = url.parse()?;
@@ -78,7 +66,7 @@ async fn multi_host_read_write_with_the_standby_listed_first_connects_to_the_pri
     let standby = primary.start_standby(None, vec![]);
     let nats = Nats::start();
     let case = Case::new(&primary, &nats, "multihost");
-    wait_for_database(&standby, &case.database);
+    standby.wait_for_database(&case.database);
     let (p, s) = (primary.port(), standby.port());
     // Nothing listens there: libpq passes over a host that does not answer.
     let dead = testkit::free_port();
@@ -208,7 +196,7 @@ fn failover_case(
         case.init();
     }
     let standby = start_standby(primary, failover_slots);
-    wait_for_database(&standby, &case.database);
+    standby.wait_for_database(&case.database);
     case.pg_url = multi_host_url(
         &[primary.port(), standby.port()],
         &case.database,

@@ -373,6 +373,17 @@ impl Postgres {
         self.promote();
     }
 
+    /// Waits until this server (a standby) has replayed `database`'s creation.
+    pub fn wait_for_database(&self, database: &str) {
+        crate::wait_until("the standby to replay the database", START_TIMEOUT, || {
+            self.try_psql(
+                "postgres",
+                &format!("select count(*) from pg_database where datname = '{database}'"),
+            )
+            .is_ok_and(|out| out.trim() == "1")
+        });
+    }
+
     /// A streaming standby of this server, on a free port of its own: a base backup
     /// (`pg_basebackup -X stream -R`, with the physical replication slot `slot` created on
     /// this server when given) started in recovery, with `settings` (e.g.

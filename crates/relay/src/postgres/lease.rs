@@ -48,6 +48,23 @@ macro_rules! lock_key {
     };
 }
 
+/// The condition on `pg_locks l` that picks the granted advisory lock of `key` (a SQL
+/// expression over the slot `$1`) in this database: a `bigint` advisory key shows as its high
+/// half in `classid`, its low half in `objid`, and `objsubid` 1.
+macro_rules! granted {
+    ($key:expr) => {
+        concat!(
+            "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+               AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
+               AND l.classid = ((",
+            $key,
+            " >> 32) & 4294967295)::oid AND l.objid = (",
+            $key,
+            " & 4294967295)::oid"
+        )
+    };
+}
+
 /// The retry marker's advisory lock key of the slot `$1` (LS3).
 macro_rules! retry_key {
     () => {
@@ -67,13 +84,9 @@ const RETRYING_SQL: &str = concat!(
     "SELECT l.pid, a.query, \
             pg_catalog.to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
        FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ShareLock' \
-        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
-        AND l.classid = ((",
-    retry_key!(),
-    " >> 32) & 4294967295)::oid AND l.objid = (",
-    retry_key!(),
-    " & 4294967295)::oid ORDER BY l.pid"
+      WHERE l.mode = 'ShareLock' AND ",
+    granted!(retry_key!()),
+    " ORDER BY l.pid"
 );
 
 /// A relay between a failed session and its next attempt, as `status` sees it (LS3).
@@ -146,18 +159,10 @@ impl RetryMarker {
 /// Takes the lease of the slot `$1` if free.
 const LOCK_SQL: &str = concat!("SELECT pg_catalog.pg_try_advisory_lock(", lock_key!(), ")");
 
-/// The backend holding the lease of the slot `$1` in this database, from `pg_locks` (a
-/// `bigint` advisory key shows as its high half in `classid`, its low half in `objid`, and
-/// `objsubid` 1).
+/// The backend holding the lease of the slot `$1` in this database, from `pg_locks`.
 const HOLDER_SQL: &str = concat!(
-    "SELECT l.pid FROM pg_catalog.pg_locks l \
-      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
-        AND l.classid = ((",
-    lock_key!(),
-    " >> 32) & 4294967295)::oid AND l.objid = (",
-    lock_key!(),
-    " & 4294967295)::oid"
+    "SELECT l.pid FROM pg_catalog.pg_locks l WHERE ",
+    granted!(lock_key!())
 );
 
 /// The pid of the backend holding the lease of `slot`, if any, seen from any session of the
