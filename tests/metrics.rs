@@ -7,7 +7,10 @@
 //! - `/readyz` turns unready when nats-server is stopped and ready again once it is back,
 //!   and a standby's readiness says `standby`; `outbox-relay probe` exits 0 and 1 on them;
 //! - every metric the relay exposes is explained in docs/operations.md, and the alert rules
-//!   of docs/alerts.yml use only metrics it exposes;
+//!   of docs/alerts.yml and the Grafana dashboard (deploy/grafana/outbox-relay.json) use
+//!   only metrics it exposes, the dashboard every one the alerts use;
+//! - every query of the dashboard, its panels' and its template variables', answers from
+//!   Prometheus scraping a running relay, with the labels its legends name;
 //! - idle and slow connections cannot starve the endpoint (issue 18 case 7): `/healthz`
 //!   answers at once beside 100 idle and 10 dribbling ones, and with every exchange busy a
 //!   probe is told `503` at once rather than left waiting.
@@ -21,7 +24,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use support::{eventually, insert_transaction, servers, Case, DEADLINE};
-use testkit::{Nats, Postgres, Process, Prometheus};
+use testkit::{Nats, Postgres, Process, Prometheus, Sample};
 
 /// A case whose relay serves metrics on a free port; returns the address.
 fn with_metrics(case: &mut Case) -> SocketAddr {
@@ -376,8 +379,33 @@ fn families(text: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// The workspace's root.
+fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The Grafana dashboard's path, from the workspace's root.
+const DASHBOARD: &str = "deploy/grafana/outbox-relay.json";
+
+/// The `outbox_relay_…` metrics a text names (a histogram's `_bucket`, `_sum` and `_count`
+/// series as the histogram).
+fn used_metrics(text: &str) -> BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("outbox_relay_"))
+        .map(|word| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .fold(word, |word, suffix| {
+                    word.strip_suffix(suffix).unwrap_or(word)
+                })
+                .to_owned()
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_metric_is_documented_and_the_alert_rules_use_only_exposed_metrics() {
+async fn every_metric_is_documented_and_the_alert_rules_and_the_dashboard_use_only_exposed_metrics()
+{
     let mut case = Case::new(&servers().pg, &servers().nats, "documented");
     let addr = with_metrics(&mut case);
     let _relay = case.start_relay();
@@ -393,8 +421,7 @@ async fn every_metric_is_documented_and_the_alert_rules_use_only_exposed_metrics
     .await;
     let exposed = families(&text);
     assert!(exposed.len() >= 20, "{exposed:?}");
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let operations = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
+    let operations = std::fs::read_to_string(root().join("docs/operations.md")).unwrap();
     let undocumented: Vec<&String> = exposed
         .iter()
         .filter(|name| !operations.contains(&format!("`{name}")))
@@ -403,22 +430,178 @@ async fn every_metric_is_documented_and_the_alert_rules_use_only_exposed_metrics
         undocumented.is_empty(),
         "docs/operations.md does not explain {undocumented:?}"
     );
-    let alerts = std::fs::read_to_string(root.join("docs/alerts.yml")).unwrap();
-    let used: BTreeSet<String> = alerts
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|word| word.starts_with("outbox_relay_"))
-        .map(|word| {
-            ["_bucket", "_sum", "_count"]
-                .iter()
-                .fold(word, |word, suffix| {
-                    word.strip_suffix(suffix).unwrap_or(word)
-                })
-                .to_owned()
-        })
-        .collect();
-    let unknown: Vec<&String> = used.difference(&exposed).collect();
+    // The alert rules and the dashboard (its queries, legends and descriptions) name only
+    // metrics the relay exposes.
+    let alerts = used_metrics(&std::fs::read_to_string(root().join("docs/alerts.yml")).unwrap());
+    let dashboard = used_metrics(&std::fs::read_to_string(root().join(DASHBOARD)).unwrap());
+    for (file, used) in [("docs/alerts.yml", &alerts), (DASHBOARD, &dashboard)] {
+        assert!(used.len() >= 10, "{file} names only {used:?}");
+        let unknown: Vec<&String> = used.difference(&exposed).collect();
+        assert!(
+            unknown.is_empty(),
+            "{file} uses metrics the relay does not expose: {unknown:?}"
+        );
+    }
+    // Whatever an alert fires on, the dashboard shows.
+    let not_shown: Vec<&String> = alerts.difference(&dashboard).collect();
     assert!(
-        unknown.is_empty(),
-        "docs/alerts.yml uses metrics the relay does not expose: {unknown:?}"
+        not_shown.is_empty(),
+        "{DASHBOARD} has no panel for the alerts' {not_shown:?}"
     );
+}
+
+/// One query of the dashboard: a panel's target, or a template variable's `label_values`.
+#[derive(Debug)]
+struct PanelQuery {
+    panel: String,
+    expr: String,
+    legend: String,
+}
+
+/// Every panel target of `dashboard`, rows' (collapsed or not) included; checks that each
+/// panel and target asks the `datasource` variable's Prometheus.
+fn panel_queries(panels: &serde_json::Value, into: &mut Vec<PanelQuery>) {
+    let datasource = serde_json::json!({"type": "prometheus", "uid": "${datasource}"});
+    for panel in panels.as_array().unwrap() {
+        let title = panel["title"].as_str().unwrap().to_owned();
+        if panel["type"] == "row" {
+            panel_queries(&panel["panels"], into);
+            continue;
+        }
+        assert_eq!(panel["datasource"], datasource, "panel {title:?}");
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {title:?} has no query");
+        for target in targets {
+            assert_eq!(target["datasource"], datasource, "panel {title:?}");
+            into.push(PanelQuery {
+                panel: title.clone(),
+                expr: target["expr"].as_str().unwrap().to_owned(),
+                legend: target["legendFormat"].as_str().unwrap_or("").to_owned(),
+            });
+        }
+    }
+}
+
+/// `text` with Grafana's variables replaced by `values` (`$name` and `${name}`); panics on
+/// a variable it does not know.
+fn fill(text: &str, values: &[(&str, &str)]) -> String {
+    let mut filled = text.to_owned();
+    for (name, value) in values {
+        filled = filled
+            .replace(&format!("${{{name}}}"), value)
+            .replace(&format!("${name}"), value);
+    }
+    assert!(
+        !filled.contains('$'),
+        "{text:?} uses a variable the test does not fill: {filled:?}"
+    );
+    filled
+}
+
+/// Waits until Prometheus answers `promql` with at least one sample, none of them NaN (a
+/// quantile of no observations, a ratio of nothing); returns them.
+async fn prometheus_answers(prometheus: &Prometheus, what: &str, promql: &str) -> Vec<Sample> {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        let answer = prometheus.query(promql);
+        if let Ok(samples) = &answer {
+            if !samples.is_empty() && samples.iter().all(|s| !s.value.is_nan()) {
+                return answer.unwrap();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {DEADLINE:?} waiting for Prometheus to answer {what}: {promql}\nits last answer: {answer:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The dashboard of deploy/grafana imports into any Grafana (a `datasource` variable, no
+/// data source of ours) and every query of it, panels and template variables, answers from a
+/// real Prometheus scraping a running relay, with the labels its legend names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dashboard_panel_answers_from_prometheus_scraping_a_relay() {
+    let text = std::fs::read_to_string(root().join(DASHBOARD)).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        dashboard["schemaVersion"].as_u64().unwrap() >= 36,
+        "{dashboard:#}"
+    );
+    assert!(dashboard["id"].is_null(), "an exported id would clash");
+    assert!(!text.contains("${DS_"), "no import-time data source input");
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    assert!(
+        variables.iter().any(|v| v["type"] == "datasource"
+            && v["name"] == "datasource"
+            && v["query"] == "prometheus"),
+        "a `datasource` variable of type prometheus: {variables:#?}"
+    );
+    let mut queries = Vec::new();
+    panel_queries(&dashboard["panels"], &mut queries);
+    assert!(queries.len() >= 20, "{queries:#?}");
+
+    let mut case = Case::new(&servers().pg, &servers().nats, "dashboard");
+    let addr = with_metrics(&mut case);
+    let _relay = case.start_relay();
+    let prometheus = Prometheus::start(&[addr.to_string()]);
+    let instance = addr.to_string();
+    let values = [
+        ("__rate_interval", "1m"),
+        ("__interval", "15s"),
+        ("__range", "5m"),
+        ("datasource", "prometheus"),
+        ("job", "testkit"),
+        ("instance", instance.as_str()),
+    ];
+    // Prometheus sees the counters at 0 before the events, so rate() sees them rise.
+    let stored = r#"outbox_relay_events_total{outcome="stored"}"#;
+    prometheus_until(&prometheus, stored, |v| v == 0.0).await;
+    let mut sql = case.sql().await;
+    let mut written = 0;
+    for i in 0..5 {
+        written += insert_transaction(&mut sql, 1 + 3 * i, 5, "dashboard")
+            .await
+            .len();
+    }
+    prometheus_until(&prometheus, stored, |v| v == written as f64).await;
+
+    // The template variables find this relay.
+    for variable in variables.iter().filter(|v| v["type"] == "query") {
+        let name = variable["name"].as_str().unwrap();
+        let query = variable["query"]["query"].as_str().unwrap();
+        let (selector, label) = query
+            .strip_prefix("label_values(")
+            .and_then(|q| q.strip_suffix(')'))
+            .and_then(|q| q.rsplit_once(','))
+            .unwrap_or_else(|| panic!("variable {name}: {query:?} is not label_values(…, …)"));
+        let label = label.trim();
+        let expected = values.iter().find(|(n, _)| *n == name).unwrap().1;
+        let samples = prometheus_answers(&prometheus, name, &fill(selector, &values)).await;
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.labels.get(label).map(String::as_str) == Some(expected)),
+            "variable {name}: {query:?} does not offer {expected:?}: {samples:?}"
+        );
+    }
+    // Every panel's every query answers, with the labels its legend names.
+    for query in &queries {
+        let promql = fill(&query.expr, &values);
+        let samples = prometheus_answers(&prometheus, &query.panel, &promql).await;
+        let legend_labels = query
+            .legend
+            .split("{{")
+            .skip(1)
+            .filter_map(|part| part.split_once("}}"))
+            .map(|(label, _)| label.trim());
+        for label in legend_labels {
+            assert!(
+                samples.iter().all(|s| s.labels.contains_key(label)),
+                "panel {:?}: its legend {:?} names {label:?}, which {promql} does not keep: {samples:?}",
+                query.panel,
+                query.legend
+            );
+        }
+    }
 }
