@@ -393,16 +393,9 @@ async fn an_invalidated_slot_stops_the_relay_naming_the_runbooks_fix() {
             "docs/operations.md, \"The slot is invalidated\"",
         ],
     );
-    let slots = pg.psql(
-        "postgres",
-        &format!(
-            "select count(*) from pg_replication_slots where slot_name = '{}'",
-            case.slot
-        ),
-    );
     assert_eq!(
-        slots.trim(),
-        "1",
+        pg.slots_named(&case.slot),
+        1,
         "the lost slot stays, none made in its place"
     );
 }

@@ -329,16 +329,9 @@ async fn failover_without_failover_slots_refuses_to_invent_a_position_and_says_h
         ],
     );
     // Nothing created on the new primary, nothing published from it.
-    let slots = standby.psql(
-        "postgres",
-        &format!(
-            "select count(*) from pg_replication_slots where slot_name = '{}'",
-            case.slot
-        ),
-    );
     assert_eq!(
-        slots.trim(),
-        "0",
+        standby.slots_named(&case.slot),
+        0,
         "the relay created a slot on the new primary"
     );
     // Nothing published from the new primary: every event carries the old timeline.

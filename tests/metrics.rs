@@ -50,22 +50,37 @@ async fn wal_lsn(sql: &tokio_postgres::Client) -> u64 {
     row.get::<_, String>(0).parse::<pgoutput::Lsn>().unwrap().0
 }
 
-/// Waits until Prometheus evaluates `promql` to one value that `ok` accepts; returns it.
-async fn prometheus_until(prometheus: &Prometheus, promql: &str, ok: impl Fn(f64) -> bool) -> f64 {
+/// Waits until Prometheus answers `promql` with samples that `ok` accepts; returns them.
+async fn prometheus_answer(
+    prometheus: &Prometheus,
+    promql: &str,
+    ok: impl Fn(&[Sample]) -> bool,
+) -> Vec<Sample> {
     let deadline = std::time::Instant::now() + DEADLINE;
     loop {
         let answer = prometheus.query(promql);
-        if let Ok([sample]) = answer.as_deref() {
-            if ok(sample.value) {
-                return sample.value;
+        if let Ok(samples) = &answer {
+            if ok(samples) {
+                return answer.unwrap();
             }
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "timed out after {DEADLINE:?} waiting for Prometheus to evaluate {promql} to an expected value; its last answer: {answer:?}"
+            "timed out after {DEADLINE:?} waiting for Prometheus to answer {promql} as expected; its last answer: {answer:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Waits until Prometheus evaluates `promql` to one value that `ok` accepts; returns it.
+async fn prometheus_until(prometheus: &Prometheus, promql: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    let samples = prometheus_answer(
+        prometheus,
+        promql,
+        |samples| matches!(samples, [sample] if ok(sample.value)),
+    )
+    .await;
+    samples[0].value
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -498,23 +513,14 @@ fn fill(text: &str, values: &[(&str, &str)]) -> String {
     filled
 }
 
-/// Waits until Prometheus answers `promql` with at least one sample, none of them NaN (a
-/// quantile of no observations, a ratio of nothing); returns them.
+/// Waits until Prometheus answers `promql` (`what` of the dashboard) with at least one
+/// sample, none of them NaN (a quantile of no observations, a ratio of nothing).
 async fn prometheus_answers(prometheus: &Prometheus, what: &str, promql: &str) -> Vec<Sample> {
-    let deadline = std::time::Instant::now() + DEADLINE;
-    loop {
-        let answer = prometheus.query(promql);
-        if let Ok(samples) = &answer {
-            if !samples.is_empty() && samples.iter().all(|s| !s.value.is_nan()) {
-                return answer.unwrap();
-            }
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out after {DEADLINE:?} waiting for Prometheus to answer {what}: {promql}\nits last answer: {answer:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eprintln!("dashboard: {what}");
+    prometheus_answer(prometheus, promql, |samples| {
+        !samples.is_empty() && samples.iter().all(|s| !s.value.is_nan())
+    })
+    .await
 }
 
 /// The dashboard of deploy/grafana imports into any Grafana (a `datasource` variable, no

@@ -373,6 +373,18 @@ impl Postgres {
         self.promote();
     }
 
+    /// How many replication slots named `slot` this server has (0 or 1).
+    pub fn slots_named(&self, slot: &str) -> usize {
+        let count = self.psql(
+            "postgres",
+            &format!("select count(*) from pg_replication_slots where slot_name = '{slot}'"),
+        );
+        count
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("testkit: count slots: {count:?}: {e}"))
+    }
+
     /// Waits until this server (a standby) has replayed `database`'s creation.
     pub fn wait_for_database(&self, database: &str) {
         crate::wait_until("the standby to replay the database", START_TIMEOUT, || {

@@ -1237,24 +1237,31 @@ pub(crate) mod tests {
         assert!(e.0.contains("PGHOSTADDR"), "{e}");
     }
 
-    #[test]
-    fn effective_configuration_shows_values_and_origins_but_no_secret() {
+    /// `outbox-relay config`'s text for `partitions = 5` given as a flag, `stream` in a file,
+    /// and `env`; with the configuration it shows.
+    fn shown(env: &[(&str, &str)]) -> (Config, String) {
         let raw = load_raw(
             &[("partitions", "5")],
-            &[
-                (
-                    "DATABASE_URL",
-                    "postgres://relay:hunter2@db:5432/app?sslmode=require",
-                ),
-                ("NATS_URL", "nats://u:hunter2@nats:4222"),
-                ("PGAPPNAME", "from-env"),
-            ],
+            env,
             Some("stream = \"FROM_FILE\"\n"),
         )
         .unwrap();
         let config = Config::from_sources(&raw).unwrap();
         let text = effective(&raw, &config);
         assert!(!text.contains("hunter2"), "{text}");
+        (config, text)
+    }
+
+    #[test]
+    fn effective_configuration_shows_values_and_origins_but_no_secret() {
+        let (_, text) = shown(&[
+            (
+                "DATABASE_URL",
+                "postgres://relay:hunter2@db:5432/app?sslmode=require",
+            ),
+            ("NATS_URL", "nats://u:hunter2@nats:4222"),
+            ("PGAPPNAME", "from-env"),
+        ]);
         for expected in [
             "partitions = \"5\"",
             "# flag --partitions",
@@ -1284,19 +1291,14 @@ pub(crate) mod tests {
             "postgres://relay:hunter2@db:5432/app?sslmode=require&password=hunter2&connect_timeout=7",
             "host=db port=5432 user=relay password='hunter2' dbname=app sslmode=require connect_timeout=7",
         ] {
-            let raw = load_raw(
-                &[("partitions", "5")],
-                &[
-                    ("DATABASE_URL", database_url),
-                    ("NATS_URL", "nats://u:hunter2@nats:4222,nats://u:hunter2@nats2:4222"),
-                    ("OUTBOX_RELAY_TABLE", "\"Billing\".\"Outbox Events\""),
-                ],
-                Some("stream = \"FROM_FILE\"\n"),
-            )
-            .unwrap();
-            let config = Config::from_sources(&raw).unwrap();
-            let text = effective(&raw, &config);
-            assert!(!text.contains("hunter2"), "{text}");
+            let (config, text) = shown(&[
+                ("DATABASE_URL", database_url),
+                (
+                    "NATS_URL",
+                    "nats://u:hunter2@nats:4222,nats://u:hunter2@nats2:4222",
+                ),
+                ("OUTBOX_RELAY_TABLE", "\"Billing\".\"Outbox Events\""),
+            ]);
             assert!(
                 text.lines()
                     .all(|line| line.starts_with('#') || !line.contains("redacted")),
@@ -1319,22 +1321,23 @@ pub(crate) mod tests {
             assert_eq!(loaded.stream, "FROM_FILE");
             assert_eq!(loaded.table.sql(), config.table.sql());
         }
-        assert_eq!(
-            without_password("postgresql://relay:p%40ss@h1:5432,h2:5433/app").as_deref(),
-            Some("postgresql://relay@h1:5432,h2:5433/app")
-        );
-        assert_eq!(
-            without_password("postgres://u:Pg?pw=s3cret@h:5432/app?sslmode=disable").as_deref(),
-            Some("postgres://u@h:5432/app?sslmode=disable")
-        );
-        assert_eq!(
-            without_password("postgres://h/app?password=x").as_deref(),
-            Some("postgres://h/app")
-        );
-        assert_eq!(
-            without_password("host=h application_name='my app'").as_deref(),
-            Some("host=h application_name='my app'")
-        );
+        for (url, without) in [
+            (
+                "postgresql://relay:p%40ss@h1:5432,h2:5433/app",
+                "postgresql://relay@h1:5432,h2:5433/app",
+            ),
+            (
+                "postgres://u:Pg?pw=s3cret@h:5432/app?sslmode=disable",
+                "postgres://u@h:5432/app?sslmode=disable",
+            ),
+            ("postgres://h/app?password=x", "postgres://h/app"),
+            (
+                "host=h application_name='my app'",
+                "host=h application_name='my app'",
+            ),
+        ] {
+            assert_eq!(without_password(url).as_deref(), Some(without), "{url}");
+        }
     }
 
     #[test]

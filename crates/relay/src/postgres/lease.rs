@@ -102,12 +102,10 @@ pub struct Retrying {
 
 /// The relays retrying `slot` (LS3), seen from any session of the slot's database.
 pub async fn retrying(client: &Client, slot: &str) -> Result<Vec<Retrying>> {
-    let rows = client.query(RETRYING_SQL, &[&slot]).await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot read the retrying relays: {}",
-            describe(&e)
-        ))
-    })?;
+    let rows = client
+        .query(RETRYING_SQL, &[&slot])
+        .await
+        .map_err(failed("cannot read the retrying relays"))?;
     Ok(rows
         .iter()
         .map(|row| Retrying {
@@ -168,13 +166,16 @@ const HOLDER_SQL: &str = concat!(
 /// The pid of the backend holding the lease of `slot`, if any, seen from any session of the
 /// slot's database: only reads `pg_locks`, never tries the lock.
 pub async fn holder(client: &Client, slot: &str) -> Result<Option<i32>> {
-    let row = client.query_opt(HOLDER_SQL, &[&slot]).await.map_err(|e| {
-        RelayError::transient(anyhow::anyhow!(
-            "cannot read the lease holder: {}",
-            describe(&e)
-        ))
-    })?;
+    let row = client
+        .query_opt(HOLDER_SQL, &[&slot])
+        .await
+        .map_err(failed("cannot read the lease holder"))?;
     Ok(row.map(|row| row.get(0)))
+}
+
+/// A query of the lease's that failed: transient, with Postgres's words.
+fn failed(what: &'static str) -> impl Fn(tokio_postgres::Error) -> RelayError {
+    move |e| RelayError::transient(anyhow::anyhow!("{what}: {}", describe(&e)))
 }
 
 /// Tries the lease of `slot` once on `client`'s session: whether it holds it now.
@@ -182,9 +183,7 @@ pub async fn try_take(client: &Client, slot: &str) -> Result<bool> {
     Ok(client
         .query_one(LOCK_SQL, &[&slot])
         .await
-        .map_err(|e| {
-            RelayError::transient(anyhow::anyhow!("cannot take the lease: {}", describe(&e)))
-        })?
+        .map_err(failed("cannot take the lease"))?
         .get(0))
 }
 

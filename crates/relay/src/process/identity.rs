@@ -563,38 +563,50 @@ mod tests {
 
     #[test]
     fn v3_publication_changes_are_named() {
-        let gone = Identity {
-            table_oid: None,
-            ..streamed()
-        };
-        assert!(Change::between(&streamed(), &gone)
-            .unwrap()
-            .what
-            .contains("no longer exists (the relay streamed OID 16400"));
-        let readded = Identity {
-            membership: Some(16_999),
-            ..streamed()
-        };
-        assert!(Change::between(&streamed(), &readded)
-            .unwrap()
-            .what
-            .contains("removed from its publication and added again"));
+        let changes = [
+            (
+                Identity {
+                    table_oid: None,
+                    ..streamed()
+                },
+                "no longer exists (the relay streamed OID 16400",
+            ),
+            (
+                Identity {
+                    membership: Some(16_999),
+                    ..streamed()
+                },
+                "removed from its publication and added again",
+            ),
+            (
+                Identity {
+                    insert: false,
+                    ..streamed()
+                },
+                "no longer publishes inserts",
+            ),
+            (
+                Identity {
+                    publication_oid: None,
+                    membership: None,
+                    ..streamed()
+                },
+                "publication no longer exists",
+            ),
+        ];
+        for (now, named) in changes {
+            let change = Change::between(&streamed(), &now).unwrap();
+            assert!(change.what.contains(named), "{named}: {}", change.what);
+        }
         let no_insert = Identity {
             insert: false,
             ..streamed()
         };
-        let change = Change::between(&streamed(), &no_insert).unwrap();
-        assert!(change.what.contains("no longer publishes inserts"));
-        assert!(change.fix_publication);
-        let dropped = Identity {
-            publication_oid: None,
-            membership: None,
-            ..streamed()
-        };
-        assert!(Change::between(&streamed(), &dropped)
-            .unwrap()
-            .what
-            .contains("publication no longer exists"));
+        assert!(
+            Change::between(&streamed(), &no_insert)
+                .unwrap()
+                .fix_publication
+        );
     }
 
     fn config() -> Config {

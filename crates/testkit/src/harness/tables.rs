@@ -121,6 +121,15 @@ impl CommandRun {
         lines[0]
     }
 
+    /// The one line of its stdout that starts like `expected` up to its first `": "`,
+    /// asserted to start with the whole of `expected`.
+    pub fn only_line_starting(&self, expected: &str) -> &str {
+        let prefix = expected.split_inclusive(": ").next().unwrap_or(expected);
+        let line = self.only_line(prefix);
+        assert!(line.starts_with(expected), "{expected:?}\n{}", self.stdout);
+        line
+    }
+
     /// The lines of its stdout that start with `prefix`.
     pub fn lines(&self, prefix: &str) -> Vec<&str> {
         self.stdout
