@@ -399,7 +399,7 @@ fn advice(code: &str, message: &str, user: Option<&str>) -> Option<String> {
         }
         "55000"
             if message.contains("cannot read from logical replication slot")
-                || message.contains("can no longer get changes from replication slot") =>
+                || (message.contains("can no longer") && message.contains("replication slot")) =>
         {
             "the slot was invalidated (wal_status = lost): the WAL it needed is gone, so events \
              committed in it cannot be decoded; the relay does not recreate the slot by itself \
@@ -532,6 +532,7 @@ mod tests {
         for invalidated in [
             "cannot read from logical replication slot \"outbox_relay\"",
             "can no longer get changes from replication slot \"outbox_relay\"",
+            "can no longer access replication slot \"outbox_relay\"",
         ] {
             let error = db("55000", invalidated);
             assert!(!error.is_transient(), "{invalidated}");
