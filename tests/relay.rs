@@ -297,7 +297,9 @@ fn table_missing_a_column_fails_at_startup_naming_it() {
         .psql(&no_table.database, "drop table outbox_events");
     let stderr = no_table.relay_exits("run", 2);
     assert!(
-        stderr.contains("table public.outbox_events does not exist"),
+        stderr.contains(
+            "table \"public\".\"outbox_events\" (read as schema \"public\", table \"outbox_events\") does not exist"
+        ),
         "{stderr}"
     );
 }
