@@ -577,7 +577,7 @@ fn pg_bin_dir() -> PathBuf {
 /// Runs `command` as the server user; panics, with its output, unless it succeeds.
 fn run_as_server(mut command: Command) {
     as_server_user(&mut command);
-    crate::harness::succeeds(&mut command);
+    crate::process::succeeds(&mut command);
 }
 
 fn as_server_user(command: &mut Command) {

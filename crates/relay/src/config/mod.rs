@@ -355,8 +355,8 @@ impl Config {
 }
 
 /// The effective configuration, for `outbox-relay config`: every option as a TOML line with
-/// where it came from, then the Postgres connection parameter by parameter; secrets as
-/// `<redacted>` (CFG1).
+/// where it came from, then the Postgres connection parameter by parameter; no secret (CFG1),
+/// and loadable as a config file (CFG6).
 pub fn effective(raw: &RawConfig, config: &Config) -> String {
     let mut lines = vec![
         "# outbox-relay: the effective configuration, and where each value came from".to_owned(),
@@ -367,39 +367,8 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
         "# without its password or credentials, and each comment says where to give them."
             .to_owned(),
     ];
-    let quote = |value: &str| toml::Value::String(value.to_owned()).to_string();
-    let origin_of = |spec: &OptionSpec, origin: &Origin| match origin {
-        Origin::Flag => format!("flag {}", spec.flag()),
-        Origin::Env => format!("environment variable {}", spec.env),
-        other => other.to_string(),
-    };
-    let mut rows = Vec::new();
-    for spec in opt::ALL {
-        match raw.values.get(spec.key) {
-            Some((value, origin)) if key_is_secret(spec.key) => {
-                let (loadable, left_out) = loadable_secret(spec, value);
-                let origin = origin_of(spec, origin);
-                let source = match left_out {
-                    Some(left_out) => format!("{origin}; {left_out}"),
-                    None => origin,
-                };
-                rows.push(match loadable {
-                    Some(loadable) => (format!("{} = {}", spec.key, quote(&loadable)), source),
-                    None => (format!("# {} is set ({source})", spec.key), String::new()),
-                });
-            }
-            Some((value, origin)) => rows.push((
-                format!("{} = {}", spec.key, quote(value)),
-                origin_of(spec, origin),
-            )),
-            None if spec.key == opt::DATABASE_URL.key => rows.push((
-                "# database_url is not set: the PG* environment configures Postgres (below)"
-                    .to_owned(),
-                String::new(),
-            )),
-            None => rows.push((format!("# {} is not set", spec.key), String::new())),
-        }
-    }
+    let mut rows: Vec<(String, String)> =
+        opt::ALL.iter().map(|spec| option_row(raw, spec)).collect();
     let database_origin = raw
         .values
         .get(opt::DATABASE_URL.key)
@@ -414,11 +383,52 @@ pub fn effective(raw: &RawConfig, config: &Config) -> String {
             (replication::Source::ConnString, Some(origin)) => format!("database_url ({origin})"),
             _ => source.to_string(),
         };
-        rows.push((format!("# {name} = {}", quote(&value)), source));
+        rows.push((format!("# {name} = {}", toml_string(&value)), source));
     }
     lines.extend(aligned(rows));
     lines.push(String::new());
     lines.join("\n")
+}
+
+/// `value` as a TOML string.
+fn toml_string(value: &str) -> String {
+    toml::Value::String(value.to_owned()).to_string()
+}
+
+/// Where an option's value came from, in words.
+fn origin_of(spec: &OptionSpec, origin: &Origin) -> String {
+    match origin {
+        Origin::Flag => format!("flag {}", spec.flag()),
+        Origin::Env => format!("environment variable {}", spec.env),
+        other => other.to_string(),
+    }
+}
+
+/// One option's line of [`effective`] and its source comment.
+fn option_row(raw: &RawConfig, spec: &OptionSpec) -> (String, String) {
+    match raw.values.get(spec.key) {
+        Some((value, origin)) if key_is_secret(spec.key) => {
+            let (loadable, left_out) = loadable_secret(spec, value);
+            let origin = origin_of(spec, origin);
+            let source = match left_out {
+                Some(left_out) => format!("{origin}; {left_out}"),
+                None => origin,
+            };
+            match loadable {
+                Some(loadable) => (format!("{} = {}", spec.key, toml_string(&loadable)), source),
+                None => (format!("# {} is set ({source})", spec.key), String::new()),
+            }
+        }
+        Some((value, origin)) => (
+            format!("{} = {}", spec.key, toml_string(value)),
+            origin_of(spec, origin),
+        ),
+        None if spec.key == opt::DATABASE_URL.key => (
+            "# database_url is not set: the PG* environment configures Postgres (below)".to_owned(),
+            String::new(),
+        ),
+        None => (format!("# {} is not set", spec.key), String::new()),
+    }
 }
 
 /// A secret-bearing option's value as a loadable file may hold it (CFG6): a URL without its

@@ -5,7 +5,7 @@
 use std::ffi::OsStr;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ use pgoutput::Lsn;
 
 use super::logs::STREAMING;
 use super::stream::{read_stream, Stored};
-use super::writers::insert_transaction;
+pub use crate::process::succeeds;
 use crate::{Nats, PgOptions, Postgres, Process};
 
 /// The seed's schema, applied to every case's database.
@@ -104,22 +104,6 @@ pub fn servers() -> &'static Servers {
 pub fn new_case(name: &str) -> Case {
     let s = servers();
     Case::new(&s.pg, &s.nats, name)
-}
-
-/// Runs `command` to its end and asserts that it succeeded (what it printed is the failure's
-/// message); returns what it printed.
-pub fn succeeds(command: &mut Command) -> Output {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("run {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{command:?} failed ({}):\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 /// Runs `command` to its end and asserts that it exited with status `code`; returns its
@@ -408,23 +392,6 @@ impl Case {
     /// Runs `outbox-relay init` and asserts that it succeeded.
     pub fn init(&self) {
         succeeds(&mut self.relay_command("init"));
-    }
-
-    /// Starts the relay, commits one transaction of `rows` rows over `entities` entities
-    /// (tagged `tag`, [`insert_transaction`]) and waits until the stream holds `rows`
-    /// messages.
-    pub async fn relay_transaction(&self, rows: usize, entities: usize, tag: &str) -> Relayed {
-        let relay = self.start_relay();
-        let mut sql = self.sql().await;
-        let ids = insert_transaction(&mut sql, rows, entities, tag).await;
-        let js = self.jetstream().await;
-        self.wait_for_count(&js, rows as u64, DEADLINE).await;
-        Relayed {
-            relay,
-            sql,
-            js,
-            ids,
-        }
     }
 
     /// Creates the case's stream (its name, its prefix's subjects) with the rest of `config`,

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use outbox::OutboxRow;
 use pgoutput::Lsn;
 
-use super::case::{eventually, sql_connect, Case, DEADLINE};
+use super::case::{eventually, sql_connect, Case, Relayed, DEADLINE};
 use super::stream::Stored;
 use crate::Process;
 
@@ -678,4 +678,23 @@ pub async fn insert_oversized_row(
         ),
     )
     .await
+}
+
+impl Case {
+    /// Starts the relay, commits one transaction of `rows` rows over `entities` entities
+    /// (tagged `tag`, [`insert_transaction`]) and waits until the stream holds `rows`
+    /// messages.
+    pub async fn relay_transaction(&self, rows: usize, entities: usize, tag: &str) -> Relayed {
+        let relay = self.start_relay();
+        let mut sql = self.sql().await;
+        let ids = insert_transaction(&mut sql, rows, entities, tag).await;
+        let js = self.jetstream().await;
+        self.wait_for_count(&js, rows as u64, DEADLINE).await;
+        Relayed {
+            relay,
+            sql,
+            js,
+            ids,
+        }
+    }
 }
