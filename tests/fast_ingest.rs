@@ -82,18 +82,15 @@ async fn chosen_on_a_current_server_for_the_stream_it_creates() {
     );
     let mut sql = case.sql().await;
     let mut ids = Vec::new();
-    for (size, tag) in [(1, "one"), (1500, "many"), (10, "ten")] {
+    for (size, tag) in [(1, "one"), (10, "ten")] {
         ids.extend(insert_transaction(&mut sql, size, 7, tag).await);
     }
-    let (messages, _) = case.wait_confirmed(&js, &sql, ids.len() as u64).await;
-    let stored: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
-    assert_eq!(stored, ids, "every row once, in commit order");
-    assert_eq!(metric(addr, FAST).await, 1.0);
-    assert_eq!(metric(addr, PER_MESSAGE).await, 0.0);
     // Batches of at most 1 000 (and half the window); rows that arrive one at a time go
     // out as plain messages (B6).
+    let ids = relay_until_a_fast_batch(&case, &js, &mut sql, addr, ids, 1500).await;
+    assert_eq!(metric(addr, FAST).await, 1.0);
+    assert_eq!(metric(addr, PER_MESSAGE).await, 0.0);
     let batches = metric(addr, BATCHES).await;
-    assert!(batches >= 1.0, "{batches}");
     let output = relay.output();
     assert_eq!(
         lines_with(&output, &["publishing fast-ingest batches"]),
@@ -106,6 +103,37 @@ async fn chosen_on_a_current_server_for_the_stream_it_creates() {
         ids.len()
     );
     drop(relay);
+}
+
+/// Commits transactions of `rows` rows (after the `relayed` ids) until the relay has published
+/// at least one fast batch, each confirmed in full and in order; returns every id relayed.
+/// F1 commits a fast batch when the relay's input has nothing more ready: how many events
+/// queue up, and so whether a transaction goes out in batches or one message at a time, is the
+/// machine's timing (a loaded machine may publish a whole transaction event by event, seen
+/// once in CI): the test waits, with a deadline, for the batches it names.
+async fn relay_until_a_fast_batch(
+    case: &Case,
+    js: &jetstream::Context,
+    sql: &mut tokio_postgres::Client,
+    addr: SocketAddr,
+    mut relayed: Vec<i64>,
+    rows: usize,
+) -> Vec<i64> {
+    let deadline = std::time::Instant::now() + DEADLINE;
+    loop {
+        relayed.extend(insert_transaction(sql, rows, 7, "batched").await);
+        let (messages, _) = case.wait_confirmed(js, sql, relayed.len() as u64).await;
+        let stored: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
+        assert_eq!(stored, relayed, "every row once, in commit order");
+        if metric(addr, BATCHES).await >= 1.0 {
+            return relayed;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no fast batch in {} rows relayed",
+            relayed.len()
+        );
+    }
 }
 
 /// The server's version, as it announced it.
@@ -167,18 +195,13 @@ async fn per_message_where_the_server_or_the_stream_does_not_allow_it() {
     // STREAM.UPDATE): the relay started again publishes fast batches to the same stream.
     support::update_stream_setting(&js, &case.stream, "allow_batched", true.into()).await;
     let relay = tokio::task::block_in_place(|| case.start_relay());
-    let later = insert_transaction(&mut sql, 30, 3, "updated").await;
-    let all: Vec<i64> = ids.iter().chain(&later).copied().collect();
-    let (messages, _) = case.wait_confirmed(&js, &sql, all.len() as u64).await;
-    let stored: Vec<i64> = messages.iter().map(support::Stored::outbox_id).collect();
-    assert_eq!(stored, all, "every row once, in order, across the update");
+    let all = relay_until_a_fast_batch(&case, &js, &mut sql, addr, ids.clone(), 30).await;
     assert_eq!(metric(addr, FAST).await, 1.0);
-    assert!(metric(addr, BATCHES).await >= 1.0);
     println!(
         "fast fallback: nats-server {version} (shared) chose {}; a current server with a stream without allow_batched published {} rows one message each, the reason logged once; after the documented update {} more rows in fast batches",
         if fast { "fast batches" } else { "one message per event" },
         ids.len(),
-        later.len()
+        all.len() - ids.len()
     );
     drop(relay);
 }
