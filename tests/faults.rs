@@ -660,6 +660,10 @@ struct OutageResult {
     confirmed_at_kill: Lsn,
     messages: Vec<Stored>,
     output: String,
+    /// (lost, duplicated, reordered) by [`tally`].
+    tally: (usize, usize, usize),
+    /// How long the run took.
+    seconds: f64,
 }
 
 /// A relay publishes part of a 10 000-row transaction (acks held back by the proxy, so it
@@ -667,6 +671,8 @@ struct OutageResult {
 /// window, and is restarted; returns what the stream holds once the slot confirmed the
 /// transaction.
 async fn outage_past_the_duplicate_window(name: &str, shared_stream: bool) -> OutageResult {
+    let _serial = SERIAL.read().await;
+    let started = Instant::now();
     let s = servers();
     let nats_proxy = Proxy::start(loopback(s.nats.port()));
     let mut case = Case::new(&s.pg, &s.nats, name);
@@ -728,12 +734,14 @@ async fn outage_past_the_duplicate_window(name: &str, shared_stream: bool) -> Ou
     let messages = case.messages(&js).await;
     OutageResult {
         case,
+        tally: tally(&messages, &ids),
         ids,
         stored_at_kill,
         commit_lsn,
         confirmed_at_kill,
         messages,
         output: relay.output(),
+        seconds: started.elapsed().as_secs_f64(),
     }
 }
 
@@ -754,11 +762,8 @@ fn tally(messages: &[Stored], ids: &[i64]) -> (usize, usize, usize) {
 /// whatever the duplicate window says: exactly 10 000 messages, no duplicate, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_down_15s_after_publishing_with_a_5s_duplicate_window_adds_no_duplicate() {
-    let _serial = SERIAL.read().await;
-    let started = Instant::now();
     let result = outage_past_the_duplicate_window("dedupe_strict", false).await;
-    let messages = &result.messages;
-    let (lost, duplicated, reordered) = tally(messages, &result.ids);
+    let (messages, (lost, duplicated, reordered)) = (&result.messages, result.tally);
     eprintln!(
         "dedupe_strict: injected: SIGKILL with {}/{ROWS} rows of one transaction stored and none acknowledged \
          (slot at {} <= commit {}), down {OUTAGE:?} with a 5s duplicate window; found: {} messages, \
@@ -767,7 +772,7 @@ async fn relay_down_15s_after_publishing_with_a_5s_duplicate_window_adds_no_dupl
         result.confirmed_at_kill,
         result.commit_lsn,
         messages.len(),
-        started.elapsed().as_secs_f64()
+        result.seconds
     );
     assert_eq!(messages.len(), ROWS, "exactly one message per row");
     let msg_ids: HashSet<&str> = messages.iter().map(|m| m.header("Nats-Msg-Id")).collect();
@@ -797,11 +802,8 @@ async fn relay_down_15s_after_publishing_with_a_5s_duplicate_window_adds_no_dupl
 /// (`outbox_relay_dedupe_window_exceeded_total`); nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_stream_mode_after_the_same_outage_warns_and_duplicates_what_was_unconfirmed() {
-    let _serial = SERIAL.read().await;
-    let started = Instant::now();
     let result = outage_past_the_duplicate_window("dedupe_shared", true).await;
-    let messages = &result.messages;
-    let (lost, duplicated, reordered) = tally(messages, &result.ids);
+    let (messages, (lost, duplicated, reordered)) = (&result.messages, result.tally);
     let warned = result
         .output
         .contains("outbox_relay_dedupe_window_exceeded_total");
@@ -812,7 +814,7 @@ async fn shared_stream_mode_after_the_same_outage_warns_and_duplicates_what_was_
          dedupe-window warning logged: {warned} ({:.1}s)",
         result.stored_at_kill,
         messages.len(),
-        started.elapsed().as_secs_f64()
+        result.seconds
     );
     assert!(
         warned,

@@ -315,12 +315,7 @@ async fn status_says_lagging_when_the_relay_stopped_with_a_backlog_and_broken_wi
     );
     let run = status(&case, &[]);
     assert_eq!(run.code, 4);
-    assert!(
-        run.stdout
-            .contains(&format!("slot         {}: does not exist\n", case.slot)),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&[&format!("slot         {}: does not exist\n", case.slot)]);
 }
 
 #[test]
@@ -350,16 +345,7 @@ fn status_exits_1_when_it_cannot_reach_postgres_or_nats_unless_what_it_read_is_b
     case.pg_url = format!("postgres://postgres@127.0.0.1:{}/app", testkit::free_port());
     let run = status(&case, &[]);
     run.assert_code(1);
-    assert!(
-        run.stdout.contains("cannot connect to Postgres"),
-        "{}",
-        run.stdout
-    );
-    assert!(
-        run.stdout.contains("\nslot         unknown\n"),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&["cannot connect to Postgres", "\nslot         unknown\n"]);
 }
 
 /// Creates the case's slot and publication as `init` would, without NATS.

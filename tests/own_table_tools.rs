@@ -153,14 +153,10 @@ async fn delete_and_verify(case: &Case, message: &Stored, shown: &str) {
     stream.delete_message(message.sequence).await.unwrap();
     let verify = case.run_command("verify", &[]);
     verify.assert_code(5);
-    assert!(
-        verify
-            .stdout
-            .contains(&format!("missing: id={shown} no message on the stream"))
-            && verify.stdout.contains(": 1 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable"),
-        "{}",
-        verify.stdout
-    );
+    verify.assert_stdout_has(&[
+        &format!("missing: id={shown} no message on the stream"),
+        ": 1 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable",
+    ]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -171,12 +167,10 @@ async fn verify_finds_a_debezium_stream_clean_and_names_a_deleted_uuid() {
 
     let verify = case.run_command("verify", &[]);
     verify.assert_code(0);
-    assert!(
-        verify.stdout.starts_with("verify: OK: 30 rows (ids ")
-            && verify.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable"),
-        "{}",
-        verify.stdout
-    );
+    verify.only_line_starting("verify: OK: 30 rows (ids ");
+    verify.assert_stdout_has(&[
+        "0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable",
+    ]);
     assert_eq!(verify.stdout.lines().count(), 1, "{}", verify.stdout);
 
     // A uuid range: compared as uuids.
@@ -204,29 +198,19 @@ async fn verify_finds_a_text_id_bytea_stream_clean_and_names_a_deleted_hostile_i
 
     let verify = case.run_command("verify", &[]);
     verify.assert_code(0);
-    assert!(
-        verify
-            .stdout
-            .contains("verify: OK: 35 rows (ids evt:0:0..=nats-evt-4-3)")
-            && verify
-                .stdout
-                .contains("excluded: 5 rows of event types the filter excludes"),
-        "{}",
-        verify.stdout
-    );
+    verify.assert_stdout_has(&[
+        "verify: OK: 35 rows (ids evt:0:0..=nats-evt-4-3)",
+        "excluded: 5 rows of event types the filter excludes",
+    ]);
 
     // A text range, compared by bytes: evt:1:0 ..= evt:1:9 holds evt:1:{0,1,2,4,5,6}
     // (and evt:1:7, excluded).
     let range = case.run_command("verify", &["--from-id", "evt:1:0", "--to-id", "evt:1:9"]);
     range.assert_code(0);
-    assert!(
-        range
-            .stdout
-            .contains("verify: OK: 6 rows (ids evt:1:0..=evt:1:7)")
-            && range.stdout.contains("excluded: 1 rows"),
-        "{}",
-        range.stdout
-    );
+    range.assert_stdout_has(&[
+        "verify: OK: 6 rows (ids evt:1:0..=evt:1:7)",
+        "excluded: 1 rows",
+    ]);
 
     let hostile = messages
         .iter()
@@ -318,11 +302,7 @@ async fn backfill_all_publishes_every_text_row_once_in_byte_order() {
     assert_eq!(backfilled, sorted);
     let verify = case.run_command("verify", &[]);
     verify.assert_code(0);
-    assert!(
-        verify.stdout.contains("verify: OK: 35 rows"),
-        "{}",
-        verify.stdout
-    );
+    verify.assert_stdout_has(&["verify: OK: 35 rows"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,27 +318,19 @@ async fn a_replay_or_backfill_of_a_text_range_stores_nothing_twice() {
     let range = ["--from-id", "evt:1:0", "--to-id", "evt:1:9"];
     let replay = case.run_command("replay", &range);
     replay.assert_code(0);
-    assert!(
-        replay
-            .stdout
-            .contains("replay: published 6 events (ids evt:1:0..=evt:1:6)")
-            && replay.stdout.contains("excluded: 1 rows"),
-        "{}",
-        replay.stdout
-    );
+    replay.assert_stdout_has(&[
+        "replay: published 6 events (ids evt:1:0..=evt:1:6)",
+        "excluded: 1 rows",
+    ]);
     assert_eq!(counted(&replay.stdout, "stored again"), 0);
     assert_eq!(counted(&replay.stdout, "acknowledged as duplicates"), 6);
     assert_eq!(counted(&replay.stdout, "without an original"), 0);
 
     let backfill = case.run_command("backfill", &range);
     backfill.assert_code(0);
-    assert!(
-        backfill
-            .stdout
-            .contains("backfill: 6 rows read, 0 published, 6 dropped by JetStream as duplicates"),
-        "{}",
-        backfill.stdout
-    );
+    backfill.assert_stdout_has(&[
+        "backfill: 6 rows read, 0 published, 6 dropped by JetStream as duplicates",
+    ]);
 
     assert_eq!(case.stream_count(&js).await, 21);
     case.run_command("verify", &[]).assert_code(0);

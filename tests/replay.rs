@@ -45,12 +45,7 @@ async fn replay_refuses_a_strict_mode_stream_without_force() {
     case.init();
     let replay = case.run_command("replay", &["--entity", "entity-0"]);
     replay.assert_code(2);
-    assert!(
-        replay.stderr.contains("is in strict mode")
-            && replay.stderr.contains("pass --force to replay anyway"),
-        "{}",
-        replay.stderr
-    );
+    replay.assert_stderr_has(&["is in strict mode", "pass --force to replay anyway"]);
     assert_eq!(replay.stdout, "");
 }
 
@@ -69,11 +64,7 @@ async fn replay_inside_the_duplicate_window_is_acknowledged_as_duplicates_and_st
     assert_eq!(counted(&replay.stdout, "stored again"), 0);
     assert_eq!(counted(&replay.stdout, "acknowledged as duplicates"), 5);
     assert_eq!(counted(&replay.stdout, "without an original"), 0);
-    assert!(
-        replay.stdout.contains("duplicate window of 2m"),
-        "{}",
-        replay.stdout
-    );
+    replay.assert_stdout_has(&["duplicate window of 2m"]);
     assert_eq!(case.stream_count(&js).await, 10);
     case.run_command("verify", &[]).assert_code(0);
 }
@@ -84,14 +75,13 @@ async fn a_forced_replay_is_refused_while_a_relay_holds_the_lease() {
     let mut relay = case.start_relay();
     let replay = case.run_command("replay", &["--force"]);
     replay.assert_code(2);
-    assert!(
-        replay.stderr.contains(&format!(
+    replay.assert_stderr_has(&[
+        &format!(
             "a relay holds the lease of slot {} (backend pid ",
             case.slot
-        )) && replay.stderr.contains("stop it before a forced replay"),
-        "{}",
-        replay.stderr
-    );
+        ),
+        "stop it before a forced replay",
+    ]);
     assert!(relay.try_status().is_none(), "{}", relay.output());
 }
 
@@ -138,19 +128,16 @@ async fn a_forced_replay_past_the_window_into_a_strict_stream_loses_nothing() {
 
     let verify = case.run_command("verify", &[]);
     verify.assert_code(5);
-    assert!(
-        verify.stdout.contains(&format!(
+    verify.assert_stdout_has(&[
+        &format!(
             "20 rows (ids {}..={}), {} stream messages",
             first[0],
             second[9],
             20 + stored
-        )) && verify.stdout.contains("0 missing, ")
-            && verify
-                .stdout
-                .contains("0 mismatched, 0 out of order, 0 unexpected"),
-        "{}",
-        verify.stdout
-    );
+        ),
+        "0 missing, ",
+        "0 mismatched, 0 out of order, 0 unexpected",
+    ]);
     let duplicated: Vec<&str> = verify
         .stdout
         .lines()

@@ -125,12 +125,10 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
         messages.last().unwrap().sequence + 2,
         doctored.header("Outbox-Entity-Id")
     ));
-    assert!(
-        run.stdout.contains("DISCREPANCIES (exit 5): 30 rows")
-            && run.stdout.contains("1 missing, 1 duplicated, 1 mismatched"),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&[
+        "DISCREPANCIES (exit 5): 30 rows",
+        "1 missing, 1 duplicated, 1 mismatched",
+    ]);
 
     // A range that leaves the damaged ids out is consistent.
     let first = messages[0].outbox_id();
@@ -144,7 +142,7 @@ async fn verify_finds_a_deleted_a_doubled_and_a_doctored_message_by_outbox_id() 
         ],
     );
     run.assert_code(0);
-    assert!(run.stdout.contains("verify: OK: 3 rows"), "{}", run.stdout);
+    run.assert_stdout_has(&["verify: OK: 3 rows"]);
 }
 
 /// Header-hostile rows are percent-encoded by the relay (`Outbox-Encoding: percent`): verify
@@ -191,12 +189,7 @@ async fn verify_decodes_hostile_rows_and_reports_a_dead_lettered_row_without_fai
         "{}",
         run.stdout
     );
-    assert!(
-        run.stdout.contains("verify: OK: 7 rows")
-            && run.stdout.contains("0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable, 1 dead-lettered"),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&["verify: OK: 7 rows", "0 missing, 0 duplicated, 0 mismatched, 0 out of order, 0 unexpected, 0 unpublishable, 1 dead-lettered"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,12 +197,7 @@ async fn verify_refuses_an_invalid_time_with_exit_2() {
     let case = new_case("verify_bad_time");
     let run = verify(&case, &["--since", "yesterday-ish"]);
     run.assert_code(2);
-    assert!(
-        run.stderr
-            .contains("--since \"yesterday-ish\" is neither a timestamp nor a duration"),
-        "{}",
-        run.stderr
-    );
+    run.assert_stderr_has(&["--since \"yesterday-ish\" is neither a timestamp nor a duration"]);
 }
 
 /// Throughput of `verify` on `VERIFY_ROWS` rows (default 100 000): the rows are inserted with
@@ -285,11 +273,7 @@ async fn verify_throughput() {
     let run = verify(&case, &[]);
     eprintln!("{}{}", run.stderr, run.stdout);
     run.assert_code(0);
-    assert!(
-        run.stdout.contains(&format!("verify: OK: {rows} rows")),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&[&format!("verify: OK: {rows} rows")]);
 }
 
 /// Issue 18 case 10, the documented migration (docs/migration.md): 1 000 rows in the table
@@ -415,11 +399,7 @@ async fn verify_after_the_documented_migration_expects_exactly_the_relays_rows()
         "{}",
         run.stdout
     );
-    assert!(
-        run.stdout.contains(" 502 missing,") && run.stdout.contains(", 0 left out\n"),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&[" 502 missing,", ", 0 left out\n"]);
 }
 
 /// BD2: a relay whose role may not create the boundary's table (Postgres 15 grants no CREATE
@@ -549,7 +529,7 @@ async fn verify_compares_positions_within_one_wal_history_only() {
 
     let run = verify(&case, &[]);
     run.assert_code(0);
-    assert!(run.stdout.contains("0 out of order"), "{}", run.stdout);
+    run.assert_stdout_has(&["0 out of order"]);
 }
 
 /// Issue 36: outbox tables are emptied by design. Rows deleted after relaying (inside the
@@ -575,11 +555,7 @@ async fn an_emptied_table_is_one_line_and_no_discrepancy() {
         "{}",
         run.stdout
     );
-    assert!(
-        run.stdout.contains("verify: OK: 22 rows") && run.stdout.contains(" 0 unexpected"),
-        "{}",
-        run.stdout
-    );
+    run.assert_stdout_has(&["verify: OK: 22 rows", " 0 unexpected"]);
 
     sql.batch_execute("truncate outbox_events").await.unwrap();
     let run = verify(&case, &[]);

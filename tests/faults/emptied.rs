@@ -352,32 +352,26 @@ async fn emptied(lifecycle: Lifecycle) {
     }
 }
 
-/// Debezium's remove-after-insert: every row deleted in its inserting transaction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn rows_deleted_in_their_inserting_transaction_are_relayed_once_in_order() {
-    emptied(Lifecycle::DeletedInTransaction).await;
+/// One test per [`Lifecycle`], each running [`emptied`].
+macro_rules! lifecycles {
+    ($($(#[$doc:meta])* $name:ident: $lifecycle:ident;)*) => {$(
+        $(#[$doc])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $name() {
+            emptied(Lifecycle::$lifecycle).await;
+        }
+    )*};
 }
 
-/// A poller's clean-up deleting what the stream holds, the tail's row included.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_pollers_clean_up_deleting_the_tails_row_changes_nothing() {
-    emptied(Lifecycle::PollerCleanup).await;
-}
-
-/// The relay's own retention with a short grace.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_relays_own_retention_with_a_short_grace_changes_nothing() {
-    emptied(Lifecycle::Retention).await;
-}
-
-/// TRUNCATE while the relay streams, is killed and restarts.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_truncated_table_changes_nothing() {
-    emptied(Lifecycle::Truncate).await;
-}
-
-/// The oldest partition of a partitioned outbox table detached and dropped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn dropped_partitions_change_nothing() {
-    emptied(Lifecycle::DroppedPartition).await;
+lifecycles! {
+    /// Debezium's remove-after-insert: every row deleted in its inserting transaction.
+    rows_deleted_in_their_inserting_transaction_are_relayed_once_in_order: DeletedInTransaction;
+    /// A poller's clean-up deleting what the stream holds, the tail's row included.
+    a_pollers_clean_up_deleting_the_tails_row_changes_nothing: PollerCleanup;
+    /// The relay's own retention with a short grace.
+    the_relays_own_retention_with_a_short_grace_changes_nothing: Retention;
+    /// TRUNCATE while the relay streams, is killed and restarts.
+    a_truncated_table_changes_nothing: Truncate;
+    /// The oldest partition of a partitioned outbox table detached and dropped.
+    dropped_partitions_change_nothing: DroppedPartition;
 }

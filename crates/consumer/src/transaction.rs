@@ -112,6 +112,23 @@ impl Sql for Statement {
 
 type Params<'p> = &'p [&'p (dyn ToSql + Sync)];
 
+/// Writes `tokio_postgres::Transaction`'s statement-running methods over the prepared-once
+/// statement cache (each the same three steps: prepare or reuse, run, check the outcome).
+macro_rules! prepared_once {
+    ($($name:ident -> $out:ty),*) => {$(
+        #[doc = concat!("`tokio_postgres::Transaction::", stringify!($name), "`, with text prepared once per connection.")]
+        pub async fn $name<T: ?Sized + Sql>(
+            &self,
+            statement: &T,
+            params: Params<'_>,
+        ) -> Result<$out, Error> {
+            let prepared = self.statement(statement).await?;
+            let result = self.inner.$name(&prepared, params).await;
+            self.checked(statement, result)
+        }
+    )*};
+}
+
 impl<'a> Transaction<'a> {
     pub(crate) fn new(inner: tokio_postgres::Transaction<'a>, statements: &'a Statements) -> Self {
         Transaction { inner, statements }
@@ -131,49 +148,9 @@ impl<'a> Transaction<'a> {
         Ok(statement)
     }
 
-    /// `tokio_postgres::Transaction::execute`, with text prepared once per connection.
-    pub async fn execute<T: ?Sized + Sql>(
-        &self,
-        statement: &T,
-        params: Params<'_>,
-    ) -> Result<u64, Error> {
-        let prepared = self.statement(statement).await?;
-        let result = self.inner.execute(&prepared, params).await;
-        self.checked(statement, result)
-    }
-
-    /// `tokio_postgres::Transaction::query`, with text prepared once per connection.
-    pub async fn query<T: ?Sized + Sql>(
-        &self,
-        statement: &T,
-        params: Params<'_>,
-    ) -> Result<Vec<Row>, Error> {
-        let prepared = self.statement(statement).await?;
-        let result = self.inner.query(&prepared, params).await;
-        self.checked(statement, result)
-    }
-
-    /// `tokio_postgres::Transaction::query_one`, with text prepared once per connection.
-    pub async fn query_one<T: ?Sized + Sql>(
-        &self,
-        statement: &T,
-        params: Params<'_>,
-    ) -> Result<Row, Error> {
-        let prepared = self.statement(statement).await?;
-        let result = self.inner.query_one(&prepared, params).await;
-        self.checked(statement, result)
-    }
-
-    /// `tokio_postgres::Transaction::query_opt`, with text prepared once per connection.
-    pub async fn query_opt<T: ?Sized + Sql>(
-        &self,
-        statement: &T,
-        params: Params<'_>,
-    ) -> Result<Option<Row>, Error> {
-        let prepared = self.statement(statement).await?;
-        let result = self.inner.query_opt(&prepared, params).await;
-        self.checked(statement, result)
-    }
+    // `execute`, `query`, `query_one` and `query_opt`: `tokio_postgres::Transaction`'s
+    // methods of the same names, with the text prepared once per connection.
+    prepared_once!(execute -> u64, query -> Vec<Row>, query_one -> Row, query_opt -> Option<Row>);
 
     async fn statement<T: ?Sized + Sql>(&self, statement: &T) -> Result<Statement, Error> {
         match statement.sql() {

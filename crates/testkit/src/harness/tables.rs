@@ -98,6 +98,13 @@ impl Case {
     }
 }
 
+/// Asserts that `text` (a run's `stream`) holds each of `parts`.
+fn assert_holds(stream: &str, text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "{stream} lacks {part:?}:\n{text}");
+    }
+}
+
 /// What one run of a subcommand printed, and its exit status (-1: killed by a signal).
 #[derive(Debug, Clone)]
 pub struct CommandRun {
@@ -111,6 +118,19 @@ impl CommandRun {
     /// message); returns it.
     pub fn assert_code(&self, code: i32) -> &CommandRun {
         assert_eq!(self.code, code, "{}\n{}", self.stdout, self.stderr);
+        self
+    }
+
+    /// Asserts that its stdout holds each of `parts` (the failure names the first missing
+    /// one, with the whole stdout); returns it.
+    pub fn assert_stdout_has(&self, parts: &[&str]) -> &CommandRun {
+        assert_holds("stdout", &self.stdout, parts);
+        self
+    }
+
+    /// [`CommandRun::assert_stdout_has`] for its stderr.
+    pub fn assert_stderr_has(&self, parts: &[&str]) -> &CommandRun {
+        assert_holds("stderr", &self.stderr, parts);
         self
     }
 

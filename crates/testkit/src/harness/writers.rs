@@ -332,21 +332,14 @@ fn parse_lsn(text: &str) -> Lsn {
     text.parse().expect("an LSN")
 }
 
-/// One attempted transaction, as its writer recorded it.
+/// One attempted transaction, as its writer recorded it: the [`Attempt`] (its fields read
+/// through the record) and whose it was.
 #[derive(Debug, Clone)]
 pub struct TxRecord {
     pub writer: usize,
     /// The writer's n-th transaction: a writer's transactions commit in this order.
     pub seq: usize,
-    /// The rows' ids, in insert order.
-    pub ids: Vec<i64>,
-    /// The tag in the rows' payloads.
-    pub tag: String,
-    pub outcome: Outcome,
-    pub before_commit: Option<Lsn>,
-    pub after_commit: Option<Lsn>,
-    /// Its rows were deleted in it ([`Plan::delete`]).
-    pub deleted: bool,
+    pub attempt: Attempt,
 }
 
 impl TxRecord {
@@ -354,13 +347,21 @@ impl TxRecord {
         TxRecord {
             writer,
             seq,
-            ids: attempt.ids,
-            tag: attempt.tag,
-            outcome: attempt.outcome,
-            before_commit: attempt.before_commit,
-            after_commit: attempt.after_commit,
-            deleted: attempt.deleted,
+            attempt,
         }
+    }
+}
+
+impl std::ops::Deref for TxRecord {
+    type Target = Attempt;
+    fn deref(&self) -> &Attempt {
+        &self.attempt
+    }
+}
+
+impl std::ops::DerefMut for TxRecord {
+    fn deref_mut(&mut self) -> &mut Attempt {
+        &mut self.attempt
     }
 }
 
