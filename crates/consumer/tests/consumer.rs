@@ -853,6 +853,70 @@ async fn percent_encoded_headers_reach_the_handler_decoded() {
     assert_eq!(recorded, event.keys.dedupe_key);
 }
 
+/// Publishes `block` (a header block) and `payload` to `subject` on a connection of its own,
+/// byte for byte as given: what any client allowed to publish there can send, whatever a
+/// client library would refuse to write.
+async fn publish_raw(nats_url: &str, subject: &str, block: &[u8], payload: &[u8]) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let address = nats_url.trim_start_matches("nats://");
+    let (read, mut write) = tokio::net::TcpStream::connect(address)
+        .await
+        .unwrap()
+        .into_split();
+    let mut lines = BufReader::new(read).lines();
+    let info = lines.next_line().await.unwrap().unwrap_or_default();
+    assert!(info.starts_with("INFO "), "{info}");
+    let (headers, total) = (block.len(), block.len() + payload.len());
+    let mut out = format!(
+        "CONNECT {{\"verbose\":false,\"headers\":true}}\r\nHPUB {subject} {headers} {total}\r\n"
+    )
+    .into_bytes();
+    out.extend_from_slice(block);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(b"\r\nPING\r\n");
+    write.write_all(&out).await.unwrap();
+    // PONG: the server has read the HPUB before it.
+    loop {
+        let line = lines.next_line().await.unwrap().unwrap_or_default();
+        assert!(!line.starts_with("-ERR"), "{line}");
+        if line == "PONG" {
+            break;
+        }
+    }
+}
+
+/// Issue 40 (async-nats 0.52): a header value holding a lone CR, which a client library does
+/// not write but any client allowed to publish on the stream's subjects can send raw, is
+/// delivered without ending the consumer's NATS connection (async-nats 0.51's connection task
+/// panicked on it: the session failed and met the same message again at every retry). The
+/// events before and after it are applied once each, with no session retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_value_with_a_carriage_return_does_not_stop_the_consumer() {
+    let case = Case::new("cr_header").await;
+    let [first, hostile, last] =
+        [1, 2, 3].map(|id| case.event(id, "order-1", "OrderPaid", T0 + id));
+    case.publish(&[first], None).await;
+    let mut block = sink::message::event_block(&hostile).to_vec();
+    // Before the blank line that ends the block.
+    block.truncate(block.len() - 2);
+    block.extend_from_slice(b"X-Note: carriage\rreturn\r\n\r\n");
+    publish_raw(&case.nats_url, &hostile.subject, &block, &hostile.payload).await;
+    case.publish(&[last], None).await;
+    assert_eq!(case.stream_messages().await, 3);
+    let running = Running::start(
+        case.consumer(case.config()).await,
+        Arc::new(Recorder::default()),
+    );
+    running.wait_processed(3).await;
+    assert_eq!(running.stats.retries(), 0, "a session was retried");
+    running.stop().await;
+    assert_eq!(
+        case.effects().await,
+        HashMap::from([(1, 1), (2, 1), (3, 1)]),
+        "each event applied once"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_is_not_an_outbox_event_stops_the_consumer_unacknowledged() {
     let case = Case::new("not_an_event").await;

@@ -359,6 +359,22 @@ pub(crate) fn write_event_block(
     })
 }
 
+/// The header block the relay publishes for `event` (without a fence or a source): for
+/// writing the relay's message byte for byte elsewhere, as a test does on a raw connection.
+pub fn event_block(event: &OutboxEvent) -> BytesMut {
+    let mut block = BytesMut::new();
+    let commit_lsn = event.position.commit_lsn.to_string();
+    write_event_block(
+        &mut block,
+        event,
+        event.is_hostile(),
+        &commit_lsn,
+        None,
+        None,
+    );
+    block
+}
+
 /// Writes a header block for `map` (a dead-letter record): `NATS/1.0`, the fence's lines,
 /// the map's `Nats-*` headers, then the others, then the blank line (M4). Returns where the
 /// `Nats-Msg-Id` value lies in `block`.
