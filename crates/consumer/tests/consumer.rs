@@ -1274,6 +1274,12 @@ async fn prometheus_scrapes_the_examples_metrics_and_every_one_is_documented() {
     }
     let status = tokio::task::block_in_place(|| example.terminate(DEADLINE));
     assert!(status.success(), "{}", example.output());
+    // Its output went to a pipe, not a terminal: no colour codes in it (issue 44).
+    assert!(
+        !example.output().contains('\u{1b}'),
+        "ANSI colour codes in output that is not a terminal:\n{}",
+        example.output()
+    );
     case.assert_once_in("ledger", 1..=40).await;
 }
 

@@ -61,7 +61,12 @@ const LEDGER_SQL: &str = "create table if not exists ledger (
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Colour only on a terminal (not in a file, a journal or a container's log), and never
+    // with NO_COLOR set, as the relay does.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stdout())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
+        .with_ansi(colour)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
