@@ -14,6 +14,7 @@
 mod support;
 
 mod atomic;
+mod cloudevents;
 mod cluster;
 mod connect;
 mod container;

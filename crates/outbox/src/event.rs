@@ -24,6 +24,7 @@ use pgoutput::{ColumnValue, Lsn, Relation, TupleData};
 
 use std::sync::Arc;
 
+use crate::cloudevents::CloudEvents;
 use crate::encoding;
 use crate::id::EventId;
 use crate::keys::{shard_for_key, Keys};
@@ -305,6 +306,9 @@ pub struct Shape {
     pub partitions: NonZeroU64,
     /// The subject template.
     pub template: SubjectTemplate,
+    /// CloudEvents attributes every event carries as headers ([`crate::cloudevents`]), if
+    /// asked for.
+    pub cloudevents: Option<CloudEvents>,
 }
 
 impl Shape {
@@ -314,6 +318,7 @@ impl Shape {
             prefix: prefix.into(),
             partitions,
             template: SubjectTemplate::default(),
+            cloudevents: None,
         }
     }
 }
@@ -373,6 +378,17 @@ impl OutboxRow {
                 });
             out
         };
+        let mut headers = self.headers;
+        if let Some(cloudevents) = &shape.cloudevents {
+            cloudevents.push_headers(
+                &mut headers,
+                &keys,
+                &self.entity_id,
+                &self.event_type,
+                self.created_at_ms,
+                self.binary,
+            );
+        }
         OutboxEvent {
             subject,
             id: self.id,
@@ -383,7 +399,7 @@ impl OutboxRow {
             payload: self.payload,
             position,
             created_at_ms: self.created_at_ms,
-            headers: self.headers,
+            headers,
             binary: self.binary,
         }
     }
@@ -411,7 +427,8 @@ pub struct OutboxEvent {
     /// The row's `created_at` in exact milliseconds since the Unix epoch (the ordering key's
     /// first part), for the created → stored latency the relay measures.
     pub created_at_ms: i64,
-    /// Headers from the row's columns (the mapping's), in mapping order.
+    /// Headers from the row's columns (the mapping's), in mapping order, then the
+    /// CloudEvents attributes when the shape asks for them.
     pub headers: Vec<(Arc<str>, String)>,
     /// The payload is a `bytea`'s bytes, published as they are (a text payload must be
     /// UTF-8: the sink refuses one that is not).

@@ -255,6 +255,16 @@ impl Framer {
         self
     }
 
+    /// The framer giving every event the CloudEvents attributes `cloudevents` says
+    /// ([`crate::cloudevents`]), if any.
+    pub fn with_cloudevents(
+        mut self,
+        cloudevents: Option<crate::cloudevents::CloudEvents>,
+    ) -> Self {
+        self.shape.cloudevents = cloudevents;
+        self
+    }
+
     /// The framer, told what the session's start learned about the relations (D5, D6).
     pub fn with_relations(mut self, known: KnownRelations) -> Self {
         self.known = known;

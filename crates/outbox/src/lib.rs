@@ -20,7 +20,10 @@
 //! - ID1–ID3 ([`id`]): integer ids keep the seed's keys; uuid and text ids its formulas.
 //! - TPL1–TPL3 ([`template`]): subject templates stay under the prefix, one token per
 //!   placeholder, escaped.
+//! - CE1–CE3 ([`cloudevents`]): CloudEvents attributes are functions of the row and the
+//!   configured source, stable across replays.
 
+pub mod cloudevents;
 pub mod encoding;
 pub mod event;
 pub mod framer;

@@ -221,6 +221,41 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
     era * 146_097 + day_of_era - 719_468
 }
 
+/// The civil date (proleptic Gregorian, astronomical years) of a day count since
+/// 1970-01-01: [`days_from_civil`] inverted (Howard Hinnant's algorithm).
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z - era * 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 {
+        shifted_month + 3
+    } else {
+        shifted_month - 9
+    };
+    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// Unix milliseconds as RFC 3339 in UTC, `2025-01-31T12:34:56.789Z`; `None` for an instant
+/// outside the years 0000 to 9999, which RFC 3339 cannot write.
+pub fn rfc3339_millis(ms: i64) -> Option<String> {
+    let (year, month, day) = civil_from_days(ms.div_euclid(86_400_000));
+    let in_day = ms.rem_euclid(86_400_000);
+    (0..=9999).contains(&year).then(|| {
+        format!(
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+            in_day / 3_600_000,
+            in_day / 60_000 % 60,
+            in_day / 1000 % 60,
+            in_day % 1000
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,17 +346,30 @@ mod tests {
             );
             prop_assert_eq!(parse_timestamptz(text.as_bytes()), Ok(i128::from(days * 86_400_000_000 + micros_of_day)));
         }
+
+        #[test]
+        fn rfc3339_round_trips_through_the_parser(ms in -62_135_596_800_000i64..253_402_300_800_000) {
+            let text = rfc3339_millis(ms).expect("a year from 0001 to 9999 (Postgres writes 0000 as 1 BC)");
+            let postgres = format!("{} {}+00", &text[..10], &text[11..23]);
+            prop_assert_eq!(parse_timestamptz(postgres.as_bytes()).map(epoch_millis), Ok(ms));
+        }
     }
 
-    fn civil_from_days(days: i64) -> (i64, i64, i64) {
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z - era * 146_097;
-        let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let d = doy - (153 * mp + 2) / 5 + 1;
-        let m = if mp < 10 { mp + 3 } else { mp - 9 };
-        (yoe + era * 400 + i64::from(m <= 2), m, d)
+    #[test]
+    fn rfc3339_has_four_digit_years_only() {
+        assert_eq!(
+            rfc3339_millis(0).as_deref(),
+            Some("1970-01-01T00:00:00.000Z")
+        );
+        assert_eq!(
+            rfc3339_millis(951_782_400_001).as_deref(),
+            Some("2000-02-29T00:00:00.001Z")
+        );
+        assert_eq!(
+            rfc3339_millis(-1).as_deref(),
+            Some("1969-12-31T23:59:59.999Z")
+        );
+        assert_eq!(rfc3339_millis(253_402_300_800_000), None);
+        assert_eq!(rfc3339_millis(-62_167_219_200_001), None);
     }
 }

@@ -267,6 +267,8 @@ pub struct Config {
     pub table: Table,
     /// Which of its columns the relay reads, and how events are shaped from them.
     pub mapping: outbox::Mapping,
+    /// The CloudEvents attributes every event carries, if asked for (`--cloudevents`).
+    pub cloudevents: Option<outbox::cloudevents::CloudEvents>,
     /// The replication slot.
     pub slot: String,
     /// The publication.

@@ -163,6 +163,10 @@ pub mod opt {
             "Publish each Postgres transaction as one JetStream atomic batch (nats-server 2.12 or newer, a stream with allow_atomic: set on streams the relay creates): consumers never see part of a transaction; one larger than the server's batch limit (1000) is split at it. Strict mode only");
         FAST_INGEST = ("fast_ingest", "OUTBOX_RELAY_FAST_INGEST", Some("true"),
             "Publish consecutive events as fast-ingest batches where the server and the stream allow it (nats-server 2.14 or newer, a one-replica stream with allow_batched: set on streams the relay creates): one answer per batch instead of one per event; elsewhere, in shared mode and with --atomic-transactions, one acknowledged publish per event; false: always one per event");
+        CLOUDEVENTS = ("cloudevents", "OUTBOX_RELAY_CLOUDEVENTS", Some("false"),
+            "Also publish each event's CloudEvents 1.0 attributes as headers (binary content mode: ce-id is the dedupe key, ce-type the event type, ce-subject the entity id, ce-time created_at; docs/consumers.md)");
+        CLOUDEVENTS_SOURCE = ("cloudevents_source", "OUTBOX_RELAY_CLOUDEVENTS_SOURCE", None,
+            "The ce-source of every event with --cloudevents, a URI-reference; default: /{database}/{schema}/{table}");
         WORKER_THREADS = ("worker_threads", "OUTBOX_RELAY_WORKER_THREADS", Some("1"),
             "Runtime threads: 1 runs everything on one thread (fastest where Postgres and NATS share the cores); more spreads the relay's tasks");
         MAX_LAG_BYTES = ("max_lag_bytes", "OUTBOX_RELAY_MAX_LAG_BYTES", Some("1GiB"),

@@ -10,8 +10,9 @@
 //!   backfill, verify, replay, marking and retention (their module docs say how); none
 //!   reads the seed's columns instead.
 
+use outbox::cloudevents::{self, CloudEvents};
 use outbox::mapping::{self, Preset, TraceContext};
-use outbox::{Mapping, Role, SubjectTemplate};
+use outbox::{Mapping, Role, SubjectTemplate, TableName};
 
 use super::{opt, ConfigError, RawConfig};
 
@@ -70,13 +71,49 @@ pub fn mapping_from(raw: &RawConfig) -> Result<Mapping, ConfigError> {
     Ok(mapping)
 }
 
+/// The CloudEvents settings (`--cloudevents`, `--cloudevents-source`): `None` when off. A
+/// header column may not take an attribute's header name then.
+pub fn cloudevents_from(
+    raw: &RawConfig,
+    database: &str,
+    table: &TableName,
+    mapping: &Mapping,
+) -> Result<Option<CloudEvents>, ConfigError> {
+    let source = raw.parse_optional(&opt::CLOUDEVENTS_SOURCE, |v| {
+        CloudEvents::new(v).map(|ce| ce.source().to_owned())
+    })?;
+    if !raw.parse(&opt::CLOUDEVENTS, super::parse_bool)? {
+        return Ok(None);
+    }
+    if let Some(clash) = mapping
+        .headers
+        .iter()
+        .find(|h| cloudevents::is_attribute_header(&h.header))
+    {
+        return Err(ConfigError(format!(
+            "{} maps column {} to header {}, which {} writes (a CloudEvents attribute): name the header otherwise, or leave CloudEvents off",
+            opt::HEADER_COLUMNS.how_to_set(),
+            clash.column,
+            clash.header,
+            opt::CLOUDEVENTS.flag()
+        )));
+    }
+    let source =
+        source.unwrap_or_else(|| CloudEvents::default_source(database, &table.schema, &table.name));
+    CloudEvents::new(source)
+        .map(Some)
+        .map_err(|why| ConfigError(format!("{}: {why}", opt::CLOUDEVENTS_SOURCE.how_to_set())))
+}
+
 impl super::Config {
-    /// What shapes every event beside its row: prefix, shard count, subject template.
+    /// What shapes every event beside its row: prefix, shard count, subject template,
+    /// CloudEvents attributes.
     pub fn shape(&self) -> outbox::event::Shape {
         outbox::event::Shape {
             prefix: self.subject_prefix.clone(),
             partitions: self.partitions,
             template: self.mapping.template.clone(),
+            cloudevents: self.cloudevents.clone(),
         }
     }
 }
@@ -117,5 +154,37 @@ mod tests {
         assert!(e.0.contains("subject-template"), "{e}");
         let e = mapping(&[("entity_id_column", "id")]).unwrap_err();
         assert!(e.0.contains("column id is mapped both"), "{e}");
+    }
+
+    #[test]
+    fn cloudevents_take_a_source_and_refuse_a_header_column_of_theirs() {
+        let load = |flags: &[(&'static str, &str)]| {
+            crate::config::tests::load(flags, &[("DATABASE_URL", "postgres://u@h/app")], None)
+                .map(|c| c.cloudevents)
+        };
+        assert_eq!(load(&[]).unwrap(), None, "off by default");
+        let on = load(&[("cloudevents", "true")]).unwrap().unwrap();
+        assert_eq!(on.source(), "/app/public/outbox_events");
+        let named = load(&[
+            ("cloudevents", "true"),
+            ("cloudevents_source", "urn:billing"),
+        ]);
+        assert_eq!(named.unwrap().unwrap().source(), "urn:billing");
+        let refusals = [
+            (
+                ("cloudevents_source", "a b"),
+                ["--cloudevents-source", "URI-reference"],
+            ),
+            (
+                ("header_columns", "event_type:Content-Type"),
+                ["header Content-Type", "--cloudevents"],
+            ),
+        ];
+        for (setting, named) in refusals {
+            let e = load(&[("cloudevents", "true"), setting]).unwrap_err();
+            assert!(named.iter().all(|n| e.0.contains(n)), "{e}");
+        }
+        // Off, a header column may take any name the mapping allows.
+        assert!(load(&[("header_columns", "event_type:content-type")]).is_ok());
     }
 }

@@ -14,6 +14,8 @@ impl Config {
         let warnings = startup_warnings(raw, &database, &nats_url, &nats);
         let table = raw.parse(&TABLE, parse_table_name)?;
         let mapping = crate::config::table::mapping_from(raw)?;
+        let cloudevents =
+            crate::config::table::cloudevents_from(raw, database.dbname(), &table, &mapping)?;
         let slot = raw.parse(&SLOT, parse_slot_name)?;
         let publication = raw.parse(&PUBLICATION, parse_publication_name)?;
         let stream = raw.parse(&STREAM, parse_stream_name)?;
@@ -45,6 +47,7 @@ impl Config {
             nats,
             table,
             mapping,
+            cloudevents,
             slot,
             publication,
             stream,

@@ -282,25 +282,8 @@ pub(super) fn format_age(seconds: f64) -> String {
     }
 }
 
-/// Unix milliseconds as `2025-01-31T12:34:56.789Z`.
+/// Unix milliseconds as `2025-01-31T12:34:56.789Z` (RFC 3339), or as the count itself for
+/// an instant RFC 3339 cannot write.
 pub(super) fn utc_millis(ms: i64) -> String {
-    let days = ms.div_euclid(86_400_000);
-    let in_day = ms.rem_euclid(86_400_000);
-    // The civil date of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        in_day / 3_600_000,
-        in_day / 60_000 % 60,
-        in_day / 1000 % 60,
-        in_day % 1000
-    )
+    outbox::timestamp::rfc3339_millis(ms).unwrap_or_else(|| format!("{ms} ms since 1970"))
 }

@@ -390,7 +390,7 @@ impl Fields {
             partition_key: event.keys.partition_key.clone(),
             ordering_key: event.keys.ordering_key.clone(),
             shard: event.shard.to_string(),
-            headers: headers_line(event.headers.iter().map(|(n, v)| (&**n, v.as_str()))),
+            headers: headers_line(column_headers(event).into_iter()),
         }
     }
 
@@ -430,6 +430,18 @@ impl Fields {
             ("the headers from columns", &self.headers),
         ]
     }
+}
+
+/// The headers `event`'s columns gave: its headers without the CloudEvents attributes, which
+/// are derived from the fields compared (their source is the configuration's).
+fn column_headers(event: &OutboxEvent) -> Vec<(&str, &str)> {
+    let mut headers: Vec<(&str, &str)> = event
+        .headers
+        .iter()
+        .map(|(n, v)| (&**n, v.as_str()))
+        .collect();
+    outbox::cloudevents::without_attributes(&mut headers);
+    headers
 }
 
 /// The headers columns gave, as one line in name order: `name: value; ...`.
@@ -475,7 +487,7 @@ fn event_digest(event: &OutboxEvent) -> u64 {
             &event.keys.ordering_key,
             &shard,
         ],
-        headers_digest(event.headers.iter().map(|(n, v)| (&**n, v.as_str()))),
+        headers_digest(column_headers(event).into_iter()),
         &event.payload,
     )
 }
@@ -513,7 +525,8 @@ struct Seen<'a> {
     /// `Outbox-Id-Kind`: a uuid or text id (its `Outbox-Id` and ordering key are encoded
     /// with the rest).
     id_kind: Option<&'a str>,
-    /// Every header that is not the relay's (`Nats-*`, `Outbox-*`): the columns gave them.
+    /// Every header that is not the relay's (`Nats-*`, `Outbox-*`) nor a CloudEvents
+    /// attribute: the columns gave them.
     extra: Vec<(&'a str, &'a str)>,
 }
 
@@ -542,6 +555,7 @@ impl<'a> Seen<'a> {
                 _ => {}
             }
         }
+        outbox::cloudevents::without_attributes(&mut seen.extra);
         seen
     }
 

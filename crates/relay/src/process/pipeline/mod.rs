@@ -632,6 +632,7 @@ fn start(
         config.partitions,
     )
     .with_mapping(config.mapping.clone())
+    .with_cloudevents(config.cloudevents.clone())
     .with_relations(prepared.slot.relations);
     let marking = config.mark_published.then(|| {
         crate::process::mark::Marking::start(
