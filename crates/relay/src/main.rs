@@ -89,6 +89,12 @@ fn range_of(matches: &clap::ArgMatches) -> outbox_relay::commands::verify::Range
 }
 
 fn cli() -> Command {
+    cli_with(false)
+}
+
+/// The command line; `root_options_shown`: the top level's help lists every option (the man
+/// page's), else it lists the commands and says where each one's options are.
+fn cli_with(root_options_shown: bool) -> Command {
     let mut command = Command::new("outbox-relay")
         .version(env!("CARGO_PKG_VERSION"))
         // Help wraps at the terminal's width, and at 100 columns at most (or when piped).
@@ -96,12 +102,16 @@ fn cli() -> Command {
         .about("Relays a Postgres transactional-outbox table into NATS JetStream through logical replication")
         .subcommand_required(true)
         .arg_required_else_help(true)
+        .after_help(
+            "Each command's options: outbox-relay <COMMAND> --help. Every option, with its \
+             environment variable and file key: docs/configuration.md, or outbox-relay man.",
+        )
         .arg(
             Arg::new("config")
                 .long("config")
                 .value_name("FILE")
                 .global(true)
-                .help("TOML file with any of the options below, by file key (docs/configuration.md) [env: OUTBOX_RELAY_CONFIG]"),
+                .help("TOML file with any option by its file key (docs/configuration.md) [env: OUTBOX_RELAY_CONFIG]"),
         )
         .subcommand(
             Command::new("run").about("Check and create what is missing, then relay events until SIGTERM/SIGINT").arg(
@@ -177,25 +187,65 @@ fn cli() -> Command {
                 ),
         )
         .subcommand(Command::new("man").about("Print the man page (roff), e.g. outbox-relay man > /usr/share/man/man1/outbox-relay.1"));
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_owned())
+        .collect();
+    for name in names {
+        command = command.mut_subcommand(&name, |mut sub| {
+            for spec in opt::ALL {
+                sub = sub.arg(option_arg(spec).hide(!shows(&name, spec.key)));
+            }
+            sub
+        });
+    }
+    // Before the command too (`outbox-relay --config f --stream S run`), as before; the
+    // command's own help lists them.
     for spec in opt::ALL {
-        let flag: &'static str = Box::leak(spec.long().into_boxed_str());
-        let mut help = format!("{} [env: {}]", spec.help, spec.env);
-        if let Some(default) = spec.default {
-            help.push_str(&format!(" [default: {default}]"));
-        }
-        let mut arg = Arg::new(spec.key)
-            .long(flag)
-            .value_name("VALUE")
-            .global(true)
-            .help_heading(heading(spec.key))
-            .help(help);
-        if spec.is_switch() {
-            // `--mark-published` alone means true; `--mark-published false` still parses.
-            arg = arg.num_args(0..=1).default_missing_value("true");
-        }
-        command = command.arg(arg);
+        command = command.arg(option_arg(spec).hide(!root_options_shown));
     }
     command
+}
+
+/// The flag of an option: its help says its environment variable and default.
+fn option_arg(spec: &outbox_relay::config::OptionSpec) -> Arg {
+    let flag: &'static str = Box::leak(spec.long().into_boxed_str());
+    let mut help = format!("{} [env: {}]", spec.help, spec.env);
+    if let Some(default) = spec.default {
+        help.push_str(&format!(" [default: {default}]"));
+    }
+    let arg = Arg::new(spec.key)
+        .long(flag)
+        .value_name("VALUE")
+        .help_heading(heading(spec.key))
+        .help(help);
+    if spec.is_switch() {
+        // `--mark-published` alone means true; `--mark-published false` still parses.
+        arg.num_args(0..=1).default_missing_value("true")
+    } else {
+        arg
+    }
+}
+
+/// Whether `subcommand`'s help lists the option `key`: the options it reads. Every command
+/// accepts every option (a script's flags keep parsing; a config file or the environment
+/// sets them all anyway); the others are left out of its help.
+fn shows(subcommand: &str, key: &str) -> bool {
+    let connects = matches!(
+        heading(key),
+        "Servers"
+            | "NATS authentication and TLS"
+            | "The outbox table"
+            | "Slot, publication and stream"
+    );
+    match subcommand {
+        "run" | "init" | "config" => true,
+        "backfill" | "replay" => connects || heading(key) == "Publishing" || key == "log_format",
+        "status" => connects || matches!(key, "max_lag_bytes" | "log_format"),
+        "verify" => connects || key == "log_format",
+        "probe" => key == "metrics_addr",
+        _ => false,
+    }
 }
 
 /// The widest help text line, in columns.
@@ -223,7 +273,9 @@ fn heading(key: &str) -> &'static str {
         | "ack_timeout"
         | "on_poison"
         | "atomic_transactions"
-        | "fast_ingest" => "Publishing",
+        | "fast_ingest"
+        | "cloudevents"
+        | "cloudevents_source" => "Publishing",
         "backfill" | "mark_published" => "Backfill, marking and retention",
         key if key.starts_with("retention_") => "Backfill, marking and retention",
         _ => "Process and observability",
@@ -297,7 +349,7 @@ fn print_generated(subcommand: &str, sub_matches: &clap::ArgMatches) -> Option<E
             }
         }
         "man" => {
-            if let Err(e) = clap_mangen::Man::new(cli()).render(&mut generated) {
+            if let Err(e) = clap_mangen::Man::new(cli_with(true)).render(&mut generated) {
                 eprintln!("outbox-relay man: {e}");
                 return Some(ExitCode::FAILURE);
             }
@@ -577,7 +629,7 @@ fn configuration_doc(command: &Command) -> String {
     for sub in command.get_subcommands() {
         let flags: Vec<String> = sub
             .get_arguments()
-            .filter(|arg| !arg.is_global_set())
+            .filter(|arg| !arg.is_global_set() && !opt::ALL.iter().any(|s| s.key == arg.get_id()))
             .filter_map(|arg| {
                 arg.get_long().map(|long| {
                     format!(
@@ -742,16 +794,84 @@ mod tests {
                     line.chars().count()
                 );
             }
-            if name != "help" {
+            if matches!(name.as_str(), "run" | "init" | "config") {
                 for heading in [
                     "Servers:",
                     "NATS authentication and TLS:",
                     "The outbox table:",
+                    "Publishing:",
+                    "Process and observability:",
                 ] {
                     assert!(help.contains(heading), "{name} --help: {heading}\n{help}");
                 }
             }
         }
+    }
+
+    /// Each command's help lists the options it reads and no other (issue 40), the top
+    /// level's none but says where they are; every command still accepts every option, where
+    /// it always did.
+    #[test]
+    fn a_command_shows_only_its_own_options_and_accepts_the_rest() {
+        let mut command = cli();
+        command.build();
+        let help = |name: &str| {
+            let mut command = cli();
+            command.build();
+            let sub = command.find_subcommand_mut(name).unwrap();
+            sub.render_long_help().to_string()
+        };
+        let root = command.render_long_help().to_string();
+        assert!(!root.contains("--database-url"), "{root}");
+        assert!(root.contains("outbox-relay <COMMAND> --help"), "{root}");
+        // (command, options its help lists, options it leaves out)
+        let expected: [(&str, &[&str], &[&str]); 6] = [
+            ("probe", &["--metrics-addr"], &["--database-url"]),
+            (
+                "status",
+                &["--max-lag-bytes", "--stream"],
+                &["--retention-batch", "--fast-ingest"],
+            ),
+            ("verify", &["--table"], &["--metrics-addr"]),
+            ("run", &["--retention-batch", "--cloudevents"], &[]),
+            ("completions", &[], &["--database-url"]),
+            ("man", &[], &["--database-url"]),
+        ];
+        for (name, shown, left_out) in expected {
+            let text = help(name);
+            for option in shown {
+                assert!(
+                    text.contains(option),
+                    "{name} --help lacks {option}:\n{text}"
+                );
+            }
+            for option in left_out {
+                assert!(
+                    !text.contains(option),
+                    "{name} --help lists {option}:\n{text}"
+                );
+            }
+        }
+        // Hidden from a help, never refused: before the command and after it.
+        for tokens in [
+            &["outbox-relay", "status", "--retention-batch", "5"][..],
+            &["outbox-relay", "--stream", "S", "probe"][..],
+            &[
+                "outbox-relay",
+                "verify",
+                "--metrics-addr",
+                ":9464",
+                "--from-id",
+                "1",
+            ][..],
+        ] {
+            command.clone().try_get_matches_from(tokens).unwrap();
+        }
+        let man = cli_with(true).render_long_help().to_string();
+        assert!(
+            man.contains("--database-url"),
+            "the man page documents every option"
+        );
     }
 
     /// deploy/outbox-relay.example.toml is what `config::opt` defines: it cannot drift, and
