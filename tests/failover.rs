@@ -362,3 +362,88 @@ async fn failover_without_failover_slots_refuses_to_invent_a_position_and_says_h
         log.committed_rows()
     );
 }
+
+/// The state `outbox_relay_failover_protection` shows (the label of the series at 1), if any.
+fn protection_state(port: u16) -> Option<String> {
+    let (_, body) = testkit::http_get(port, "/metrics").ok()?;
+    body.lines().find_map(|line| {
+        let state = line.strip_prefix("outbox_relay_failover_protection{state=\"")?;
+        let (state, value) = state.split_once("\"} ")?;
+        (value.trim().parse::<f64>().ok()? == 1.0).then(|| state.to_owned())
+    })
+}
+
+/// Waits until the relay's metric says fail-over protection is `state`; the relay's log
+/// tells why not when it does not.
+async fn protection_becomes(port: u16, state: &str, relay: &testkit::Process) {
+    let deadline = Instant::now() + DEADLINE;
+    while protection_state(port).as_deref() != Some(state) {
+        assert!(
+            Instant::now() < deadline,
+            "fail-over protection is {:?}, not {state}, after {DEADLINE:?}; relay log:\n{}",
+            protection_state(port),
+            support::last_lines(&relay.output(), 30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Fail-over protection watched (issue 39): with `--failover-slot` and the standby listed in
+/// `DATABASE_URL`, the metric, `status` and the log say when no standby holds a copy of the
+/// slot a promotion would keep (here: the standby is down), and clear once it does again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_protection_missing_is_said_by_the_metric_status_and_log_then_clears() {
+    let primary = Postgres::start_with(pg_options());
+    let nats = Nats::start();
+    let metrics_port = testkit::free_port();
+    let env = vec![setting(
+        "OUTBOX_RELAY_METRICS_ADDR",
+        &format!("127.0.0.1:{metrics_port}"),
+    )];
+    let (case, mut standby) = failover_case(&primary, &nats, true, env);
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let standby_at = format!("standby 127.0.0.1:{}", standby.port());
+
+    // The copy may be temporary at first (its first synchronization), then it protects.
+    protection_becomes(metrics_port, "protected", &relay).await;
+    let (missing, holds) = ("fail-over protection missing", "fail-over protection holds");
+    let said = |what: &str| relay.output().matches(what).count();
+    let (missing_before, holds_before) = (said(missing), said(holds));
+    assert_eq!(holds_before, 1, "{}", relay.output());
+    let status = case.run_command("status", &[]);
+    status.assert_code(0);
+    status.assert_stdout_has(&[&format!(
+        "{standby_at} holds a synced copy of slot {}",
+        case.slot
+    )]);
+
+    tokio::task::block_in_place(|| standby.stop());
+    protection_becomes(metrics_port, "missing", &relay).await;
+    let status = case.run_command("status", &[]);
+    status.assert_code(3);
+    status.assert_stdout_has(&[
+        "fail-over protection missing: a promotion now would lose slot",
+        &format!("{standby_at}: cannot connect"),
+    ]);
+    eventually("the log to say protection is missing", DEADLINE, || async {
+        (said(missing) == missing_before + 1).then_some(())
+    })
+    .await;
+
+    tokio::task::block_in_place(|| standby.start_again());
+    protection_becomes(metrics_port, "protected", &relay).await;
+    eventually(
+        "the log to say protection holds again",
+        DEADLINE,
+        || async { (said(holds) == holds_before + 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        said(missing),
+        missing_before + 1,
+        "each change said once:\n{}",
+        relay.output()
+    );
+    let status = case.run_command("status", &[]);
+    status.assert_code(0);
+}

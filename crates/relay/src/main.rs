@@ -30,7 +30,8 @@ const STATUS_EXIT_CODES: &str = "\
 Exit status:
   0  healthy (warnings may be listed)
   3  lagging: slot lag above --max-lag-bytes, the slot's WAL beyond max_wal_size (wal_status
-     extended or unreserved), no relay holds the lease, or the relay holding it is not streaming
+     extended or unreserved), no relay holds the lease, the relay holding it is not streaming,
+     or with --failover-slot no standby holds a copy of the slot a promotion would keep
   4  broken: slot, publication or stream missing; slot lost; the start-up checks refuse the
      table, publication, slot or stream; a discard-new stream that is full; the slot read by a
      program that holds no lease

@@ -192,6 +192,40 @@ struct State {
     confirmed_lsn: AtomicU64,
     slot: Mutex<Option<SlotSample>>,
     nats: Mutex<Option<async_nats::Client>>,
+    /// Fail-over protection as last checked: `(state, lag)`, `None` before the first check of
+    /// a relay with `--failover-slot` (and on a standby relay).
+    failover: Mutex<Option<(FailoverState, Option<u64>)>>,
+}
+
+/// Fail-over protection's state, as `outbox_relay_failover_protection{state}` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailoverState {
+    /// No `--failover-slot`: nothing to protect.
+    Off,
+    /// `DATABASE_URL` names no standby: nothing is checked.
+    Unwatched,
+    /// No standby holds a copy a promotion would keep.
+    Missing,
+    /// A standby holds one.
+    Protected,
+}
+
+impl FailoverState {
+    const ALL: [FailoverState; 4] = [
+        FailoverState::Off,
+        FailoverState::Unwatched,
+        FailoverState::Missing,
+        FailoverState::Protected,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            FailoverState::Off => "off",
+            FailoverState::Unwatched => "unwatched",
+            FailoverState::Missing => "missing",
+            FailoverState::Protected => "protected",
+        }
+    }
 }
 
 /// See the module docs.
@@ -267,6 +301,7 @@ impl Metrics {
             confirmed_lsn: AtomicU64::new(0),
             slot: Mutex::new(None),
             nats: Mutex::new(None),
+            failover: Mutex::new((!config.failover_slot).then_some((FailoverState::Off, None))),
         });
         let counters = Counters::default();
         // Both series exist from the start, at 0, so that rate() and increase() see the first.
@@ -463,6 +498,10 @@ impl Metrics {
         self.state.phase.store(phase as u8, Ordering::Relaxed);
         if phase == Phase::Standby {
             *lock(&self.state.slot) = None;
+            let mut failover = lock(&self.state.failover);
+            if failover.is_some_and(|(state, _)| state != FailoverState::Off) {
+                *failover = None;
+            }
             self.state.sink.forget_unconfirmed();
         }
     }
@@ -480,6 +519,12 @@ impl Metrics {
     /// The slot as just polled (MET2).
     pub fn set_slot(&self, sample: SlotSample) {
         *lock(&self.state.slot) = Some(sample);
+    }
+
+    /// Fail-over protection as just checked (`crate::postgres::failover`), with the lag of
+    /// the closest protecting copy.
+    pub fn set_failover(&self, state: FailoverState, lag_bytes: Option<u64>) {
+        *lock(&self.state.failover) = Some((state, lag_bytes));
     }
 
     /// The slot as last polled, while this relay holds the lease.
@@ -573,6 +618,7 @@ impl Collector for State {
         self.encode_session(&mut encoder)?;
         self.encode_mode(&mut encoder)?;
         self.encode_slot(&mut encoder)?;
+        self.encode_failover(&mut encoder)?;
         self.encode_nats(&mut encoder)
     }
 }
@@ -767,6 +813,40 @@ impl State {
                     &[(None, gauge(safe))],
                 )?;
             }
+        }
+        Ok(())
+    }
+
+    /// Fail-over protection, once checked (always `off` without `--failover-slot`).
+    fn encode_failover(&self, encoder: &mut DescriptorEncoder) -> fmt::Result {
+        let gauge = |value: f64| ConstGauge::new(value);
+        let Some((state, lag)) = *lock(&self.failover) else {
+            return Ok(());
+        };
+        let values: Vec<_> = FailoverState::ALL
+            .iter()
+            .map(|s| {
+                (
+                    Some(("state", s.label())),
+                    gauge(f64::from(u8::from(*s == state))),
+                )
+            })
+            .collect();
+        emit(
+            encoder,
+            "failover_protection",
+            "1 for whether a promotion now would keep the fail-over slot: off (no --failover-slot), unwatched (DATABASE_URL names no standby to check), missing (no standby holds a synced, persistent, valid copy), protected (one does); checked every few seconds by the lease holder",
+            MetricType::Gauge,
+            &values,
+        )?;
+        if let Some(lag) = lag {
+            emit(
+                encoder,
+                "failover_copy_lag_bytes",
+                "How far the closest protecting standby's copy of the slot trails the primary's (confirmed_flush_lsn), while protected",
+                MetricType::Gauge,
+                &[(None, gauge(lag as f64))],
+            )?;
         }
         Ok(())
     }

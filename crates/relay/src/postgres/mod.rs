@@ -9,6 +9,7 @@
 //!   range in id order, as a backfill reads them.
 //! - [`boundary`]: the rows a slot's creation left out by design (BD1–BD3).
 //! - [`lease`]: the advisory lock that lets one relay stream a slot (LS1, LS2).
+//! - [`failover`]: whether the standbys hold a copy of the slot a promotion keeps (FP1–FP3).
 //! - [`error`]: one rendering of an error Postgres returns.
 //!
 //! May use: `config`, `error`, `observe`. Never uses `connect`'s NATS side, `stream`,
@@ -17,6 +18,7 @@
 pub mod boundary;
 pub mod checks;
 pub mod error;
+pub mod failover;
 pub mod lease;
 pub mod privileges;
 pub mod range;

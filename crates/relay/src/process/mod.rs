@@ -1,7 +1,8 @@
 //! The streaming process: `outbox-relay run`. [`pipeline`] runs a session as a list of
 //! steps (lease, connections, setup, resume plan, reader and sink) and restarts it on
 //! failure; [`identity`] watches the table's identity (TI1–TI5) and [`monitor`] polls the slot
-//! and logs backlog progress; [`heartbeat`] writes the optional WAL heartbeats; [`mark`] sets
+//! and logs backlog progress; [`heartbeat`] writes the optional WAL heartbeats; [`protection`]
+//! watches that a standby keeps a copy of a fail-over slot; [`mark`] sets
 //! acknowledged rows `published` and [`retention`] deletes old confirmed rows.
 //!
 //! May use: `config`, `error`, `connect`, `observe`, and the server rooms `postgres` and
@@ -15,4 +16,5 @@ pub mod identity;
 pub mod mark;
 pub mod monitor;
 pub mod pipeline;
+pub mod protection;
 pub mod retention;

@@ -604,6 +604,12 @@ impl ConnInfo {
         self
     }
 
+    /// The same parameters accepting another kind of server.
+    pub fn with_target_session_attrs(mut self, attrs: TargetSessionAttrs) -> Self {
+        self.target_session_attrs = attrs;
+        self
+    }
+
     /// The same parameters with another `sslmode`.
     pub fn with_sslmode(mut self, sslmode: SslMode) -> Self {
         self.sslmode = sslmode;

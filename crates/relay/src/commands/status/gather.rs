@@ -2,6 +2,7 @@
 //! connection and one NATS connection ([`gather`]); what cannot be read is a finding.
 
 use super::*;
+use crate::postgres::failover::Protection;
 
 /// Reads everything, judges it ([`assess`]) and never fails: what cannot be read is a
 /// finding of level [`Level::Unknown`].
@@ -26,6 +27,10 @@ pub async fn gather(config: &Config) -> Status {
         (None, None, late(what))
     });
     findings.extend(nats_findings);
+    let failover = gather_failover(config, slot.as_ref()).await;
+    if let Some(protection) = &failover {
+        findings.extend(assess_failover(protection, &config.slot));
+    }
     let mut status = Status {
         health: Health::Healthy,
         exit_code: 0,
@@ -38,6 +43,7 @@ pub async fn gather(config: &Config) -> Status {
         publication,
         stream,
         last_event,
+        failover,
     };
     let judged = assess(&status, config);
     status.findings.extend(judged);
@@ -45,6 +51,38 @@ pub async fn gather(config: &Config) -> Status {
     status.health = Health::of(&status.findings);
     status.exit_code = status.health.exit_code();
     status
+}
+
+/// With `--failover-slot` and the slot in place: what the standbys hold of it
+/// (`crate::postgres::failover`, each standby bounded by its timeout).
+async fn gather_failover(config: &Config, slot: Option<&Slot>) -> Option<Protection> {
+    let confirmed = slot?.state.as_ref()?.confirmed_flush_lsn.as_deref()?;
+    if !config.failover_slot {
+        return None;
+    }
+    Some(crate::postgres::failover::read(config, confirmed.parse().ok()).await)
+}
+
+/// Fail-over protection missing is lagging (a promotion now would stop the relay); not
+/// watched, a warning naming the fix.
+fn assess_failover(protection: &Protection, slot: &str) -> Option<Finding> {
+    let line = protection.describe(slot);
+    if !protection.watched() {
+        Some(Finding::new(
+            Level::Warning,
+            format!("fail-over protection is not watched: {line}"),
+        ))
+    } else if !protection.holds() {
+        Some(Finding::new(
+            Level::Lagging,
+            format!(
+                "fail-over protection missing: a promotion now would lose slot {slot} and the \
+                 relay would refuse on the new primary; {line}"
+            ),
+        ))
+    } else {
+        None
+    }
 }
 
 pub(super) type PostgresPart = (

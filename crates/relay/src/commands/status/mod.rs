@@ -15,7 +15,7 @@
 //! | exit | health | when |
 //! |---|---|---|
 //! | 0 | healthy | nothing below (warnings allowed) |
-//! | 3 | lagging | slot lag above `max_lag_bytes`; `wal_status` `extended` or `unreserved`; no relay holds the lease (none runs, or one is retrying: lease LS3); the lease holder is not streaming |
+//! | 3 | lagging | slot lag above `max_lag_bytes`; `wal_status` `extended` or `unreserved`; no relay holds the lease (none runs, or one is retrying: lease LS3); the lease holder is not streaming; with `--failover-slot`, no standby holds a copy of the slot a promotion keeps (`postgres::failover` FP1) |
 //! | 4 | broken | slot, publication or stream missing; slot `lost`; the start-up checks refuse the publication, table or slot, or the stream's subjects; a `discard: new` stream that is full; the slot read by a program that holds no lease |
 //! | 1 | unknown | Postgres or NATS cannot be reached, or a query fails, and nothing read is broken |
 //! | 2 | | invalid configuration (as for every command) |
@@ -150,6 +150,9 @@ pub struct Status {
     pub stream: Option<Stream>,
     /// The stream's last message; `None` when the stream is empty or unreadable.
     pub last_event: Option<LastEvent>,
+    /// With `--failover-slot`: what the standbys of `DATABASE_URL` hold of the slot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failover: Option<crate::postgres::failover::Protection>,
 }
 
 /// A Postgres backend (session), as `pg_stat_activity` shows it to this role.
@@ -455,6 +458,7 @@ mod tests {
                 source: Some("7301/1/app/outbox_relay".into()),
                 dead_letter: false,
             }),
+            failover: None,
         }
     }
 

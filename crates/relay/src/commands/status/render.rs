@@ -46,6 +46,10 @@ pub fn render(status: &Status) -> String {
     rows.push(("nats", status.nats.clone()));
     render_stream(&mut rows, status.stream.as_ref());
     render_last_event(&mut rows, status.last_event.as_ref());
+    if let Some(protection) = &status.failover {
+        let slot = status.slot.as_ref().map_or("?", |s| s.name.as_str());
+        rows.push(("fail-over", protection.describe(slot)));
+    }
     let width = rows.iter().map(|(label, _)| label.len()).max().unwrap_or(0);
     for (label, value) in rows {
         let _ = writeln!(out, "{label:<width$}  {value}");

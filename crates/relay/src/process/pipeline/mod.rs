@@ -556,6 +556,9 @@ async fn stream_events(
     let (reader, sink) = start(config, metrics, prepared, identity.vouched());
     // HB1: the session's heartbeat task, aborted when the session ends (dropped here).
     let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
+    // PW1: fail-over protection watched by the lease holder while the session streams.
+    let _protection =
+        crate::process::protection::start(config, lease.shared_client(), metrics.clone());
     // RET2: retention deletes only while this session streams under the lease.
     // RET7: only from the table this session streams.
     let _retention = identity
