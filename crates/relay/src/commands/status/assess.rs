@@ -114,17 +114,9 @@ pub(super) fn assess_lease(
     let mut say = |level, message: String| findings.push(Finding::new(level, message));
     let slot_name = &config.slot;
     match (&lease.holder, slot) {
-        (None, Some(slot)) if slot.active => say(
-            Level::Broken,
-            format!(
-                "replication slot {slot_name} is read by {} but no relay holds the lease: \
-             another program consumes the slot, and what it confirms never reaches the \
-             stream; stop it (SELECT pg_terminate_backend({})) and run outbox-relay",
-                describe_backend(slot.walsender.as_ref(), slot.active_pid),
-                slot.active_pid
-                    .map_or("<pid>".into(), |pid| pid.to_string())
-            ),
-        ),
+        // A retrying relay first: between its failed session and the next attempt the slot
+        // may still be active for a moment, its last walsender ending (and a foreign one is
+        // ended by the next attempt, lease LS2).
         (None, _) if !lease.retrying.is_empty() => {
             for relay in &lease.retrying {
                 say(
@@ -142,8 +134,22 @@ pub(super) fn assess_lease(
                         )
                     ),
                 );
+                if let Some(cause) = relay.note.as_deref().and_then(jetstream_limit) {
+                    say(Level::Broken, cause);
+                }
             }
         }
+        (None, Some(slot)) if slot.active => say(
+            Level::Broken,
+            format!(
+                "replication slot {slot_name} is read by {} but no relay holds the lease: \
+             another program consumes the slot, and what it confirms never reaches the \
+             stream; stop it (SELECT pg_terminate_backend({})) and run outbox-relay",
+                describe_backend(slot.walsender.as_ref(), slot.active_pid),
+                slot.active_pid
+                    .map_or("<pid>".into(), |pid| pid.to_string())
+            ),
+        ),
         (None, _) => say(
             Level::Lagging,
             format!(
@@ -162,6 +168,20 @@ pub(super) fn assess_lease(
         _ => {}
     }
     findings
+}
+
+/// The JetStream limit a retrying relay's last error names, as a finding with its fix: the
+/// server or account out of storage (JetStream's "insufficient resources", error 10047).
+/// A full discard-new stream is a finding of the stream's own.
+fn jetstream_limit(note: &str) -> Option<String> {
+    let lower = note.to_lowercase();
+    (lower.contains("insufficient resources") || lower.contains("10047")).then(|| {
+        "JetStream has no storage left for the stream (insufficient resources: the server's \
+         max_file_store or max_memory_store, or the account's max_storage, is used up): nothing \
+         more is stored until room is made; raise the limit or free storage, and the relay goes \
+         on by itself"
+            .to_owned()
+    })
 }
 
 /// `pid 4242 (outbox-relay, 10.0.0.3:50412)`.
