@@ -410,3 +410,45 @@ async fn an_invalidated_slot_stops_the_relay_naming_the_runbooks_fix() {
         "the lost slot stays, none made in its place"
     );
 }
+
+/// Postgres unreachable at start (issue 39): the relay retries, each attempt one line with the
+/// server it tried (no password) and the cause once ("Connection refused" is not repeated by
+/// the error's chain), saying it starts over, never that it resumes from a slot it has not
+/// reached; SIGTERM ends it with exit 0, saying it confirmed nothing.
+#[test]
+fn an_unreachable_postgres_is_retried_one_line_per_attempt_naming_the_server() {
+    let s = servers();
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let mut case = Case::new(&s.pg, &s.nats, "unreachable_pg");
+    case.pg_url = format!("postgres://postgres:hunter2@127.0.0.1:{port}/app");
+    let mut relay = case.spawn_relay();
+    testkit::wait_until("three attempts", DEADLINE, || {
+        relay.output().matches("starting over").count() >= 3
+    });
+    let status = relay.terminate(DEADLINE);
+    let log = relay.output();
+    assert_eq!(status.code(), Some(0), "{log}");
+    let attempts: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("starting over"))
+        .collect();
+    for line in &attempts {
+        assert_contains_all(
+            line,
+            [
+                "relay session ended before it was set up; starting over",
+                &format!("could not connect to postgres://postgres@127.0.0.1:{port}/app"),
+                "Connection refused",
+            ],
+        );
+        assert_eq!(line.matches("Connection refused").count(), 1, "{line}");
+    }
+    assert!(!log.contains("hunter2"), "{log}");
+    assert!(
+        !log.contains("resuming from the slot's confirmed position"),
+        "{log}"
+    );
+    assert!(log.contains("this relay confirmed no position"), "{log}");
+}
