@@ -117,8 +117,8 @@ pub enum SetupError {
 /// A server failed or could not be reached.
 #[derive(Debug, thiserror::Error)]
 pub enum Unavailable {
-    /// Postgres.
-    #[error("postgres: {0}")]
+    /// Postgres: its message, SQLSTATE, detail and hint (`replication::describe`).
+    #[error("postgres: {}", replication::describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// NATS or JetStream.
     #[error("nats: {what}: {source}")]

@@ -1771,3 +1771,56 @@ async fn a_parked_table_made_before_text_ids_parks_integers_and_names_the_migrat
     running.stop().await;
     assert_eq!(seen.seen.lock().unwrap()[0].0, uuid);
 }
+
+/// Rows of `processed_events`: the events the example applied.
+async fn processed(sql: &tokio_postgres::Client) -> i64 {
+    let row = sql
+        .query_one("select count(*) from processed_events", &[])
+        .await
+        .unwrap();
+    row.get(0)
+}
+
+/// A Postgres error the consumer retries is logged with the server's words, SQLSTATE
+/// included, never as tokio-postgres's bare "db error" (issue 44): the example's dedupe
+/// insert waits on a lock the test holds past the session's `lock_timeout`, is retried, and
+/// goes on once the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_postgres_error_is_logged_with_the_servers_words() {
+    let mut case = Case::new("pg_words").await;
+    let url = format!("{}?options=-c%20lock_timeout%3D200", case.pg_url);
+    let example = case.example(&[("DATABASE_URL", url)]);
+    let all = events(&case, 1, 6, 3);
+    case.publish(&all[..1], None).await;
+    wait_for("the first event applied", async || {
+        processed(&case.sql).await == 1
+    })
+    .await;
+    let mut locker = connect(&case.pg_url).await;
+    let tx = locker.transaction().await.unwrap();
+    tx.batch_execute("lock table processed_events in access exclusive mode")
+        .await
+        .unwrap();
+    case.publish(&all[1..], None).await;
+    let words = "canceling statement due to lock timeout (SQLSTATE 55P03)";
+    wait_for("the retry logged with Postgres's words", async || {
+        example.output().contains(words)
+    })
+    .await;
+    tx.rollback().await.unwrap();
+    case.sql = connect(&case.pg_url).await;
+    wait_for("every event applied", async || {
+        processed(&case.sql).await == 6
+    })
+    .await;
+    let output = example.output();
+    assert!(!output.contains("db error"), "{output}");
+    let retried: Vec<&str> = output
+        .lines()
+        .filter(|line| line.contains("postgres failed"))
+        .collect();
+    assert!(!retried.is_empty(), "{output}");
+    for line in retried {
+        assert!(line.contains(words), "{line}");
+    }
+}

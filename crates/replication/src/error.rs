@@ -247,6 +247,27 @@ fn tls_hint(error: &rustls::Error) -> &'static str {
     }
 }
 
+/// `error` on one line: `message (SQLSTATE code); detail: …; hint: …` for an error the server
+/// returned, else what failed and its cause (`error connecting to server: Connection refused`).
+pub fn describe(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => {
+            let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
+            if let Some(detail) = db.detail() {
+                text.push_str(&format!("; detail: {detail}"));
+            }
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!("; hint: {hint}"));
+            }
+            text
+        }
+        None => match std::error::Error::source(error) {
+            Some(cause) => format!("{error}: {cause}"),
+            None => error.to_string(),
+        },
+    }
+}
+
 /// Whether a SQLSTATE means "try again later" (connection problems, shutdowns, crashes, too
 /// many connections, a slot still held by a dying walsender, serialization failures, and
 /// everything not known to be permanent) rather than "an operator must act".

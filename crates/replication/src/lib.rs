@@ -77,7 +77,7 @@ pub use conninfo::{
     ParseSslModeError, RequireAuth, RootCerts, Secret, Source, SslMode, TargetSessionAttrs,
     DEFAULT_CONNECT_TIMEOUT,
 };
-pub use error::{sqlstate_is_transient, DbError, Error};
+pub use error::{describe, sqlstate_is_transient, DbError, Error};
 pub use pgoutput::{Lsn, PrimaryKeepalive, ReplicationMessage, StandbyStatusUpdate, XLogData};
 pub use sql::connect_sql;
 pub use stream::{

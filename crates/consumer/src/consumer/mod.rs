@@ -622,6 +622,7 @@ impl<A: Apply> Worker<A> {
                 }
                 Next::Poll => {
                     if let Err(error) = self.poll_parked().await {
+                        let error = replication::describe(&error);
                         warn!(shard = self.shard, %error, retry_in = ?PARKED_POLL, "could not read the parked table");
                     }
                 }
@@ -646,6 +647,7 @@ impl<A: Apply> Worker<A> {
         bump(&self.stats.retries);
         self.metrics.failed(Failed::Postgres);
         self.metrics.retried(Retry::Batch);
+        let error = replication::describe(error);
         warn!(shard = self.shard, %error, retry_in = ?*backoff, "postgres failed; the batch will be tried again");
         let mut stop = self.stop.clone();
         tokio::select! {
@@ -911,7 +913,7 @@ fn classify_prepare(table: &str, error: tokio_postgres::Error) -> Error {
     if is_schema_error(&error) {
         SetupError::ProcessedTable {
             table: table.to_owned(),
-            reason: db_message(&error),
+            reason: replication::describe(&error),
         }
         .into()
     } else {
@@ -925,11 +927,4 @@ fn is_schema_error(error: &tokio_postgres::Error) -> bool {
     error
         .code()
         .is_some_and(|code| code.code().starts_with("42") || *code == SqlState::INVALID_SCHEMA_NAME)
-}
-
-/// Postgres's message, or the client's.
-fn db_message(error: &tokio_postgres::Error) -> String {
-    error
-        .as_db_error()
-        .map_or_else(|| error.to_string(), |db| db.message().to_owned())
 }

@@ -97,7 +97,7 @@ impl<A: Apply> Worker<A> {
             Ok(_) => Ok(()),
             Err(error) if super::is_schema_error(&error) => Err(SetupError::ParkedTable {
                 table: table.clone(),
-                reason: super::db_message(&error),
+                reason: replication::describe(&error),
             }
             .into()),
             Err(error) => Err(Unavailable::Postgres(error).into()),
