@@ -18,6 +18,7 @@ mod cloudevents;
 mod cluster;
 mod connect;
 mod container;
+mod decode_standby;
 mod failover;
 mod failover_slot;
 mod fast_ingest;

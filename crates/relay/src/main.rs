@@ -90,13 +90,36 @@ fn range_of(matches: &clap::ArgMatches) -> outbox_relay::commands::verify::Range
 }
 
 fn cli() -> Command {
-    cli_with(false)
+    with_options(commands(), false)
 }
 
-/// The command line; `root_options_shown`: the top level's help lists every option (the man
-/// page's), else it lists the commands and says where each one's options are.
-fn cli_with(root_options_shown: bool) -> Command {
-    let mut command = Command::new("outbox-relay")
+/// The command line with every option (`config::opt`) on the top level and each command;
+/// `root_options_shown`: the top level's help lists them all (the man page's), else it lists
+/// the commands and says where each one's options are.
+fn with_options(mut command: Command, root_options_shown: bool) -> Command {
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_owned())
+        .collect();
+    for name in names {
+        command = command.mut_subcommand(&name, |mut sub| {
+            for spec in opt::ALL {
+                sub = sub.arg(option_arg(spec).hide(!shows(&name, spec.key)));
+            }
+            sub
+        });
+    }
+    // Before the command too (`outbox-relay --config f --stream S run`), as before; the
+    // command's own help lists them.
+    for spec in opt::ALL {
+        command = command.arg(option_arg(spec).hide(!root_options_shown));
+    }
+    command
+}
+
+/// The commands and their own flags: the declarative table of the command line.
+fn commands() -> Command {
+    Command::new("outbox-relay")
         .version(env!("CARGO_PKG_VERSION"))
         // Help wraps at the terminal's width, and at 100 columns at most (or when piped).
         .max_term_width(HELP_WIDTH)
@@ -187,25 +210,7 @@ fn cli_with(root_options_shown: bool) -> Command {
                         .help("bash, zsh, fish, elvish or powershell"),
                 ),
         )
-        .subcommand(Command::new("man").about("Print the man page (roff), e.g. outbox-relay man > /usr/share/man/man1/outbox-relay.1"));
-    let names: Vec<String> = command
-        .get_subcommands()
-        .map(|sub| sub.get_name().to_owned())
-        .collect();
-    for name in names {
-        command = command.mut_subcommand(&name, |mut sub| {
-            for spec in opt::ALL {
-                sub = sub.arg(option_arg(spec).hide(!shows(&name, spec.key)));
-            }
-            sub
-        });
-    }
-    // Before the command too (`outbox-relay --config f --stream S run`), as before; the
-    // command's own help lists them.
-    for spec in opt::ALL {
-        command = command.arg(option_arg(spec).hide(!root_options_shown));
-    }
-    command
+        .subcommand(Command::new("man").about("Print the man page (roff), e.g. outbox-relay man > /usr/share/man/man1/outbox-relay.1"))
 }
 
 /// The flag of an option: its help says its environment variable and default.
@@ -256,7 +261,7 @@ const HELP_WIDTH: usize = 100;
 /// explains them.
 fn heading(key: &str) -> &'static str {
     match key {
-        "database_url" | "nats_url" => "Servers",
+        "database_url" | "primary_url" | "nats_url" => "Servers",
         key if key.starts_with("nats_") => "NATS authentication and TLS",
         "table"
         | "table_preset"
@@ -350,7 +355,9 @@ fn print_generated(subcommand: &str, sub_matches: &clap::ArgMatches) -> Option<E
             }
         }
         "man" => {
-            if let Err(e) = clap_mangen::Man::new(cli_with(true)).render(&mut generated) {
+            if let Err(e) =
+                clap_mangen::Man::new(with_options(commands(), true)).render(&mut generated)
+            {
                 eprintln!("outbox-relay man: {e}");
                 return Some(ExitCode::FAILURE);
             }
@@ -868,7 +875,9 @@ mod tests {
         ] {
             command.clone().try_get_matches_from(tokens).unwrap();
         }
-        let man = cli_with(true).render_long_help().to_string();
+        let man = with_options(commands(), true)
+            .render_long_help()
+            .to_string();
         assert!(
             man.contains("--database-url"),
             "the man page documents every option"

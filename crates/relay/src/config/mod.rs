@@ -257,8 +257,12 @@ impl fmt::Debug for NatsUrl {
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The Postgres connection.
+    /// The Postgres connection: the server the relay decodes on (its slot and lease).
     pub database: ConnInfo,
+    /// With `--primary-url`: the primary, for what must be written while `database` is a
+    /// standby (PostgreSQL 16+ decodes there): the publication, heartbeats, the boundary
+    /// record, the standby snapshots a slot's creation waits for, marking.
+    pub primary: Option<ConnInfo>,
     /// The NATS server(s).
     pub nats_url: NatsUrl,
     /// How to connect to them: the servers without credentials, the credential, TLS.
@@ -339,12 +343,20 @@ impl Config {
     pub fn secrets(&self) -> Vec<String> {
         let mut secrets = self.nats_url.secrets();
         secrets.extend(self.nats.secrets());
-        secrets.extend(
-            self.database
-                .password()
-                .map(|password| password.expose().to_owned()),
-        );
+        for database in std::iter::once(&self.database).chain(&self.primary) {
+            secrets.extend(
+                database
+                    .password()
+                    .map(|password| password.expose().to_owned()),
+            );
+        }
         secrets
+    }
+
+    /// Where writes go: `--primary-url` when the relay decodes on a standby, else
+    /// `DATABASE_URL`.
+    pub fn primary(&self) -> &ConnInfo {
+        self.primary.as_ref().unwrap_or(&self.database)
     }
 
     /// The user names (Postgres, NATS): a secret equal to one is weak for the log scrubber
@@ -439,13 +451,13 @@ fn option_row(raw: &RawConfig, spec: &OptionSpec) -> (String, String) {
 fn loadable_secret(spec: &OptionSpec, value: &str) -> (Option<String>, Option<String>) {
     let left_out = |what: &str| {
         Some(format!("{what} not written: {}", match spec.key {
-        "database_url" => "give it as PGPASSWORD or in the password file (~/.pgpass)",
+        "database_url" | "primary_url" => "give it as PGPASSWORD or in the password file (~/.pgpass)",
         "nats_url" => "give them as OUTBOX_RELAY_NATS_USER and OUTBOX_RELAY_NATS_PASSWORD, or OUTBOX_RELAY_NATS_TOKEN",
         _ => "keep it in its environment variable",
     }))
     };
     match spec.key {
-        "database_url" => match without_password(value) {
+        "database_url" | "primary_url" => match without_password(value) {
             Some(url) if url != value => (Some(url), left_out("the password")),
             Some(url) => (Some(url), None),
             None => (None, left_out("the URL")),
@@ -1213,6 +1225,29 @@ pub(crate) mod tests {
         let shown = format!("{raw:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("PGPASSWORD"), "names, not values: {shown}");
+    }
+
+    /// `--primary-url` (decoding on a standby): a secret like `DATABASE_URL`, where writes go,
+    /// and refused with what it cannot do yet.
+    #[test]
+    fn a_primary_url_is_secret_and_refuses_failover_slots_and_retention() {
+        let primary = ("primary_url", "postgres://relay:hunter2@primary/app");
+        let config = load(&[primary], &[DB], None).unwrap();
+        assert_eq!(config.primary().host(), "primary");
+        assert!(config.secrets().iter().any(|s| s == "hunter2"));
+        let shown = effective(&load_raw(&[primary], &[DB], None).unwrap(), &config);
+        assert!(
+            !shown.contains("hunter2") && shown.contains("primary_url = "),
+            "{shown}"
+        );
+        assert_eq!(load(&[], &[DB], None).unwrap().primary().host(), "db");
+        for (setting, named) in [
+            (("failover_slot", "true"), "--failover-slot"),
+            (("retention_grace", "7d"), "--retention-grace"),
+        ] {
+            let e = load(&[primary, setting], &[DB], None).unwrap_err();
+            assert!(e.0.contains(named) && e.0.contains("--primary-url"), "{e}");
+        }
     }
 
     #[test]

@@ -73,6 +73,8 @@ pub mod opt {
     options! {
         DATABASE_URL = ("database_url", "DATABASE_URL", None,
             "Postgres connection: a libpq URL (postgres://user:pass@host:port/db?sslmode=verify-full) or key=value string; the PG* variables and ~/.pgpass fill in what it omits, and may replace it");
+        PRIMARY_URL = ("primary_url", "OUTBOX_RELAY_PRIMARY_URL", None,
+            "Decode on a standby (PostgreSQL 16+): DATABASE_URL names the standby, this libpq URL the primary, for what must be written there (the publication, heartbeats, marking); list every node with target_session_attrs=read-write to follow a promotion");
         NATS_URL = ("nats_url", "NATS_URL", Some("nats://127.0.0.1:4222"),
             "NATS server URL(s), comma-separated: nats:// or tls:// (the relay speaks the NATS TCP protocol, not ws://); user:password@ or token@ in a URL authenticates (percent-encoded, a ',' as %2C)");
         // NATS authentication and TLS: the `nats` CLI's flag names (crate::config::nats).

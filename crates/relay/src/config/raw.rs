@@ -217,7 +217,7 @@ pub(super) const KNOWN_EXTRA_ENV: &[&str] = &["OUTBOX_RELAY_CONFIG"];
 
 /// Options whose value is, or may contain, a secret (CFG1). Any option whose key names a
 /// password, token or secret is one too.
-pub(super) const SECRET_KEYS: &[&str] = &["database_url", "nats_url"];
+pub(super) const SECRET_KEYS: &[&str] = &["database_url", "primary_url", "nats_url"];
 
 /// Whether the value of option `key` is, or may contain, a secret.
 pub(super) fn key_is_secret(key: &str) -> bool {
@@ -231,7 +231,7 @@ pub(super) fn key_is_secret(key: &str) -> bool {
 /// connection string with a password (or one that does not parse); NATS URLs with
 /// credentials.
 pub(super) fn value_holds_secret(spec: &OptionSpec, value: &str) -> bool {
-    if spec.key == opt::DATABASE_URL.key {
+    if spec.key == opt::DATABASE_URL.key || spec.key == opt::PRIMARY_URL.key {
         ConnInfo::parse_with_env(value, |_| None).map_or(true, |info| info.password().is_some())
     } else if spec.key == opt::NATS_URL.key {
         !NatsUrl(value.to_owned()).secrets().is_empty()

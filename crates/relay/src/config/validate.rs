@@ -9,6 +9,7 @@ impl Config {
     pub fn from_sources(raw: &RawConfig) -> Result<Config, ConfigError> {
         use opt::*;
         let database = database_from(raw)?;
+        let primary = primary_from(raw)?;
         let nats_url = raw.parse(&NATS_URL, parse_nats_url)?;
         let nats = crate::config::nats::NatsOptions::from_raw(raw, &nats_url)?;
         let warnings = startup_warnings(raw, &database, &nats_url, &nats);
@@ -41,6 +42,7 @@ impl Config {
         let retention = retention_from(raw)?;
         Ok(Config {
             database,
+            primary,
             nats_url,
             // The sink's acks arrive on one subscription per session (sink P10): room for a
             // whole window of them.
@@ -88,6 +90,42 @@ fn atomic_needs_strict(atomic_transactions: bool, shared_stream: bool) -> Result
         )));
     }
     Ok(())
+}
+
+/// `--primary-url`: the primary when the relay decodes on a standby, over the PG* variables
+/// as `DATABASE_URL`, with the relay's application name. Retention is refused with it: it
+/// reads the slot's confirmed position and deletes on another server (not supported yet).
+fn primary_from(raw: &RawConfig) -> Result<Option<ConnInfo>, ConfigError> {
+    let libpq_env = |name: &str| raw.libpq_env(name);
+    let Some(primary) = raw.parse_optional(&opt::PRIMARY_URL, |v| {
+        ConnInfo::parse_with_env(v, libpq_env).map_err(|e| e.to_string())
+    })?
+    else {
+        return Ok(None);
+    };
+    if raw.parse(&opt::FAILOVER_SLOT, parse_bool)? {
+        return Err(ConfigError(format!(
+            "{} cannot be used with {}: Postgres creates no fail-over slot on a standby (a standby's slot survives its own promotion without it); unset one of them",
+            opt::FAILOVER_SLOT.flag(),
+            opt::PRIMARY_URL.flag()
+        )));
+    }
+    if raw.values.contains_key(opt::RETENTION_GRACE.key)
+        && raw
+            .parse(&opt::RETENTION_GRACE, |v| word_or("off", v, parse_duration))?
+            .is_some()
+    {
+        return Err(ConfigError(format!(
+            "{} cannot be used with {} yet: retention reads the slot's confirmed position on the standby and deletes on the primary; unset one of them",
+            opt::RETENTION_GRACE.flag(),
+            opt::PRIMARY_URL.flag()
+        )));
+    }
+    Ok(Some(if primary.application_name().is_none() {
+        primary.with_application_name(FALLBACK_APPLICATION_NAME)
+    } else {
+        primary
+    }))
 }
 
 /// The Postgres connection: `DATABASE_URL` (over the PG* variables), or the PG* variables

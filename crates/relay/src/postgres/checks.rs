@@ -115,32 +115,20 @@ pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
 /// Every check before the slot, and the publication (created when missing and allowed):
 /// what must hold before a slot is created.
 pub async fn publication(client: &Client, config: &Config) -> Result<KnownRelations> {
-    if in_recovery(client).await? {
-        return Err(setup(standby_refused()));
-    }
+    // PG4, SB1: a standby only as asked, and able to decode.
+    let standby = crate::postgres::standby::check(client, config).await?;
     check_wal_level(client).await?;
     check_table(client, config).await?;
+    if standby {
+        // SB3: the publication is the primary's to create; read on the standby once replayed.
+        let primary = crate::postgres::standby::connect_primary(config).await?;
+        ensure_publication(&primary, config).await?;
+        crate::postgres::standby::replayed(client, &primary).await?;
+    }
     ensure_publication(client, config).await
 }
 
-/// Whether the server is a standby (in recovery): PG4, the relay's control connection
-/// needs the primary.
-pub async fn in_recovery(client: &Client) -> Result<bool> {
-    let row = client
-        .query_one("SELECT pg_catalog.pg_is_in_recovery()", &[])
-        .await
-        .map_err(|e| sql_error("cannot ask whether the server is in recovery", e))?;
-    Ok(row.get(0))
-}
-
-/// Why a standby is refused (PG4), and the fix.
-pub fn standby_refused() -> String {
-    "DATABASE_URL reaches a standby (pg_is_in_recovery() is true): the relay takes its lease, \
-     slot, heartbeat and boundary on the primary, and decoding on a standby is not supported \
-     yet; point DATABASE_URL at the primary (with several hosts, add \
-     target_session_attrs=read-write). Nothing was created on the standby"
-        .to_owned()
-}
+pub use crate::postgres::standby::{in_recovery, standby_refused};
 
 async fn check_wal_level(client: &Client) -> Result<()> {
     let row = client
@@ -824,6 +812,8 @@ async fn read_or_create_slot(
             )))
         }
         None => {
+            // SB4: on a standby the creation waits for the primary's next standby snapshot.
+            let _nudge = crate::postgres::standby::Nudge::start(config);
             // PG 17: (name, plugin, temporary, twophase, failover).
             let create = if config.failover_slot {
                 "SELECT pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"

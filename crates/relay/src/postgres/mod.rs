@@ -11,6 +11,7 @@
 //! - [`lease`]: the advisory lock that lets one relay stream a slot (LS1, LS2).
 //! - [`failover`]: whether the standbys hold a copy of the slot a promotion keeps (FP1–FP3).
 //! - [`error`]: one rendering of an error Postgres returns.
+//! - [`standby`]: decoding on a standby, the primary for writes (SB1–SB4).
 //!
 //! May use: `config`, `error`, `observe`. Never uses `connect`'s NATS side, `stream`,
 //! `setup`, `process` or `commands`: they all stand on it.
@@ -23,3 +24,4 @@ pub mod lease;
 pub mod privileges;
 pub mod range;
 pub mod rows;
+pub mod standby;

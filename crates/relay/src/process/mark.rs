@@ -227,7 +227,8 @@ async fn mark(
     let (connected, sql) = match client {
         Some((connected, sql)) if !connected.is_closed() => (connected, sql),
         _ => {
-            let connected = replication::connect_sql(&config.database).await?;
+            // SB1: on a standby the rows are marked on the primary.
+            let connected = replication::connect_sql(config.primary()).await?;
             let id_in = crate::postgres::rows::id_in_text_array(&connected, config).await?;
             let sql = update_sql(&config.table, &id_in);
             let (connected, sql) = client.insert((connected, sql));

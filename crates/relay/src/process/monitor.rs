@@ -13,7 +13,13 @@
 //! - MON3 The table's identity is checked on the same connection every
 //!   [`crate::process::identity::CHECK`] once the session began ([`crate::process::identity`]
 //!   TI1–TI4): a check that passes raises the reader's cap, one that cannot run is retried (like
-//!   MON1), and a change ends the session with the refusal, the only way [`watch`] returns.
+//!   MON1), and a change ends the session with the refusal.
+//! - MON4 Decoding on a standby (`postgres::standby`), a promotion of that standby ends the
+//!   session within [`identity::CHECK`]: the session labelled its events with the timeline
+//!   it started on, and the next one reads the new timeline and its history (`sink::resume`
+//!   S5). Events it published in between carry the old timeline past the switch point: the
+//!   next session does not skip by them, it de-duplicates (never a loss). These and MON3 are
+//!   the only ways [`watch`] returns.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -36,7 +42,8 @@ pub const BACKLOG_BYTES: u64 = 16 << 20;
 
 /// The slot's lag, `wal_status` and `safe_wal_size`: the last two read through `to_jsonb`
 /// so that servers before Postgres 13, which lack them, answer NULL instead of failing.
-const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), s.confirmed_flush_lsn)::int8, \
+const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(CASE WHEN pg_catalog.pg_is_in_recovery() \
+            THEN pg_catalog.pg_last_wal_replay_lsn() ELSE pg_catalog.pg_current_wal_lsn() END, s.confirmed_flush_lsn)::int8, \
             pg_catalog.to_jsonb(s) ->> 'wal_status', (pg_catalog.to_jsonb(s) ->> 'safe_wal_size')::int8 \
        FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1";
 
@@ -53,6 +60,11 @@ pub async fn watch(
 ) -> RelayError {
     let mut next_sample = Instant::now() + POLL;
     let mut failing = false;
+    // MON4: a session that started on a standby it decodes on.
+    let on_standby = config.primary.is_some()
+        && crate::postgres::checks::in_recovery(client)
+            .await
+            .unwrap_or(false);
     loop {
         let every = if metrics.phase() == Phase::ShuttingDown {
             identity::CHECK_DRAINING
@@ -76,6 +88,15 @@ pub async fn watch(
                 metrics.set_phase(Phase::ShuttingDown);
                 return refusal;
             }
+        }
+        if on_standby
+            && crate::postgres::checks::in_recovery(client)
+                .await
+                .is_ok_and(|recovering| !recovering)
+        {
+            return RelayError::transient(anyhow::anyhow!(
+                "the standby this session decoded on was promoted: starting a session on its new timeline"
+            ));
         }
         if Instant::now() >= next_sample {
             next_sample = Instant::now() + POLL;

@@ -182,9 +182,11 @@ pub async fn at_slot_creation(
     let mut replication = ReplicationConnection::connect(&config.database).await?;
     let system = replication.identify_system().await?;
     let source = crate::connect::source(&system, config);
+    let nudge = crate::postgres::standby::Nudge::start(config);
     let exported = replication
         .create_logical_slot_exporting_snapshot(&config.slot, config.failover_slot)
         .await?;
+    drop(nudge);
     info!(slot = %config.slot, consistent_point = %exported.consistent_point, mode = ?mode,
         "created logical replication slot with an exported snapshot; backfilling the rows committed before it");
     let reader = read_in_snapshot(config, &exported.snapshot).await?;
@@ -236,7 +238,15 @@ async fn record_boundary(
     )
     .await
     .map_err(|e| sql_error("cannot read the slot's boundary in its snapshot", e))?;
-    crate::postgres::boundary::record(client, config, &boundary).await;
+    // SB1: decoding on a standby, the record is the primary's to write (BD2: a failure is a
+    // warning, as on a primary).
+    match &config.primary {
+        None => crate::postgres::boundary::record(client, config, &boundary).await,
+        Some(_) => match crate::postgres::standby::connect_primary(config).await {
+            Ok(primary) => crate::postgres::boundary::record(&primary, config, &boundary).await,
+            Err(e) => tracing::warn!("cannot record the slot's boundary on the primary: {e}"),
+        },
+    }
     Ok(())
 }
 

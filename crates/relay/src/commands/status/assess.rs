@@ -118,26 +118,7 @@ pub(super) fn assess_lease(
         // may still be active for a moment, its last walsender ending (and a foreign one is
         // ended by the next attempt, lease LS2).
         (None, _) if !lease.retrying.is_empty() => {
-            for relay in &lease.retrying {
-                say(
-                    Level::Lagging,
-                    format!(
-                        "no relay holds the lease for slot {slot_name}: a relay (pid {}) is \
-                         running and retrying after a failed session{}; {}",
-                        relay.pid,
-                        relay
-                            .since
-                            .as_ref()
-                            .map_or(String::new(), |since| format!(", waiting since {since}")),
-                        relay.note.as_deref().unwrap_or(
-                            "its log says why (this role may not read its session's statement)"
-                        )
-                    ),
-                );
-                if let Some(cause) = relay.note.as_deref().and_then(jetstream_limit) {
-                    say(Level::Broken, cause);
-                }
-            }
+            findings.extend(assess_retrying(lease, slot_name))
         }
         (None, Some(slot)) if slot.active => say(
             Level::Broken,
@@ -166,6 +147,35 @@ pub(super) fn assess_lease(
             ),
         ),
         _ => {}
+    }
+    findings
+}
+
+/// A relay retrying after a failed session (lease LS3): running, with its next attempt and
+/// last error, and the JetStream limit that error names.
+fn assess_retrying(lease: &LeaseState, slot_name: &str) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    let mut say = |level, message: String| findings.push(Finding::new(level, message));
+    for relay in &lease.retrying {
+        say(
+            Level::Lagging,
+            format!(
+                "no relay holds the lease for slot {slot_name}: a relay (pid {}) is \
+                         running and retrying after a failed session{}; {}",
+                relay.pid,
+                relay
+                    .since
+                    .as_ref()
+                    .map_or(String::new(), |since| format!(", waiting since {since}")),
+                relay
+                    .note
+                    .as_deref()
+                    .unwrap_or("its log says why (this role may not read its session's statement)")
+            ),
+        );
+        if let Some(cause) = relay.note.as_deref().and_then(jetstream_limit) {
+            say(Level::Broken, cause);
+        }
     }
     findings
 }

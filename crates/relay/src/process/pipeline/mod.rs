@@ -445,7 +445,7 @@ async fn check_postgres(
     let slot = if *bootstrapped {
         // PG4: after a fail-over the URL may reach the old primary, now a standby, for a
         // while: retried, where at start it is refused.
-        if checks::in_recovery(lease.client()).await? {
+        if config.primary.is_none() && checks::in_recovery(lease.client()).await? {
             return Err(RelayError::transient(anyhow::anyhow!(
                 "{}; retrying",
                 checks::standby_refused()
@@ -555,7 +555,18 @@ async fn stream_events(
     );
     let (reader, sink) = start(config, metrics, prepared, identity.vouched());
     // HB1: the session's heartbeat task, aborted when the session ends (dropped here).
-    let _heartbeat = heartbeat::start(lease.shared_client(), config.heartbeat_interval);
+    let _heartbeat = match (&config.primary, config.heartbeat_interval) {
+        (None, interval) => heartbeat::start(lease.shared_client(), interval),
+        (Some(_), None) => None,
+        // SB1: decoding on a standby, heartbeats are written on the primary.
+        (Some(_), interval) => match crate::postgres::standby::connect_primary(config).await {
+            Ok(primary) => heartbeat::start(std::sync::Arc::new(primary), interval),
+            Err(error) => {
+                warn!("no heartbeats this session: {error}");
+                None
+            }
+        },
+    };
     // PW1: fail-over protection watched by the lease holder while the session streams.
     let _protection =
         crate::process::protection::start(config, lease.shared_client(), metrics.clone());
