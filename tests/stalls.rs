@@ -19,12 +19,15 @@ fn status(case: &Case, args: &[&str]) -> (i32, String) {
     (run.code, run.stdout)
 }
 
-/// Waits for a `status` taken between two of the stalled relay's attempts and checks it: exit
-/// `code`, a relay running and retrying (never "no relay is running"), and each of `said`.
+/// Waits for a `status` taken between two of the stalled relay's attempts that says each of
+/// `said`, and checks it: exit `code`, a relay running and retrying (never "no relay is
+/// running").
 async fn stalled_status(case: &Case, code: i32, said: &[String]) -> String {
+    // The first retry's last error may be the one that ended the session: wait for the cause.
     let (exit, table) = eventually("a status between two attempts", DEADLINE, || async {
         let (exit, table) = status(case, &[]);
-        table.contains("retrying").then_some((exit, table))
+        (table.contains("retrying") && said.iter().all(|s| table.contains(s.as_str())))
+            .then_some((exit, table))
     })
     .await;
     assert_eq!(exit, code, "{table}");
@@ -173,5 +176,44 @@ async fn a_relay_stalled_on_jetstream_storage_is_reported_retrying_with_the_limi
         rest,
         "the rest, once each, in order"
     );
+    drop(relay);
+}
+
+/// `DATABASE_URL` reaching a standby after the relay's first session (a name or a virtual IP
+/// moved to a demoted primary): the relay retries (PG4) and status says it is running and
+/// retrying, with the standby's refusal as its last error, never "no relay is running"; the
+/// name back on the primary, the relay goes on, every row once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stalled_on_a_standby_is_reported_retrying_with_the_standby_named() {
+    let (primary, standby, nats) = tokio::task::block_in_place(|| {
+        let primary = testkit::Postgres::start();
+        let standby = primary.start_standby(None, vec![]);
+        (primary, standby, testkit::Nats::start())
+    });
+    let mut case = Case::new(&primary, &nats, "stall_standby");
+    standby.wait_for_database(&case.database);
+    let at = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let proxy = testkit::Proxy::start(at(primary.port()));
+    case.pg_url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port(),
+        case.database
+    );
+    let js = case.jetstream().await;
+    let relay = tokio::task::block_in_place(|| case.start_relay());
+    let mut sql = support::sql_connect_retrying(&primary.url(&case.database)).await;
+    let mut ids = insert_transaction(&mut sql, 3, 1, "before").await;
+    case.wait_for_count(&js, ids.len() as u64, DEADLINE).await;
+
+    proxy.redirect(at(standby.port()));
+    proxy.cut();
+    let said = ["last error: DATABASE_URL reaches a standby".to_owned()];
+    stalled_status(&case, 4, &said).await;
+
+    proxy.redirect(at(primary.port()));
+    proxy.cut();
+    ids.extend(insert_transaction(&mut sql, 4, 1, "after").await);
+    case.wait_for_count(&js, ids.len() as u64, DEADLINE).await;
+    assert_eq!(case.outbox_ids(&js).await, ids, "once each, in order");
     drop(relay);
 }

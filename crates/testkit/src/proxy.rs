@@ -34,6 +34,8 @@ struct Inner {
     blackhole_changed: Condvar,
     stopping: AtomicBool,
     next_id: AtomicU64,
+    /// Where new connections go ([`Proxy::redirect`]); `None` until started.
+    upstream: Mutex<Option<SocketAddr>>,
 }
 
 impl Inner {
@@ -45,6 +47,10 @@ impl Inner {
         self.blackhole
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn upstream(&self) -> Option<SocketAddr> {
+        *self.upstream.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn remove(&self, id: u64) {
@@ -59,7 +65,6 @@ impl Inner {
 /// connection. Dropping it stops accepting and cuts all connections.
 pub struct Proxy {
     addr: SocketAddr,
-    upstream: SocketAddr,
     inner: Arc<Inner>,
     accept_thread: Option<JoinHandle<()>>,
 }
@@ -68,7 +73,7 @@ impl fmt::Debug for Proxy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Proxy")
             .field("addr", &self.addr)
-            .field("upstream", &self.upstream)
+            .field("upstream", &self.inner.upstream())
             .field("connections", &self.connection_count())
             .finish_non_exhaustive()
     }
@@ -84,14 +89,17 @@ impl Proxy {
             .local_addr()
             .expect("testkit: local_addr of the proxy listener");
         let inner = Arc::new(Inner::default());
+        *inner
+            .upstream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(upstream);
         let accept_inner = Arc::clone(&inner);
         let accept_thread = thread::Builder::new()
             .name(format!("testkit-proxy-{}", addr.port()))
-            .spawn(move || accept_loop(&listener, upstream, &accept_inner))
+            .spawn(move || accept_loop(&listener, &accept_inner))
             .expect("testkit: spawn the proxy accept thread");
         Proxy {
             addr,
-            upstream,
             inner,
             accept_thread: Some(accept_thread),
         }
@@ -126,6 +134,16 @@ impl Proxy {
         self.inner.blackhole_changed.notify_all();
     }
 
+    /// Sends new connections to `upstream` from now on (a DNS name or a virtual IP moved to
+    /// another server); current connections stay where they are until [`Proxy::cut`].
+    pub fn redirect(&self, upstream: SocketAddr) {
+        *self
+            .inner
+            .upstream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(upstream);
+    }
+
     /// Connections currently open through the proxy.
     pub fn connection_count(&self) -> usize {
         self.inner.conns().len()
@@ -144,7 +162,7 @@ impl Drop for Proxy {
     }
 }
 
-fn accept_loop(listener: &TcpListener, upstream: SocketAddr, inner: &Arc<Inner>) {
+fn accept_loop(listener: &TcpListener, inner: &Arc<Inner>) {
     for client in listener.incoming() {
         if inner.stopping.load(Ordering::SeqCst) {
             return;
@@ -156,6 +174,9 @@ fn accept_loop(listener: &TcpListener, upstream: SocketAddr, inner: &Arc<Inner>)
                 thread::sleep(Duration::from_millis(10));
                 continue;
             }
+        };
+        let Some(upstream) = inner.upstream() else {
+            continue;
         };
         let Ok(upstream_stream) = TcpStream::connect_timeout(&upstream, CONNECT_TIMEOUT) else {
             // Upstream down: the client sees its connection closed.
