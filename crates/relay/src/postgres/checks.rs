@@ -116,14 +116,13 @@ pub async fn postgres(client: &Client, config: &Config) -> Result<SlotState> {
 /// what must hold before a slot is created.
 pub async fn publication(client: &Client, config: &Config) -> Result<KnownRelations> {
     // PG4, SB1: a standby only as asked, and able to decode.
-    let standby = crate::postgres::standby::check(client, config).await?;
+    let primary = crate::postgres::standby::check(client, config).await?;
     check_wal_level(client).await?;
     check_table(client, config).await?;
-    if standby {
+    if let Some(primary) = &primary {
         // SB3: the publication is the primary's to create; read on the standby once replayed.
-        let primary = crate::postgres::standby::connect_primary(config).await?;
-        ensure_publication(&primary, config).await?;
-        crate::postgres::standby::replayed(client, &primary).await?;
+        ensure_publication(primary, config).await?;
+        crate::postgres::standby::replayed(client, primary).await?;
     }
     ensure_publication(client, config).await
 }

@@ -21,6 +21,7 @@ use replication::{ConnInfo, TargetSessionAttrs};
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::observe::metrics::FailoverState;
 use crate::postgres::error::describe;
 
 /// The longest a standby may take to connect and answer (FP2).
@@ -57,6 +58,18 @@ impl Protection {
     /// Whether any standby could be asked: `DATABASE_URL` lists more than the primary.
     pub fn watched(&self) -> bool {
         !self.copies.is_empty()
+    }
+
+    /// Protected, missing, or unwatched (no standby to ask), as the metric, the log and
+    /// `status` say it.
+    pub fn state(&self) -> FailoverState {
+        if !self.watched() {
+            FailoverState::Unwatched
+        } else if self.holds() {
+            FailoverState::Protected
+        } else {
+            FailoverState::Missing
+        }
     }
 
     /// The smallest lag of the protecting copies (FP3).

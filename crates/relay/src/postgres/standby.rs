@@ -27,6 +27,17 @@ use crate::config::Config;
 use crate::error::{RelayError, Result};
 use crate::postgres::error::describe;
 
+/// The server's WAL position in SQL: `pg_current_wal_lsn()` on a primary, the replay
+/// position on a standby (where `pg_current_wal_lsn()` fails: "recovery is in progress").
+/// One expression for every query that measures or vouches against the server's position.
+macro_rules! wal_position {
+    () => {
+        "(CASE WHEN pg_catalog.pg_is_in_recovery() THEN pg_catalog.pg_last_wal_replay_lsn() \
+          ELSE pg_catalog.pg_current_wal_lsn() END)"
+    };
+}
+pub(crate) use wal_position;
+
 /// How often the primary logs a standby snapshot while a slot is created (SB4).
 pub const NUDGE: Duration = Duration::from_millis(500);
 /// The longest the standby may take to replay what the primary wrote for the relay (SB3).
@@ -87,11 +98,12 @@ pub async fn connect_primary(config: &Config) -> Result<Client> {
         })
 }
 
-/// SB1: whether `client`'s server (`DATABASE_URL`) is a standby the relay may decode on;
-/// `Ok(false)` for a primary, a refusal (exit 2, nothing created) for a standby it may not.
-pub async fn check(client: &Client, config: &Config) -> Result<bool> {
+/// SB1: whether `client`'s server (`DATABASE_URL`) is a standby the relay may decode on:
+/// then a connection to the primary (checked on the way), `None` for a primary, a refusal
+/// (exit 2, nothing created) for a standby it may not decode on.
+pub async fn check(client: &Client, config: &Config) -> Result<Option<Client>> {
     if !in_recovery(client).await? {
-        return Ok(false);
+        return Ok(None);
     }
     if config.primary.is_none() {
         return Err(setup(standby_refused()));
@@ -141,7 +153,7 @@ pub async fn check(client: &Client, config: &Config) -> Result<bool> {
             config.primary().redacted()
         )));
     }
-    Ok(true)
+    Ok(Some(primary))
 }
 
 /// SB3: waits until the standby (`client`) has replayed the primary's WAL up to where it is

@@ -110,9 +110,9 @@ fn check_sql(config: &Config, version: i32) -> String {
     } else {
         "false"
     };
+    let position = crate::postgres::standby::wal_position!();
     format!(
-        "SELECT (CASE WHEN pg_catalog.pg_is_in_recovery() THEN pg_catalog.pg_last_wal_replay_lsn() \
-                      ELSE pg_catalog.pg_current_wal_lsn() END)::text; \
+        "SELECT {position}::text; \
          SELECT c.oid::int8, c.relkind = 'p', p.oid::int8, p.pubinsert, {via_root}, p.puballtables, \
                 (SELECT pr.oid::int8 FROM pg_catalog.pg_publication_rel pr \
                   WHERE pr.prpubid = p.oid AND pr.prrelid = c.oid), \

@@ -42,10 +42,13 @@ pub const BACKLOG_BYTES: u64 = 16 << 20;
 
 /// The slot's lag, `wal_status` and `safe_wal_size`: the last two read through `to_jsonb`
 /// so that servers before Postgres 13, which lack them, answer NULL instead of failing.
-const SLOT_SQL: &str = "SELECT pg_catalog.pg_wal_lsn_diff(CASE WHEN pg_catalog.pg_is_in_recovery() \
-            THEN pg_catalog.pg_last_wal_replay_lsn() ELSE pg_catalog.pg_current_wal_lsn() END, s.confirmed_flush_lsn)::int8, \
-            pg_catalog.to_jsonb(s) ->> 'wal_status', (pg_catalog.to_jsonb(s) ->> 'safe_wal_size')::int8 \
-       FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1";
+const SLOT_SQL: &str = concat!(
+    "SELECT pg_catalog.pg_wal_lsn_diff(",
+    crate::postgres::standby::wal_position!(),
+    ", s.confirmed_flush_lsn)::int8, \
+       pg_catalog.to_jsonb(s) ->> 'wal_status', (pg_catalog.to_jsonb(s) ->> 'safe_wal_size')::int8 \
+     FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1"
+);
 
 /// Polls `slot` on `client` every [`POLL`] for as long as it is awaited, the first time
 /// one [`POLL`] from now (MON1), and checks the table's identity every

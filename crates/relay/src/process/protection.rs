@@ -56,13 +56,7 @@ pub fn start(config: &Config, client: Arc<Client>, metrics: Arc<Metrics>) -> Opt
                 }
             };
             let protection = failover::read(&config, primary).await;
-            let state = if !protection.watched() {
-                FailoverState::Unwatched
-            } else if protection.holds() {
-                FailoverState::Protected
-            } else {
-                FailoverState::Missing
-            };
+            let state = protection.state();
             metrics.set_failover(state, protection.lag_bytes());
             let line = protection.describe(&config.slot);
             // PW2: each change once.

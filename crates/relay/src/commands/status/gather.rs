@@ -2,6 +2,7 @@
 //! connection and one NATS connection ([`gather`]); what cannot be read is a finding.
 
 use super::*;
+use crate::observe::metrics::FailoverState;
 use crate::postgres::failover::Protection;
 
 /// Reads everything, judges it ([`assess`]) and never fails: what cannot be read is a
@@ -67,21 +68,19 @@ async fn gather_failover(config: &Config, slot: Option<&Slot>) -> Option<Protect
 /// watched, a warning naming the fix.
 fn assess_failover(protection: &Protection, slot: &str) -> Option<Finding> {
     let line = protection.describe(slot);
-    if !protection.watched() {
-        Some(Finding::new(
+    match protection.state() {
+        FailoverState::Unwatched => Some(Finding::new(
             Level::Warning,
             format!("fail-over protection is not watched: {line}"),
-        ))
-    } else if !protection.holds() {
-        Some(Finding::new(
+        )),
+        FailoverState::Missing => Some(Finding::new(
             Level::Lagging,
             format!(
                 "fail-over protection missing: a promotion now would lose slot {slot} and the \
                  relay would refuse on the new primary; {line}"
             ),
-        ))
-    } else {
-        None
+        )),
+        FailoverState::Protected | FailoverState::Off => None,
     }
 }
 
@@ -184,10 +183,11 @@ pub(super) fn sql_error(what: &str) -> impl Fn(tokio_postgres::Error) -> String 
 pub(super) async fn read_slot(client: &Client, name: &str) -> Result<Slot, String> {
     let row = client
         .query_opt(
-            "SELECT pg_catalog.to_jsonb(s)::text, \
-                    (CASE WHEN pg_catalog.pg_is_in_recovery() THEN pg_catalog.pg_last_wal_replay_lsn() \
-                          ELSE pg_catalog.pg_current_wal_lsn() END)::text \
-               FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1",
+            concat!(
+                "SELECT pg_catalog.to_jsonb(s)::text, ",
+                crate::postgres::standby::wal_position!(),
+                "::text FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1"
+            ),
             &[&name],
         )
         .await
