@@ -542,8 +542,7 @@ async fn the_sink_reads_stored_duplicate_fence_and_no_stream_answers() {
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client.clone());
     js.create_stream(stream_config("PATH")).await.unwrap();
-    let mut watch = client.subscribe("PATH.>").await.unwrap();
-    client.flush().await.unwrap();
+    let mut watch = testkit::subscribe(&client, "PATH.>").await;
     let timeout = std::time::Duration::from_secs(5);
 
     // Stored, in strict mode from an empty stream.
@@ -625,8 +624,7 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     let nats = Nats::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client.clone());
-    let mut requests = client.subscribe("ECHO.>").await.unwrap();
-    client.flush().await.unwrap();
+    let mut requests = testkit::subscribe(&client, "ECHO.>").await;
     let responder = tokio::spawn({
         let client = client.clone();
         async move {
@@ -662,8 +660,7 @@ async fn acks_are_matched_by_sequence_and_a_missing_one_times_out() {
     assert_eq!(stats.acked(), 4);
 
     // A listener that never answers: no no-responders status, no ack, a timeout.
-    let _silent = client.subscribe("SILENT.>").await.unwrap();
-    client.flush().await.unwrap();
+    let _silent = testkit::subscribe(&client, "SILENT.>").await;
     let started = std::time::Instant::now();
     let (result, watermark, stats) = session(
         &nats,

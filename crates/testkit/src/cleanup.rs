@@ -2,6 +2,10 @@
 //! `atexit` handler kills whatever is still registered when the test process
 //! exits (this covers servers kept in a `static OnceLock`, whose `Drop` never
 //! runs). Temporary directories of such servers are removed too.
+//!
+//! A test process that runs past `TESTKIT_DEADLINE_SECS` (set by `tests/run` and `.ci/run`)
+//! ends itself, naming the tests whose children are still running: a hung test fails its
+//! suite within that deadline instead of holding CI until CI's own limit.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -10,9 +14,11 @@ use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Entry {
     pid: i32,
+    /// The test that spawned it (libtest names each test's thread after it).
+    test: Option<String>,
     /// Signal to try first at exit (SIGQUIT for postgres, so it removes its
     /// shared memory); SIGKILL follows for anything still alive.
     gentle: Option<i32>,
@@ -35,13 +41,43 @@ fn install() {
             rc, 0,
             "testkit: libc::atexit failed to register the cleanup handler"
         );
+        arm_deadline();
     });
+}
+
+/// `TESTKIT_DEADLINE_SECS` after the process's first child: the tests still holding children
+/// are named and the process exits (its `atexit` handler stops them).
+fn arm_deadline() {
+    let Some(secs) = std::env::var("TESTKIT_DEADLINE_SECS")
+        .ok()
+        .and_then(|secs| secs.parse::<u64>().ok())
+    else {
+        return;
+    };
+    thread::Builder::new()
+        .name("testkit-deadline".into())
+        .spawn(move || {
+            thread::sleep(Duration::from_secs(secs));
+            let mut tests: Vec<String> = lock(&PIDS)
+                .iter()
+                .map(|e| e.test.clone().unwrap_or_else(|| "an unnamed thread".into()))
+                .collect();
+            tests.sort();
+            tests.dedup();
+            eprintln!(
+                "testkit: this test process ran past TESTKIT_DEADLINE_SECS={secs}: a test hangs; the tests whose servers or processes still run: {}",
+                tests.join(", ")
+            );
+            std::process::exit(101);
+        })
+        .expect("testkit: start the deadline's thread");
 }
 
 fn register_pid(pid: u32, gentle: Option<i32>) {
     install();
     lock(&PIDS).push(Entry {
         pid: pid as i32,
+        test: thread::current().name().map(str::to_owned),
         gentle,
     });
 }

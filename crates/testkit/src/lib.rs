@@ -79,7 +79,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-pub use nats::{has_fast_ingest, http_get, Nats};
+pub use nats::{has_fast_ingest, http_get, subscribe, Nats};
 pub use postgres::{
     bin_dir_at_least, installed_bin_dir, server_has_ssl, server_major, Backup, PgAuth, PgOptions,
     Postgres, EMBEDDED_PG_BIN_DIR,

