@@ -2,16 +2,20 @@
 //! and in entity order, however often JetStream delivers the event.
 //!
 //! ```no_run
-//! use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
+//! use outbox_consumer::{BatchHandler, BoxError, Config, Consumer, Event, Postgres, Transaction};
 //!
 //! struct Ledger;
 //!
-//! impl Handler for Ledger {
-//!     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
+//! impl BatchHandler for Ledger {
+//!     async fn handle_batch(&self, tx: &mut Transaction<'_>, events: &[Event]) -> Result<(), BoxError> {
+//!         let ids: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
+//!         let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
+//!         let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+//!         let payloads = events.iter().map(Event::payload_str).collect::<Result<Vec<_>, _>>()?;
 //!         tx.execute(
 //!             "insert into ledger (outbox_id, entity_id, event_type, payload) \
-//!              values ($1, $2, $3, $4::text::jsonb)",
-//!             &[&event.id.to_string(), &event.entity_id, &event.event_type, &event.payload_str()?],
+//!              select i, e, t, p::jsonb from unnest($1::text[], $2::text[], $3::text[], $4::text[]) u(i, e, t, p)",
+//!             &[&ids, &entities, &types, &payloads],
 //!         )
 //!         .await?;
 //!         Ok(())
@@ -23,7 +27,7 @@
 //!     let nats = async_nats::connect("nats://127.0.0.1:4222").await?;
 //!     let postgres = Postgres::new("host=127.0.0.1 dbname=app".parse()?, tokio_postgres::NoTls);
 //!     let consumer = Consumer::new(Config::new("ledger"), nats, postgres);
-//!     consumer.run(Ledger, async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//!     consumer.run_batch(Ledger, async { let _ = tokio::signal::ctrl_c().await; }).await?;
 //!     Ok(())
 //! }
 //! ```

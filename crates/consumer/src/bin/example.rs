@@ -26,38 +26,13 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use outbox_consumer::{
-    BoxError, Config, Consumer, Event, Handler, Metrics, OnFailure, Postgres, Transaction,
-};
+use outbox_consumer::{BoxError, Config, Consumer, Metrics, OnFailure, Postgres};
 use tracing::{error, info};
 
-/// The side effect: one ledger row per event.
-struct Ledger;
+#[path = "example/ledger.rs"]
+mod ledger;
 
-impl Handler for Ledger {
-    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
-        tx.execute(
-            "insert into ledger (outbox_id, entity_id, event_type, payload) \
-             values ($1, $2, $3, $4::text::jsonb)",
-            &[
-                &event.id.to_string(),
-                &event.entity_id,
-                &event.event_type,
-                &event.payload_str()?,
-            ],
-        )
-        .await?;
-        Ok(())
-    }
-}
-
-const LEDGER_SQL: &str = "create table if not exists ledger (
-    outbox_id text not null,
-    entity_id text not null,
-    event_type text not null,
-    payload jsonb not null,
-    applied_at timestamptz not null default clock_timestamp()
-)";
+use ledger::{Ledger, LEDGER_SQL};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -118,7 +93,7 @@ async fn run() -> Result<(), BoxError> {
     if let Ok(id) = std::env::var("OUTBOX_CONSUMER_EXAMPLE_STALL_AFTER_COMMIT") {
         consumer = stall_after_commit(consumer, id.parse()?);
     }
-    consumer.run(Ledger, shutdown()).await?;
+    consumer.run_batch(Ledger, shutdown()).await?;
     Ok(())
 }
 
