@@ -25,15 +25,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use async_nats::jetstream;
 use outbox::{OutboxEvent, OutboxRow, Position};
-use outbox_consumer::{
-    BatchHandler, BoxError, Config, Consumer, Event, Handler, Postgres, Transaction,
-};
+use outbox_consumer::{BoxError, Config, Consumer, Event, Handler, Postgres, Transaction};
 use pgoutput::Lsn;
 
 use crate::ceilings;
 use crate::harness::{Bench, Case};
 use crate::load;
 use crate::procfs;
+use crate::report::{Results, Unit};
 
 /// How long applying a backlog may take before the benchmark gives up.
 const TIMEOUT: Duration = Duration::from_secs(900);
@@ -47,46 +46,24 @@ pub struct Consumed {
     pub server_cpu: f64,
 }
 
-/// The side effect: a ledger row per event.
-struct Ledger;
+/// The side effect: the example binary's, the README's handler (one statement per batch).
+#[path = "../../consumer/src/bin/example/ledger.rs"]
+mod ledger;
+
+use ledger::Ledger;
 
 /// How the ledger rows are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handling {
-    /// A [`Handler`]: one `INSERT` per event (the README's handler), its text prepared once
+    /// A [`Handler`]: one `INSERT` per event (docs/consumers.md), its text prepared once
     /// per connection by the library's [`Transaction`].
     PerEvent,
-    /// The same handler through tokio-postgres's own transaction (`(**tx).execute`): its
-    /// text prepared on every call, as before the library's [`Transaction`] (for comparison).
-    PerEventUnprepared,
-    /// A [`BatchHandler`]: one `INSERT … SELECT unnest(…)` per transaction.
+    /// A [`BatchHandler`]: one `INSERT … SELECT unnest(…)` per transaction (the README's).
     Batch,
 }
 
-impl BatchHandler for Ledger {
-    async fn handle_batch(
-        &self,
-        tx: &mut Transaction<'_>,
-        events: &[Event],
-    ) -> Result<(), BoxError> {
-        let ids: Vec<i64> = events.iter().filter_map(|e| e.id.as_int()).collect();
-        let entities: Vec<&str> = events.iter().map(|e| e.entity_id.as_str()).collect();
-        let payloads = events
-            .iter()
-            .map(Event::payload_str)
-            .collect::<Result<Vec<_>, _>>()?;
-        tx.execute(
-            "insert into ledger (outbox_id, entity_id, payload) \
-             select i, e, p::jsonb from unnest($1::bigint[], $2::text[], $3::text[]) u(i, e, p)",
-            &[&ids, &entities, &payloads],
-        )
-        .await?;
-        Ok(())
-    }
-}
-
 /// Runs `consumer` with the ledger handler written as `handling`.
-fn run(
+pub fn run(
     consumer: Consumer,
     handling: Handling,
     stopped: tokio::sync::oneshot::Receiver<()>,
@@ -96,52 +73,42 @@ fn run(
     };
     match handling {
         Handling::PerEvent => tokio::spawn(consumer.run(Ledger, shutdown)),
-        Handling::PerEventUnprepared => tokio::spawn(consumer.run(Unprepared, shutdown)),
         Handling::Batch => tokio::spawn(consumer.run_batch(Ledger, shutdown)),
     }
 }
 
-/// The per-event handler's statement.
-const LEDGER_INSERT: &str =
-    "insert into ledger (outbox_id, entity_id, payload) values ($1, $2, $3::text::jsonb)";
-
+/// The per-event handler of docs/consumers.md: one statement per event, its text prepared
+/// once per connection by the library's [`Transaction`].
 impl Handler for Ledger {
     async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
         tx.execute(
-            LEDGER_INSERT,
-            &[&event.id.as_int(), &event.entity_id, &event.payload_str()?],
+            "insert into ledger (outbox_id, entity_id, event_type, payload) \
+             values ($1, $2, $3, $4::text::jsonb)",
+            &[
+                &event.id.to_string(),
+                &event.entity_id,
+                &event.event_type,
+                &event.payload_str()?,
+            ],
         )
         .await?;
         Ok(())
     }
 }
 
-/// [`Ledger`]'s handler through tokio-postgres's own transaction.
-struct Unprepared;
-
-impl Handler for Unprepared {
-    async fn handle(&self, tx: &mut Transaction<'_>, event: &Event) -> Result<(), BoxError> {
-        let tx: &tokio_postgres::Transaction<'_> = tx;
-        tx.execute(
-            LEDGER_INSERT,
-            &[&event.id.as_int(), &event.entity_id, &event.payload_str()?],
-        )
-        .await?;
-        Ok(())
-    }
-}
-
-/// The ledger table, `processed_events` and a fresh stream for `case`.
-async fn prepare(bench: &Bench, case: &Case) -> Result<()> {
+/// `processed_events` and the example's ledger table in `case`'s database.
+pub async fn ledger(case: &Case) -> Result<()> {
     case.sql
         .batch_execute(outbox_consumer::SCHEMA_SQL)
         .await
         .context("apply sql/consumer.sql")?;
-    case.sql
-        .batch_execute(
-            "create table ledger (outbox_id bigint not null, entity_id text not null, payload jsonb not null)",
-        )
-        .await?;
+    case.sql.batch_execute(ledger::LEDGER_SQL).await?;
+    Ok(())
+}
+
+/// The ledger table, `processed_events` and a fresh stream for `case`.
+async fn prepare(bench: &Bench, case: &Case) -> Result<()> {
+    ledger(case).await?;
     bench.create_stream(&case.stream, &case.prefix).await
 }
 
@@ -169,10 +136,22 @@ fn relay_events(case: &Case, n: u64) -> Vec<OutboxEvent> {
 }
 
 /// The consumer of `case`'s stream, `batch_size` messages per transaction.
-async fn consumer(bench: &Bench, case: &Case, batch_size: usize) -> Result<Consumer> {
+pub async fn consumer(bench: &Bench, case: &Case, batch_size: usize) -> Result<Consumer> {
+    consumer_of(bench, case, &case.stream, &case.prefix, batch_size).await
+}
+
+/// The consumer of `stream` (subjects `{prefix}.{shard}.>`) into `case`'s database,
+/// `batch_size` messages per transaction.
+pub async fn consumer_of(
+    bench: &Bench,
+    case: &Case,
+    stream: &str,
+    prefix: &str,
+    batch_size: usize,
+) -> Result<Consumer> {
     let mut config = Config::new("bench");
-    config.stream = case.stream.clone();
-    config.subject_prefix = case.prefix.clone();
+    config.stream = stream.to_owned();
+    config.subject_prefix = prefix.to_owned();
     config.partitions = load::PARTITIONS;
     config.batch_size = batch_size;
     let nats = async_nats::connect(bench.nats.url()).await?;
@@ -181,7 +160,7 @@ async fn consumer(bench: &Bench, case: &Case, batch_size: usize) -> Result<Consu
 }
 
 /// Waits until `stats` counts `events` processed, or the consumer stopped, or [`TIMEOUT`].
-async fn wait_processed(
+pub async fn wait_processed(
     stats: &outbox_consumer::Stats,
     running: &tokio::task::JoinHandle<Result<(), outbox_consumer::Error>>,
     events: u64,
@@ -203,7 +182,7 @@ async fn wait_processed(
 }
 
 /// Checks that every event was applied once.
-async fn check_applied(case: &Case, events: u64, duplicates: u64) -> Result<()> {
+pub async fn check_applied(case: &Case, events: u64, duplicates: u64) -> Result<()> {
     let applied: i64 = case
         .sql
         .query_one("select count(distinct outbox_id) from ledger", &[])
@@ -265,12 +244,25 @@ pub async fn consume(
     })
 }
 
-/// Stored → committed latency at a fixed rate.
+/// A latency at a fixed rate: the rate achieved, p50 and p99.
 #[derive(Debug, Clone, Copy)]
 pub struct Live {
     pub achieved_rate: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+}
+
+impl Live {
+    /// The quantiles of `latencies` (milliseconds, not empty).
+    pub fn of(achieved_rate: f64, mut latencies: Vec<f64>) -> Live {
+        latencies.sort_by(f64::total_cmp);
+        let quantile = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
+        Live {
+            achieved_rate,
+            p50_ms: quantile(0.5),
+            p99_ms: quantile(0.99),
+        }
+    }
 }
 
 /// Publishes relay events at `rate` for `duration` while the consumer (`batch_size` per
@@ -347,7 +339,7 @@ pub async fn live(
     let marks = committed
         .lock()
         .map_err(|_| anyhow::anyhow!("a commit hook panicked"))?;
-    let mut latencies: Vec<f64> = stored
+    let latencies: Vec<f64> = stored
         .iter()
         .enumerate()
         .filter_map(|(i, stored)| {
@@ -357,11 +349,110 @@ pub async fn live(
     if latencies.len() as u64 != n {
         bail!("{} of {n} commits were seen", latencies.len());
     }
-    latencies.sort_by(f64::total_cmp);
-    let quantile = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
-    Ok(Live {
-        achieved_rate,
-        p50_ms: quantile(0.5),
-        p99_ms: quantile(0.99),
-    })
+    Ok(Live::of(achieved_rate, latencies))
+}
+
+/// The consumer's rate at which [`scenario`] measures stored → committed latency.
+const LIVE_RATE: f64 = 2_000.0;
+
+/// What [`scenario`] compares: one event per transaction and the default batch size with a
+/// per-event handler (docs/consumers.md), and the default with the README's batch handler.
+pub const CONFIGURATIONS: [(usize, Handling); 3] = [
+    (1, Handling::PerEvent),
+    (outbox_consumer::DEFAULT_BATCH_SIZE, Handling::PerEvent),
+    (outbox_consumer::DEFAULT_BATCH_SIZE, Handling::Batch),
+];
+
+const RATE: &str = "side effects/s (dedupe insert + handler insert, then ack)";
+const CPU_TOTAL: &str = "CPU, the three together";
+pub const VS_ONE: &str = "side effects/s ÷ batch size 1 (same run)";
+pub const VS_PUBLISHING: &str = "CPU ÷ the publishing side's on the relay drain (same run)";
+
+pub fn label(events: u64, batch_size: usize, handling: Handling) -> String {
+    let handler = match handling {
+        Handling::PerEvent => ", a per-event handler (one INSERT per event)",
+        Handling::Batch => ", the README's batch handler (one INSERT per transaction)",
+    };
+    if batch_size == 1 {
+        format!(
+            "consumer: {} events on 12 shards, batch size 1 (one transaction each){handler}",
+            Unit::Rate.format(events as f64)
+        )
+    } else {
+        format!(
+            "consumer: {} events on 12 shards, batch size {batch_size} (the default){handler}",
+            Unit::Rate.format(events as f64)
+        )
+    }
+}
+
+/// outbox-consumer applying a backlog, one side effect per event, and its latency at a
+/// fixed rate, for each of [`CONFIGURATIONS`]; with this run's relay drain
+/// (`drain`: events/s, publishing CPU µs/event), each one's CPU per side effect over the
+/// publishing side's. Returns the README's handler's side effects/s and CPU µs/event.
+pub async fn scenario(
+    bench: &mut Bench,
+    results: &mut Results,
+    events: u64,
+    live_seconds: Duration,
+    drain: Option<(f64, f64)>,
+) -> Result<Option<(f64, f64)>> {
+    let mut one_rate = None;
+    let mut readmes = None;
+    for (batch_size, handling) in CONFIGURATIONS {
+        let label = label(events, batch_size, handling);
+        let case = bench.case("consumer").await?;
+        let consumed = consume(bench, &case, events, batch_size, handling).await?;
+        let stream = case.stream.clone();
+        bench.drop_case(case, &[&stream]).await?;
+        let n = events as f64;
+        let rate = n / consumed.seconds;
+        results.record(&label, RATE, Unit::Rate, rate);
+        match one_rate {
+            None => one_rate = Some(rate),
+            Some(one) => results.record(&label, VS_ONE, Unit::Ratio, rate / one),
+        }
+        let cpu = [
+            ("consumer CPU", consumed.consumer_cpu),
+            ("its Postgres backends CPU", consumed.backends_cpu),
+            ("nats-server CPU", consumed.server_cpu),
+        ];
+        let total = results.record_cpu(&label, &cpu, n, CPU_TOTAL);
+        if let Some((_, publishing)) = drain {
+            results.record(&label, VS_PUBLISHING, Unit::Ratio, total / publishing);
+        }
+        if handling == Handling::Batch {
+            readmes = Some((rate, total));
+        }
+
+        let case = bench.case("consumer_live").await?;
+        let live = live(bench, &case, LIVE_RATE, live_seconds, batch_size, handling).await?;
+        let stream = case.stream.clone();
+        bench.drop_case(case, &[&stream]).await?;
+        let at = Unit::Rate.format(LIVE_RATE);
+        results.record(
+            &label,
+            &format!("stored → committed p50 at {at} events/s"),
+            Unit::Millis,
+            live.p50_ms,
+        );
+        results.record(
+            &label,
+            &format!("stored → committed p99 at {at} events/s"),
+            Unit::Millis,
+            live.p99_ms,
+        );
+        eprintln!(
+            "bench: {label}: {rate:.0}/s; CPU µs/event: consumer {:.1}, backends {:.1}, nats {:.1}, total {:.1}; \
+             at {:.0}/s stored → committed p50 {:.2} ms, p99 {:.2} ms",
+            consumed.consumer_cpu * 1e6 / n,
+            consumed.backends_cpu * 1e6 / n,
+            consumed.server_cpu * 1e6 / n,
+            total,
+            live.achieved_rate,
+            live.p50_ms,
+            live.p99_ms,
+        );
+    }
+    Ok(readmes)
 }

@@ -31,6 +31,11 @@
 //!   effect each in the transaction that records its `dedupe_key`, with batch size 1 and the
 //!   default: events/s, CPU per event, and stored → committed latency at 2 000 events/s
 //!   (`--only consumer` needs no relay binary);
+//! - **the pipeline to the side effect** ([`pipeline`]): Postgres → relay → JetStream →
+//!   outbox-consumer applying the README's handler, all at once, from the 100 000-event
+//!   backlog: side effects/s over this run's relay drain, consumer alone and the seed's own
+//!   pair, CPU per event of every process; insert → side effect p50/p99 at 1 000 and 10 000
+//!   events/s;
 //! - **publish modes** ([`modes`], only with `--only modes`): the 1 000-row backlog drained per
 //!   message and with atomic transactions (nats-server 2.12+), CPU per event of each process
 //!   and of the whole pipeline.
@@ -52,6 +57,7 @@ mod harness;
 mod latency;
 mod load;
 mod modes;
+mod pipeline;
 mod polling;
 mod procfs;
 mod report;
@@ -138,6 +144,9 @@ enum Scenario {
     /// The 1 000-row backlog drained once per publish mode (per message, atomic
     /// transactions on nats-server 2.12+), same server, same run (issue 23).
     Modes,
+    /// Postgres → relay → JetStream → outbox-consumer applying the README's handler, all at
+    /// once: from a backlog, and insert → side effect at the live-latency rates (issue 44).
+    Pipeline,
 }
 
 /// Sizes of one benchmark run.
@@ -312,8 +321,10 @@ async fn main() -> Result<()> {
 
     for run in 0..runs {
         eprintln!("bench: run {}/{runs}", run + 1);
+        // This run's relay drain and consumer alone, for the pipeline's same-run ratios.
+        let mut same_run = pipeline::SameRun::default();
         if selected(Scenario::Batch) {
-            backlog(&mut bench, &mut results, sizes.batch, TX_ROWS).await?;
+            same_run.drain = Some(backlog(&mut bench, &mut results, sizes.batch, TX_ROWS).await?);
         }
         if selected(Scenario::Single) {
             backlog(&mut bench, &mut results, sizes.single, 1).await?;
@@ -335,7 +346,27 @@ async fn main() -> Result<()> {
             big_transaction(&mut bench, &mut results, sizes.big_tx).await?;
         }
         if selected(Scenario::Consumer) {
-            consumer(&mut bench, &mut results, sizes.consumer, sizes.latency).await?;
+            same_run.consumer = consume::scenario(
+                &mut bench,
+                &mut results,
+                sizes.consumer,
+                sizes.latency,
+                same_run.drain,
+            )
+            .await?;
+        }
+        if selected(Scenario::Pipeline) {
+            let rates = [1_000.0, 10_000.0];
+            pipeline::scenario(
+                &mut bench,
+                &mut results,
+                sizes.batch,
+                TX_ROWS,
+                &rates,
+                sizes.latency,
+                same_run,
+            )
+            .await?;
         }
         if cli.only.contains(&Scenario::Modes) {
             let version = nats_version();
@@ -356,7 +387,7 @@ async fn main() -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     markdown.push_str(&results.table());
-    markdown.push_str("\nTargets (issue 4):\n\n");
+    markdown.push_str("\nTargets (issues 4, 13 and 44):\n\n");
     markdown.push_str(&report::targets_table(&targets));
     println!("{markdown}");
     if let Some(path) = &cli.out {
@@ -366,8 +397,15 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-/// Decode ceiling, broker ceiling and relay drain on one freshly written backlog.
-async fn backlog(bench: &mut Bench, results: &mut Results, events: u64, per_tx: u64) -> Result<()> {
+/// Decode ceiling, broker ceiling and relay drain on one freshly written backlog; returns
+/// the relay's drain: events/s, and the publishing side's CPU µs/event (relay, walsender,
+/// nats-server).
+async fn backlog(
+    bench: &mut Bench,
+    results: &mut Results,
+    events: u64,
+    per_tx: u64,
+) -> Result<(f64, f64)> {
     let label = backlog_label(events, per_tx);
     let name = if per_tx == 1 { "single" } else { "batch" };
     let case = bench.case(name).await?;
@@ -475,7 +513,9 @@ async fn backlog(bench: &mut Bench, results: &mut Results, events: u64, per_tx: 
         drain.peak_rss_mib
     );
     let stream = case.stream.clone();
-    bench.drop_case(case, &[&stream, &broker_stream]).await
+    bench.drop_case(case, &[&stream, &broker_stream]).await?;
+    let publishing = drain.relay_cpu + drain.walsender_cpu + drain.server_cpu;
+    Ok((relay_rate, per_event(publishing)))
 }
 
 /// commit → stored with the relay running, at `rate` events per second in `tx_rows`-row
@@ -624,131 +664,6 @@ async fn big_transaction(bench: &mut Bench, results: &mut Results, events: u64) 
     bench.drop_case(case, &[&stream]).await
 }
 
-/// The consumer's rate at which [`consumer`] measures stored → committed latency.
-const CONSUMER_LIVE_RATE: f64 = 2_000.0;
-
-/// What [`consumer`] compares: one event per transaction, the default batch size, both with
-/// the README's per-event handler, the default with that handler's text prepared per call
-/// (as before the library's `Transaction` cached it), and the default with a batch handler.
-const CONSUMER_CONFIGURATIONS: [(usize, consume::Handling); 4] = [
-    (1, consume::Handling::PerEvent),
-    (
-        outbox_consumer::DEFAULT_BATCH_SIZE,
-        consume::Handling::PerEvent,
-    ),
-    (
-        outbox_consumer::DEFAULT_BATCH_SIZE,
-        consume::Handling::PerEventUnprepared,
-    ),
-    (
-        outbox_consumer::DEFAULT_BATCH_SIZE,
-        consume::Handling::Batch,
-    ),
-];
-
-const CONSUMER_RATE: &str = "side effects/s (dedupe insert + handler insert, then ack)";
-const CONSUMER_CPU_TOTAL: &str = "CPU, the three together";
-const CONSUMER_VS_ONE: &str = "side effects/s ÷ batch size 1 (same run)";
-
-fn consumer_label(events: u64, batch_size: usize, handling: consume::Handling) -> String {
-    let handler = match handling {
-        consume::Handling::PerEvent => "",
-        consume::Handling::PerEventUnprepared => {
-            ", its INSERT prepared per call (tokio-postgres's own transaction)"
-        }
-        consume::Handling::Batch => ", a batch handler (one INSERT per transaction)",
-    };
-    if batch_size == 1 {
-        format!(
-            "consumer: {} events on 12 shards, batch size 1 (one transaction each){handler}",
-            group(events)
-        )
-    } else {
-        format!(
-            "consumer: {} events on 12 shards, batch size {batch_size} (the default){handler}",
-            group(events)
-        )
-    }
-}
-
-/// outbox-consumer applying a backlog, one side effect per event, and its latency at a
-/// fixed rate, for each of [`CONSUMER_CONFIGURATIONS`].
-async fn consumer(
-    bench: &mut Bench,
-    results: &mut Results,
-    events: u64,
-    live_seconds: Duration,
-) -> Result<()> {
-    let mut one_rate = None;
-    for (batch_size, handling) in CONSUMER_CONFIGURATIONS {
-        let label = consumer_label(events, batch_size, handling);
-        let case = bench.case("consumer").await?;
-        let consumed = consume::consume(bench, &case, events, batch_size, handling).await?;
-        let stream = case.stream.clone();
-        bench.drop_case(case, &[&stream]).await?;
-        let n = events as f64;
-        let rate = n / consumed.seconds;
-        results.record(&label, CONSUMER_RATE, Unit::Rate, rate);
-        match one_rate {
-            None => one_rate = Some(rate),
-            Some(one) => results.record(&label, CONSUMER_VS_ONE, Unit::Ratio, rate / one),
-        }
-        let cpu = [
-            ("consumer CPU", consumed.consumer_cpu),
-            ("its Postgres backends CPU", consumed.backends_cpu),
-            ("nats-server CPU", consumed.server_cpu),
-        ];
-        for (who, seconds) in cpu {
-            results.record(&label, who, Unit::MicrosPerEvent, seconds * 1e6 / n);
-        }
-        let total: f64 = cpu.iter().map(|(_, seconds)| seconds).sum();
-        results.record(
-            &label,
-            CONSUMER_CPU_TOTAL,
-            Unit::MicrosPerEvent,
-            total * 1e6 / n,
-        );
-
-        let case = bench.case("consumer_live").await?;
-        let live = consume::live(
-            bench,
-            &case,
-            CONSUMER_LIVE_RATE,
-            live_seconds,
-            batch_size,
-            handling,
-        )
-        .await?;
-        let stream = case.stream.clone();
-        bench.drop_case(case, &[&stream]).await?;
-        let at = group(CONSUMER_LIVE_RATE as u64);
-        results.record(
-            &label,
-            &format!("stored → committed p50 at {at} events/s"),
-            Unit::Millis,
-            live.p50_ms,
-        );
-        results.record(
-            &label,
-            &format!("stored → committed p99 at {at} events/s"),
-            Unit::Millis,
-            live.p99_ms,
-        );
-        eprintln!(
-            "bench: {label}: {rate:.0}/s; CPU µs/event: consumer {:.1}, backends {:.1}, nats {:.1}, total {:.1}; \
-             at {:.0}/s stored → committed p50 {:.2} ms, p99 {:.2} ms",
-            consumed.consumer_cpu * 1e6 / n,
-            consumed.backends_cpu * 1e6 / n,
-            consumed.server_cpu * 1e6 / n,
-            total * 1e6 / n,
-            live.achieved_rate,
-            live.p50_ms,
-            live.p99_ms,
-        );
-    }
-    Ok(())
-}
-
 /// A target's bound on a median.
 #[derive(Debug, Clone, Copy)]
 enum Bound {
@@ -775,10 +690,10 @@ fn targets(results: &Results, sizes: &Sizes) -> Vec<Target> {
     let busy = latency_label(10_000.0, 1);
     let big_tx = big_tx_label(sizes.big_tx);
     let polling = polling_label(sizes.polling);
-    let batched: Vec<String> = CONSUMER_CONFIGURATIONS[1..]
-        .iter()
-        .map(|(batch_size, handling)| consumer_label(sizes.consumer, *batch_size, *handling))
-        .collect();
+    let (readme_batch, readme_handling) = consume::CONFIGURATIONS[2];
+    let readmes = consume::label(sizes.consumer, readme_batch, readme_handling);
+    let pipeline = pipeline::label(sizes.batch, TX_ROWS);
+    let pipeline_p99 = pipeline::latency_measure("p99", 1_000.0);
     // (measure, scenario, goal, unit, bound), in the table's order.
     let mut goals = vec![(VS_DECODE, &single, "≥ 1.0", Unit::Ratio, AtLeast(1.0))];
     for label in [&batch, &large] {
@@ -828,16 +743,39 @@ fn targets(results: &Results, sizes: &Sizes) -> Vec<Target> {
         (RELAY_RSS, &big_tx, "≤ 64 MiB", Unit::Mib, AtMost(64.0)),
         (RELAY_RSS, &large, "≤ 64 MiB", Unit::Mib, AtMost(64.0)),
     ]);
-    for label in &batched {
-        goals.push((CONSUMER_VS_ONE, label, "≥ 4", Unit::Ratio, AtLeast(4.0)));
-        goals.push((
-            CONSUMER_CPU_TOTAL,
-            label,
-            "≤ 103 µs/event (a third of 310)",
-            Unit::MicrosPerEvent,
-            AtMost(310.0 / 3.0),
-        ));
-    }
+    // Issue 44: the consumer side with the README's handler, and the pipeline to the side
+    // effect.
+    goals.extend([
+        (consume::VS_ONE, &readmes, "≥ 4", Unit::Ratio, AtLeast(4.0)),
+        (
+            consume::VS_PUBLISHING,
+            &readmes,
+            "≤ 3",
+            Unit::Ratio,
+            AtMost(3.0),
+        ),
+        (
+            pipeline::VS_DRAIN,
+            &pipeline,
+            "≥ 0.25",
+            Unit::Ratio,
+            AtLeast(0.25),
+        ),
+        (
+            pipeline::VS_SEED_PAIR,
+            &pipeline,
+            "≥ 8",
+            Unit::Ratio,
+            AtLeast(8.0),
+        ),
+        (
+            pipeline_p99.as_str(),
+            &pipeline,
+            "≤ 3 ms",
+            Unit::Millis,
+            AtMost(3.0),
+        ),
+    ]);
     goals.push((
         "relay / seed's polling",
         &polling,

@@ -39,8 +39,9 @@ impl Variant {
     }
 }
 
-/// Drains the case's `pending` rows into a fresh stream `stream` covering `{prefix}.>`;
-/// returns the seconds it took. Deletes the stream afterwards.
+/// Drains the case's `pending` rows into the stream `stream` covering `{prefix}.>` (created
+/// unless it exists as [`Bench::create_stream`] makes it); returns the seconds it took. The
+/// caller deletes the stream (with its case).
 pub async fn drain(
     bench: &Bench,
     case: &Case,
@@ -132,10 +133,5 @@ pub async fn drain(
     if published != events || stored != events {
         bail!("polling published {published} and the stream holds {stored}, expected {events}");
     }
-    bench
-        .js
-        .delete_stream(stream)
-        .await
-        .with_context(|| format!("delete stream {stream}"))?;
     Ok(seconds)
 }

@@ -108,6 +108,23 @@ pub struct Results {
 
 impl Results {
     /// Adds one run's value of `measure` in `scenario`.
+    /// Records each process's CPU seconds of `cpu` per event of `events` (µs/event), and
+    /// their sum as `total`; returns the sum in µs/event.
+    pub fn record_cpu(
+        &mut self,
+        scenario: &str,
+        cpu: &[(&str, f64)],
+        events: f64,
+        total: &str,
+    ) -> f64 {
+        for (who, seconds) in cpu {
+            self.record(scenario, who, Unit::MicrosPerEvent, seconds * 1e6 / events);
+        }
+        let sum = cpu.iter().map(|(_, seconds)| seconds).sum::<f64>() * 1e6 / events;
+        self.record(scenario, total, Unit::MicrosPerEvent, sum);
+        sum
+    }
+
     pub fn record(&mut self, scenario: &str, measure: &str, unit: Unit, value: f64) {
         match self
             .figures
