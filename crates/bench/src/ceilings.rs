@@ -101,6 +101,15 @@ pub async fn pipelined_context(bench: &Bench) -> Result<jetstream::Context> {
 /// with the relay's window and two tasks like the relay's sink (one publishes, one awaits
 /// the acks in order); returns how many were stored as new.
 pub async fn publish_pipelined(js: &jetstream::Context, events: &[OutboxEvent]) -> Result<u64> {
+    publish_pipelined_as(js, events, sink::publish_message).await
+}
+
+/// [`publish_pipelined`] with each event's message built by `message` (its fence added).
+pub async fn publish_pipelined_as(
+    js: &jetstream::Context,
+    events: &[OutboxEvent],
+    message: impl Fn(&OutboxEvent) -> jetstream::message::PublishMessage,
+) -> Result<u64> {
     let (acks_tx, mut acks_rx) = tokio::sync::mpsc::channel(WINDOW);
     let acker = tokio::spawn(async move {
         let mut stored = 0u64;
@@ -116,7 +125,7 @@ pub async fn publish_pipelined(js: &jetstream::Context, events: &[OutboxEvent]) 
     for (sequence, event) in events.iter().enumerate() {
         // The relay's default (strict) mode fences every publish on the stream's last
         // sequence; so does this, on its empty stream.
-        let message = sink::publish_message(event).expected_last_sequence(sequence as u64);
+        let message = message(event).expected_last_sequence(sequence as u64);
         let ack = js
             .send_publish(event.subject.clone(), message)
             .await

@@ -113,7 +113,7 @@ async fn prepare(bench: &Bench, case: &Case) -> Result<()> {
 }
 
 /// The events the relay publishes for outbox ids `1..=n`.
-fn relay_events(case: &Case, n: u64) -> Vec<OutboxEvent> {
+pub fn relay_events(case: &Case, n: u64) -> Vec<OutboxEvent> {
     (1..=n as i64)
         .map(|id| {
             OutboxRow::seed(

@@ -36,6 +36,9 @@
 //!   backlog: side effects/s over this run's relay drain, consumer alone and the seed's own
 //!   pair, CPU per event of every process; insert → side effect p50/p99 at 1 000 and 10 000
 //!   events/s;
+//! - **header profiles** ([`headers`], only with `--only headers`): the relay's messages
+//!   published pipelined with its headers, a lean profile and `Nats-Msg-Id` alone, and
+//!   nats-server's CPU per message for each;
 //! - **publish modes** ([`modes`], only with `--only modes`): the 1 000-row backlog drained per
 //!   message and with atomic transactions (nats-server 2.12+), CPU per event of each process
 //!   and of the whole pipeline.
@@ -54,6 +57,7 @@ mod ceilings;
 mod consume;
 mod drain;
 mod harness;
+mod headers;
 mod latency;
 mod load;
 mod modes;
@@ -147,6 +151,9 @@ enum Scenario {
     /// Postgres → relay → JetStream → outbox-consumer applying the README's handler, all at
     /// once: from a backlog, and insert → side effect at the live-latency rates (issue 44).
     Pipeline,
+    /// The relay's messages published pipelined with its headers, a lean profile and
+    /// `Nats-Msg-Id` alone: nats-server's CPU per message for each (issue 44).
+    Headers,
 }
 
 /// Sizes of one benchmark run.
@@ -367,6 +374,9 @@ async fn main() -> Result<()> {
                 same_run,
             )
             .await?;
+        }
+        if cli.only.contains(&Scenario::Headers) {
+            headers::compare(&mut bench, &mut results, sizes.batch).await?;
         }
         if cli.only.contains(&Scenario::Modes) {
             let version = nats_version();
