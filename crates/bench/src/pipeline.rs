@@ -9,6 +9,8 @@
 //!   relay, its walsender, nats-server (storing and delivering), the consumer (this
 //!   process; nothing else runs in it meanwhile) and the consumer's Postgres backends
 //!   (reaped by the postmaster once its connections closed, while the walsender still runs).
+//! - [`seed_pair`]: the seed's own pair on the same backlog, for reference: its polling loop
+//!   and a consumer of one event per transaction, at once; side effects/s.
 //! - [`live`]: with both caught up, one writer connection per 2 500 events/s commits
 //!   single-row transactions at a fixed rate; an event's latency is from just before its
 //!   `INSERT` was sent (so a little before the row's `created_at`) to the consumer's commit
