@@ -146,12 +146,23 @@ pub async fn broker(
     stream: &str,
     prefix: &str,
 ) -> Result<Broker> {
+    broker_as(bench, events, stream, prefix, sink::publish_message).await
+}
+
+/// [`broker`] with each event's message built by `message` (its fence added).
+pub async fn broker_as(
+    bench: &Bench,
+    events: &[OutboxEvent],
+    stream: &str,
+    prefix: &str,
+    message: impl Fn(&OutboxEvent) -> jetstream::message::PublishMessage,
+) -> Result<Broker> {
     bench.create_stream(stream, prefix).await?;
     let js = pipelined_context(bench).await?;
     let server_before = procfs::cpu_seconds(bench.nats.pid())?;
     let client_before = procfs::cpu_seconds(std::process::id())?;
     let start = Instant::now();
-    let stored = publish_pipelined(&js, events).await?;
+    let stored = publish_pipelined_as(&js, events, message).await?;
     let seconds = start.elapsed().as_secs_f64();
     let server_cpu = procfs::cpu_seconds(bench.nats.pid())? - server_before;
     let client_cpu = procfs::cpu_seconds(std::process::id())? - client_before;

@@ -9,16 +9,14 @@
 //!   `Outbox-Id` (the dedupe key's last part for an integer id);
 //! - **`Nats-Msg-Id` alone**: the floor no profile goes below (de-duplication needs it).
 
-use std::time::Instant;
-
-use anyhow::{bail, Result};
+use anyhow::Result;
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::HeaderMap;
 use outbox::{headers as h, OutboxEvent};
 
-use crate::harness::{Bench, Case};
+use crate::harness::Bench;
 use crate::report::{Results, Unit};
-use crate::{ceilings, consume, procfs};
+use crate::{ceilings, consume};
 
 /// A header profile: its label and the headers it keeps of the relay's.
 struct Profile {
@@ -61,21 +59,15 @@ fn message(event: &OutboxEvent, keeps: fn(&str) -> bool) -> PublishMessage {
 /// Publishes `events` relay events once per profile, interleaved, on `bench`'s nats-server.
 pub async fn compare(bench: &mut Bench, results: &mut Results, events: u64) -> Result<()> {
     for profile in &PROFILES {
-        let case: Case = bench.case("headers").await?;
+        let case = bench.case("headers").await?;
         let backlog = consume::relay_events(&case, events);
-        bench.create_stream(&case.stream, &case.prefix).await?;
-        let js = ceilings::pipelined_context(bench).await?;
-        let server_before = procfs::cpu_seconds(bench.nats.pid())?;
-        let start = Instant::now();
-        let stored =
-            ceilings::publish_pipelined_as(&js, &backlog, |e| message(e, profile.keeps)).await?;
-        let seconds = start.elapsed().as_secs_f64();
-        let server_cpu = procfs::cpu_seconds(bench.nats.pid())? - server_before;
-        let stream = case.stream.clone();
-        bench.drop_case(case, &[&stream]).await?;
-        if stored != events {
-            bail!("headers: {stored} of {events} publishes were stored as new");
-        }
+        let published = ceilings::broker_as(bench, &backlog, &case.stream, &case.prefix, |e| {
+            message(e, profile.keeps)
+        })
+        .await?;
+        // The broker ceiling deleted its stream.
+        bench.drop_case(case, &[]).await?;
+        let (seconds, server_cpu) = (published.seconds, published.server_cpu);
         let label = format!(
             "publishing {} relay events pipelined, {}",
             Unit::Rate.format(events as f64),

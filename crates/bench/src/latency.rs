@@ -87,7 +87,8 @@ pub struct CpuPerEvent {
     pub stolen: f64,
 }
 
-fn now_nanos() -> i128 {
+/// The wall clock, nanoseconds since the Unix epoch.
+pub fn now_nanos() -> i128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as i128)

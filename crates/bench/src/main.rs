@@ -620,8 +620,7 @@ async fn polling_baseline(
     ] {
         let case = bench.case("polling").await?;
         load::write_batched(&case.sql, events, TX_ROWS).await?;
-        let prefix = case.prefix.replacen('t', "p", 1);
-        let stream = format!("POLL_{}", case.database.to_uppercase());
+        let (prefix, stream) = polling::stream_of(&case);
         let seconds = polling::drain(bench, &case, variant, events, &stream, &prefix).await?;
         let rate = events as f64 / seconds;
         results.record(&label, measure, Unit::Rate, rate);

@@ -18,12 +18,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 
 use crate::consume::{self, Handling, Live};
 use crate::harness::{connect_sql, Bench, Case};
+use crate::latency::now_nanos;
 use crate::report::{Results, Unit};
 use crate::{load, polling, procfs};
 
@@ -90,7 +91,7 @@ pub async fn backlog(bench: &Bench, case: &Case, events: u64, per_tx: u64) -> Re
 pub async fn seed_pair(bench: &Bench, case: &Case, events: u64, per_tx: u64) -> Result<f64> {
     consume::ledger(case).await?;
     load::write_batched(&case.sql, events, per_tx).await?;
-    let (prefix, stream) = polling_stream(case);
+    let (prefix, stream) = polling::stream_of(case);
     bench.create_stream(&stream, &prefix).await?;
     let consumer = consume::consumer_of(bench, case, &stream, &prefix, 1).await?;
     let stats = consumer.stats();
@@ -107,14 +108,6 @@ pub async fn seed_pair(bench: &Bench, case: &Case, events: u64, per_tx: u64) -> 
     Ok(events as f64 / seconds)
 }
 
-/// The polling publisher's subject prefix and stream in `case`.
-fn polling_stream(case: &Case) -> (String, String) {
-    (
-        case.prefix.replacen('t', "p", 1),
-        format!("POLL_{}", case.database.to_uppercase()),
-    )
-}
-
 const INSERT_ONE: &str = "insert into outbox_events \
         (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
     values ('entity-' || ($1::bigint % 1000), 'OrderPaid', 'live-' || $1::bigint, 'tmp', 'tmp', \
@@ -123,12 +116,6 @@ const INSERT_ONE: &str = "insert into outbox_events \
 
 /// Events written before the measured ones (through the whole pipeline, not counted).
 const WARM_UP: u64 = 100;
-
-fn now_nanos() -> i128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as i128)
-}
 
 /// Runs the relay and the consumer, then writes single-row transactions at `rate` for
 /// `duration` with `writers` connections: insert → side effect committed (ms).
@@ -293,7 +280,7 @@ pub async fn scenario(
     );
     let case = bench.case("seed_pair").await?;
     let seed = seed_pair(bench, &case, events, per_tx).await?;
-    let (_, polling_stream) = polling_stream(&case);
+    let (_, polling_stream) = polling::stream_of(&case);
     bench.drop_case(case, &[&polling_stream]).await?;
     results.record(&label, SEED_PAIR, Unit::Rate, seed);
     results.record(&label, VS_SEED_PAIR, Unit::Ratio, rate / seed);
@@ -303,7 +290,7 @@ pub async fn scenario(
     );
     for &at in rates {
         let case = bench.case("pipeline_live").await?;
-        let writers = (at / 2_500.0).ceil().max(1.0) as usize;
+        let writers = crate::writers_for(at, 1);
         let figures = live(bench, &case, at, seconds, writers).await?;
         let stream = case.stream.clone();
         bench.drop_case(case, &[&stream]).await?;

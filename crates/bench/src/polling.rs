@@ -39,6 +39,15 @@ impl Variant {
     }
 }
 
+/// The polling publisher's subject prefix and stream in `case` (the relay's prefix with
+/// another first letter: the subjects have the same length).
+pub fn stream_of(case: &Case) -> (String, String) {
+    (
+        case.prefix.replacen('t', "p", 1),
+        format!("POLL_{}", case.database.to_uppercase()),
+    )
+}
+
 /// Drains the case's `pending` rows into the stream `stream` covering `{prefix}.>` (created
 /// unless it exists as [`Bench::create_stream`] makes it); returns the seconds it took. The
 /// caller deletes the stream (with its case).
