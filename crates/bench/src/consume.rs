@@ -35,7 +35,7 @@ use crate::procfs;
 use crate::report::{Results, Unit};
 
 /// How long applying a backlog may take before the benchmark gives up.
-const TIMEOUT: Duration = Duration::from_secs(900);
+pub const TIMEOUT: Duration = Duration::from_secs(900);
 
 /// What one pass cost.
 #[derive(Debug, Clone, Copy)]

@@ -281,7 +281,7 @@ pub async fn live(
 }
 
 /// Outbox id → the server's store time (ns since the epoch) of the first `count` messages.
-async fn stored_times(bench: &Bench, stream: &str, count: u64) -> HashMap<i64, i128> {
+pub async fn stored_times(bench: &Bench, stream: &str, count: u64) -> HashMap<i64, i128> {
     let messages = read_stream(&bench.js, stream, count, Duration::from_secs(120)).await;
     let times = messages.iter().map(|m| (m.outbox_id(), m.published_ns));
     times.collect()

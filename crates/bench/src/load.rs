@@ -2,9 +2,12 @@
 //!
 //! Rows look like the seed's: `entity-{i % 1000}`, `OrderPaid`, placeholder key columns
 //! (the relay derives the keys itself) and a small jsonb payload
-//! `{"amount": 10, "order_id": i}`.
+//! `{"amount": 10, "order_id": i}` (about 30 bytes), or, with `--payload-bytes`
+//! ([`set_payload_bytes`]), that payload with a `"note"` padding it to about that many bytes
+//! of JSON text, for the backlogs [`write_batched`] writes.
 
 use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{Context as _, Result};
 use outbox::{OutboxEvent, OutboxRow, Position};
@@ -19,12 +22,39 @@ pub const PARTITIONS: NonZeroU64 = match NonZeroU64::new(12) {
     None => panic!("12 is not zero"),
 };
 
-/// Rows `$1..=$2` in one statement (one transaction in autocommit).
+/// Rows `$1..=$2` in one statement (one transaction in autocommit); a payload padded with
+/// `$3` characters when `$3 > 0`.
 const INSERT_RANGE: &str = "insert into outbox_events \
         (entity_id, event_type, dedupe_key, partition_key, ordering_key, payload) \
     select 'entity-' || (i % 1000), 'OrderPaid', 'tmp-' || i, 'tmp', 'tmp', \
            jsonb_build_object('order_id', i, 'amount', 10) \
+             || case when $3::int > 0 then jsonb_build_object('note', repeat('x', $3::int)) \
+                     else '{}'::jsonb end \
       from generate_series($1::bigint, $2::bigint) i";
+
+/// The JSON text of the unpadded payload, `{"amount": 10, "order_id": 100000}`, and what
+/// a `"note"` adds besides its characters (`, "note": ""`).
+const PAYLOAD_BASE: usize = 34 + 12;
+
+/// Characters of padding in the backlogs' payloads (0: the small payload).
+static PAYLOAD_PAD: AtomicI32 = AtomicI32::new(0);
+
+/// Pads the payloads of the backlogs written from now on to about `bytes` of JSON text.
+pub fn set_payload_bytes(bytes: usize) {
+    let pad = bytes.saturating_sub(PAYLOAD_BASE).max(1);
+    PAYLOAD_PAD.store(i32::try_from(pad).unwrap_or(i32::MAX), Ordering::Relaxed);
+}
+
+/// The mean length of the outbox rows' payloads as JSON text, bytes.
+pub async fn mean_payload_bytes(sql: &Client) -> Result<f64> {
+    let row = sql
+        .query_one(
+            "select coalesce(avg(length(payload::text)), 0)::float8 from outbox_events",
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}
 
 /// A procedure committing one row per transaction, server-side: the fastest way to write
 /// many single-row transactions (no client round trip per commit).
@@ -44,10 +74,11 @@ const SINGLE_ROW_PROCEDURE: &str =
 /// Writes `total` rows in transactions of `per_tx` rows.
 pub async fn write_batched(sql: &Client, total: u64, per_tx: u64) -> Result<()> {
     let statement = sql.prepare(INSERT_RANGE).await?;
+    let pad = PAYLOAD_PAD.load(Ordering::Relaxed);
     let mut first = 1u64;
     while first <= total {
         let last = (first + per_tx - 1).min(total);
-        sql.execute(&statement, &[&(first as i64), &(last as i64)])
+        sql.execute(&statement, &[&(first as i64), &(last as i64), &pad])
             .await
             .with_context(|| format!("insert rows {first}..={last}"))?;
         first = last + 1;

@@ -42,12 +42,18 @@
 //! - **publish modes** ([`modes`], only with `--only modes`): the 1 000-row backlog drained per
 //!   message and with atomic transactions (nats-server 2.12+), CPU per event of each process
 //!   and of the whole pipeline.
+//! - **the servers' floor for insert → side effect** ([`floor`], only with `--only floor`):
+//!   at 1 000 events/s through the relay, outbox-consumer with the README's handler, then a
+//!   bare client doing the same statements (in four round trips, then pipelined in one) in
+//!   its place; p50/p99 to the side effect, p99 to stored and to delivered, and the CPU
+//!   the VM's host took meanwhile.
 //!
 //! Every figure is the median of `--runs` runs (3; 1 with `--quick`) with min and max.
 //! Nothing here asserts a timing: the tool prints figures and the targets they meet or miss.
 //!
 //! For experiments and profiling: `--only` runs some scenarios, `--events` /
-//! `--large-events` / `--latency-rates` / `--latency-tx-rows` / `--latency-seconds` change sizes, `--relay-bin`
+//! `--large-events` / `--latency-rates` / `--latency-tx-rows` / `--latency-seconds` change sizes,
+//! `--payload-bytes` pads the 1 000-row backlogs' payloads ([`load`]), `--relay-bin`
 //! measures another build, `--relay-env KEY=VALUE` sets the relay's environment and
 //! `--relay-wrapper "valgrind --tool=callgrind …"` or `"perf record … --"` runs it under a
 //! profiler (its CPU and RSS figures then describe the wrapper). `BENCH_LATENCY_TRACE=1`
@@ -56,6 +62,7 @@
 mod ceilings;
 mod consume;
 mod drain;
+mod floor;
 mod harness;
 mod headers;
 mod latency;
@@ -126,6 +133,10 @@ struct Cli {
     /// Override the size of the 1 000 000-event backlog and of the large transaction.
     #[arg(long)]
     large_events: Option<u64>,
+    /// Pad the payloads of the backlogs in 1 000-row transactions to about this many bytes
+    /// of JSON text (default: about 30 bytes, `{"amount": 10, "order_id": i}`).
+    #[arg(long)]
+    payload_bytes: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -154,6 +165,10 @@ enum Scenario {
     /// The relay's messages published pipelined with its headers, a lean profile and
     /// `Nats-Msg-Id` alone: nats-server's CPU per message for each (issue 44).
     Headers,
+    /// insert → side effect at 1 000 events/s through the relay: outbox-consumer, then the
+    /// servers' floor (a bare client doing the same statements, in four round trips and in
+    /// one) in its place (issue 44).
+    Floor,
 }
 
 /// Sizes of one benchmark run.
@@ -282,6 +297,9 @@ async fn main() -> Result<()> {
         sizes.latency = Duration::from_secs_f64(seconds);
     }
     let selected = |s: Scenario| cli.only.is_empty() || cli.only.contains(&s);
+    if let Some(bytes) = cli.payload_bytes {
+        load::set_payload_bytes(bytes);
+    }
     let relay_bin = if cli.only == [Scenario::Consumer] {
         // Nothing runs the relay: do not build it.
         PathBuf::from("outbox-relay (not used)")
@@ -375,6 +393,9 @@ async fn main() -> Result<()> {
             )
             .await?;
         }
+        if cli.only.contains(&Scenario::Floor) {
+            pipeline::floor_scenario(&mut bench, &mut results, 1_000.0, sizes.latency).await?;
+        }
         if cli.only.contains(&Scenario::Headers) {
             headers::compare(&mut bench, &mut results, sizes.batch).await?;
         }
@@ -386,7 +407,7 @@ async fn main() -> Result<()> {
 
     let targets = targets(&results, &sizes);
     let mut markdown = format!(
-        "Machine: {machine}\n\nRelay: `{}`{}; runs per figure: {runs}{}; total time {:.0} s.\n\n",
+        "Machine: {machine}\n\nRelay: `{}`{}; runs per figure: {runs}{}{}; total time {:.0} s.\n\n",
         bench.relay_bin.display(),
         if env_shown.is_empty() && cli.relay_wrapper.is_none() {
             String::new()
@@ -394,6 +415,9 @@ async fn main() -> Result<()> {
             format!(" (wrapper {:?}, env {:?})", cli.relay_wrapper, env_shown)
         },
         if cli.quick { " (--quick sizes)" } else { "" },
+        cli.payload_bytes.map_or_else(String::new, |bytes| format!(
+            "; the 1 000-row backlogs' payloads padded to about {bytes} bytes of JSON"
+        )),
         started.elapsed().as_secs_f64()
     );
     markdown.push_str(&results.table());
@@ -431,8 +455,9 @@ async fn backlog(
     }
     let endpos = load::current_wal_lsn(&case.sql).await?;
     eprintln!(
-        "bench: {label}: written in {:.1} s",
-        writing.elapsed().as_secs_f64()
+        "bench: {label}: written in {:.1} s, payloads of {:.0} bytes of JSON on average",
+        writing.elapsed().as_secs_f64(),
+        load::mean_payload_bytes(&case.sql).await?
     );
     let n = events as f64;
 

@@ -14,19 +14,25 @@
 //! - [`live`]: with both caught up, one writer connection per 2 500 events/s commits
 //!   single-row transactions at a fixed rate; an event's latency is from just before its
 //!   `INSERT` was sent (so a little before the row's `created_at`) to the consumer's commit
-//!   of its side effect (the `after_commit` hook), same clock: p50 and p99.
+//!   of its side effect (the `after_commit` hook), same clock: p50 and p99; also to the
+//!   message's store time in the stream (the server's clock, same machine).
+//! - [`floor_scenario`]: [`live`] at 1 000 events/s with outbox-consumer, then with the
+//!   servers' floor ([`floor`]) in its place, which also tells when each message was
+//!   delivered to it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 
 use crate::consume::{self, Handling, Live};
+use crate::floor::{self, Floor, Stage};
 use crate::harness::{connect_sql, Bench, Case};
 use crate::latency::now_nanos;
 use crate::report::{Results, Unit};
-use crate::{load, polling, procfs};
+use crate::{latency, load, polling, procfs};
 
 /// What the backlog's pipeline cost.
 #[derive(Debug, Clone, Copy)]
@@ -117,39 +123,159 @@ const INSERT_ONE: &str = "insert into outbox_events \
 /// Events written before the measured ones (through the whole pipeline, not counted).
 const WARM_UP: u64 = 100;
 
-/// Runs the relay and the consumer, then writes single-row transactions at `rate` for
-/// `duration` with `writers` connections: insert → side effect committed (ms).
+/// What applies the events in [`live`]: the library, or the servers' floor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applier {
+    /// `outbox-consumer` with the README's handler.
+    Library,
+    /// The thinnest client doing the same server work ([`floor`]).
+    Floor(Floor),
+}
+
+/// The applier running in [`live`].
+enum Running {
+    Library {
+        stop: tokio::sync::oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<Result<(), outbox_consumer::Error>>,
+        stats: Arc<outbox_consumer::Stats>,
+    },
+    Floor {
+        stop: tokio::sync::watch::Sender<bool>,
+        tasks: Vec<tokio::task::JoinHandle<Result<()>>>,
+    },
+}
+
+impl Running {
+    async fn start(
+        bench: &Bench,
+        case: &Case,
+        applier: Applier,
+        mark: impl Fn(Stage, i64) + Clone + Send + Sync + 'static,
+    ) -> Result<Running> {
+        let batch_size = outbox_consumer::DEFAULT_BATCH_SIZE;
+        Ok(match applier {
+            Applier::Library => {
+                let consumer = consume::consumer(bench, case, batch_size)
+                    .await?
+                    .after_commit(move |event| {
+                        if let Some(id) = event.id.as_int() {
+                            mark(Stage::Committed, id);
+                        }
+                    });
+                let stats = consumer.stats();
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let task = consume::run(consumer, Handling::Batch, stopped);
+                Running::Library { stop, task, stats }
+            }
+            Applier::Floor(how) => {
+                let (stop, stopped) = tokio::sync::watch::channel(false);
+                let tasks = floor::start(bench, case, how, batch_size, mark, stopped).await?;
+                Running::Floor { stop, tasks }
+            }
+        })
+    }
+
+    /// Waits until `seen` counts `events`, failing if the applier stopped or after
+    /// [`consume::TIMEOUT`].
+    async fn wait(&self, seen: &AtomicU64, events: u64) -> Result<()> {
+        let start = Instant::now();
+        while seen.load(Ordering::Relaxed) < events {
+            let stopped = match self {
+                Running::Library { task, .. } => task.is_finished(),
+                Running::Floor { tasks, .. } => tasks.iter().any(|t| t.is_finished()),
+            };
+            if stopped {
+                bail!("the applier stopped early");
+            }
+            if start.elapsed() > consume::TIMEOUT {
+                bail!(
+                    "{} of {events} side effects in {:?}",
+                    seen.load(Ordering::Relaxed),
+                    consume::TIMEOUT
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// Stops the applier; the duplicates it recognised.
+    async fn stop(self) -> Result<u64> {
+        match self {
+            Running::Library { stop, task, stats } => {
+                let _ = stop.send(());
+                task.await??;
+                Ok(stats.duplicates())
+            }
+            Running::Floor { stop, tasks } => {
+                let _ = stop.send(true);
+                for task in tasks {
+                    task.await??;
+                }
+                Ok(0)
+            }
+        }
+    }
+}
+
+/// insert → each stage, ms: stored in the stream (the server's store time), delivered to
+/// the applier (the floor only), its side effect committed.
+pub struct Stages {
+    pub stored: Live,
+    pub delivered: Option<Live>,
+    pub committed: Live,
+    /// CPU the hypervisor gave to something else while the VM wanted it, µs per event, over
+    /// the measured writes (`steal` of `/proc/stat`).
+    pub stolen_us: f64,
+}
+
+/// When each event was delivered (the floor only) and committed, nanoseconds.
+#[derive(Default)]
+struct Marks {
+    delivered: HashMap<i64, i128>,
+    committed: HashMap<i64, i128>,
+}
+
+/// Runs the relay and `applier`, then writes single-row transactions at `rate` for
+/// `duration` with `writers` connections: insert → stored, delivered to the applier (when
+/// it tells: the floor) and side effect committed.
 pub async fn live(
     bench: &Bench,
     case: &Case,
+    applier: Applier,
     rate: f64,
     duration: Duration,
     writers: usize,
-) -> Result<Live> {
+) -> Result<Stages> {
     bench.relay_init(case)?;
     consume::ledger(case).await?;
-    let committed: Arc<Mutex<HashMap<i64, i128>>> = Arc::default();
-    let marks = Arc::clone(&committed);
-    let consumer = consume::consumer(bench, case, outbox_consumer::DEFAULT_BATCH_SIZE)
-        .await?
-        .after_commit(move |event| {
-            if let (Ok(mut marks), Some(id)) = (marks.lock(), event.id.as_int()) {
-                marks.insert(id, now_nanos());
-            }
-        });
-    let stats = consumer.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = consume::run(consumer, Handling::Batch, stopped);
+    let marks: Arc<Mutex<Marks>> = Arc::default();
+    let seen: Arc<AtomicU64> = Arc::default();
+    let (marking, count) = (Arc::clone(&marks), Arc::clone(&seen));
+    let mark = move |stage: Stage, id: i64| {
+        if let Ok(mut marks) = marking.lock() {
+            let at = now_nanos();
+            match stage {
+                Stage::Delivered => marks.delivered.insert(id, at),
+                Stage::Committed => marks.committed.insert(id, at),
+            };
+        }
+        if stage == Stage::Committed {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    let running = Running::start(bench, case, applier, mark).await?;
     let mut relay = case.spawn_relay();
     let insert = case.sql.prepare(INSERT_ONE).await?;
     for k in 0..WARM_UP {
         case.sql.query_one(&insert, &[&(k as i64)]).await?;
     }
-    consume::wait_processed(&stats, &running, WARM_UP).await?;
+    running.wait(&seen, WARM_UP).await?;
 
     let total = (rate * duration.as_secs_f64()).round() as u64;
     let writers = writers.max(1) as u64;
     let start = tokio::time::Instant::now() + Duration::from_millis(200);
+    let stolen_before = procfs::stolen_seconds()?;
     let mut tasks = Vec::new();
     for w in 0..writers {
         let sql = connect_sql(&case.pg_url).await?;
@@ -174,19 +300,22 @@ pub async fn live(
     let first = sent.iter().map(|(_, at)| *at).min().unwrap_or(0);
     let last = sent.iter().map(|(_, at)| *at).max().unwrap_or(0);
     let achieved_rate = (sent.len() as f64 - 1.0).max(0.0) / ((last - first).max(1) as f64 / 1e9);
-    consume::wait_processed(&stats, &running, WARM_UP + total).await?;
-    let _ = stop.send(());
-    running.await??;
+    running.wait(&seen, WARM_UP + total).await?;
+    let stolen_us = (procfs::stolen_seconds()? - stolen_before) * 1e6 / total.max(1) as f64;
+    let duplicates = running.stop().await?;
     tokio::task::spawn_blocking(move || relay.terminate(Duration::from_secs(60))).await?;
-    consume::check_applied(case, WARM_UP + total, stats.duplicates()).await?;
+    consume::check_applied(case, WARM_UP + total, duplicates).await?;
 
-    let marks = committed
+    let stored = latency::stored_times(bench, &case.stream, WARM_UP + total).await;
+    let marks = marks
         .lock()
         .map_err(|_| anyhow::anyhow!("a commit hook panicked"))?;
-    let latencies: Vec<f64> = sent
-        .iter()
-        .filter_map(|(id, at)| marks.get(id).map(|done| (done - at) as f64 / 1e6))
-        .collect();
+    let since_insert = |at: &HashMap<i64, i128>| -> Vec<f64> {
+        sent.iter()
+            .filter_map(|(id, sent)| at.get(id).map(|done| (done - sent) as f64 / 1e6))
+            .collect()
+    };
+    let latencies = since_insert(&marks.committed);
     if latencies.len() != sent.len() {
         bail!(
             "{} of {} side effects were seen",
@@ -194,7 +323,15 @@ pub async fn live(
             sent.len()
         );
     }
-    Ok(Live::of(achieved_rate, latencies))
+    let delivered = since_insert(&marks.delivered);
+    let delivered = (delivered.len() == sent.len()).then(|| Live::of(achieved_rate, delivered));
+    let stored = Live::of(achieved_rate, since_insert(&stored));
+    Ok(Stages {
+        committed: Live::of(achieved_rate, latencies),
+        stored,
+        delivered,
+        stolen_us,
+    })
 }
 
 /// This run's references for the pipeline's ratios: the relay's drain alone (events/s,
@@ -291,7 +428,9 @@ pub async fn scenario(
     for &at in rates {
         let case = bench.case("pipeline_live").await?;
         let writers = crate::writers_for(at, 1);
-        let figures = live(bench, &case, at, seconds, writers).await?;
+        let figures = live(bench, &case, Applier::Library, at, seconds, writers)
+            .await?
+            .committed;
         let stream = case.stream.clone();
         bench.drop_case(case, &[&stream]).await?;
         for (q, value) in [("p50", figures.p50_ms), ("p99", figures.p99_ms)] {
@@ -308,6 +447,63 @@ pub async fn scenario(
             "bench: {label}: live at {at}/s (achieved {:.0}/s): insert → side effect p50 {:.2} ms, p99 {:.2} ms",
             figures.achieved_rate, figures.p50_ms, figures.p99_ms
         );
+    }
+    Ok(())
+}
+
+/// insert → side effect at `rate` for `seconds`, applied by the library and by the servers'
+/// floor ([`floor`]: a bare client, four round trips, then one), in that order, recorded in
+/// `results`.
+pub async fn floor_scenario(
+    bench: &mut Bench,
+    results: &mut Results,
+    rate: f64,
+    seconds: Duration,
+) -> Result<()> {
+    let label = format!(
+        "insert → side effect at {} events/s: outbox-consumer and the servers' floor",
+        Unit::Rate.format(rate)
+    );
+    for (name, applier) in [
+        ("outbox-consumer, the README's handler", Applier::Library),
+        (Floor::RoundTrips.name(), Applier::Floor(Floor::RoundTrips)),
+        (Floor::Pipelined.name(), Applier::Floor(Floor::Pipelined)),
+    ] {
+        let case = bench.case("floor").await?;
+        let writers = crate::writers_for(rate, 1);
+        let stages = live(bench, &case, applier, rate, seconds, writers).await?;
+        let stream = case.stream.clone();
+        bench.drop_case(case, &[&stream]).await?;
+        let figures = stages.committed;
+        for (q, value) in [("p50", figures.p50_ms), ("p99", figures.p99_ms)] {
+            results.record(&label, &format!("{name}: {q}"), Unit::Millis, value);
+        }
+        eprintln!(
+            "bench: {label}: {name} (achieved {:.0}/s): p50 {:.2} ms, p99 {:.2} ms",
+            figures.achieved_rate, figures.p50_ms, figures.p99_ms
+        );
+        results.record(
+            &label,
+            &format!("{name}: CPU stolen from the VM by its host"),
+            Unit::MicrosPerEvent,
+            stages.stolen_us,
+        );
+        eprintln!(
+            "bench: {label}: {name}: CPU stolen from the VM by its host {:.1} µs/event",
+            stages.stolen_us
+        );
+        for (stage, figures) in [
+            ("stored", Some(stages.stored)),
+            ("delivered to it", stages.delivered),
+        ] {
+            let Some(figures) = figures else { continue };
+            let measure = format!("{name}: insert → {stage}, p99");
+            results.record(&label, &measure, Unit::Millis, figures.p99_ms);
+            eprintln!(
+                "bench: {label}: {name}: insert → {stage} p50 {:.2} ms, p99 {:.2} ms",
+                figures.p50_ms, figures.p99_ms
+            );
+        }
     }
     Ok(())
 }
