@@ -168,6 +168,30 @@ async fn rolled_back_transactions_publish_nothing() {
     drop(relay);
 }
 
+/// The relay turns transparent huge pages off for itself (docs/performance.md, "Transparent
+/// huge pages": 6 % of its CPU went to zeroing huge pages it faulted in again, and its peak
+/// RSS halves without them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_runs_without_transparent_huge_pages() {
+    let case = new_case("no_thp");
+    let relay = case.start_relay();
+    let mut sql = case.sql().await;
+    insert_transaction(&mut sql, 1, 1, "thp").await;
+    let js = case.jetstream().await;
+    case.wait_for_count(&js, 1, DEADLINE).await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", relay.pid())).unwrap();
+    let thp = status
+        .lines()
+        .find_map(|line| line.strip_prefix("THP_enabled:"))
+        .unwrap_or_else(|| panic!("no THP_enabled in /proc/<relay>/status: {status}"));
+    assert_eq!(
+        thp.trim(),
+        "0",
+        "the relay runs with transparent huge pages"
+    );
+    drop(relay);
+}
+
 /// (c) UPDATE, DELETE and TRUNCATE of outbox rows, and writes to other tables, publish nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn updates_deletes_truncates_and_other_tables_publish_nothing() {
