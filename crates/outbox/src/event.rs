@@ -20,7 +20,7 @@ use std::fmt;
 use std::num::NonZeroU64;
 
 use bytes::Bytes;
-use pgoutput::{ColumnValue, Lsn, Relation, TupleData};
+use pgoutput::{ColumnRef, Lsn, Relation, TupleData};
 
 use std::sync::Arc;
 
@@ -576,33 +576,43 @@ impl EventBuilder {
                 },
             });
         }
-        // One walk over the tuple, each value moved into its slot; on the stack for any
+        // One walk over the tuple, each read value borrowed into its slot (no reference
+        // count touched: only the payload is kept, shared by `share`); on the stack for any
         // usual mapping.
-        let mut small: [Option<Bytes>; 8] = [const { None }; 8];
-        let mut large: Vec<Option<Bytes>>;
-        let values: &mut [Option<Bytes>] = if c.read.len() <= small.len() {
+        let mut small: [Option<&[u8]>; 8] = [None; 8];
+        let mut large: Vec<Option<&[u8]>>;
+        let values: &mut [Option<&[u8]>] = if c.read.len() <= small.len() {
             &mut small[..c.read.len()]
         } else {
             large = vec![None; c.read.len()];
             &mut large
         };
-        for (index, value) in tuple.iter().enumerate().take(c.need + 1) {
+        let mut columns = tuple.iter();
+        for index in 0..=c.need {
+            let Some(value) = columns.next_ref() else {
+                break;
+            };
             if let Some(&slot) = c.slot_of.get(index).filter(|&&s| s != NO_SLOT) {
                 let slot = usize::from(slot);
                 values[slot] = match value {
-                    ColumnValue::Text(bytes) => Some(bytes),
-                    ColumnValue::Null => None,
+                    ColumnRef::Text(bytes) => Some(bytes),
+                    ColumnRef::Null => None,
                     // Neither happens to an INSERT's new tuple in text format.
-                    ColumnValue::UnchangedToast => {
+                    ColumnRef::UnchangedToast => {
                         return Err(self.unreadable(slot, EventErrorKind::Unsent))
                     }
-                    ColumnValue::Binary(_) => {
+                    ColumnRef::Binary(_) => {
                         return Err(self.unreadable(slot, EventErrorKind::Binary))
                     }
                 };
             }
         }
-        self.build_slots(values, position)
+        let share = |part: &[u8]| {
+            tuple
+                .share(part)
+                .unwrap_or_else(|| Bytes::copy_from_slice(part))
+        };
+        self.build_slots(values, share, position)
     }
 
     /// [`Self::build`] from the read columns' values (`value(i)` for the `i`-th of
@@ -617,7 +627,7 @@ impl EventBuilder {
         for i in 0..self.columns.read.len() {
             values.push(value(i).map_err(|kind| self.unreadable(i, kind))?);
         }
-        self.build_slots(&mut values, position)
+        self.build_slots(&mut values, |payload| payload, position)
     }
 
     /// The error of a read column whose value did not come as text.
@@ -630,12 +640,13 @@ impl EventBuilder {
 
     /// The event of the read columns' values (E4): the one path of [`Self::build`] and
     /// [`Self::build_values`].
-    fn build_slots(
+    fn build_slots<V: AsRef<[u8]>>(
         &self,
-        values: &mut [Option<Bytes>],
+        values: &mut [Option<V>],
+        share: impl FnOnce(V) -> Bytes,
         position: Position,
     ) -> Result<Option<OutboxEvent>, EventError> {
-        let row = self.row(values)?;
+        let row = self.row(values, share)?;
         if !self.admits_all && !self.filter.admits(&row.event_type) {
             return Ok(None);
         }
@@ -643,13 +654,18 @@ impl EventBuilder {
     }
 
     /// The row's decoded columns. The template's and headers' columns are read first (a
-    /// role's column may be one of them), then the roles' values are moved out.
-    fn row(&self, values: &mut [Option<Bytes>]) -> Result<OutboxRow, EventError> {
+    /// role's column may be one of them), then the roles' values are moved out; `share`
+    /// makes the payload's `Bytes`.
+    fn row<V: AsRef<[u8]>>(
+        &self,
+        values: &mut [Option<V>],
+        share: impl FnOnce(V) -> Bytes,
+    ) -> Result<OutboxRow, EventError> {
         let c = &self.columns;
         let name = |i: usize| c.read[i].0.clone();
         // Read in place: a header column may be the id column.
         let id = match &values[0] {
-            Some(text) => std::str::from_utf8(text)
+            Some(text) => std::str::from_utf8(text.as_ref())
                 .ok()
                 .and_then(|t| EventId::parse(c.id_kind, t))
                 .ok_or(EventErrorKind::Id(name(0))),
@@ -660,8 +676,10 @@ impl EventBuilder {
             id: Some(id.clone()),
             kind,
         };
-        let utf8 = |i: usize, bytes: Bytes| {
-            String::from_utf8(bytes.to_vec()).map_err(|_| fail(EventErrorKind::Utf8(name(i))))
+        let utf8 = |i: usize, bytes: &[u8]| {
+            std::str::from_utf8(bytes)
+                .map(str::to_owned)
+                .map_err(|_| fail(EventErrorKind::Utf8(name(i))))
         };
         // The seed's table has neither: no call, no allocation.
         let subject_values = if c.template.is_empty() {
@@ -670,7 +688,7 @@ impl EventBuilder {
             c.template
                 .iter()
                 .map(|&i| match &values[i] {
-                    Some(bytes) => utf8(i, bytes.clone()),
+                    Some(bytes) => utf8(i, bytes.as_ref()),
                     None => Err(fail(EventErrorKind::Null(name(i)))),
                 })
                 .collect::<Result<_, _>>()?
@@ -685,17 +703,17 @@ impl EventBuilder {
                 .take()
                 .ok_or_else(|| fail(EventErrorKind::Null(name(i))))
         };
-        let entity_id = role(1).and_then(|b| utf8(1, b))?;
-        let event_type = role(2).and_then(|b| utf8(2, b))?;
+        let entity_id = role(1).and_then(|b| utf8(1, b.as_ref()))?;
+        let event_type = role(2).and_then(|b| utf8(2, b.as_ref()))?;
         let payload = role(3)?;
         let created_at = role(4)?;
         let payload = match c.payload_kind {
-            PayloadKind::Text => payload,
+            PayloadKind::Text => share(payload),
             PayloadKind::Bytes => {
-                bytea_hex(&payload).ok_or_else(|| fail(EventErrorKind::Bytea(name(3))))?
+                bytea_hex(payload.as_ref()).ok_or_else(|| fail(EventErrorKind::Bytea(name(3))))?
             }
         };
-        let created_at_ms = created_at_ms(c.time_kind, &created_at).map_err(fail)?;
+        let created_at_ms = created_at_ms(c.time_kind, created_at.as_ref()).map_err(fail)?;
         Ok(OutboxRow {
             id,
             entity_id,
@@ -709,21 +727,23 @@ impl EventBuilder {
     }
 
     /// The headers the row's header columns and trace-context column give (NULLs none).
-    fn column_headers(
+    fn column_headers<V: AsRef<[u8]>>(
         &self,
-        values: &[Option<Bytes>],
+        values: &[Option<V>],
     ) -> Result<Vec<(Arc<str>, String)>, EventErrorKind> {
         let c = &self.columns;
         let mut headers = Vec::new();
         for (i, header) in &c.headers {
             if let Some(bytes) = &values[*i] {
-                let text = String::from_utf8(bytes.to_vec())
+                let text = std::str::from_utf8(bytes.as_ref())
+                    .map(str::to_owned)
                     .map_err(|_| EventErrorKind::Utf8(c.read[*i].0.clone()))?;
                 headers.push((header.clone(), text));
             }
         }
         if let Some(Some(bytes)) = c.trace.map(|i| &values[i]) {
-            if let Some((parent, state)) = std::str::from_utf8(bytes).ok().and_then(trace_context) {
+            let text = std::str::from_utf8(bytes.as_ref()).ok();
+            if let Some((parent, state)) = text.and_then(trace_context) {
                 headers.push((Arc::from(TRACEPARENT), parent));
                 if let Some(state) = state {
                     headers.push((Arc::from(TRACESTATE), state));

@@ -23,7 +23,8 @@ pub use copy_data::{
 };
 pub use error::DecodeError;
 pub use logical::{
-    Begin, Column, ColumnValue, Commit, Delete, Insert, LogicalDecodingMessage, LogicalMessage,
-    OldTuple, Origin, Relation, Truncate, TupleData, TupleIter, TypeMessage, Update,
+    Begin, Column, ColumnRef, ColumnValue, Commit, Delete, Insert, LogicalDecodingMessage,
+    LogicalMessage, OldTuple, Origin, Relation, Truncate, TupleData, TupleIter, TypeMessage,
+    Update,
 };
 pub use lsn::{Lsn, ParseLsnError};

@@ -17,7 +17,10 @@
 //!   the smallest encoding of one element).
 //! - Zero-copy: [`TupleData`], [`ColumnValue::Text`], [`ColumnValue::Binary`] and
 //!   [`LogicalDecodingMessage::content`] are `Bytes` slices of the decoded buffer. Decoding and
-//!   iterating a `TupleData` allocates nothing.
+//!   iterating a `TupleData` allocates nothing; [`TupleIter::next_ref`] and [`ColumnRef`]
+//!   borrow a column without touching the buffer's reference count (each `Bytes` slice is an
+//!   atomic increment and, dropped, a decrement), and [`TupleData::share`] turns the part of
+//!   it that is kept into a `Bytes` slice.
 //! - Validated tuples: `decode` walks each tuple once and checks every column against the bytes
 //!   that remain; a `TupleData` can only be built that way, so iterating it cannot fail.
 
@@ -290,6 +293,19 @@ pub enum ColumnValue {
     Binary(Bytes),
 }
 
+/// One column of a [`TupleData`], borrowed ([`TupleIter::next_ref`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnRef<'a> {
+    /// `n`: SQL NULL.
+    Null,
+    /// `u`: a TOASTed value that did not change; the server does not resend it.
+    UnchangedToast,
+    /// `t`: the value in its type's text format.
+    Text(&'a [u8]),
+    /// `b`: the value in its type's binary format.
+    Binary(&'a [u8]),
+}
+
 /// A validated tuple: decode walks it once and checks every length against what remains;
 /// afterwards iteration cannot fail.
 ///
@@ -326,6 +342,14 @@ impl TupleData {
     /// The column at `index`, or `None` past the end.
     pub fn get(&self, index: usize) -> Option<ColumnValue> {
         self.iter().nth(index)
+    }
+
+    /// `part`, a column borrowed from this tuple ([`ColumnRef`]) or a part of one, as a
+    /// zero-copy `Bytes` slice; `None` if it does not lie within this tuple's bytes.
+    pub fn share(&self, part: &[u8]) -> Option<Bytes> {
+        let start = (part.as_ptr() as usize).checked_sub(self.raw.as_ptr() as usize)?;
+        let end = start.checked_add(part.len())?;
+        (end <= self.raw.len()).then(|| self.raw.slice(start..end))
     }
 
     /// Validates the tuple at the start of `buf` and splits it off.
@@ -366,7 +390,7 @@ pub struct TupleIter<'a> {
     left: u16,
 }
 
-impl TupleIter<'_> {
+impl<'a> TupleIter<'a> {
     /// Steps over one column. `None` only at the end (the tuple was validated; should it
     /// somehow not step, the iterator ends rather than panics).
     fn advance_one(&mut self) -> Option<RawColumn> {
@@ -381,6 +405,18 @@ impl TupleIter<'_> {
                 None
             }
         }
+    }
+
+    /// The next column, borrowed: no reference count is touched ([`TupleData::share`] makes
+    /// a `Bytes` of what is kept).
+    pub fn next_ref(&mut self) -> Option<ColumnRef<'a>> {
+        let raw: &'a Bytes = self.raw;
+        Some(match self.advance_one()? {
+            RawColumn::Null => ColumnRef::Null,
+            RawColumn::UnchangedToast => ColumnRef::UnchangedToast,
+            RawColumn::Text(range) => ColumnRef::Text(&raw[range]),
+            RawColumn::Binary(range) => ColumnRef::Binary(&raw[range]),
+        })
     }
 
     fn value(&self, column: RawColumn) -> ColumnValue {
@@ -1520,6 +1556,29 @@ mod tests {
                 prop_assert_eq!(t.get(i), Some(c.clone()));
             }
             prop_assert_eq!(t.get(columns.len()), None);
+            // Borrowed, the same columns; shared back, the same bytes, zero-copy.
+            let mut refs = t.iter();
+            for c in &columns {
+                let borrowed = refs.next_ref();
+                let (ColumnValue::Text(want) | ColumnValue::Binary(want)) = c else {
+                    let same = matches!(
+                        (c, borrowed),
+                        (ColumnValue::Null, Some(ColumnRef::Null))
+                            | (ColumnValue::UnchangedToast, Some(ColumnRef::UnchangedToast))
+                    );
+                    prop_assert!(same, "{c:?} borrowed as {borrowed:?}");
+                    continue;
+                };
+                let (Some(ColumnRef::Text(part)) | Some(ColumnRef::Binary(part))) = borrowed else {
+                    return Err(TestCaseError::fail(format!("{c:?} borrowed as {borrowed:?}")));
+                };
+                prop_assert_eq!(part, &want[..]);
+                let shared = t.share(part).unwrap();
+                prop_assert_eq!(&shared[..], part);
+                prop_assert_eq!(shared.as_ptr(), part.as_ptr());
+            }
+            prop_assert_eq!(refs.next_ref(), None);
+            prop_assert_eq!(t.share(b"not of this tuple"), None);
         }
 
         #[test]
