@@ -27,11 +27,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Transparent huge pages off for this process. With them, each 2 MiB region mimalloc
 /// touches again after returning it is faulted in whole and zeroed by the kernel: on the
-/// 500 000-event drain with ~250-byte payloads that zeroing was 6 % of the relay's CPU, and
-/// without them the relay used 7–9 % less CPU per event and half the peak RSS (20 against
-/// 39 MiB; docs/performance.md, "Transparent huge pages"). The relay's heap is tens of MiB:
-/// huge pages' TLB gain does not pay for that. A kernel without the setting (before 3.15)
-/// refuses it, and the relay runs as before.
+/// drain with ~250-byte payloads that zeroing was 6 % of the relay's samples (1.5 % without
+/// them), and its peak RSS is 24 MiB without them against 38 with; its CPU per event did not
+/// move measurably (docs/performance.md, "Transparent huge pages"). The relay's heap is tens
+/// of MiB: huge pages' TLB gain does not pay for that. A kernel without the setting (before
+/// 3.15) refuses it, and the relay runs as before.
 fn no_transparent_huge_pages() {
     #[cfg(target_os = "linux")]
     let _ = rustix::thread::disable_transparent_huge_pages(true);
