@@ -35,7 +35,7 @@ use crate::procfs;
 use crate::report::{Results, Unit};
 
 /// How long applying a backlog may take before the benchmark gives up.
-pub const TIMEOUT: Duration = Duration::from_secs(900);
+const TIMEOUT: Duration = Duration::from_secs(900);
 
 /// What one pass cost.
 #[derive(Debug, Clone, Copy)]
@@ -165,15 +165,25 @@ pub async fn wait_processed(
     running: &tokio::task::JoinHandle<Result<(), outbox_consumer::Error>>,
     events: u64,
 ) -> Result<()> {
+    wait_counted(|| stats.processed(), || running.is_finished(), events).await
+}
+
+/// Waits until `count()` reaches `events`; fails once `stopped()` (the applier ended early)
+/// or after [`TIMEOUT`].
+pub async fn wait_counted(
+    count: impl Fn() -> u64,
+    stopped: impl Fn() -> bool,
+    events: u64,
+) -> Result<()> {
     let start = Instant::now();
-    while stats.processed() < events {
-        if running.is_finished() {
+    while count() < events {
+        if stopped() {
             bail!("the consumer stopped early");
         }
         if start.elapsed() > TIMEOUT {
             bail!(
                 "the consumer applied {} of {events} events in {TIMEOUT:?}",
-                stats.processed()
+                count()
             );
         }
         tokio::time::sleep(Duration::from_millis(10)).await;

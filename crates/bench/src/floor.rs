@@ -130,12 +130,16 @@ async fn shard_task(
         };
         let (mut keys, mut ids, mut entities, mut types, mut payloads) =
             (vec![], vec![], vec![], vec![], vec![]);
+        let mut numbers = Vec::with_capacity(batch.len());
         for m in &batch {
-            mark(Stage::Delivered, header(m, headers::OUTBOX_ID)?.parse()?);
+            let id = header(m, headers::OUTBOX_ID)?;
+            let number: i64 = id.parse()?;
+            mark(Stage::Delivered, number);
+            numbers.push(number);
+            ids.push(id);
         }
         for m in &batch {
             keys.push(header(m, "Nats-Msg-Id")?);
-            ids.push(header(m, headers::OUTBOX_ID)?);
             entities.push(header(m, headers::OUTBOX_ENTITY_ID)?);
             types.push(header(m, headers::OUTBOX_EVENT_TYPE)?);
             payloads.push(String::from_utf8(m.payload.to_vec())?);
@@ -162,8 +166,8 @@ async fn shard_task(
                 .await?;
             }
         }
-        for id in &ids {
-            mark(Stage::Committed, id.parse()?);
+        for &number in &numbers {
+            mark(Stage::Committed, number);
         }
         for m in batch {
             m.ack().await.map_err(|e| anyhow::anyhow!("ack: {e}"))?;

@@ -175,28 +175,13 @@ impl Running {
         })
     }
 
-    /// Waits until `seen` counts `events`, failing if the applier stopped or after
-    /// [`consume::TIMEOUT`].
+    /// Waits until `seen` counts `events` ([`consume::wait_counted`]).
     async fn wait(&self, seen: &AtomicU64, events: u64) -> Result<()> {
-        let start = Instant::now();
-        while seen.load(Ordering::Relaxed) < events {
-            let stopped = match self {
-                Running::Library { task, .. } => task.is_finished(),
-                Running::Floor { tasks, .. } => tasks.iter().any(|t| t.is_finished()),
-            };
-            if stopped {
-                bail!("the applier stopped early");
-            }
-            if start.elapsed() > consume::TIMEOUT {
-                bail!(
-                    "{} of {events} side effects in {:?}",
-                    seen.load(Ordering::Relaxed),
-                    consume::TIMEOUT
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        Ok(())
+        let stopped = || match self {
+            Running::Library { task, .. } => task.is_finished(),
+            Running::Floor { tasks, .. } => tasks.iter().any(|t| t.is_finished()),
+        };
+        consume::wait_counted(|| seen.load(Ordering::Relaxed), stopped, events).await
     }
 
     /// Stops the applier; the duplicates it recognised.
